@@ -1,0 +1,1 @@
+//! GPU KV pages over pagewire transports.

@@ -1,0 +1,1 @@
+//! Zero-copy one-sided page transfers.
