@@ -1,0 +1,512 @@
+//! Transfer plans: (src, dst, len) triples between two pools.
+
+use crate::error::{LayoutError, Result, add, mul};
+use crate::geometry::{Layout, PoolKind};
+use crate::pool::{Pool, walk};
+
+/// One copy: `len` bytes from `src` to `dst` (plain addresses, local and remote).
+#[derive(Clone, Copy, Debug, Default, Eq, Hash, PartialEq)]
+pub struct Transfer {
+    /// Source address.
+    pub src: u64,
+    /// Destination address.
+    pub dst: u64,
+    /// Bytes.
+    pub len: u64,
+}
+
+/// An ordered list of [`Transfer`]s, stored as the three parallel lists of Mooncake's
+/// `batch_transfer_sync_write(session, srcs, dsts, lens)`.
+#[derive(Clone, Debug, Default, Eq, PartialEq)]
+pub struct TransferPlan {
+    srcs: Vec<u64>,
+    dsts: Vec<u64>,
+    lens: Vec<u64>,
+}
+
+impl TransferPlan {
+    /// An empty plan.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// An empty plan with room for `n` transfers.
+    pub fn with_capacity(n: usize) -> Self {
+        Self {
+            srcs: Vec::with_capacity(n),
+            dsts: Vec::with_capacity(n),
+            lens: Vec::with_capacity(n),
+        }
+    }
+
+    /// Append a transfer as is.
+    #[inline]
+    pub fn push(&mut self, t: Transfer) {
+        self.srcs.push(t.src);
+        self.dsts.push(t.dst);
+        self.lens.push(t.len);
+    }
+
+    /// Append a transfer, extending the last one instead when both its source and its
+    /// destination continue exactly where the last one ends. Zero-length transfers are dropped.
+    #[inline]
+    pub fn push_coalesced(&mut self, t: Transfer) {
+        if t.len == 0 {
+            return;
+        }
+        if let Some(last) = self.lens.last_mut() {
+            let i = self.srcs.len() - 1;
+            if self.srcs[i].checked_add(*last) == Some(t.src)
+                && self.dsts[i].checked_add(*last) == Some(t.dst)
+            {
+                *last += t.len;
+                return;
+            }
+        }
+        self.push(t);
+    }
+
+    /// Remove all transfers, keeping the allocations.
+    pub fn clear(&mut self) {
+        self.srcs.clear();
+        self.dsts.clear();
+        self.lens.clear();
+    }
+
+    /// Number of transfers.
+    pub fn len(&self) -> usize {
+        self.srcs.len()
+    }
+
+    /// Whether the plan is empty.
+    pub fn is_empty(&self) -> bool {
+        self.srcs.is_empty()
+    }
+
+    /// The transfers, in order.
+    pub fn iter(&self) -> impl ExactSizeIterator<Item = Transfer> + '_ {
+        self.srcs
+            .iter()
+            .zip(&self.dsts)
+            .zip(&self.lens)
+            .map(|((&src, &dst), &len)| Transfer { src, dst, len })
+    }
+
+    /// Source addresses.
+    pub fn srcs(&self) -> &[u64] {
+        &self.srcs
+    }
+    /// Destination addresses.
+    pub fn dsts(&self) -> &[u64] {
+        &self.dsts
+    }
+    /// Lengths.
+    pub fn lens(&self) -> &[u64] {
+        &self.lens
+    }
+
+    /// Sum of the lengths.
+    pub fn total_bytes(&self) -> u64 {
+        self.lens.iter().sum()
+    }
+
+    /// `(srcs, dsts, lens)`.
+    pub fn into_parts(self) -> (Vec<u64>, Vec<u64>, Vec<u64>) {
+        (self.srcs, self.dsts, self.lens)
+    }
+}
+
+impl FromIterator<Transfer> for TransferPlan {
+    fn from_iter<I: IntoIterator<Item = Transfer>>(iter: I) -> Self {
+        let mut out = Self::new();
+        out.extend(iter);
+        out
+    }
+}
+
+impl Extend<Transfer> for TransferPlan {
+    fn extend<I: IntoIterator<Item = Transfer>>(&mut self, iter: I) {
+        for t in iter {
+            self.push(t);
+        }
+    }
+}
+
+impl<'a> IntoIterator for &'a TransferPlan {
+    type Item = Transfer;
+    type IntoIter = Box<dyn ExactSizeIterator<Item = Transfer> + 'a>;
+
+    fn into_iter(self) -> Self::IntoIter {
+        Box::new(self.iter())
+    }
+}
+
+/// A run of pages consecutive on both sides: `count` pages from `src` and `dst` on.
+#[derive(Clone, Copy, Debug, Eq, PartialEq)]
+pub struct PageRun {
+    /// First source page.
+    pub src: u64,
+    /// First destination page.
+    pub dst: u64,
+    /// Number of pages.
+    pub count: u64,
+}
+
+/// SGLang's `group_concurrent_contiguous`: split paired page lists into runs; a run goes on
+/// while both the next source and the next destination page are one more than the last.
+///
+/// # Errors
+/// [`LayoutError::LengthMismatch`] when the lists differ in length.
+pub fn page_runs(src_pages: &[u64], dst_pages: &[u64]) -> Result<Vec<PageRun>> {
+    if src_pages.len() != dst_pages.len() {
+        return Err(LayoutError::LengthMismatch {
+            what: "source and destination page lists",
+            left: src_pages.len(),
+            right: dst_pages.len(),
+        });
+    }
+    let mut runs: Vec<PageRun> = Vec::new();
+    for (&s, &d) in src_pages.iter().zip(dst_pages) {
+        if let Some(r) = runs.last_mut()
+            && r.src.checked_add(r.count) == Some(s)
+            && r.dst.checked_add(r.count) == Some(d)
+        {
+            r.count += 1;
+            continue;
+        }
+        runs.push(PageRun {
+            src: s,
+            dst: d,
+            count: 1,
+        });
+    }
+    Ok(runs)
+}
+
+/// One group of per-layer buffers of SGLang's PD Mooncake connector: the source and
+/// destination base address of every layer, and the bytes of one page of one layer
+/// (`item_len`: `H*D*b*P` for K, `H*Dv*b*P` for V, `C*b*P` for MLA).
+#[derive(Clone, Copy, Debug)]
+pub struct PdBuffers<'a> {
+    /// Source (prefill) per-layer base addresses.
+    pub src: &'a [u64],
+    /// Destination (decode) per-layer base addresses.
+    pub dst: &'a [u64],
+    /// Bytes per page per layer.
+    pub item_len: u64,
+}
+
+/// SGLang's PD Mooncake connector plan (`_send_kvcache_generic`), exactly: for each group
+/// (K, then V; or one MLA group), for each layer, for each run of pages consecutive on both
+/// sides, the block `(src[l] + run.src*item_len, dst[l] + run.dst*item_len,
+/// item_len*run.count)`.
+///
+/// # Errors
+/// [`LayoutError::LengthMismatch`] (page lists or per-layer base lists of different
+/// lengths), [`LayoutError::InvalidGeometry`] for a zero `item_len`,
+/// [`LayoutError::Overflow`].
+pub fn pd_connector_plan(
+    groups: &[PdBuffers<'_>],
+    src_pages: &[u64],
+    dst_pages: &[u64],
+) -> Result<TransferPlan> {
+    let runs = page_runs(src_pages, dst_pages)?;
+    let mut n = 0usize;
+    for g in groups {
+        if g.src.len() != g.dst.len() {
+            return Err(LayoutError::LengthMismatch {
+                what: "source and destination per-layer base lists",
+                left: g.src.len(),
+                right: g.dst.len(),
+            });
+        }
+        if g.item_len == 0 {
+            return Err(LayoutError::InvalidGeometry {
+                field: "item_len",
+                value: 0,
+                reason: "must be at least 1",
+            });
+        }
+        n = n.saturating_add(g.src.len().saturating_mul(runs.len()));
+    }
+    let mut plan = TransferPlan::with_capacity(n);
+    for g in groups {
+        for (&sb, &db) in g.src.iter().zip(g.dst) {
+            for r in &runs {
+                let src = add(
+                    sb,
+                    mul(r.src, g.item_len, "source offset")?,
+                    "source address",
+                )?;
+                let dst = add(
+                    db,
+                    mul(r.dst, g.item_len, "destination offset")?,
+                    "destination address",
+                )?;
+                let len = mul(g.item_len, r.count, "block length")?;
+                add(src, len, "source end")?;
+                add(dst, len, "destination end")?;
+                plan.push(Transfer { src, dst, len });
+            }
+        }
+    }
+    Ok(plan)
+}
+
+/// Which heads of the model each pool holds, for plans between different TP degrees.
+///
+/// A pool with `H` heads at TP rank `r` holds global heads `[r*H, (r+1)*H)`; the plan moves
+/// the heads both pools hold. MLA pools are replicated on every rank and ignore this.
+#[derive(Clone, Copy, Debug, Default, Eq, PartialEq)]
+pub struct HeadShards {
+    /// Global index of the source pool's head 0.
+    pub src_first_head: u64,
+    /// Global index of the destination pool's head 0.
+    pub dst_first_head: u64,
+}
+
+impl HeadShards {
+    /// Shards from TP ranks: `first_head = rank * heads` on each side.
+    ///
+    /// # Errors
+    /// [`LayoutError::Overflow`].
+    pub fn from_tp_ranks(src: &Pool, src_rank: u64, dst: &Pool, dst_rank: u64) -> Result<Self> {
+        Ok(Self {
+            src_first_head: mul(src_rank, src.geometry().heads(), "source first head")?,
+            dst_first_head: mul(dst_rank, dst.geometry().heads(), "destination first head")?,
+        })
+    }
+}
+
+/// A plan that copies pages of `src` into pages of `dst` (same model geometry, any layouts,
+/// any capacities and addresses): `src_pages[i]` goes to `dst_pages[i]`.
+///
+/// Both pools must have the same heads; see [`plan_with_heads`] for different TP degrees.
+/// Order: per buffer (K, then V; or latent); inside it, for a `layer_first` source, layer by
+/// layer and then page by page, otherwise page by page. Each run is maximal: neighbouring
+/// blocks are merged whenever both sides are contiguous (never across K and V).
+///
+/// # Errors
+/// [`LayoutError::KindMismatch`], [`LayoutError::GeometryMismatch`],
+/// [`LayoutError::LengthMismatch`], [`LayoutError::PageOutOfRange`].
+pub fn plan(src: &Pool, dst: &Pool, src_pages: &[u64], dst_pages: &[u64]) -> Result<TransferPlan> {
+    let (hs, hd) = (src.geometry().heads(), dst.geometry().heads());
+    if hs != hd {
+        return Err(LayoutError::GeometryMismatch {
+            what: "heads",
+            src: hs,
+            dst: hd,
+        });
+    }
+    plan_with_heads(src, dst, src_pages, dst_pages, HeadShards::default())
+}
+
+/// [`plan`] between pools holding different head shards (different TP degrees): only the
+/// heads both hold move, each to its place in the destination.
+///
+/// # Errors
+/// As [`plan`], plus [`LayoutError::HeadShard`] when the shards share no head.
+pub fn plan_with_heads(
+    src: &Pool,
+    dst: &Pool,
+    src_pages: &[u64],
+    dst_pages: &[u64],
+    shards: HeadShards,
+) -> Result<TransferPlan> {
+    let mut out = TransferPlan::new();
+    plan_into(src, dst, src_pages, dst_pages, shards, &mut out)?;
+    Ok(out)
+}
+
+/// [`plan_with_heads`] into a caller's plan (cleared first; its capacity is reused).
+///
+/// # Errors
+/// As [`plan_with_heads`]; `out` is left empty on error.
+pub fn plan_into(
+    src: &Pool,
+    dst: &Pool,
+    src_pages: &[u64],
+    dst_pages: &[u64],
+    shards: HeadShards,
+    out: &mut TransferPlan,
+) -> Result<()> {
+    out.clear();
+    let (gs, gd) = (src.geometry(), dst.geometry());
+    let mla = gs.kind() == PoolKind::Mla;
+    if mla != (gd.kind() == PoolKind::Mla) {
+        return Err(LayoutError::KindMismatch {
+            src: gs.kind(),
+            dst: gd.kind(),
+        });
+    }
+    let same = |what, a: u64, b: u64| {
+        if a == b {
+            Ok(())
+        } else {
+            Err(LayoutError::GeometryMismatch {
+                what,
+                src: a,
+                dst: b,
+            })
+        }
+    };
+    same("layers", gs.layers(), gd.layers())?;
+    same("page_size", gs.page_size(), gd.page_size())?;
+    same("head_dim", gs.head_dim(), gd.head_dim())?;
+    same("v_head_dim", gs.v_head_dim(), gd.v_head_dim())?;
+    same("dtype_bytes", gs.dtype_bytes(), gd.dtype_bytes())?;
+    if src_pages.len() != dst_pages.len() {
+        return Err(LayoutError::LengthMismatch {
+            what: "source and destination page lists",
+            left: src_pages.len(),
+            right: dst_pages.len(),
+        });
+    }
+    for (&p, pool) in src_pages
+        .iter()
+        .map(|p| (p, src))
+        .chain(dst_pages.iter().map(|p| (p, dst)))
+    {
+        if p >= pool.geometry().pages() {
+            return Err(LayoutError::PageOutOfRange {
+                page: p,
+                pages: pool.geometry().pages(),
+            });
+        }
+    }
+    // The heads both pools hold, as local head indices on each side.
+    let (h_src, h_dst, heads) = if mla {
+        (0, 0, 1)
+    } else {
+        let s_end = add(shards.src_first_head, gs.heads(), "source last head")?;
+        let d_end = add(shards.dst_first_head, gd.heads(), "destination last head")?;
+        let lo = shards.src_first_head.max(shards.dst_first_head);
+        let hi = s_end.min(d_end);
+        if lo >= hi {
+            return Err(LayoutError::HeadShard {
+                reason: "the source and destination shards share no head",
+            });
+        }
+        (
+            lo - shards.src_first_head,
+            lo - shards.dst_first_head,
+            hi - lo,
+        )
+    };
+    let layer_major = src.layout() == Layout::LayerFirst;
+    for &c in src.components() {
+        let (ss, ds) = (src.strides(c), dst.strides(c));
+        let (sb, db) = (src.base(c) + h_src * ss.head, dst.base(c) + h_dst * ds.head);
+        // A new buffer: never merge into the previous buffer's last run.
+        let first = out.len();
+        let mut emit = |s: u64, d: u64, len: u64| {
+            if out.len() == first {
+                out.push(Transfer {
+                    src: s,
+                    dst: d,
+                    len,
+                });
+            } else {
+                out.push_coalesced(Transfer {
+                    src: s,
+                    dst: d,
+                    len,
+                });
+            }
+        };
+        // Every address below lies inside a buffer whose end was checked by `Pool::new`.
+        if layer_major {
+            let axes = src.axes(c, 1, heads, &ss, &ds);
+            for l in 0..gs.layers() {
+                for (&ps, &pd) in src_pages.iter().zip(dst_pages) {
+                    let s0 = sb + ps * ss.page + l * ss.layer;
+                    let d0 = db + pd * ds.page + l * ds.layer;
+                    walk(s0, d0, axes, ss.row, &mut emit);
+                }
+            }
+        } else {
+            let axes = src.axes(c, gs.layers(), heads, &ss, &ds);
+            for (&ps, &pd) in src_pages.iter().zip(dst_pages) {
+                walk(
+                    sb + ps * ss.page,
+                    db + pd * ds.page,
+                    axes,
+                    ss.row,
+                    &mut emit,
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn runs_follow_group_concurrent_contiguous() {
+        let runs = page_runs(&[2, 3, 5, 6, 7, 9], &[10, 11, 20, 22, 23, 24]).unwrap();
+        assert_eq!(
+            runs,
+            vec![
+                PageRun {
+                    src: 2,
+                    dst: 10,
+                    count: 2
+                },
+                PageRun {
+                    src: 5,
+                    dst: 20,
+                    count: 1
+                },
+                PageRun {
+                    src: 6,
+                    dst: 22,
+                    count: 2
+                },
+                PageRun {
+                    src: 9,
+                    dst: 24,
+                    count: 1
+                },
+            ]
+        );
+        assert!(page_runs(&[], &[]).unwrap().is_empty());
+        assert!(matches!(
+            page_runs(&[1], &[]),
+            Err(LayoutError::LengthMismatch {
+                left: 1,
+                right: 0,
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn push_coalesced_needs_both_sides_contiguous() {
+        let mut p = TransferPlan::new();
+        p.push_coalesced(Transfer {
+            src: 0,
+            dst: 100,
+            len: 8,
+        });
+        p.push_coalesced(Transfer {
+            src: 8,
+            dst: 108,
+            len: 8,
+        });
+        p.push_coalesced(Transfer {
+            src: 16,
+            dst: 200,
+            len: 8,
+        });
+        p.push_coalesced(Transfer {
+            src: 16,
+            dst: 208,
+            len: 0,
+        });
+        assert_eq!(p.lens(), &[16, 8]);
+        assert_eq!(p.total_bytes(), 24);
+    }
+}

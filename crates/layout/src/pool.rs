@@ -1,0 +1,753 @@
+//! A pool = geometry + layout + base addresses; page segment lists.
+
+use crate::error::{LayoutError, Result, add};
+use crate::geometry::{Component, Layout, PoolGeometry, PoolKind};
+use crate::segment::{Segment, Segments, push_coalesced};
+
+/// How much of SGLang's unchecked index contract is verified.
+#[non_exhaustive]
+#[derive(Clone, Copy, Debug, Default, Eq, Hash, PartialEq)]
+pub enum Checks {
+    /// Every slot of every page is checked: a page's slots are `t0..t0+P`, `t0` is a
+    /// multiple of `P` and the page lies inside the pool. The default.
+    #[default]
+    Strict,
+    /// Only what SGLang itself looks at: the index count, and the first slot of each page
+    /// (`indices[0], indices[P], ...`), which must leave the page inside the pool. Other
+    /// slots are not read, and for the layouts SGLang supports a misaligned first slot gives
+    /// SGLang's (meaningless but in-bounds) pointer. Layouts SGLang refuses still require
+    /// alignment, since there is no SGLang answer to reproduce.
+    Sglang,
+}
+
+/// A host KV pool: its [`PoolGeometry`], its [`Layout`] and the base address of each buffer.
+///
+/// Addresses are plain integers; nothing here dereferences them.
+#[derive(Clone, Copy, Debug, Eq, Hash, PartialEq)]
+pub struct Pool {
+    geometry: PoolGeometry,
+    layout: Layout,
+    bases: [u64; 2],
+    checks: Checks,
+}
+
+/// Byte strides of one buffer in one layout: where page `p`, layer `l`, token-in-page `o`,
+/// head `h` start, relative to the buffer base (`p*page + l*layer + o*token + h*head`).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Strides {
+    pub(crate) page: u64,
+    pub(crate) layer: u64,
+    pub(crate) token: u64,
+    pub(crate) head: u64,
+    /// Bytes of one head row (`D*b`), contiguous in every layout.
+    pub(crate) row: u64,
+}
+
+/// The three in-page axes, outermost first, in a layout's byte order.
+#[derive(Clone, Copy, Debug, Eq, PartialEq)]
+pub(crate) enum Axis {
+    Layer,
+    Token,
+    Head,
+}
+
+impl Layout {
+    pub(crate) const fn axis_order(self) -> [Axis; 3] {
+        match self {
+            Self::LayerFirst | Self::PageFirstDirect => [Axis::Layer, Axis::Token, Axis::Head],
+            Self::PageFirst => [Axis::Token, Axis::Layer, Axis::Head],
+            Self::PageHead => [Axis::Head, Axis::Token, Axis::Layer],
+        }
+    }
+}
+
+impl Strides {
+    pub(crate) const fn of(&self, axis: Axis) -> u64 {
+        match axis {
+            Axis::Layer => self.layer,
+            Axis::Token => self.token,
+            Axis::Head => self.head,
+        }
+    }
+}
+
+/// The segments of one buffer (component), coalesced.
+#[derive(Clone, Debug, Eq, PartialEq)]
+pub struct ComponentSegments {
+    /// Which buffer.
+    pub component: Component,
+    /// Its byte runs, in address-friendly order, neighbours merged.
+    pub segments: Vec<Segment>,
+}
+
+/// The bytes of one layer of a set of pages, per buffer, coalesced.
+#[derive(Clone, Debug, Eq, PartialEq)]
+pub struct LayerView {
+    /// The layer.
+    pub layer: u64,
+    /// One entry per buffer (K then V, or the latent buffer).
+    pub components: Vec<ComponentSegments>,
+}
+
+impl Pool {
+    /// Place a pool at `base`. `v_base` is the V buffer's address: required for `mha-split`,
+    /// refused for `mla`, and optional for `mha`, where it defaults to SGLang's
+    /// `base + V_OFF` (`V_OFF = L*S*H*D*b`, the K half's size).
+    ///
+    /// # Errors
+    /// [`LayoutError::UnsupportedLayout`] for MLA `page_head`; [`LayoutError::Base`] for a
+    /// missing or superfluous V base or overlapping K and V buffers;
+    /// [`LayoutError::Overflow`] when a buffer would end beyond 2^64.
+    pub fn new(
+        geometry: PoolGeometry,
+        layout: Layout,
+        base: u64,
+        v_base: Option<u64>,
+    ) -> Result<Self> {
+        let kind = geometry.kind();
+        if kind == PoolKind::Mla && layout == Layout::PageHead {
+            return Err(LayoutError::UnsupportedLayout { kind, layout });
+        }
+        let k_bytes = geometry.buffer_bytes(Component::K);
+        let k_end = add(base, k_bytes, "end of the K buffer")?;
+        let v = match (kind, v_base) {
+            (PoolKind::Mla, None) => 0,
+            (PoolKind::Mla, Some(_)) => {
+                return Err(LayoutError::Base {
+                    reason: "an mla pool has a single buffer and no V base",
+                });
+            }
+            (PoolKind::MhaSplit, None) => {
+                return Err(LayoutError::Base {
+                    reason: "an mha-split pool needs a V base address",
+                });
+            }
+            (PoolKind::Mha, None) => k_end,
+            (_, Some(v)) => v,
+        };
+        if kind != PoolKind::Mla {
+            let v_end = add(
+                v,
+                geometry.buffer_bytes(Component::V),
+                "end of the V buffer",
+            )?;
+            if v < k_end && base < v_end {
+                return Err(LayoutError::Base {
+                    reason: "the K and V buffers overlap",
+                });
+            }
+        }
+        Ok(Self {
+            geometry,
+            layout,
+            bases: [base, v],
+            checks: Checks::Strict,
+        })
+    }
+
+    /// The same pool with another level of index checking.
+    #[must_use]
+    pub const fn with_checks(mut self, checks: Checks) -> Self {
+        self.checks = checks;
+        self
+    }
+
+    /// The geometry.
+    pub const fn geometry(&self) -> &PoolGeometry {
+        &self.geometry
+    }
+    /// The layout.
+    pub const fn layout(&self) -> Layout {
+        self.layout
+    }
+    /// The index checking level.
+    pub const fn checks(&self) -> Checks {
+        self.checks
+    }
+    /// The buffers of this pool (K, V or latent), in SGLang's per-page order.
+    pub const fn components(&self) -> &'static [Component] {
+        self.geometry.kind().components()
+    }
+
+    /// Base address of one buffer.
+    pub const fn base(&self, c: Component) -> u64 {
+        match c {
+            Component::K | Component::Latent => self.bases[0],
+            Component::V => self.bases[1],
+        }
+    }
+
+    /// The whole of one buffer as a segment (what a transport registers).
+    pub const fn buffer(&self, c: Component) -> Segment {
+        Segment {
+            addr: self.base(c),
+            len: self.geometry.buffer_bytes(c),
+        }
+    }
+
+    /// Whether SGLang's `get_page_buffer_meta` answers for this pool kind and layout
+    /// (otherwise our output is an extension, see `docs/layout.md`).
+    pub const fn sglang_has_meta(&self) -> bool {
+        match self.geometry.kind() {
+            PoolKind::Mha => true,
+            PoolKind::MhaSplit => {
+                matches!(self.layout, Layout::PageFirst | Layout::PageFirstDirect)
+            }
+            PoolKind::Mla => !matches!(self.layout, Layout::PageHead),
+        }
+    }
+
+    /// Whether SGLang's `get_split_heads_page_buffer_meta` answers (symmetric `page_head`).
+    pub const fn sglang_has_split_heads(&self) -> bool {
+        matches!(self.geometry.kind(), PoolKind::Mha) && matches!(self.layout, Layout::PageHead)
+    }
+
+    pub(crate) const fn strides(&self, c: Component) -> Strides {
+        let g = &self.geometry;
+        let row = g.row_bytes(c);
+        let head_row = g.component_dim(c) * g.dtype_bytes();
+        let (l, p) = (g.layers(), g.page_size());
+        // All products are at most one buffer's size, which `PoolGeometry` proved fits.
+        match self.layout {
+            Layout::LayerFirst => Strides {
+                page: p * row,
+                layer: g.capacity() * row,
+                token: row,
+                head: head_row,
+                row: head_row,
+            },
+            Layout::PageFirst => Strides {
+                page: p * l * row,
+                layer: row,
+                token: l * row,
+                head: head_row,
+                row: head_row,
+            },
+            Layout::PageFirstDirect => Strides {
+                page: l * p * row,
+                layer: p * row,
+                token: row,
+                head: head_row,
+                row: head_row,
+            },
+            Layout::PageHead => Strides {
+                page: l * p * row,
+                layer: head_row,
+                token: l * head_row,
+                head: p * l * head_row,
+                row: head_row,
+            },
+        }
+    }
+
+    /// Address of byte 0 of element (`c`, token slot `slot`, `layer`, `head`, `dim`): the
+    /// layout's byte order, spelled out. MLA's latent buffer has one head (`head = 0`).
+    ///
+    /// # Errors
+    /// [`LayoutError::SlotOutOfRange`], [`LayoutError::IndexOutOfRange`], or
+    /// [`LayoutError::Base`] for a component the pool does not have.
+    pub fn element_addr(
+        &self,
+        c: Component,
+        slot: u64,
+        layer: u64,
+        head: u64,
+        dim: u64,
+    ) -> Result<u64> {
+        let g = &self.geometry;
+        if !self.components().contains(&c) {
+            return Err(LayoutError::Base {
+                reason: "the pool has no such buffer",
+            });
+        }
+        if slot >= g.capacity() {
+            return Err(LayoutError::SlotOutOfRange {
+                slot,
+                capacity: g.capacity(),
+            });
+        }
+        let check = |axis, index, size| {
+            if index < size {
+                Ok(())
+            } else {
+                Err(LayoutError::IndexOutOfRange { axis, index, size })
+            }
+        };
+        check("layer", layer, g.layers())?;
+        check("head", head, g.component_heads(c))?;
+        check("dim", dim, g.component_dim(c))?;
+        let s = self.strides(c);
+        let (p, o) = (slot / g.page_size(), slot % g.page_size());
+        Ok(self.base(c)
+            + p * s.page
+            + layer * s.layer
+            + o * s.token
+            + head * s.head
+            + dim * g.dtype_bytes())
+    }
+
+    /// Check a request of token indices and return the number of pages.
+    fn check_count(&self, indices: &[u64]) -> Result<usize> {
+        let p = self.geometry.page_size();
+        if !(indices.len() as u64).is_multiple_of(p) {
+            return Err(LayoutError::IndexCount {
+                count: indices.len(),
+                page_size: p,
+            });
+        }
+        Ok((indices.len() as u64 / p) as usize)
+    }
+
+    /// Validate one page of token indices (`chunk.len() == P`) and return its first slot.
+    #[inline]
+    fn page_start(&self, position: usize, chunk: &[u64], aligned_only: bool) -> Result<u64> {
+        let g = &self.geometry;
+        let (p, cap) = (g.page_size(), g.capacity());
+        let t0 = chunk[0];
+        if t0 >= cap {
+            return Err(LayoutError::SlotOutOfRange {
+                slot: t0,
+                capacity: cap,
+            });
+        }
+        let strict = self.checks == Checks::Strict;
+        if (strict || aligned_only) && !t0.is_multiple_of(p) {
+            return Err(LayoutError::Misaligned {
+                position,
+                slot: t0,
+                page_size: p,
+            });
+        }
+        // t0 < cap, so t0 + p cannot overflow (cap + p <= 2 * cap, and cap * row fits).
+        if t0 + p > cap {
+            return Err(LayoutError::SlotOutOfRange {
+                slot: t0 + p - 1,
+                capacity: cap,
+            });
+        }
+        if strict {
+            for (offset, (&found, expected)) in chunk.iter().zip(t0..).enumerate() {
+                if found != expected {
+                    return Err(LayoutError::NonConsecutive {
+                        position,
+                        offset: offset as u64,
+                        found,
+                        expected,
+                    });
+                }
+            }
+        }
+        Ok(t0)
+    }
+
+    /// Validate a page index and return its first slot.
+    #[inline]
+    fn page_slot(&self, page: u64) -> Result<u64> {
+        let g = &self.geometry;
+        if page >= g.pages() {
+            return Err(LayoutError::PageOutOfRange {
+                page,
+                pages: g.pages(),
+            });
+        }
+        Ok(page * g.page_size())
+    }
+
+    /// Emit the `get_page_buffer_meta` entries of one page starting at slot `t0`
+    /// (already validated: `t0 + P <= S`).
+    #[inline(always)]
+    fn emit_page(&self, t0: u64, f: &mut impl FnMut(Component, Segment)) {
+        let g = &self.geometry;
+        let comps = self.components();
+        match self.layout {
+            Layout::LayerFirst => {
+                for l in 0..g.layers() {
+                    for &c in comps {
+                        let row = g.row_bytes(c);
+                        let addr = self.base(c) + (l * g.capacity() + t0) * row;
+                        f(
+                            c,
+                            Segment {
+                                addr,
+                                len: g.layer_page_bytes(c),
+                            },
+                        );
+                    }
+                }
+            }
+            _ => {
+                // SGLang's asymmetric pool floors the slot to the page start for
+                // page_first_direct; the symmetric and MLA pools do not. Extensions are
+                // always aligned, so flooring them changes nothing.
+                let unit = if g.kind() == PoolKind::MhaSplit && self.layout != Layout::PageFirst {
+                    t0 - t0 % g.page_size()
+                } else {
+                    t0
+                };
+                for &c in comps {
+                    let addr = self.base(c) + unit * g.layers() * g.row_bytes(c);
+                    f(
+                        c,
+                        Segment {
+                            addr,
+                            len: g.page_bytes(c),
+                        },
+                    );
+                }
+            }
+        }
+    }
+
+    /// Call `f` for every entry of SGLang's `get_page_buffer_meta(indices)`, in its order,
+    /// without allocating. Indices are host token slots, `P` per page.
+    ///
+    /// Returns the number of pages. On error nothing after the bad page has been emitted, but
+    /// the pages before it have (validate with [`Pool::page_meta`] first if that matters).
+    ///
+    /// # Errors
+    /// [`LayoutError::IndexCount`], [`LayoutError::Misaligned`],
+    /// [`LayoutError::NonConsecutive`], [`LayoutError::SlotOutOfRange`].
+    pub fn for_each_segment(
+        &self,
+        indices: &[u64],
+        mut f: impl FnMut(Component, Segment),
+    ) -> Result<usize> {
+        let n = self.check_count(indices)?;
+        let aligned_only = !self.sglang_has_meta();
+        for (pos, chunk) in indices
+            .chunks_exact(self.geometry.page_size() as usize)
+            .enumerate()
+        {
+            let t0 = self.page_start(pos, chunk, aligned_only)?;
+            self.emit_page(t0, &mut f);
+        }
+        Ok(n)
+    }
+
+    /// Like [`Pool::for_each_segment`], for a list of page indices (`t0 = page * P`).
+    ///
+    /// # Errors
+    /// [`LayoutError::PageOutOfRange`].
+    pub fn for_each_page_segment(
+        &self,
+        pages: &[u64],
+        mut f: impl FnMut(Component, Segment),
+    ) -> Result<usize> {
+        for &page in pages {
+            let t0 = self.page_slot(page)?;
+            self.emit_page(t0, &mut f);
+        }
+        Ok(pages.len())
+    }
+
+    /// SGLang's `get_page_buffer_meta(indices)`: pointers and lengths, one entry per
+    /// (page, buffer) for page-major layouts and per (page, layer, buffer) for `layer_first`.
+    ///
+    /// # Errors
+    /// As [`Pool::for_each_segment`]; nothing is returned on error.
+    pub fn page_meta(&self, indices: &[u64]) -> Result<Segments> {
+        let mut out = Segments::default();
+        self.page_meta_into(indices, &mut out)?;
+        Ok(out)
+    }
+
+    /// [`Pool::page_meta`] into a caller's lists (cleared first; their capacity is reused).
+    ///
+    /// # Errors
+    /// As [`Pool::for_each_segment`]; `out` is left empty on error.
+    pub fn page_meta_into(&self, indices: &[u64], out: &mut Segments) -> Result<()> {
+        out.clear();
+        let per_page = self.entries_per_page();
+        out.ptrs
+            .reserve(indices.len() / self.geometry.page_size() as usize * per_page);
+        out.lens
+            .reserve(indices.len() / self.geometry.page_size() as usize * per_page);
+        let r = self.for_each_segment(indices, |_, s| out.push(s));
+        if r.is_err() {
+            out.clear();
+        }
+        r.map(|_| ())
+    }
+
+    /// [`Pool::page_meta`] for page indices.
+    ///
+    /// # Errors
+    /// [`LayoutError::PageOutOfRange`].
+    pub fn page_meta_for_pages(&self, pages: &[u64]) -> Result<Segments> {
+        let mut out = Segments::with_capacity(pages.len() * self.entries_per_page());
+        self.for_each_page_segment(pages, |_, s| out.push(s))?;
+        Ok(out)
+    }
+
+    /// Entries per page of [`Pool::page_meta`].
+    pub fn entries_per_page(&self) -> usize {
+        let comps = self.components().len();
+        match self.layout {
+            Layout::LayerFirst => comps * self.geometry.layers() as usize,
+            _ => comps,
+        }
+    }
+
+    fn check_split(&self, factor: u64) -> Result<()> {
+        let g = &self.geometry;
+        if self.layout != Layout::PageHead || g.kind() == PoolKind::Mla {
+            return Err(LayoutError::SplitHeadsLayout {
+                kind: g.kind(),
+                layout: self.layout,
+            });
+        }
+        if factor == 0 || !g.heads().is_multiple_of(factor) {
+            return Err(LayoutError::SplitFactor {
+                factor,
+                heads: g.heads(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Call `f` for every entry of SGLang's
+    /// `get_split_heads_page_buffer_meta(indices, factor)`: per page, per head group
+    /// `g < factor`, K then V, each `H/factor` heads of the page (`page_head` only).
+    ///
+    /// # Errors
+    /// [`LayoutError::SplitHeadsLayout`], [`LayoutError::SplitFactor`], and the index errors
+    /// of [`Pool::for_each_segment`].
+    pub fn for_each_split_heads_segment(
+        &self,
+        indices: &[u64],
+        factor: u64,
+        mut f: impl FnMut(Component, Segment),
+    ) -> Result<usize> {
+        self.check_split(factor)?;
+        let n = self.check_count(indices)?;
+        let g = &self.geometry;
+        let aligned_only = !self.sglang_has_split_heads();
+        let hg = g.heads() / factor;
+        for (pos, chunk) in indices.chunks_exact(g.page_size() as usize).enumerate() {
+            let t0 = self.page_start(pos, chunk, aligned_only)?;
+            for group in 0..factor {
+                for &c in self.components() {
+                    let s = self.strides(c);
+                    let addr =
+                        self.base(c) + t0 * g.layers() * g.row_bytes(c) + group * hg * s.head;
+                    f(
+                        c,
+                        Segment {
+                            addr,
+                            len: hg * s.head,
+                        },
+                    );
+                }
+            }
+        }
+        Ok(n)
+    }
+
+    /// SGLang's `get_split_heads_page_buffer_meta(indices, factor)` (and the same for
+    /// `mha-split` `page_head`, which SGLang refuses).
+    ///
+    /// # Errors
+    /// As [`Pool::for_each_split_heads_segment`].
+    pub fn split_heads_meta(&self, indices: &[u64], factor: u64) -> Result<Segments> {
+        let mut out = Segments::default();
+        self.for_each_split_heads_segment(indices, factor, |_, s| out.push(s))?;
+        Ok(out)
+    }
+
+    /// The bytes of the pages, per buffer, with neighbours merged (not SGLang's shape: one
+    /// entry no longer matches one store key). For `layer_first` the runs are listed layer
+    /// by layer, so adjacent pages of one layer merge.
+    ///
+    /// # Errors
+    /// As [`Pool::for_each_segment`].
+    pub fn coalesced_meta(&self, indices: &[u64]) -> Result<Vec<ComponentSegments>> {
+        let mut out: Vec<ComponentSegments> = self
+            .components()
+            .iter()
+            .map(|&component| ComponentSegments {
+                component,
+                segments: Vec::new(),
+            })
+            .collect();
+        let slot = |c: Component| usize::from(c == Component::V);
+        if self.layout == Layout::LayerFirst {
+            // Validate everything first, then walk layer-major.
+            let starts = self.page_starts(indices)?;
+            let g = &self.geometry;
+            for l in 0..g.layers() {
+                for &t0 in &starts {
+                    for &c in self.components() {
+                        let addr = self.base(c) + (l * g.capacity() + t0) * g.row_bytes(c);
+                        push_coalesced(
+                            &mut out[slot(c)].segments,
+                            Segment {
+                                addr,
+                                len: g.layer_page_bytes(c),
+                            },
+                        );
+                    }
+                }
+            }
+        } else {
+            self.for_each_segment(indices, |c, s| {
+                push_coalesced(&mut out[slot(c)].segments, s);
+            })?;
+        }
+        Ok(out)
+    }
+
+    /// Validate `indices` and return each page's first slot.
+    fn page_starts(&self, indices: &[u64]) -> Result<Vec<u64>> {
+        let n = self.check_count(indices)?;
+        let aligned_only = !self.sglang_has_meta();
+        let mut starts = Vec::with_capacity(n);
+        for (pos, chunk) in indices
+            .chunks_exact(self.geometry.page_size() as usize)
+            .enumerate()
+        {
+            starts.push(self.page_start(pos, chunk, aligned_only)?);
+        }
+        Ok(starts)
+    }
+
+    /// Call `f` for the byte runs of one layer of the pages, per page and buffer, in address
+    /// order inside each page: one run per page in `layer_first` and `page_first_direct`,
+    /// one per token in `page_first`, one per (head, token) in `page_head`.
+    ///
+    /// # Errors
+    /// [`LayoutError::IndexOutOfRange`] for the layer, and the index errors of
+    /// [`Pool::for_each_segment`] (pages must be aligned here, whatever the checks).
+    pub fn for_each_layer_segment(
+        &self,
+        indices: &[u64],
+        layer: u64,
+        mut f: impl FnMut(Component, Segment),
+    ) -> Result<usize> {
+        let g = &self.geometry;
+        if layer >= g.layers() {
+            return Err(LayoutError::IndexOutOfRange {
+                axis: "layer",
+                index: layer,
+                size: g.layers(),
+            });
+        }
+        let n = self.check_count(indices)?;
+        for (pos, chunk) in indices.chunks_exact(g.page_size() as usize).enumerate() {
+            let t0 = self.page_start(pos, chunk, true)?;
+            let page = t0 / g.page_size();
+            for &c in self.components() {
+                let s = self.strides(c);
+                let start = self.base(c) + page * s.page + layer * s.layer;
+                let axes = self.axes(c, 1, g.component_heads(c), &s, &s);
+                walk(start, start, axes, s.row, &mut |addr, _, len| {
+                    f(c, Segment { addr, len });
+                });
+            }
+        }
+        Ok(n)
+    }
+
+    /// The bytes of one layer of the pages, per buffer, neighbours merged.
+    ///
+    /// # Errors
+    /// As [`Pool::for_each_layer_segment`].
+    pub fn layer_view(&self, indices: &[u64], layer: u64) -> Result<LayerView> {
+        let mut components: Vec<ComponentSegments> = self
+            .components()
+            .iter()
+            .map(|&component| ComponentSegments {
+                component,
+                segments: Vec::new(),
+            })
+            .collect();
+        self.for_each_layer_segment(indices, layer, |c, s| {
+            let i = usize::from(c == Component::V);
+            push_coalesced(&mut components[i].segments, s);
+        })?;
+        Ok(LayerView { layer, components })
+    }
+
+    /// [`Pool::layer_view`] for every layer.
+    ///
+    /// # Errors
+    /// As [`Pool::for_each_layer_segment`].
+    pub fn layer_views(&self, indices: &[u64]) -> Result<Vec<LayerView>> {
+        (0..self.geometry.layers())
+            .map(|l| self.layer_view(indices, l))
+            .collect()
+    }
+
+    /// The in-page axes of buffer `c` in this layout's order, with the given layer and head
+    /// counts (tokens: the whole page) and the strides of both ends.
+    pub(crate) fn axes(
+        &self,
+        c: Component,
+        layers: u64,
+        heads: u64,
+        src: &Strides,
+        dst: &Strides,
+    ) -> [WalkAxis; 3] {
+        let _ = c;
+        self.layout.axis_order().map(|a| WalkAxis {
+            count: match a {
+                Axis::Layer => layers,
+                Axis::Token => self.geometry.page_size(),
+                Axis::Head => heads,
+            },
+            src: src.of(a),
+            dst: dst.of(a),
+        })
+    }
+}
+
+/// One loop of [`walk`]: `count` steps of `src` bytes on one side and `dst` on the other.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct WalkAxis {
+    pub(crate) count: u64,
+    pub(crate) src: u64,
+    pub(crate) dst: u64,
+}
+
+/// Visit the blocks of a 3-deep loop nest of `unit`-byte rows (outermost axis first),
+/// folding inner axes into the block whenever they are contiguous on both sides.
+/// `f(src, dst, len)`.
+#[inline]
+pub(crate) fn walk(
+    src: u64,
+    dst: u64,
+    axes: [WalkAxis; 3],
+    unit: u64,
+    f: &mut impl FnMut(u64, u64, u64),
+) {
+    if axes.iter().any(|a| a.count == 0) {
+        return;
+    }
+    let mut len = unit;
+    let mut outer = 3;
+    while outer > 0 {
+        let a = axes[outer - 1];
+        if a.count == 1 || (a.src == len && a.dst == len) {
+            len *= a.count;
+            outer -= 1;
+        } else {
+            break;
+        }
+    }
+    // Unused outer axes become single-step loops.
+    let one = WalkAxis {
+        count: 1,
+        src: 0,
+        dst: 0,
+    };
+    let ax = |i: usize| if i < outer { axes[i] } else { one };
+    let (a0, a1, a2) = (ax(0), ax(1), ax(2));
+    for i in 0..a0.count {
+        let (s0, d0) = (src + i * a0.src, dst + i * a0.dst);
+        for j in 0..a1.count {
+            let (s1, d1) = (s0 + j * a1.src, d0 + j * a1.dst);
+            for k in 0..a2.count {
+                f(s1 + k * a2.src, d1 + k * a2.dst, len);
+            }
+        }
+    }
+}
