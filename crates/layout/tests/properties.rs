@@ -271,7 +271,7 @@ proptest! {
         let g = geometry(kind, dims);
         let v_base = (kind == PoolKind::MhaSplit).then_some(0x100_0000);
         let pool = Pool::new(g, Layout::PageHead, 0x1000, v_base).unwrap();
-        let divisors: Vec<u64> = (1..=g.heads()).filter(|f| g.heads() % f == 0).collect();
+        let divisors: Vec<u64> = (1..=g.heads()).filter(|f| g.heads().is_multiple_of(*f)).collect();
         let factor = divisors[factor_pick % divisors.len()];
         let pages: Vec<u64> = (0..g.pages()).filter(|p| (seed >> p) & 1 == 1).collect();
         let case = Case { pool, base: 0x1000, v_base, pages };
