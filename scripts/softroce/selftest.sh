@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# Self-test of the soft-RoCE harness: it must pass what passes, and fail loudly on what
+# fails. Each case boots one guest (about 5-10 s each under TCG).
+#   1. smoke: rxe0 is ACTIVE, the RDMA_* contract is set, a file written to $SOFTROCE_OUT
+#      comes back to the host                                   -> exit 0
+#   2. a job that fails (exit 3)                                -> exit 3
+#   3. rxe0 cannot be created (netdev that does not exist)      -> exit 123, loud message
+#   4. rxe0 cannot be created (crc32 transform missing)         -> exit 123, loud message
+#   5. a job that hangs, with --timeout 15                      -> exit 124
+#   6. the guest kernel panics mid-job                          -> exit 125
+# Runner options given here (e.g. --mem, --cpus) apply to every case.
+set -uo pipefail
+
+here="$(cd "$(dirname "$0")" && pwd)"
+run="$here/run-vm.sh"
+work="$(mktemp -d "${TMPDIR:-/tmp}/softroce-selftest.XXXXXX")"
+trap 'rm -rf "$work"' EXIT
+mkdir -p "$work/out"
+
+"$here/build-image.sh" >/dev/null || { echo "selftest: image build failed" >&2; exit 1; }
+
+failures=0
+# check NAME EXPECTED_RC GREP_PATTERN RUNNER_ARGS... : run, compare exit status and output.
+check() {
+    local name=$1 want=$2 pattern=$3 t0 got
+    shift 3
+    t0=$SECONDS
+    "$run" "$@" >"$work/log" 2>&1
+    got=$?
+    if [[ "$got" == "$want" ]] && { [[ -z "$pattern" ]] || grep -Eq "$pattern" "$work/log"; }; then
+        echo "selftest: ok    $name (exit $got, $((SECONDS - t0)) s)"
+    else
+        echo "selftest: FAIL  $name: exit $got, wanted $want${pattern:+ and output matching /$pattern/}"
+        sed 's/^/    | /' "$work/log" | tail -n 25
+        failures=$((failures + 1))
+    fi
+}
+
+cat >"$work/smoke.sh" <<'EOF'
+set -e
+[ "$RDMA_DEVICE" = rxe0 ] && [ "$RDMA_REQUIRED" = 1 ]
+grep -q ACTIVE /sys/class/infiniband/rxe0/ports/1/state
+ibv_devinfo -d rxe0 | grep -q PORT_ACTIVE
+echo "written in the guest" >"$SOFTROCE_OUT/smoke.txt"
+echo "SMOKE-OK"
+EOF
+check "smoke job on rxe0" 0 "SMOKE-OK" --out "$work/out" "$work/smoke.sh" "$@"
+if [[ "$(cat "$work/out/smoke.txt" 2>/dev/null)" != "written in the guest" ]]; then
+    echo "selftest: FAIL  the file written to \$SOFTROCE_OUT did not come back"
+    failures=$((failures + 1))
+fi
+
+printf 'echo "this job fails on purpose"\nexit 3\n' >"$work/fail.sh"
+check "failing job returns its status" 3 "fails on purpose" "$work/fail.sh" "$@"
+
+printf 'echo "must not run"\n' >"$work/never.sh"
+check "no rxe0 (bogus netdev) fails loudly" 123 "SETUP FAILED.*cannot create rxe0" \
+    --append sr.ndev=nosuchdev0 "$work/never.sh" "$@"
+check "no rxe0 (no crc32 transform) fails loudly" 123 "SETUP FAILED.*cannot create rxe0" \
+    --append sr.nocrc=1 "$work/never.sh" "$@"
+
+printf 'echo "hanging"\nsleep 600\n' >"$work/hang.sh"
+check "hanging job times out" 124 "TIMEOUT" "$@" --timeout 15 "$work/hang.sh"
+
+printf 'echo c >/proc/sysrq-trigger\nsleep 60\n' >"$work/panic.sh"
+check "guest panic is reported" 125 "reported no exit status" "$work/panic.sh" "$@"
+
+if ((failures)); then
+    echo "selftest: $failures case(s) FAILED"
+    exit 1
+fi
+echo "selftest: all cases passed"
