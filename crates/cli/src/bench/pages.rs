@@ -1,13 +1,542 @@
-//! `pagewire bench pages`: KV page transfers between two engines using layout plans.
-use clap::Args;
+//! `pagewire bench pages`: KV page transfers between two engines, driven by real
+//! `pagewire_layout` plans.
+//!
+//! The initiator (client) owns one pool, the server the other. One page mapping is
+//! drawn per run (from `--pattern` and `--seed`), turned into a coalesced transfer plan
+//! once, and that plan is submitted `-n` times as one batch each, with up to `-t`
+//! batches in flight. With `--verify` the receiving side regenerates the source pool
+//! from the seed, replays the plan with memcpy into a copy of its own pool, and
+//! compares every byte of the pool: right bytes in the right pages, and nothing
+//! outside them touched.
+use clap::{Args, ValueEnum};
+use pagewire_layout::{Component, Layout, Pool, PoolGeometry, PoolKind, TransferPlan};
+
+use super::args::TransportArg;
+
+/// Model presets with their real KV geometry (per TP rank = the whole model here).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, serde::Serialize)]
+pub enum Preset {
+    /// Llama-3-8B: MHA (GQA), 32 layers, 8 KV heads, head_dim 128.
+    #[value(name = "llama3-8b")]
+    Llama3_8b,
+    /// Llama-3-70B: MHA (GQA), 80 layers, 8 KV heads, head_dim 128.
+    #[value(name = "llama3-70b")]
+    Llama3_70b,
+    /// DeepSeek-V3: MLA, 61 layers, latent kv_lora_rank 512 + rope 64 = 576.
+    #[value(name = "deepseek-v3")]
+    DeepseekV3,
+    /// MiMo-V2-like asymmetric MHA: head_dim 192, v_head_dim 128 (48 layers, 4 KV heads).
+    #[value(name = "mimo-v2")]
+    MimoV2,
+}
+
+impl Preset {
+    pub fn name(self) -> &'static str {
+        match self {
+            Preset::Llama3_8b => "llama3-8b",
+            Preset::Llama3_70b => "llama3-70b",
+            Preset::DeepseekV3 => "deepseek-v3",
+            Preset::MimoV2 => "mimo-v2",
+        }
+    }
+
+    /// (kind, layers, heads, head_dim, v_head_dim or kv_dim)
+    fn shape(self) -> (PoolKind, u64, u64, u64, u64) {
+        match self {
+            Preset::Llama3_8b => (PoolKind::Mha, 32, 8, 128, 128),
+            Preset::Llama3_70b => (PoolKind::Mha, 80, 8, 128, 128),
+            Preset::DeepseekV3 => (PoolKind::Mla, 61, 1, 576, 576),
+            Preset::MimoV2 => (PoolKind::MhaSplit, 48, 4, 192, 128),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, serde::Serialize)]
+pub enum Dtype {
+    Bf16,
+    Fp16,
+    Fp8,
+    Fp32,
+}
+
+impl Dtype {
+    pub fn bytes(self) -> u64 {
+        match self {
+            Dtype::Bf16 | Dtype::Fp16 => 2,
+            Dtype::Fp8 => 1,
+            Dtype::Fp32 => 4,
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            Dtype::Bf16 => "bf16",
+            Dtype::Fp16 => "fp16",
+            Dtype::Fp8 => "fp8",
+            Dtype::Fp32 => "fp32",
+        }
+    }
+}
+
+/// Which pages of the pools a run moves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Pattern {
+    /// Pages 0..N on both sides: the plan coalesces into a few large runs.
+    Contiguous,
+    /// N distinct pages drawn uniformly on each side: nothing coalesces.
+    Random,
+    /// Runs of 1..=8 consecutive pages separated by gaps of 1..=8: partial coalescing.
+    Fragmented,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PageOp {
+    /// The client writes its pages into the server's pool.
+    Write,
+    /// The client reads the server's pages into its pool.
+    Read,
+}
+
+fn parse_layout(s: &str) -> Result<Layout, String> {
+    s.parse::<Layout>().map_err(|e| e.to_string())
+}
 
 #[derive(Debug, Clone, Args)]
-pub struct PagesArgs {}
+pub struct PagesArgs {
+    /// Server address (`host` or `host:port`). Without it, and without `--server`, both
+    /// ends run in this process.
+    pub server_addr: Option<String>,
+
+    /// Run as the server (wait for a client).
+    #[arg(long, conflicts_with = "server_addr")]
+    pub server: bool,
+
+    /// Model preset (KV geometry).
+    #[arg(long, value_enum, default_value_t = Preset::Llama3_8b)]
+    pub model: Preset,
+
+    /// Element type of the pool.
+    #[arg(long, value_enum, default_value_t = Dtype::Bf16)]
+    pub dtype: Dtype,
+
+    /// Override the preset's layer count (smaller pools for slow machines).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=1024))]
+    pub layers: Option<u64>,
+
+    /// Host-pool layout of both pools (SGLang names: layer_first, page_first,
+    /// page_first_direct, page_head).
+    #[arg(long, value_parser = parse_layout, default_value = "page_first")]
+    pub layout: Layout,
+
+    /// Layout of the source pool (overrides --layout).
+    #[arg(long, value_parser = parse_layout)]
+    pub src_layout: Option<Layout>,
+
+    /// Layout of the destination pool (overrides --layout).
+    #[arg(long, value_parser = parse_layout)]
+    pub dst_layout: Option<Layout>,
+
+    /// Tokens per page.
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u64).range(1..=4096))]
+    pub page_size: u64,
+
+    /// Pages moved per batch.
+    #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    pub pages: u64,
+
+    /// Pages in each pool (default: 4 x --pages).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=10_000_000))]
+    pub pool_pages: Option<u64>,
+
+    /// Which pages move.
+    #[arg(long, value_enum, default_value_t = Pattern::Random)]
+    pub pattern: Pattern,
+
+    /// Seed of the page draw and of the --verify pattern.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+
+    /// Direction: the client writes to, or reads from, the server's pool.
+    #[arg(long, value_enum, default_value_t = PageOp::Write)]
+    pub op: PageOp,
+
+    /// Batches (each one moves --pages pages).
+    #[arg(short = 'n', long = "iters", default_value_t = 20, value_parser = clap::value_parser!(u64).range(1..=10_000_000))]
+    pub iters: u64,
+
+    /// Batches in flight.
+    #[arg(short = 't', long = "tx-depth", default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    pub depth: u32,
+
+    /// Queue pairs (verbs) or streams (TCP).
+    #[arg(short = 'q', long = "qp", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub qps: u32,
+
+    /// RDMA device.
+    #[arg(short = 'd', long = "ib-dev")]
+    pub device: Option<String>,
+
+    /// GID index.
+    #[arg(short = 'x', long = "gid-index")]
+    pub gid_index: Option<u32>,
+
+    /// Device port.
+    #[arg(short = 'i', long = "ib-port", default_value_t = 1)]
+    pub ib_port: u8,
+
+    /// Side-channel port the server listens on.
+    #[arg(short = 'p', long = "port", default_value_t = super::args::DEFAULT_PORT)]
+    pub port: u16,
+
+    /// Transport backend.
+    #[arg(long, value_enum, default_value_t = TransportArg::Auto)]
+    pub transport: TransportArg,
+
+    /// The receiving side checks every byte of its pool afterwards.
+    #[arg(long)]
+    pub verify: bool,
+
+    /// One JSON record on stdout instead of the text report (no progress bar).
+    #[arg(long)]
+    pub json: bool,
+
+    /// Seconds any single wait may take before the run fails.
+    #[arg(long, default_value_t = 30.0, hide = true)]
+    pub timeout: f64,
+}
+
+impl PagesArgs {
+    pub fn pool_pages(&self) -> u64 {
+        self.pool_pages.unwrap_or(self.pages.saturating_mul(4))
+    }
+    pub fn src_layout(&self) -> Layout {
+        self.src_layout.unwrap_or(self.layout)
+    }
+    pub fn dst_layout(&self) -> Layout {
+        self.dst_layout.unwrap_or(self.layout)
+    }
+}
+
+/// The geometry both pools share.
+pub fn geometry(a: &PagesArgs) -> anyhow::Result<PoolGeometry> {
+    let (kind, layers, heads, d, dv) = a.model.shape();
+    let layers = a.layers.unwrap_or(layers);
+    let capacity = a.pool_pages().checked_mul(a.page_size).ok_or_else(|| {
+        anyhow::anyhow!(
+            "pool of {} pages x {} tokens overflows",
+            a.pool_pages(),
+            a.page_size
+        )
+    })?;
+    let b = PoolGeometry::builder(kind)
+        .layers(layers)
+        .page_size(a.page_size)
+        .dtype_bytes(a.dtype.bytes())
+        .capacity(capacity);
+    let b = match kind {
+        PoolKind::Mla => b.kv_dim(d),
+        PoolKind::MhaSplit => b.heads(heads).head_dim(d).v_head_dim(dv),
+        _ => b.heads(heads).head_dim(d),
+    };
+    Ok(b.build()?)
+}
+
+/// Bytes of one pool, and the offset of its V buffer for `mha-split` (placed after K).
+pub fn pool_bytes(g: &PoolGeometry) -> (u64, Option<u64>) {
+    let k = g.buffer_bytes(Component::K);
+    match g.kind() {
+        PoolKind::Mla => (k, None),
+        PoolKind::MhaSplit => (k + g.buffer_bytes(Component::V), Some(k)),
+        // mha: one buffer holding K then V (SGLang's kv_buffer).
+        _ => (k + g.buffer_bytes(Component::V), None),
+    }
+}
+
+/// A pool placed at `base` (the start of its buffer).
+pub fn place(g: PoolGeometry, layout: Layout, base: u64) -> anyhow::Result<Pool> {
+    let (_, v_off) = pool_bytes(&g);
+    Ok(Pool::new(g, layout, base, v_off.map(|o| base + o))?)
+}
+
+/// A small deterministic generator (splitmix64) so both ends draw the same pages.
+#[derive(Debug, Clone)]
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Self {
+        Rng(seed)
+    }
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    /// Uniform in `0..n` (n > 0); the modulo bias is irrelevant at these sizes.
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next_u64() % n
+    }
+}
+
+/// `n` distinct pages of a pool of `pool` pages, following `pattern`.
+pub fn draw_pages(pattern: Pattern, n: u64, pool: u64, rng: &mut Rng) -> anyhow::Result<Vec<u64>> {
+    anyhow::ensure!(n <= pool, "cannot pick {n} pages from a pool of {pool}");
+    Ok(match pattern {
+        Pattern::Contiguous => (0..n).collect(),
+        Pattern::Random => {
+            // Partial Fisher-Yates over the page ids.
+            let mut ids: Vec<u64> = (0..pool).collect();
+            for i in 0..n as usize {
+                let j = i + rng.below(pool - i as u64) as usize;
+                ids.swap(i, j);
+            }
+            ids.truncate(n as usize);
+            ids
+        }
+        Pattern::Fragmented => {
+            let mut out = Vec::with_capacity(n as usize);
+            let mut p = rng.below(8);
+            while (out.len() as u64) < n {
+                let run = 1 + rng.below(8);
+                for _ in 0..run {
+                    if (out.len() as u64) == n {
+                        break;
+                    }
+                    if p >= pool {
+                        // Wrapped: fall back to the lowest unused pages, in order.
+                        break;
+                    }
+                    out.push(p);
+                    p += 1;
+                }
+                p += 1 + rng.below(8);
+                if p >= pool && (out.len() as u64) < n {
+                    let used: std::collections::HashSet<u64> = out.iter().copied().collect();
+                    out.extend(
+                        (0..pool)
+                            .filter(|q| !used.contains(q))
+                            .take(n as usize - out.len()),
+                    );
+                }
+            }
+            out
+        }
+    })
+}
+
+/// The page mapping of a run: `src[i]` moves to `dst[i]`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Mapping {
+    pub src: Vec<u64>,
+    pub dst: Vec<u64>,
+}
+
+pub fn mapping(a: &PagesArgs) -> anyhow::Result<Mapping> {
+    let mut rng = Rng::new(a.seed);
+    let pool = a.pool_pages();
+    let src = draw_pages(a.pattern, a.pages, pool, &mut rng)?;
+    let dst = draw_pages(a.pattern, a.pages, pool, &mut rng)?;
+    Ok(Mapping { src, dst })
+}
+
+/// Figures about a plan for the report.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct PlanStats {
+    /// Per-page segments of the source (SGLang's `get_page_buffer_meta` entries).
+    pub segments_raw: u64,
+    /// Transfers in the coalesced plan.
+    pub segments_plan: u64,
+    /// Work requests after slicing at the engine's largest WR.
+    pub work_requests: u64,
+    pub bytes: u64,
+}
+
+pub fn plan_stats(src: &Pool, plan: &TransferPlan, pages: u64, max_wr: u64) -> PlanStats {
+    let max_wr = max_wr.max(1);
+    PlanStats {
+        segments_raw: pages * src.entries_per_page() as u64,
+        segments_plan: plan.len() as u64,
+        work_requests: plan.lens().iter().map(|l| l.div_ceil(max_wr)).sum(),
+        bytes: plan.total_bytes(),
+    }
+}
+
+/// Replays `plan` with memcpy: `src_mem` starts at address `src_base`, `dst_mem` at
+/// `dst_base`. This is the reference the receiver compares against.
+pub fn replay(
+    plan: &TransferPlan,
+    src_mem: &[u8],
+    src_base: u64,
+    dst_mem: &mut [u8],
+    dst_base: u64,
+) -> anyhow::Result<()> {
+    for t in plan.iter() {
+        let s = t
+            .src
+            .checked_sub(src_base)
+            .ok_or_else(|| anyhow::anyhow!("plan source {:#x} below its pool", t.src))?
+            as usize;
+        let d = t
+            .dst
+            .checked_sub(dst_base)
+            .ok_or_else(|| anyhow::anyhow!("plan destination {:#x} below its pool", t.dst))?
+            as usize;
+        let n = t.len as usize;
+        anyhow::ensure!(
+            s + n <= src_mem.len() && d + n <= dst_mem.len(),
+            "plan transfer {t:?} outside the pools"
+        );
+        dst_mem[d..d + n].copy_from_slice(&src_mem[s..s + n]);
+    }
+    Ok(())
+}
 
 pub fn run(_args: PagesArgs) -> anyhow::Result<()> {
-    anyhow::bail!("bench pages: not implemented yet")
+    anyhow::bail!("bench pages: waiting for the transport engine")
 }
 
 pub fn run_default() -> anyhow::Result<()> {
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Debug, Parser)]
+    struct Cli {
+        #[command(flatten)]
+        a: PagesArgs,
+    }
+
+    fn parse(argv: &[&str]) -> PagesArgs {
+        Cli::try_parse_from(std::iter::once("pages").chain(argv.iter().copied()))
+            .unwrap()
+            .a
+    }
+
+    #[test]
+    fn presets_have_their_real_geometry() {
+        let g = geometry(&parse(&["--page-size", "64", "--pool-pages", "2"])).unwrap();
+        // Llama-3-8B: 2 * 32 layers * 8 heads * 128 * 2 B = 128 KiB per token.
+        assert_eq!(g.bytes_per_token(), 131072);
+        assert_eq!(g.page_bytes(Component::K), 32 * 64 * 8 * 128 * 2);
+        let g = geometry(&parse(&["--model", "deepseek-v3", "--pool-pages", "2"])).unwrap();
+        assert_eq!(g.kind(), PoolKind::Mla);
+        assert_eq!(g.bytes_per_token(), 61 * 576 * 2);
+        let g = geometry(&parse(&[
+            "--model",
+            "deepseek-v3",
+            "--dtype",
+            "fp8",
+            "--pool-pages",
+            "2",
+        ]))
+        .unwrap();
+        assert_eq!(g.bytes_per_token(), 61 * 576);
+        let g = geometry(&parse(&["--model", "mimo-v2", "--pool-pages", "2"])).unwrap();
+        assert_eq!(g.kind(), PoolKind::MhaSplit);
+        assert_eq!(g.bytes_per_token(), 48 * 4 * (192 + 128) * 2);
+        let (bytes, v) = pool_bytes(&g);
+        assert_eq!(v, Some(g.buffer_bytes(Component::K)));
+        assert_eq!(
+            bytes,
+            g.buffer_bytes(Component::K) + g.buffer_bytes(Component::V)
+        );
+    }
+
+    #[test]
+    fn draws_are_distinct_in_range_and_deterministic() {
+        for pattern in [Pattern::Contiguous, Pattern::Random, Pattern::Fragmented] {
+            for (n, pool) in [(1, 1), (5, 5), (32, 128), (100, 101), (64, 64)] {
+                let a = draw_pages(pattern, n, pool, &mut Rng::new(7)).unwrap();
+                let b = draw_pages(pattern, n, pool, &mut Rng::new(7)).unwrap();
+                assert_eq!(a, b);
+                assert_eq!(a.len() as u64, n, "{pattern:?} {n}/{pool}");
+                let set: std::collections::HashSet<_> = a.iter().collect();
+                assert_eq!(set.len() as u64, n, "{pattern:?} duplicates");
+                assert!(a.iter().all(|&p| p < pool));
+            }
+        }
+        assert!(draw_pages(Pattern::Random, 3, 2, &mut Rng::new(1)).is_err());
+    }
+
+    #[test]
+    fn contiguous_coalesces_and_random_does_not() {
+        let a = parse(&[
+            "--pages",
+            "16",
+            "--pool-pages",
+            "64",
+            "--layers",
+            "2",
+            "--pattern",
+            "contiguous",
+        ]);
+        let g = geometry(&a).unwrap();
+        let (bytes, _) = pool_bytes(&g);
+        let src = place(g, a.src_layout(), 0x10_0000).unwrap();
+        let dst = place(g, a.dst_layout(), 0x10_0000 + bytes).unwrap();
+        let m = mapping(&a).unwrap();
+        let plan = pagewire_layout::plan(&src, &dst, &m.src, &m.dst).unwrap();
+        let st = plan_stats(&src, &plan, 16, 1 << 20);
+        assert_eq!(st.segments_raw, 32);
+        assert_eq!(st.segments_plan, 2, "K run and V run");
+        assert_eq!(st.bytes, 16 * g.page_bytes(Component::K) * 2);
+        let a = parse(&[
+            "--pages",
+            "16",
+            "--pool-pages",
+            "4096",
+            "--layers",
+            "2",
+            "--pattern",
+            "random",
+        ]);
+        let g = geometry(&a).unwrap();
+        let src = place(g, a.src_layout(), 0).unwrap();
+        let dst = place(g, a.dst_layout(), 1 << 40).unwrap();
+        let m = mapping(&a).unwrap();
+        let plan = pagewire_layout::plan(&src, &dst, &m.src, &m.dst).unwrap();
+        assert!(plan_stats(&src, &plan, 16, 1 << 20).segments_plan >= 30);
+    }
+
+    #[test]
+    fn replay_moves_pages_across_layouts() {
+        let a = parse(&[
+            "--pages",
+            "3",
+            "--pool-pages",
+            "6",
+            "--layers",
+            "2",
+            "--page-size",
+            "2",
+            "--src-layout",
+            "layer_first",
+            "--dst-layout",
+            "page_head",
+            "--model",
+            "mimo-v2",
+        ]);
+        let g = geometry(&a).unwrap();
+        let (bytes, _) = pool_bytes(&g);
+        let src = place(g, a.src_layout(), 0).unwrap();
+        // SGLang refuses page_head for head_dim != v_head_dim; the layout crate extends it.
+        let dst = place(g, a.dst_layout(), 0).unwrap();
+        let m = mapping(&a).unwrap();
+        let plan = pagewire_layout::plan(&src, &dst, &m.src, &m.dst).unwrap();
+        let mut s = vec![0u8; bytes as usize];
+        super::super::pattern::fill(&mut s, 9);
+        let mut d = vec![0u8; bytes as usize];
+        replay(&plan, &s, 0, &mut d, 0).unwrap();
+        // Element (K, token 0 of the page, layer 1, head 3, dim 5) moved with its page.
+        let (sp, dp) = (m.src[1], m.dst[1]);
+        let se = src.element_addr(Component::K, sp * 2, 1, 3, 5).unwrap() as usize;
+        let de = dst.element_addr(Component::K, dp * 2, 1, 3, 5).unwrap() as usize;
+        assert_eq!(s[se..se + 2], d[de..de + 2]);
+    }
 }
