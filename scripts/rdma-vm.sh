@@ -104,6 +104,7 @@ case "$cmd" in
         exit $?
         ;;
     shell)
+        ((timeout_set)) || vmopts=(--timeout 3600 "${vmopts[@]}")
         exec "$sr/run-vm.sh" "${vmopts[@]}" --shell
         ;;
     image)

@@ -7,7 +7,7 @@ set -euo pipefail
 want=(cmake libclang1-14 libclang-common-14-dev pkg-config)
 if [[ "${1:-}" == "--vm" ]]; then
     want+=(qemu-system-x86 busybox-static rdma-core ibverbs-providers ibverbs-utils
-           libibverbs-dev perftest iperf3 python3 iproute2 kmod xz-utils)
+           libibverbs-dev perftest rdmacm-utils iperf3 python3 iproute2 kmod xz-utils)
 fi
 
 missing=()

@@ -8,3 +8,15 @@ export PATH="$HOME/.cargo/bin:$PATH"
 
 echo "== host suite: cargo test --workspace"
 cargo test --workspace --locked
+
+# Verbs suite on soft-RoCE: first the harness checks itself (a failing job must fail, a
+# guest without rxe0 must fail loudly), then the listed packages' test binaries run in ONE
+# guest with rxe0 (veth0) and rxe1 (veth1), RDMA_REQUIRED=1. Extend the list here (each
+# package adds its tests' TCG run time; the VM part must stay under 10 minutes).
+VM_TEST_PACKAGES=(${PAGEWIRE_VM_TEST_PACKAGES:-pagewire-transport})
+echo "== soft-RoCE harness self-test"
+scripts/rdma-vm.sh selftest
+echo "== verbs suite in the soft-RoCE VM: ${VM_TEST_PACKAGES[*]}"
+pkg_args=()
+for p in "${VM_TEST_PACKAGES[@]}"; do pkg_args+=(-p "$p"); done
+scripts/rdma-vm.sh --two-devices test "${pkg_args[@]}" --locked

@@ -67,6 +67,7 @@ if ((!shell)); then
     cp "$job" "$jobdir/job.sh"
 fi
 echo "$outdir" >"$jobdir/outdir"
+echo "$repo" >"$jobdir/cwd"
 
 # /dev/kvm may be a PVM hypervisor that cannot boot Debian's kernel: only trust it when a
 # hardware KVM module is loaded.
