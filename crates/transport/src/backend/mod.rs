@@ -1,0 +1,229 @@
+//! The contract between the engine core and the data paths (see docs/architecture.md).
+//!
+//! The core validates and resolves every op before a backend sees it: the local range
+//! lies inside one registered chunk (`lkey`), the remote range inside one chunk the peer
+//! exposed (`rkey`), and both have the access the op needs. A backend only moves bytes
+//! and reports progress through [`BatchState`].
+//!
+//! Each backend module provides an `open` function:
+//! - `verbs::open(config: &EngineConfig) -> Result<Arc<dyn Backend>, Error>` (feature `verbs`)
+//! - `tcp::open(config: &EngineConfig, init: &BackendInit) -> Result<Arc<dyn Backend>, Error>`
+//! - `loopback::open(config: &EngineConfig, init: &BackendInit) -> Result<Arc<dyn Backend>, Error>`
+
+use std::any::Any;
+use std::fmt;
+use std::sync::Arc;
+
+use crossbeam_channel::Sender;
+
+pub(crate) use crate::batch::BatchState;
+use crate::batch::Op;
+use crate::config::{BackendKind, EngineConfig};
+use crate::engine::{Notification, PeerId};
+use crate::error::{Error, Result};
+use crate::memory::{Access, Registry};
+#[allow(unused_imports)] // QpInfo: for the verbs backend
+pub(crate) use crate::wire::{EndpointInfo, QpInfo};
+
+pub(crate) mod loopback;
+pub(crate) mod tcp;
+#[cfg(feature = "verbs")]
+pub(crate) mod verbs;
+
+/// Which data path, and the figures a benchmark header prints.
+#[non_exhaustive]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct BackendInfo {
+    /// Verbs, Tcp or Loopback (never Auto).
+    pub kind: BackendKind,
+    /// Device name (`rxe0`, `mlx5_0`), or `tcp`/`loopback`.
+    pub device: String,
+    /// Verbs port (0 otherwise).
+    pub port: u8,
+    /// Link layer / transport description (`Ethernet (RoCEv2)`, `InfiniBand`, `TCP`).
+    pub link: String,
+    /// Path MTU in bytes (0 when not applicable).
+    pub mtu: u32,
+    /// Local GID (verbs).
+    pub gid: Option<[u8; 16]>,
+    /// GID index in use (verbs).
+    pub gid_index: Option<u32>,
+    /// LID (verbs; 0 on RoCE).
+    pub lid: u16,
+    /// QPs (verbs) or streams (TCP) per peer.
+    pub lanes_per_peer: u16,
+    /// Send queue depth per QP (verbs) or in-flight chunks per stream (TCP).
+    pub tx_depth: u32,
+    /// Signal one WR in N (verbs; 1 otherwise).
+    pub signal_every: u32,
+    /// Largest WR / chunk.
+    pub max_wr_bytes: u64,
+    /// Largest single registration; bigger regions are split.
+    pub max_mr_bytes: u64,
+    /// Why this backend was chosen (filled by the engine).
+    pub selection: String,
+}
+
+/// What a backend returns for one registration.
+pub(crate) struct BackendMr {
+    /// Local key (verbs lkey; TCP/loopback: an opaque id).
+    pub lkey: u32,
+    /// Remote key peers present (verbs rkey; TCP/loopback: checked by the receiver).
+    pub rkey: u32,
+    /// Backend state kept alive while registered (e.g. the verbs MR object).
+    #[allow(dead_code)] // read by the verbs backend only
+    pub handle: Option<Box<dyn Any + Send + Sync>>,
+}
+
+impl fmt::Debug for BackendMr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("BackendMr")
+            .field("lkey", &self.lkey)
+            .field("rkey", &self.rkey)
+            .finish_non_exhaustive()
+    }
+}
+
+/// One validated, key-resolved piece of a batch. The local range is inside one local MR
+/// chunk, the remote range inside one chunk the peer exposed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct ResolvedOp {
+    pub op: Op,
+    pub local: u64,
+    pub lkey: u32,
+    pub remote: u64,
+    pub rkey: u32,
+    pub len: u64,
+}
+
+/// Delivers `(peer, tag)` notifications into the engine's queue.
+#[derive(Clone)]
+pub(crate) struct NotifySink {
+    pub(crate) peer: PeerId,
+    pub(crate) tx: Sender<Notification>,
+}
+
+impl NotifySink {
+    /// Surfaces a notification from this connection's peer. Call only once every byte of
+    /// the batch it ends is in local memory.
+    pub(crate) fn notify(&self, tag: u32) {
+        // The receiver lives as long as the engine; a send error means it is shutting down.
+        let _ = self.tx.send(Notification {
+            peer: self.peer,
+            tag,
+        });
+    }
+}
+
+impl fmt::Debug for NotifySink {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "NotifySink({})", self.peer)
+    }
+}
+
+/// What a connection gets from the engine when it completes.
+#[derive(Debug, Clone)]
+pub(crate) struct ConnCtx {
+    /// The engine's id for the peer.
+    pub peer: PeerId,
+    /// Where incoming notifications go.
+    pub notify: NotifySink,
+    /// The local registry (for backends that check incoming ops themselves).
+    #[allow(dead_code)]
+    pub registry: Arc<Registry>,
+    /// The engine config.
+    #[allow(dead_code)]
+    pub config: Arc<EngineConfig>,
+}
+
+/// Engine-side state some backends need at open time.
+#[derive(Debug, Clone)]
+pub(crate) struct BackendInit {
+    /// Random id of the engine (loopback: key of the process-global table).
+    pub engine_id: u64,
+    /// The local registry.
+    pub registry: Arc<Registry>,
+}
+
+/// A data path.
+pub(crate) trait Backend: Send + Sync + 'static {
+    /// Verbs | Tcp | Loopback.
+    fn kind(&self) -> BackendKind;
+    /// Device, port, MTU, GID... for reports.
+    fn info(&self) -> BackendInfo;
+    /// Called once per MR chunk (the engine already split at `info().max_mr_bytes`);
+    /// the returned keys are stored in the registry.
+    fn register(&self, addr: usize, len: usize, access: Access) -> Result<BackendMr, Error>;
+    /// Releases one registration.
+    fn deregister(&self, mr: BackendMr);
+    /// Builds the local half of a new connection and its part of the handshake.
+    fn prepare(&self) -> Result<(Box<dyn PendingConn>, EndpointInfo), Error>;
+    /// Stops background threads; called once when the engine shuts down.
+    fn shutdown(&self) {}
+}
+
+/// A connection waiting for the peer's half.
+pub(crate) trait PendingConn: Send {
+    /// Finishes with the peer's half (e.g. QPs to RTR/RTS).
+    fn complete(
+        self: Box<Self>,
+        remote: &EndpointInfo,
+        ctx: ConnCtx,
+    ) -> Result<Arc<dyn Conn>, Error>;
+}
+
+/// An established connection.
+pub(crate) trait Conn: Send + Sync {
+    /// Posts one batch. `ops` are validated and resolved; the backend reports through
+    /// `batch` (progress, success, first error) and never blocks past its deadline.
+    /// With `notify`, the peer must surface the tag only after every byte landed.
+    fn post(
+        &self,
+        batch: Arc<BatchState>,
+        ops: Vec<ResolvedOp>,
+        notify: Option<u32>,
+    ) -> Result<(), Error>;
+    /// Whether the connection failed (peer gone, QP in error).
+    fn is_broken(&self) -> bool;
+    /// Tears the connection down; pending batches fail with `PeerGone`.
+    fn close(&self);
+}
+
+/// Opens the configured backend; returns it with the reason for the choice.
+pub(crate) fn open(
+    config: &EngineConfig,
+    init: &BackendInit,
+) -> Result<(Arc<dyn Backend>, String)> {
+    match config.backend {
+        BackendKind::Tcp => Ok((tcp::open(config, init)?, "forced by config".into())),
+        BackendKind::Loopback => Ok((loopback::open(config, init)?, "forced by config".into())),
+        BackendKind::Verbs => open_verbs(config).map(|b| (b, "forced by config".into())),
+        BackendKind::Auto => match open_verbs(config) {
+            Ok(b) => {
+                let dev = b.info().device;
+                Ok((b, format!("auto: RDMA device {dev} is usable")))
+            }
+            Err(e) => Ok((
+                tcp::open(config, init)?,
+                format!("auto: no usable RDMA device ({e}), using TCP"),
+            )),
+        },
+        #[allow(unreachable_patterns)]
+        other => Err(Error::Unsupported {
+            what: format!("backend {other}"),
+        }),
+    }
+}
+
+#[cfg(feature = "verbs")]
+fn open_verbs(config: &EngineConfig) -> Result<Arc<dyn Backend>> {
+    verbs::open(config)
+}
+
+#[cfg(not(feature = "verbs"))]
+fn open_verbs(_config: &EngineConfig) -> Result<Arc<dyn Backend>> {
+    Err(Error::BackendUnavailable {
+        backend: BackendKind::Verbs,
+        reason: "built without the `verbs` feature".into(),
+    })
+}

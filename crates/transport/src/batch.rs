@@ -1,0 +1,513 @@
+//! Batches of one-sided operations and their handles.
+//!
+//! A [`Batch`] is a list of [`TransferOp`]s to one peer, with an optional notification
+//! tag and deadline. [`Engine::submit`](crate::Engine::submit) validates it, pins the local
+//! regions and hands it to the backend, returning a [`TransferHandle`].
+//!
+//! Deadlines: every batch has one (its own, or `batch_timeout` from the config). When it
+//! passes with work outstanding the batch fails with [`Error::Timeout`]; the check is made
+//! by the backend, by [`TransferHandle::status`] and by [`TransferHandle::wait`], so it
+//! holds even if the backend is stuck. `wait(deadline)` only bounds the wait: when its
+//! own deadline passes first it returns `Timeout` and the batch carries on.
+//!
+//! Cancellation is best effort: slices not yet handed to the wire are skipped, slices in
+//! flight may still land. Either way the local regions stay pinned until the backend has
+//! let go of the batch, so deregistration can never race a transfer.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::engine::PeerId;
+use crate::error::{Error, Result};
+use crate::memory::RegionPin;
+
+/// Direction of a one-sided operation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Op {
+    /// Local memory to the peer's memory.
+    Write,
+    /// The peer's memory to local memory.
+    Read,
+}
+
+/// One operation: `len` bytes between local address `local` and remote address `remote`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct TransferOp {
+    /// Direction.
+    pub op: Op,
+    /// Local address (inside a region registered on this engine).
+    pub local: u64,
+    /// Remote address (inside a region the peer exposed).
+    pub remote: u64,
+    /// Bytes.
+    pub len: u64,
+}
+
+/// A list of operations to one peer, submitted together.
+#[derive(Debug, Clone, Default)]
+#[must_use = "a batch does nothing until submitted with Engine::submit"]
+pub struct Batch {
+    pub(crate) ops: Vec<TransferOp>,
+    pub(crate) notify: Option<u32>,
+    pub(crate) deadline: Option<Instant>,
+}
+
+impl Batch {
+    /// An empty batch.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// An empty batch with room for `n` ops.
+    pub fn with_capacity(n: usize) -> Self {
+        Batch {
+            ops: Vec::with_capacity(n),
+            ..Self::default()
+        }
+    }
+
+    /// Appends an op.
+    pub fn push(&mut self, op: TransferOp) -> &mut Self {
+        self.ops.push(op);
+        self
+    }
+
+    /// Appends a WRITE of `len` bytes from `local` to `remote`.
+    pub fn write(mut self, local: u64, remote: u64, len: u64) -> Self {
+        self.ops.push(TransferOp {
+            op: Op::Write,
+            local,
+            remote,
+            len,
+        });
+        self
+    }
+
+    /// Appends a READ of `len` bytes from `remote` into `local`.
+    pub fn read(mut self, local: u64, remote: u64, len: u64) -> Self {
+        self.ops.push(TransferOp {
+            op: Op::Read,
+            local,
+            remote,
+            len,
+        });
+        self
+    }
+
+    /// Asks for a remote notification: once every byte of this batch is in the peer's
+    /// memory, the peer's engine surfaces `(our PeerId there, tag)`. Only meaningful
+    /// for batches of WRITEs (a READ-only batch is notified after its last read).
+    pub fn notify(mut self, tag: u32) -> Self {
+        self.notify = Some(tag);
+        self
+    }
+
+    /// Absolute deadline for the whole batch.
+    pub fn deadline(mut self, at: Instant) -> Self {
+        self.deadline = Some(at);
+        self
+    }
+
+    /// Deadline relative to now.
+    pub fn timeout(self, d: Duration) -> Self {
+        self.deadline(Instant::now() + d)
+    }
+
+    /// The ops.
+    pub fn ops(&self) -> &[TransferOp] {
+        &self.ops
+    }
+
+    /// Number of ops.
+    pub fn len(&self) -> usize {
+        self.ops.len()
+    }
+
+    /// Whether there are no ops.
+    pub fn is_empty(&self) -> bool {
+        self.ops.is_empty()
+    }
+
+    /// Sum of op lengths (saturating).
+    pub fn bytes(&self) -> u64 {
+        self.ops.iter().fold(0u64, |a, o| a.saturating_add(o.len))
+    }
+}
+
+impl Extend<TransferOp> for Batch {
+    fn extend<I: IntoIterator<Item = TransferOp>>(&mut self, iter: I) {
+        self.ops.extend(iter);
+    }
+}
+
+impl FromIterator<TransferOp> for Batch {
+    fn from_iter<I: IntoIterator<Item = TransferOp>>(iter: I) -> Self {
+        Batch {
+            ops: iter.into_iter().collect(),
+            ..Self::default()
+        }
+    }
+}
+
+/// Where a batch stands.
+#[non_exhaustive]
+#[derive(Debug, Clone)]
+pub enum BatchStatus {
+    /// Work outstanding.
+    Pending,
+    /// Every op completed (and the notification, if any, was delivered to the peer).
+    Done,
+    /// Failed with the first error seen (including `Timeout` at the batch deadline).
+    Failed(Error),
+    /// Cancelled by the caller.
+    Cancelled,
+}
+
+impl BatchStatus {
+    /// Whether the batch has finished one way or another.
+    pub fn is_finished(&self) -> bool {
+        !matches!(self, BatchStatus::Pending)
+    }
+}
+
+/// Figures about a finished batch.
+#[non_exhaustive]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BatchStats {
+    /// Ops as submitted.
+    pub ops: usize,
+    /// Pieces after splitting at MR boundaries (backends may slice further).
+    pub slices: usize,
+    /// Bytes moved.
+    pub bytes: u64,
+    /// Submit to completion.
+    pub elapsed: Duration,
+}
+
+#[derive(Debug, Clone)]
+enum Phase {
+    Pending,
+    Done(Duration),
+    Failed(Error),
+    Cancelled,
+}
+
+/// The part of a batch that the caller's handle sees.
+#[derive(Debug)]
+pub(crate) struct BatchShared {
+    id: u64,
+    peer: PeerId,
+    ops: usize,
+    slices: usize,
+    bytes: u64,
+    submitted: Instant,
+    deadline: Instant,
+    done_bytes: AtomicU64,
+    done_slices: AtomicUsize,
+    cancel: AtomicBool,
+    /// Set once the phase leaves Pending, so the hot path checks an atomic, not the lock.
+    finished: AtomicBool,
+    phase: Mutex<Phase>,
+    cv: Condvar,
+}
+
+impl BatchShared {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Phase> {
+        self.phase.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Moves Pending to `next`; later transitions are ignored (first outcome wins).
+    fn finish(&self, next: Phase) -> bool {
+        let mut p = self.lock();
+        if !matches!(*p, Phase::Pending) {
+            return false;
+        }
+        *p = next;
+        self.finished.store(true, Ordering::Release);
+        drop(p);
+        self.cv.notify_all();
+        true
+    }
+
+    fn expire_if_due(&self, now: Instant) {
+        if now >= self.deadline && !self.finished.load(Ordering::Acquire) {
+            self.finish(Phase::Failed(Error::Timeout {
+                after: self.deadline - self.submitted,
+            }));
+        }
+    }
+
+    fn status(&self) -> BatchStatus {
+        self.expire_if_due(Instant::now());
+        match &*self.lock() {
+            Phase::Pending => BatchStatus::Pending,
+            Phase::Done(_) => BatchStatus::Done,
+            Phase::Failed(e) => BatchStatus::Failed(e.clone()),
+            Phase::Cancelled => BatchStatus::Cancelled,
+        }
+    }
+}
+
+/// The backend's view of a batch. Holding it keeps the local regions pinned, so a
+/// backend must keep its `Arc<BatchState>` until nothing it posted can still touch
+/// local memory (e.g. until the last CQE of the batch, or the QP is flushed).
+#[derive(Debug)]
+pub(crate) struct BatchState {
+    shared: Arc<BatchShared>,
+    _pins: Vec<RegionPin>,
+}
+
+impl BatchState {
+    pub(crate) fn new(
+        id: u64,
+        peer: PeerId,
+        ops: usize,
+        slices: usize,
+        bytes: u64,
+        deadline: Instant,
+        pins: Vec<RegionPin>,
+    ) -> Self {
+        let now = Instant::now();
+        BatchState {
+            shared: Arc::new(BatchShared {
+                id,
+                peer,
+                ops,
+                slices,
+                bytes,
+                submitted: now,
+                deadline,
+                done_bytes: AtomicU64::new(0),
+                done_slices: AtomicUsize::new(0),
+                cancel: AtomicBool::new(false),
+                finished: AtomicBool::new(false),
+                phase: Mutex::new(Phase::Pending),
+                cv: Condvar::new(),
+            }),
+            _pins: pins,
+        }
+    }
+
+    pub(crate) fn handle(&self) -> TransferHandle {
+        TransferHandle {
+            shared: self.shared.clone(),
+        }
+    }
+
+    /// Engine-wide batch id (use as a wr_id prefix, for logs).
+    #[allow(dead_code)]
+    pub(crate) fn id(&self) -> u64 {
+        self.shared.id
+    }
+
+    /// The peer it goes to.
+    #[allow(dead_code)]
+    pub(crate) fn peer(&self) -> PeerId {
+        self.shared.peer
+    }
+
+    /// The batch deadline; a backend must not block past it.
+    #[allow(dead_code)]
+    pub(crate) fn deadline(&self) -> Instant {
+        self.shared.deadline
+    }
+
+    /// Total bytes of the batch.
+    #[allow(dead_code)]
+    pub(crate) fn total_bytes(&self) -> u64 {
+        self.shared.bytes
+    }
+
+    /// Whether the backend should stop posting more of this batch: cancelled, failed,
+    /// timed out (checked against the clock here) or already done.
+    pub(crate) fn should_stop(&self) -> bool {
+        if self.shared.cancel.load(Ordering::Acquire) {
+            return true;
+        }
+        self.shared.expire_if_due(Instant::now());
+        self.shared.finished.load(Ordering::Acquire)
+    }
+
+    /// Whether the outcome is decided.
+    #[allow(dead_code)]
+    pub(crate) fn is_finished(&self) -> bool {
+        self.shared.finished.load(Ordering::Acquire)
+    }
+
+    /// Records progress (slices completed and their bytes).
+    pub(crate) fn add_progress(&self, slices: usize, bytes: u64) {
+        self.shared.done_slices.fetch_add(slices, Ordering::AcqRel);
+        self.shared.done_bytes.fetch_add(bytes, Ordering::AcqRel);
+    }
+
+    /// Marks the batch done (no effect if it already finished).
+    pub(crate) fn succeed(&self) {
+        let elapsed = self.shared.submitted.elapsed();
+        self.shared.finish(Phase::Done(elapsed));
+    }
+
+    /// Marks the batch failed with `err` (the first error wins).
+    pub(crate) fn fail(&self, err: Error) {
+        if self.shared.finish(Phase::Failed(err.clone())) {
+            tracing::debug!(batch = self.shared.id, peer = %self.shared.peer, error = %err, "batch failed");
+        }
+    }
+}
+
+/// Handle to a submitted batch. Dropping it does not cancel the batch.
+#[derive(Debug, Clone)]
+pub struct TransferHandle {
+    shared: Arc<BatchShared>,
+}
+
+impl TransferHandle {
+    /// Engine-wide batch id.
+    pub fn id(&self) -> u64 {
+        self.shared.id
+    }
+
+    /// The peer.
+    pub fn peer(&self) -> PeerId {
+        self.shared.peer
+    }
+
+    /// The batch deadline.
+    pub fn deadline(&self) -> Instant {
+        self.shared.deadline
+    }
+
+    /// Current status (non-blocking). A pending batch whose deadline passed becomes
+    /// `Failed(Timeout)` here.
+    pub fn status(&self) -> BatchStatus {
+        self.shared.status()
+    }
+
+    /// Bytes completed so far (a lower bound while pending).
+    pub fn bytes_done(&self) -> u64 {
+        self.shared.done_bytes.load(Ordering::Acquire)
+    }
+
+    /// Blocks until the batch finishes or `deadline` passes, whichever is first.
+    ///
+    /// Returns the stats on success; the batch error, `Cancelled`, or
+    /// `Timeout` (wait deadline passed, batch still running) otherwise.
+    pub fn wait(&self, deadline: Instant) -> Result<BatchStats> {
+        let s = &self.shared;
+        let started = Instant::now();
+        let mut p = s.lock();
+        loop {
+            match &*p {
+                Phase::Pending => {}
+                Phase::Done(elapsed) => {
+                    return Ok(BatchStats {
+                        ops: s.ops,
+                        slices: s.slices,
+                        bytes: s.done_bytes.load(Ordering::Acquire).max(s.bytes),
+                        elapsed: *elapsed,
+                    });
+                }
+                Phase::Failed(e) => return Err(e.clone()),
+                Phase::Cancelled => return Err(Error::Cancelled),
+            }
+            let now = Instant::now();
+            if now >= s.deadline {
+                drop(p);
+                s.expire_if_due(now);
+                p = s.lock();
+                continue;
+            }
+            if now >= deadline {
+                return Err(Error::Timeout {
+                    after: now - started,
+                });
+            }
+            let until = deadline.min(s.deadline);
+            p =
+                s.cv.wait_timeout(p, until - now)
+                    .unwrap_or_else(|e| e.into_inner())
+                    .0;
+        }
+    }
+
+    /// `wait` with a relative timeout.
+    pub fn wait_timeout(&self, d: Duration) -> Result<BatchStats> {
+        self.wait(Instant::now() + d)
+    }
+
+    /// Requests cancellation. Returns `true` if the batch was still pending (it is now
+    /// `Cancelled`), `false` if it had already finished.
+    pub fn cancel(&self) -> bool {
+        self.shared.cancel.store(true, Ordering::Release);
+        self.shared.finish(Phase::Cancelled)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn state(deadline: Duration) -> BatchState {
+        BatchState::new(
+            1,
+            PeerId(1),
+            1,
+            1,
+            10,
+            Instant::now() + deadline,
+            Vec::new(),
+        )
+    }
+
+    #[test]
+    fn first_outcome_wins() {
+        let b = state(Duration::from_secs(10));
+        let h = b.handle();
+        assert!(matches!(h.status(), BatchStatus::Pending));
+        b.add_progress(1, 10);
+        b.succeed();
+        b.fail(Error::Cancelled);
+        assert!(matches!(h.status(), BatchStatus::Done));
+        let st = h.wait(Instant::now()).unwrap();
+        assert_eq!(st.bytes, 10);
+        assert!(!h.cancel());
+    }
+
+    #[test]
+    fn deadline_fails_the_batch_even_if_backend_is_silent() {
+        let b = state(Duration::from_millis(20));
+        let h = b.handle();
+        let t0 = Instant::now();
+        let e = h.wait(Instant::now() + Duration::from_secs(5)).unwrap_err();
+        assert!(matches!(e, Error::Timeout { .. }), "{e}");
+        assert!(t0.elapsed() < Duration::from_secs(2));
+        assert!(b.should_stop());
+    }
+
+    #[test]
+    fn wait_deadline_does_not_fail_the_batch() {
+        let b = state(Duration::from_secs(10));
+        let h = b.handle();
+        let e = h
+            .wait(Instant::now() + Duration::from_millis(10))
+            .unwrap_err();
+        assert!(matches!(e, Error::Timeout { .. }));
+        assert!(matches!(h.status(), BatchStatus::Pending));
+        assert!(h.cancel());
+        assert!(b.should_stop());
+        assert!(matches!(h.wait(Instant::now()), Err(Error::Cancelled)));
+    }
+
+    #[test]
+    fn waiter_is_woken() {
+        let b = Arc::new(state(Duration::from_secs(10)));
+        let h = b.handle();
+        let b2 = b.clone();
+        let t = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(20));
+            b2.succeed();
+        });
+        h.wait(Instant::now() + Duration::from_secs(5)).unwrap();
+        t.join().unwrap();
+    }
+}

@@ -1,0 +1,987 @@
+//! The engine: registration, the control listener and handshake, the peer table,
+//! batch validation and remote notifications. Backends only move bytes.
+//!
+//! Threads: one control-listener thread per engine, plus one short-lived thread per
+//! incoming handshake (capped), so a slow or half-open client never blocks others.
+//! Backends add their own (see docs/transport.md).
+
+use std::collections::{HashMap, HashSet};
+use std::fmt;
+use std::io::Read;
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, RwLock, Weak};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, Sender};
+
+use crate::backend::{
+    self, Backend, BackendInfo, BackendInit, BackendMr, Conn, ConnCtx, NotifySink, ResolvedOp,
+};
+use crate::batch::{Batch, BatchState, Op, TransferHandle, TransferOp};
+use crate::config::{BackendKind, EngineConfig};
+use crate::error::{Error, HandshakeError, Result};
+use crate::memory::{
+    Access, Chunk, HostBuffer, InsertPlan, RegionId, RegionInfo, RegionPin, Registry, RemoteRegion,
+    RemoteTable,
+};
+use crate::wire::{self, EndpointInfo, Frame, Hello, Welcome};
+
+/// Most handshakes served at the same time; further connections are dropped at once.
+const MAX_CONCURRENT_HANDSHAKES: usize = 64;
+
+/// Id of a connected peer, unique within one engine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PeerId(pub(crate) u64);
+
+impl PeerId {
+    /// The raw number (for logs and wire tags).
+    pub fn get(self) -> u64 {
+        self.0
+    }
+}
+
+impl fmt::Display for PeerId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "peer#{}", self.0)
+    }
+}
+
+/// A remote notification: `peer` finished a batch tagged `tag` into our memory, and
+/// every byte of it is in place.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Notification {
+    /// Who wrote.
+    pub peer: PeerId,
+    /// The batch's tag.
+    pub tag: u32,
+}
+
+/// What we know about a peer.
+#[non_exhaustive]
+#[derive(Debug, Clone)]
+pub struct PeerInfo {
+    /// Its id here.
+    pub id: PeerId,
+    /// Its control listener.
+    pub control_addr: SocketAddr,
+    /// Its engine's random id.
+    pub engine_id: u64,
+    /// Whether we initiated the connection.
+    pub initiated: bool,
+    /// Our half of the backend handshake (QPNs, PSNs, GID...).
+    pub local_endpoint: EndpointInfo,
+    /// Its half.
+    pub remote_endpoint: EndpointInfo,
+    /// The regions it exposes, as last described.
+    pub regions: Vec<RemoteRegion>,
+}
+
+struct Peer {
+    id: PeerId,
+    control_addr: SocketAddr,
+    engine_id: u64,
+    initiated: bool,
+    /// The session id the peer gave us (we present it in `Describe`).
+    remote_session: u64,
+    /// The session id we gave the peer.
+    local_session: u64,
+    conn: Arc<dyn Conn>,
+    local_ep: EndpointInfo,
+    remote_ep: EndpointInfo,
+    regions: RwLock<Arc<RemoteTable>>,
+}
+
+impl Peer {
+    fn table(&self) -> Arc<RemoteTable> {
+        self.regions
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+}
+
+struct Inner {
+    id: u64,
+    config: Arc<EngineConfig>,
+    backend: Arc<dyn Backend>,
+    info: BackendInfo,
+    registry: Arc<Registry>,
+    peers: RwLock<HashMap<PeerId, Arc<Peer>>>,
+    /// Our session ids -> peer, for `Describe`.
+    sessions: Mutex<HashMap<u64, PeerId>>,
+    next_peer: AtomicU64,
+    next_batch: AtomicU64,
+    notify_tx: Sender<Notification>,
+    notify_rx: Receiver<Notification>,
+    accept_tx: Sender<PeerId>,
+    accept_rx: Receiver<PeerId>,
+    local_addr: SocketAddr,
+    shutdown: AtomicBool,
+    handshakes: AtomicUsize,
+    listener: Mutex<Option<JoinHandle<()>>>,
+}
+
+/// A transfer engine. Cheap to clone (an `Arc`); the engine shuts down when the last
+/// clone is dropped or [`Engine::shutdown`] is called.
+#[derive(Clone)]
+pub struct Engine {
+    inner: Arc<Inner>,
+}
+
+impl fmt::Debug for Engine {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Engine")
+            .field("id", &format_args!("{:#x}", self.inner.id))
+            .field("backend", &self.inner.info.kind)
+            .field("listen", &self.inner.local_addr)
+            .finish()
+    }
+}
+
+impl Engine {
+    /// Opens the backend, binds the control listener and starts serving handshakes.
+    pub fn new(config: EngineConfig) -> Result<Engine> {
+        let config = Arc::new(config);
+        let id = random_u64();
+        let registry = Arc::new(Registry::default());
+        let init = BackendInit {
+            engine_id: id,
+            registry: registry.clone(),
+        };
+        let (backend, reason) = backend::open(&config, &init)?;
+        let mut info = backend.info();
+        debug_assert_eq!(info.kind, backend.kind());
+        info.selection = reason.clone();
+        tracing::info!(
+            requested = %config.backend,
+            backend = %info.kind,
+            device = %info.device,
+            reason = %reason,
+            "pagewire transport backend selected"
+        );
+        let listener =
+            TcpListener::bind(config.listen).map_err(|e| Error::io("bind control listener", e))?;
+        let local_addr = listener
+            .local_addr()
+            .map_err(|e| Error::io("control listener address", e))?;
+        let (notify_tx, notify_rx) = crossbeam_channel::unbounded();
+        let (accept_tx, accept_rx) = crossbeam_channel::unbounded();
+        let inner = Arc::new(Inner {
+            id,
+            config,
+            backend,
+            info,
+            registry,
+            peers: RwLock::new(HashMap::new()),
+            sessions: Mutex::new(HashMap::new()),
+            next_peer: AtomicU64::new(1),
+            next_batch: AtomicU64::new(1),
+            notify_tx,
+            notify_rx,
+            accept_tx,
+            accept_rx,
+            local_addr,
+            shutdown: AtomicBool::new(false),
+            handshakes: AtomicUsize::new(0),
+            listener: Mutex::new(None),
+        });
+        let weak = Arc::downgrade(&inner);
+        let t = std::thread::Builder::new()
+            .name("pagewire-ctrl".into())
+            .spawn(move || listen_loop(listener, weak))
+            .map_err(|e| Error::io("spawn control listener", e))?;
+        *inner.listener.lock().unwrap_or_else(|p| p.into_inner()) = Some(t);
+        Ok(Engine { inner })
+    }
+
+    /// Engine with defaults plus environment overrides.
+    pub fn from_env() -> Result<Engine> {
+        Engine::new(EngineConfig::from_env()?)
+    }
+
+    /// The config in use.
+    pub fn config(&self) -> &EngineConfig {
+        &self.inner.config
+    }
+
+    /// The control listener's address (give it to peers).
+    pub fn local_addr(&self) -> SocketAddr {
+        self.inner.local_addr
+    }
+
+    /// The data path in use (never `Auto`).
+    pub fn backend_kind(&self) -> BackendKind {
+        self.inner.info.kind
+    }
+
+    /// Device, MTU, lanes... and why the backend was chosen.
+    pub fn backend_info(&self) -> BackendInfo {
+        self.inner.info.clone()
+    }
+
+    /// The engine's random id.
+    pub fn id(&self) -> u64 {
+        self.inner.id
+    }
+
+    // ---------------------------------------------------------------- registration
+
+    /// Registers a [`HostBuffer`]; the engine keeps its memory alive until deregistered.
+    pub fn register(&self, buf: &HostBuffer, access: Access) -> Result<RegionId> {
+        self.inner
+            .register(buf.addr(), buf.len() as u64, access, Some(buf.keepalive()))
+    }
+
+    /// Registers caller-owned memory.
+    ///
+    /// Registering a range inside an existing region with no more access is free and
+    /// returns that region's id (each call still needs its own `deregister`).
+    /// Regions larger than the backend's MR limit are split into several MRs.
+    ///
+    /// # Safety
+    /// `[ptr, ptr+len)` must be valid, initialised memory that stays allocated (and is
+    /// not unmapped or remapped) until the region is deregistered and no batch uses it.
+    /// Peers may write it at any time while it is registered with `REMOTE_WRITE`.
+    pub unsafe fn register_raw(
+        &self,
+        ptr: *mut u8,
+        len: usize,
+        access: Access,
+    ) -> Result<RegionId> {
+        self.inner.register(ptr as u64, len as u64, access, None)
+    }
+
+    /// Deregisters a region; refuses with [`Error::RegionBusy`] while batches use it.
+    pub fn deregister(&self, id: RegionId) -> Result<()> {
+        if let Some(mrs) = self.inner.registry.remove(id)? {
+            for mr in mrs {
+                self.inner.backend.deregister(mr);
+            }
+        }
+        Ok(())
+    }
+
+    /// Deregisters a region, waiting up to `deadline` for batches using it to finish.
+    pub fn deregister_wait(&self, id: RegionId, deadline: Instant) -> Result<()> {
+        let start = Instant::now();
+        loop {
+            match self.deregister(id) {
+                Err(Error::RegionBusy { .. }) if Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                Err(Error::RegionBusy { .. }) => {
+                    return Err(Error::Timeout {
+                        after: start.elapsed(),
+                    });
+                }
+                other => return other,
+            }
+        }
+    }
+
+    /// Local regions, sorted by address.
+    pub fn regions(&self) -> Vec<RegionInfo> {
+        self.inner.registry.list()
+    }
+
+    /// What peers see of our memory (remotely accessible regions, one entry per MR).
+    pub fn exposed_regions(&self) -> Vec<RemoteRegion> {
+        self.inner.registry.exposed()
+    }
+
+    // ---------------------------------------------------------------- connections
+
+    /// Connects to a peer's control listener and runs the handshake. Connections are
+    /// meant to be set up once and reused for every batch.
+    pub fn connect(&self, addr: impl ToSocketAddrs) -> Result<PeerId> {
+        self.inner.check_open()?;
+        let mut last = None;
+        let addrs = addr.to_socket_addrs().map_err(|e| Error::Connect {
+            addr: "?".into(),
+            source: Arc::new(e),
+        })?;
+        for a in addrs {
+            match self.inner.connect_one(a) {
+                Ok(p) => return Ok(p),
+                Err(e) => last = Some(e),
+            }
+        }
+        Err(last.unwrap_or_else(|| Error::Connect {
+            addr: "?".into(),
+            source: Arc::new(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                "address resolved to nothing",
+            )),
+        }))
+    }
+
+    /// Waits until a peer connects to us (or `deadline`); returns its id.
+    pub fn accept(&self, deadline: Instant) -> Option<PeerId> {
+        self.inner.accept_rx.recv_deadline(deadline).ok()
+    }
+
+    /// Connected peers.
+    pub fn peers(&self) -> Vec<PeerId> {
+        let mut v: Vec<_> = self.inner.peers_read().keys().copied().collect();
+        v.sort();
+        v
+    }
+
+    /// What we know about a peer.
+    pub fn peer_info(&self, peer: PeerId) -> Result<PeerInfo> {
+        let p = self.inner.peer(peer)?;
+        Ok(PeerInfo {
+            id: p.id,
+            control_addr: p.control_addr,
+            engine_id: p.engine_id,
+            initiated: p.initiated,
+            local_endpoint: p.local_ep.clone(),
+            remote_endpoint: p.remote_ep.clone(),
+            regions: p.table().regions().to_vec(),
+        })
+    }
+
+    /// The regions a peer exposes, as last described.
+    pub fn peer_regions(&self, peer: PeerId) -> Result<Vec<RemoteRegion>> {
+        Ok(self.inner.peer(peer)?.table().regions().to_vec())
+    }
+
+    /// Fetches a peer's exposed regions again (after it registered more memory).
+    pub fn redescribe(&self, peer: PeerId) -> Result<Vec<RemoteRegion>> {
+        self.inner.redescribe(peer)
+    }
+
+    /// Closes the connection to a peer; its pending batches fail.
+    pub fn disconnect(&self, peer: PeerId) -> Result<()> {
+        let p = self
+            .inner
+            .peers
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&peer)
+            .ok_or(Error::UnknownPeer { peer })?;
+        self.inner
+            .sessions
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&p.local_session);
+        p.conn.close();
+        Ok(())
+    }
+
+    // ---------------------------------------------------------------- transfers
+
+    /// Validates a batch and posts it. Every local range must lie in registered memory
+    /// (with `LOCAL_WRITE` for READ targets) and every remote range in the peer's
+    /// exposed regions (with `REMOTE_WRITE` / `REMOTE_READ`); nothing is posted unless
+    /// all ops pass.
+    pub fn submit(&self, peer: PeerId, batch: Batch) -> Result<TransferHandle> {
+        self.inner.submit(peer, batch)
+    }
+
+    /// Submits a transfer plan: `(src, dst, len)` entries in data-flow order, as the
+    /// `layout` crate's plans produce them. For `Op::Write`, `src` is local and `dst`
+    /// remote; for `Op::Read`, `src` is remote and `dst` local.
+    pub fn submit_plan(
+        &self,
+        peer: PeerId,
+        op: Op,
+        plan: impl IntoIterator<Item = (u64, u64, u64)>,
+        notify: Option<u32>,
+    ) -> Result<TransferHandle> {
+        let mut b: Batch = plan
+            .into_iter()
+            .map(|(src, dst, len)| match op {
+                Op::Write => TransferOp {
+                    op,
+                    local: src,
+                    remote: dst,
+                    len,
+                },
+                Op::Read => TransferOp {
+                    op,
+                    local: dst,
+                    remote: src,
+                    len,
+                },
+            })
+            .collect();
+        if let Some(t) = notify {
+            b = b.notify(t);
+        }
+        self.submit(peer, b)
+    }
+
+    /// Waits for the next remote notification until `deadline`.
+    pub fn poll_notification(&self, deadline: Instant) -> Option<Notification> {
+        self.inner.notify_rx.recv_deadline(deadline).ok()
+    }
+
+    /// The next remote notification, if one is queued.
+    pub fn try_notification(&self) -> Option<Notification> {
+        self.inner.notify_rx.try_recv().ok()
+    }
+
+    /// The notification queue itself (for `select!` with other channels). Every clone
+    /// drains the same queue.
+    pub fn notifications(&self) -> Receiver<Notification> {
+        self.inner.notify_rx.clone()
+    }
+
+    /// Closes every connection, stops the listener and releases all registrations.
+    /// Pending batches fail. Idempotent.
+    pub fn shutdown(&self) {
+        self.inner.shutdown();
+    }
+}
+
+impl Inner {
+    fn check_open(&self) -> Result<()> {
+        if self.shutdown.load(Ordering::Acquire) {
+            return Err(Error::Shutdown);
+        }
+        Ok(())
+    }
+
+    fn peers_read(&self) -> std::sync::RwLockReadGuard<'_, HashMap<PeerId, Arc<Peer>>> {
+        self.peers.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn peer(&self, peer: PeerId) -> Result<Arc<Peer>> {
+        self.peers_read()
+            .get(&peer)
+            .cloned()
+            .ok_or(Error::UnknownPeer { peer })
+    }
+
+    fn token(&self) -> &[u8] {
+        self.config.token.as_deref().map_or(&[], str::as_bytes)
+    }
+
+    fn register(
+        &self,
+        addr: u64,
+        len: u64,
+        access: Access,
+        keepalive: Option<Arc<dyn std::any::Any + Send + Sync>>,
+    ) -> Result<RegionId> {
+        self.check_open()?;
+        if let InsertPlan::Existing(id) = self.registry.begin_insert(addr, len, access)? {
+            return Ok(id);
+        }
+        let mut max = self.info.max_mr_bytes;
+        if let Some(m) = self.config.max_mr_bytes {
+            max = if max == 0 { m } else { max.min(m) };
+        }
+        if max == 0 {
+            max = u64::MAX;
+        }
+        let mut chunks = Vec::new();
+        let mut mrs: Vec<BackendMr> = Vec::new();
+        let mut off = 0u64;
+        while off < len {
+            let n = (len - off).min(max);
+            match self
+                .backend
+                .register((addr + off) as usize, n as usize, access)
+            {
+                Ok(mr) => {
+                    chunks.push(Chunk {
+                        addr: addr + off,
+                        len: n,
+                        lkey: mr.lkey,
+                        rkey: mr.rkey,
+                    });
+                    mrs.push(mr);
+                }
+                Err(e) => {
+                    for mr in mrs {
+                        self.backend.deregister(mr);
+                    }
+                    return Err(e);
+                }
+            }
+            off += n;
+        }
+        match self
+            .registry
+            .finish_insert(addr, len, access, chunks, mrs, keepalive)
+        {
+            Ok(id) => {
+                tracing::debug!(%id, addr = format_args!("{addr:#x}"), len, ?access, "registered");
+                Ok(id)
+            }
+            Err((e, mrs)) => {
+                for mr in mrs {
+                    self.backend.deregister(mr);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    fn new_ctx(&self, peer: PeerId) -> ConnCtx {
+        ConnCtx {
+            peer,
+            notify: NotifySink {
+                peer,
+                tx: self.notify_tx.clone(),
+            },
+            registry: self.registry.clone(),
+            config: self.config.clone(),
+        }
+    }
+
+    fn connect_one(&self, addr: SocketAddr) -> Result<PeerId> {
+        let to = self.config.handshake_timeout;
+        let deadline = Instant::now() + to;
+        let mut s = TcpStream::connect_timeout(&addr, to).map_err(|e| Error::Connect {
+            addr: addr.to_string(),
+            source: Arc::new(e),
+        })?;
+        let _ = s.set_nodelay(true);
+        set_timeouts(&s, deadline).map_err(HandshakeError::from)?;
+        let (pending, ep) = self.backend.prepare()?;
+        let local_session = random_u64();
+        let hello = Frame::Hello(Hello {
+            token: self.token().to_vec(),
+            engine_id: self.id,
+            listen_port: self.local_addr.port(),
+            session: local_session,
+            endpoint: ep.clone(),
+            regions: self.registry.exposed(),
+        });
+        wire::write_frame(&mut s, &hello)?;
+        set_timeouts(&s, deadline).map_err(HandshakeError::from)?;
+        let w = match wire::read_frame(&mut s, self.config.handshake_max_bytes)? {
+            Frame::Welcome(w) => w,
+            Frame::Reject { reason } => return Err(HandshakeError::Rejected { reason }.into()),
+            other => {
+                return Err(HandshakeError::UnexpectedFrame {
+                    expected: "Welcome",
+                    found: frame_kind(&other),
+                }
+                .into());
+            }
+        };
+        if w.endpoint.backend_name() != ep.backend_name() {
+            return Err(HandshakeError::BackendMismatch {
+                ours: ep.backend_name().into(),
+                theirs: w.endpoint.backend_name().into(),
+            }
+            .into());
+        }
+        let id = PeerId(self.next_peer.fetch_add(1, Ordering::Relaxed));
+        let conn = pending.complete(&w.endpoint, self.new_ctx(id))?;
+        if let Err(e) = wire::write_frame(&mut s, &Frame::Ready) {
+            conn.close();
+            return Err(e.into());
+        }
+        let peer = Arc::new(Peer {
+            id,
+            control_addr: addr,
+            engine_id: w.engine_id,
+            initiated: true,
+            remote_session: w.session,
+            local_session,
+            conn,
+            local_ep: ep,
+            remote_ep: w.endpoint,
+            regions: RwLock::new(Arc::new(RemoteTable::new(w.regions))),
+        });
+        self.publish(peer);
+        tracing::info!(peer = %id, %addr, "connected");
+        Ok(id)
+    }
+
+    fn publish(&self, peer: Arc<Peer>) {
+        self.sessions
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(peer.local_session, peer.id);
+        self.peers
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(peer.id, peer);
+    }
+
+    /// Serves one incoming control connection. Errors are logged by the caller.
+    fn serve(&self, mut s: TcpStream) -> Result<(), HandshakeError> {
+        let from = s.peer_addr()?;
+        let deadline = Instant::now() + self.config.handshake_timeout;
+        let _ = s.set_nodelay(true);
+        set_timeouts(&s, deadline)?;
+        match wire::read_frame(&mut s, self.config.handshake_max_bytes)? {
+            Frame::Hello(h) => self.accept_hello(s, from, h, deadline),
+            Frame::Describe { token, session } => {
+                if !ct_eq(&token, self.token()) {
+                    let _ = reject(&mut s, "token mismatch");
+                    return Err(HandshakeError::TokenMismatch);
+                }
+                let known = self
+                    .sessions
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .contains_key(&session);
+                if !known {
+                    let _ = reject(&mut s, "unknown session");
+                    return Err(HandshakeError::BadField {
+                        field: "session",
+                        value: "unknown".into(),
+                    });
+                }
+                wire::write_frame(&mut s, &Frame::Regions(self.registry.exposed()))
+            }
+            other => Err(HandshakeError::UnexpectedFrame {
+                expected: "Hello or Describe",
+                found: frame_kind(&other),
+            }),
+        }
+    }
+
+    fn accept_hello(
+        &self,
+        mut s: TcpStream,
+        from: SocketAddr,
+        h: Hello,
+        deadline: Instant,
+    ) -> Result<(), HandshakeError> {
+        if !ct_eq(&h.token, self.token()) {
+            let _ = reject(&mut s, "token mismatch");
+            return Err(HandshakeError::TokenMismatch);
+        }
+        let (pending, ep) = match self.backend.prepare() {
+            Ok(x) => x,
+            Err(e) => {
+                let _ = reject(&mut s, &format!("cannot prepare connection: {e}"));
+                return Err(HandshakeError::Rejected {
+                    reason: e.to_string(),
+                });
+            }
+        };
+        if h.endpoint.backend_name() != ep.backend_name() {
+            let e = HandshakeError::BackendMismatch {
+                ours: ep.backend_name().into(),
+                theirs: h.endpoint.backend_name().into(),
+            };
+            let _ = reject(&mut s, &e.to_string());
+            return Err(e);
+        }
+        let id = PeerId(self.next_peer.fetch_add(1, Ordering::Relaxed));
+        let conn = match pending.complete(&h.endpoint, self.new_ctx(id)) {
+            Ok(c) => c,
+            Err(e) => {
+                let _ = reject(&mut s, &format!("cannot complete connection: {e}"));
+                return Err(HandshakeError::Rejected {
+                    reason: e.to_string(),
+                });
+            }
+        };
+        let local_session = random_u64();
+        let welcome = Frame::Welcome(Welcome {
+            engine_id: self.id,
+            session: local_session,
+            endpoint: ep.clone(),
+            regions: self.registry.exposed(),
+        });
+        let ready = wire::write_frame(&mut s, &welcome)
+            .and_then(|()| set_timeouts(&s, deadline).map_err(HandshakeError::from))
+            .and_then(|()| wire::read_frame(&mut s, self.config.handshake_max_bytes));
+        match ready {
+            Ok(Frame::Ready) => {}
+            Ok(other) => {
+                conn.close();
+                return Err(HandshakeError::UnexpectedFrame {
+                    expected: "Ready",
+                    found: frame_kind(&other),
+                });
+            }
+            Err(e) => {
+                conn.close();
+                return Err(e);
+            }
+        }
+        let peer = Arc::new(Peer {
+            id,
+            control_addr: SocketAddr::new(from.ip(), h.listen_port),
+            engine_id: h.engine_id,
+            initiated: false,
+            remote_session: h.session,
+            local_session,
+            conn,
+            local_ep: ep,
+            remote_ep: h.endpoint,
+            regions: RwLock::new(Arc::new(RemoteTable::new(h.regions))),
+        });
+        self.publish(peer);
+        tracing::info!(peer = %id, %from, "accepted");
+        let _ = self.accept_tx.send(id);
+        Ok(())
+    }
+
+    fn redescribe(&self, peer: PeerId) -> Result<Vec<RemoteRegion>> {
+        self.check_open()?;
+        let p = self.peer(peer)?;
+        let to = self.config.handshake_timeout;
+        let deadline = Instant::now() + to;
+        let mut s =
+            TcpStream::connect_timeout(&p.control_addr, to).map_err(|e| Error::Connect {
+                addr: p.control_addr.to_string(),
+                source: Arc::new(e),
+            })?;
+        set_timeouts(&s, deadline).map_err(HandshakeError::from)?;
+        wire::write_frame(
+            &mut s,
+            &Frame::Describe {
+                token: self.token().to_vec(),
+                session: p.remote_session,
+            },
+        )?;
+        set_timeouts(&s, deadline).map_err(HandshakeError::from)?;
+        let regions = match wire::read_frame(&mut s, self.config.handshake_max_bytes)? {
+            Frame::Regions(r) => r,
+            Frame::Reject { reason } => return Err(HandshakeError::Rejected { reason }.into()),
+            other => {
+                return Err(HandshakeError::UnexpectedFrame {
+                    expected: "Regions",
+                    found: frame_kind(&other),
+                }
+                .into());
+            }
+        };
+        let table = Arc::new(RemoteTable::new(regions));
+        let out = table.regions().to_vec();
+        *p.regions.write().unwrap_or_else(|e| e.into_inner()) = table;
+        Ok(out)
+    }
+
+    fn submit(&self, peer: PeerId, batch: Batch) -> Result<TransferHandle> {
+        self.check_open()?;
+        if batch.ops.is_empty() {
+            return Err(Error::EmptyBatch);
+        }
+        let p = self.peer(peer)?;
+        if p.conn.is_broken() {
+            return Err(Error::PeerGone {
+                peer,
+                reason: "connection is broken".into(),
+            });
+        }
+        let table = p.table();
+        let mut pins: Vec<RegionPin> = Vec::new();
+        let mut pinned: HashSet<RegionId> = HashSet::new();
+        let mut resolved = Vec::with_capacity(batch.ops.len());
+        let mut bytes = 0u64;
+        for o in &batch.ops {
+            let (need_local, need_remote) = match o.op {
+                Op::Write => (Access::NONE, Access::REMOTE_WRITE),
+                Op::Read => (Access::LOCAL_WRITE, Access::REMOTE_READ),
+            };
+            crate::memory::checked_end(o.remote, o.len)?;
+            let pin = self.registry.pin(o.local, o.len, need_local)?;
+            let region = pin.region();
+            let mut off = 0u64;
+            while off < o.len {
+                let l = o.local + off;
+                let r = o.remote + off;
+                let lc = region.chunk_at(l).ok_or(Error::Unregistered {
+                    addr: o.local,
+                    len: o.len,
+                })?;
+                let rr = table.at(r).ok_or(Error::RemoteOutOfBounds {
+                    peer,
+                    addr: o.remote,
+                    len: o.len,
+                })?;
+                if !rr.access.contains(need_remote) {
+                    return Err(Error::RemotePermission {
+                        peer,
+                        addr: o.remote,
+                        len: o.len,
+                        needed: need_remote,
+                    });
+                }
+                let n = (o.len - off).min(lc.addr + lc.len - l).min(rr.end() - r);
+                resolved.push(ResolvedOp {
+                    op: o.op,
+                    local: l,
+                    lkey: lc.lkey,
+                    remote: r,
+                    rkey: rr.rkey,
+                    len: n,
+                });
+                off += n;
+            }
+            bytes += o.len;
+            if pinned.insert(region.id) {
+                pins.push(pin);
+            }
+        }
+        let deadline = batch
+            .deadline
+            .unwrap_or_else(|| Instant::now() + self.config.batch_timeout);
+        let id = self.next_batch.fetch_add(1, Ordering::Relaxed);
+        let state = Arc::new(BatchState::new(
+            id,
+            peer,
+            batch.ops.len(),
+            resolved.len(),
+            bytes,
+            deadline,
+            pins,
+        ));
+        let handle = state.handle();
+        p.conn.post(state, resolved, batch.notify)?;
+        Ok(handle)
+    }
+
+    fn shutdown(&self) {
+        if self.shutdown.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let peers: Vec<_> = self
+            .peers
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .drain()
+            .map(|(_, p)| p)
+            .collect();
+        for p in peers {
+            p.conn.close();
+        }
+        self.backend.shutdown();
+        // Wake the listener's blocking accept.
+        let mut wake = self.local_addr;
+        if wake.ip().is_unspecified() {
+            wake.set_ip(std::net::Ipv4Addr::LOCALHOST.into());
+        }
+        let _ = TcpStream::connect_timeout(&wake, Duration::from_millis(200));
+        let t = self
+            .listener
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        if let Some(t) = t
+            && t.thread().id() != std::thread::current().id()
+        {
+            let _ = t.join();
+        }
+        for mr in self.registry.drain() {
+            self.backend.deregister(mr);
+        }
+        tracing::debug!(engine = format_args!("{:#x}", self.id), "engine shut down");
+    }
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+fn listen_loop(listener: TcpListener, inner: Weak<Inner>) {
+    for s in listener.incoming() {
+        let Some(engine) = inner.upgrade() else {
+            return;
+        };
+        if engine.shutdown.load(Ordering::Acquire) {
+            return;
+        }
+        let s = match s {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!(error = %e, "control listener accept failed");
+                drop(engine);
+                std::thread::sleep(Duration::from_millis(10));
+                continue;
+            }
+        };
+        if engine.handshakes.fetch_add(1, Ordering::AcqRel) >= MAX_CONCURRENT_HANDSHAKES {
+            engine.handshakes.fetch_sub(1, Ordering::AcqRel);
+            tracing::warn!(from = ?s.peer_addr().ok(), "too many concurrent handshakes; dropping");
+            let _ = s.shutdown(Shutdown::Both);
+            continue;
+        }
+        let worker = engine.clone();
+        drop(engine);
+        let spawned = std::thread::Builder::new()
+            .name("pagewire-hs".into())
+            .spawn(move || {
+                let from = s.peer_addr().ok();
+                if let Err(e) = worker.serve(s)
+                    && !worker.shutdown.load(Ordering::Acquire)
+                {
+                    tracing::warn!(?from, error = %e, "control connection dropped");
+                }
+                worker.handshakes.fetch_sub(1, Ordering::AcqRel);
+            });
+        if let Err(e) = spawned {
+            tracing::warn!(error = %e, "cannot spawn handshake thread");
+            if let Some(engine) = inner.upgrade() {
+                engine.handshakes.fetch_sub(1, Ordering::AcqRel);
+            }
+        }
+    }
+}
+
+fn reject(s: &mut TcpStream, reason: &str) -> Result<(), HandshakeError> {
+    wire::write_frame(
+        s,
+        &Frame::Reject {
+            reason: reason.into(),
+        },
+    )?;
+    // Let the peer read the reason before the close.
+    let _ = s.shutdown(Shutdown::Write);
+    let _ = s.read(&mut [0u8; 64]);
+    Ok(())
+}
+
+fn frame_kind(f: &Frame) -> u8 {
+    match f {
+        Frame::Hello(_) => 1,
+        Frame::Welcome(_) => 2,
+        Frame::Ready => 3,
+        Frame::Reject { .. } => 4,
+        Frame::Describe { .. } => 5,
+        Frame::Regions(_) => 6,
+    }
+}
+
+/// Read/write timeouts set to what is left until `deadline` (at least 1 ms).
+fn set_timeouts(s: &TcpStream, deadline: Instant) -> std::io::Result<()> {
+    let left = deadline
+        .saturating_duration_since(Instant::now())
+        .max(Duration::from_millis(1));
+    s.set_read_timeout(Some(left))?;
+    s.set_write_timeout(Some(left))
+}
+
+/// Constant-time comparison (the token is a secret).
+fn ct_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// 64 random bits from the OS (falls back to std's randomly keyed hasher).
+pub(crate) fn random_u64() -> u64 {
+    let mut b = [0u8; 8];
+    if std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut b))
+        .is_ok()
+    {
+        return u64::from_le_bytes(b);
+    }
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+    );
+    h.finish()
+}
