@@ -55,6 +55,12 @@ pub use error::{Error, HandshakeError, Result};
 pub use memory::{Access, HostBuffer, RegionId, RegionInfo, RemoteRegion};
 pub use wire::{EndpointInfo, QpInfo};
 
+/// RDMA device inspection (for `pagewire devices`), from the verbs backend.
+#[cfg(feature = "verbs")]
+pub mod verbs {
+    pub use crate::backend::verbs::{GidInfo, GidKind, RdmaDeviceInfo, RdmaPortInfo, list_devices};
+}
+
 /// Internals exposed for the `cargo fuzz` targets and property tests; not a stable API.
 #[doc(hidden)]
 pub mod fuzzing {

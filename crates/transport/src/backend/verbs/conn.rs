@@ -1,0 +1,556 @@
+//! One verbs connection: `qps_per_peer` RC QPs, a send CQ and a recv CQ, the per-QP in-flight
+//! windows, batch bookkeeping, the notification WRITE_WITH_IMM, and failure propagation.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use sideway::ibverbs::completion::BasicCompletionQueue;
+use sideway::ibverbs::queue_pair::QueuePairState;
+
+use super::plan::{
+    Dir, Group, InFlight, PlanOp, PlannedWr, WrKind, decode_wr_id, encode_wr_id, is_signaled,
+    plan_wrs, stripe,
+};
+use super::qp::{RcQp, WC_RECV_RDMA_WITH_IMM, WC_SUCCESS, Wc, WrSpec, poll_cq, wc_status_name};
+use crate::backend::{BatchState, NotifySink};
+use crate::error::Error;
+
+/// Where a batch's progress goes (the engine core's [`BatchState`]; a plain recorder in
+/// the verbs-layer tests).
+pub(crate) trait BatchSink: Send + Sync {
+    /// `wrs` more WRs carrying `bytes` have completed locally.
+    fn progress(&self, wrs: usize, bytes: u64);
+    /// The batch failed; called at most once per batch.
+    fn fail(&self, err: Error);
+    /// Every WR (and the notification, if any) completed successfully; at most once.
+    fn complete(&self);
+    /// Whether posting the rest is pointless (cancelled, failed, past its deadline).
+    fn should_stop(&self) -> bool {
+        false
+    }
+}
+
+impl BatchSink for BatchState {
+    fn progress(&self, wrs: usize, bytes: u64) {
+        self.add_progress(wrs, bytes);
+    }
+    fn fail(&self, err: Error) {
+        BatchState::fail(self, err);
+    }
+    fn complete(&self) {
+        self.succeed();
+    }
+    fn should_stop(&self) -> bool {
+        BatchState::should_stop(self)
+    }
+}
+
+/// Where `(peer, tag)` notifications of incoming WRITE_WITH_IMM go.
+pub(crate) trait TagSink: Send + Sync {
+    fn notify(&self, tag: u32);
+}
+
+impl TagSink for NotifySink {
+    fn notify(&self, tag: u32) {
+        NotifySink::notify(self, tag);
+    }
+}
+
+/// Knobs of one connection (from the engine config, clamped to the device's limits).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ConnCfg {
+    /// Max WRs in flight per QP (never above the QP's real `max_send_wr`).
+    pub window: u32,
+    /// Max WRs per doorbell.
+    pub chain_max: u32,
+    pub signal_every: u32,
+    pub max_wr_bytes: u64,
+    pub max_sge: usize,
+    /// RECVs kept posted per QP for incoming WRITE_WITH_IMM.
+    pub recv_depth: u32,
+}
+
+struct BatchCtl {
+    sink: Arc<dyn BatchSink>,
+    /// Data WRs not yet completed, plus one while the poster still holds the batch; when it
+    /// reaches zero the held notification WR (if any) is posted, then the batch completes.
+    pending: AtomicU64,
+    /// The final WRITE_WITH_IMM, held back until every data WR on every QP has completed.
+    held: Mutex<Option<PlannedWr>>,
+    tag: Option<u32>,
+    done: AtomicBool,
+}
+
+impl BatchCtl {
+    fn fail(&self, err: Error) {
+        if !self.done.swap(true, Ordering::AcqRel) {
+            self.sink.fail(err);
+        }
+    }
+}
+
+struct QpSlot {
+    /// Post lock: sequence numbers are reserved and posted under it, so send-queue order and
+    /// in-flight order agree.
+    qp: Mutex<RcQp>,
+    track: Mutex<InFlight<Arc<BatchCtl>>>,
+    qpn: u32,
+    recv_seq: AtomicU64,
+}
+
+pub(crate) struct VerbsConn {
+    qps: Vec<QpSlot>,
+    send_cq: Arc<BasicCompletionQueue>,
+    recv_cq: Arc<BasicCompletionQueue>,
+    cfg: ConnCfg,
+    broken: AtomicBool,
+    reason: Mutex<Option<Error>>,
+    notify: Option<Arc<dyn TagSink>>,
+    deferred: Mutex<VecDeque<(Arc<BatchCtl>, PlannedWr)>>,
+    /// Batches failed by a broken connection while WRs of theirs may still sit in a send
+    /// queue: kept (with the regions they pin) until the QPs are destroyed with `self`.
+    graveyard: Mutex<Vec<Arc<BatchCtl>>>,
+    wake: Condvar,
+    wake_lock: Mutex<()>,
+    label: String,
+}
+
+impl std::fmt::Debug for VerbsConn {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("VerbsConn")
+            .field("label", &self.label)
+            .field("qps", &self.qps.iter().map(|q| q.qpn).collect::<Vec<_>>())
+            .field("broken", &self.broken.load(Ordering::Relaxed))
+            .finish()
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic while holding one of these locks leaves consistent-enough data (counters and
+    // queues); keep serving rather than poisoning every later call.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl VerbsConn {
+    /// Wraps connected (RTS) QPs. RECVs must already be posted (`recv_depth` per QP, ids from
+    /// [`recv_wr_id`]).
+    pub fn new(
+        qps: Vec<RcQp>,
+        send_cq: Arc<BasicCompletionQueue>,
+        recv_cq: Arc<BasicCompletionQueue>,
+        cfg: ConnCfg,
+        notify: Option<Arc<dyn TagSink>>,
+        label: String,
+    ) -> Self {
+        let qps = qps
+            .into_iter()
+            .map(|q| {
+                let window = cfg.window.min(q.caps.max_send_wr).max(1);
+                QpSlot {
+                    qpn: q.qpn,
+                    track: Mutex::new(InFlight::new(window)),
+                    qp: Mutex::new(q),
+                    recv_seq: AtomicU64::new(u64::from(cfg.recv_depth)),
+                }
+            })
+            .collect();
+        Self {
+            qps,
+            send_cq,
+            recv_cq,
+            cfg,
+            broken: AtomicBool::new(false),
+            reason: Mutex::new(None),
+            notify,
+            deferred: Mutex::new(VecDeque::new()),
+            graveyard: Mutex::new(Vec::new()),
+            wake: Condvar::new(),
+            wake_lock: Mutex::new(()),
+            label,
+        }
+    }
+
+    pub fn is_broken(&self) -> bool {
+        self.broken.load(Ordering::Acquire)
+    }
+
+    /// Why the connection broke (the first error seen).
+    pub fn broken_reason(&self) -> Option<Error> {
+        lock(&self.reason).clone()
+    }
+
+    fn broken_err(&self) -> Error {
+        self.broken_reason().unwrap_or(Error::Shutdown)
+    }
+
+    /// Posts one batch: plan, stripe, post WR chains per QP within each QP's window. Blocks
+    /// only while windows are full, and never past `deadline`. Completion is reported to
+    /// `sink` from the completion thread.
+    pub fn post(
+        &self,
+        sink: Arc<dyn BatchSink>,
+        ops: &[PlanOp],
+        notify: Option<u32>,
+        deadline: Instant,
+    ) -> Result<(), Error> {
+        let started = Instant::now();
+        if self.is_broken() {
+            return Err(self.broken_err());
+        }
+        let mut wrs = plan_wrs(ops, self.cfg.max_wr_bytes, self.cfg.max_sge);
+        let held = notify.map(|_| match wrs.last() {
+            Some(w) if w.dir == Dir::Write => wrs.pop().expect("checked non-empty"),
+            // Reads (or nothing) before the notification: a zero-length WRITE_WITH_IMM.
+            _ => PlannedWr {
+                dir: Dir::Write,
+                remote: 0,
+                rkey: 0,
+                sges: Vec::new(),
+            },
+        });
+        let ctl = Arc::new(BatchCtl {
+            sink,
+            pending: AtomicU64::new(wrs.len() as u64 + 1),
+            held: Mutex::new(held),
+            tag: notify,
+            done: AtomicBool::new(false),
+        });
+        let mut per_qp = stripe(wrs, self.qps.len());
+        loop {
+            if self.is_broken() {
+                let e = self.broken_err();
+                ctl.fail(e.clone());
+                return Err(e);
+            }
+            if ctl.sink.should_stop() {
+                // Cancelled or past its deadline: the core already decided the outcome;
+                // what was posted completes (or flushes) on its own.
+                return Ok(());
+            }
+            let mut progressed = false;
+            let mut left = false;
+            for (i, q) in per_qp.iter_mut().enumerate() {
+                if q.is_empty() {
+                    continue;
+                }
+                match self.post_some(i, q, &ctl) {
+                    Ok(n) => progressed |= n > 0,
+                    Err(e) => {
+                        self.break_conn(e.clone());
+                        ctl.fail(e.clone());
+                        return Err(e);
+                    }
+                }
+                left |= !q.is_empty();
+            }
+            if !left {
+                break;
+            }
+            if !progressed {
+                let now = Instant::now();
+                if now >= deadline {
+                    let e = Error::Timeout {
+                        after: now - started,
+                    };
+                    ctl.fail(e.clone());
+                    return Err(e);
+                }
+                let g = lock(&self.wake_lock);
+                let wait = (deadline - now).min(Duration::from_millis(2));
+                let _ = self.wake.wait_timeout(g, wait);
+            }
+        }
+        self.release(&ctl, 1);
+        Ok(())
+    }
+
+    /// Posts as many WRs from `q` on QP `i` as its window allows, as one chain.
+    fn post_some(
+        &self,
+        i: usize,
+        q: &mut VecDeque<PlannedWr>,
+        ctl: &Arc<BatchCtl>,
+    ) -> Result<usize, Error> {
+        let slot = &self.qps[i];
+        let mut qp = lock(&slot.qp);
+        let (first, n) = {
+            let mut t = lock(&slot.track);
+            let n = (t.available() as usize)
+                .min(self.cfg.chain_max as usize)
+                .min(q.len());
+            if n == 0 {
+                return Ok(0);
+            }
+            let first = t.reserve(n as u32);
+            let (mut wrs, mut bytes) = (0u32, 0u64);
+            for (k, w) in q.iter().take(n).enumerate() {
+                wrs += 1;
+                bytes += w.len();
+                if is_signaled(k, n, self.cfg.signal_every as usize) {
+                    t.push(Group {
+                        last_seq: first + k as u64,
+                        wrs,
+                        bytes,
+                        owner: Arc::clone(ctl),
+                    });
+                    (wrs, bytes) = (0, 0);
+                }
+            }
+            (first, n)
+        };
+        let batch: Vec<PlannedWr> = q.drain(..n).collect();
+        let specs: Vec<WrSpec<'_>> = batch
+            .iter()
+            .enumerate()
+            .map(|(k, w)| WrSpec {
+                wr_id: encode_wr_id(WrKind::Data, i, first + k as u64),
+                signaled: is_signaled(k, n, self.cfg.signal_every as usize),
+                dir: w.dir,
+                remote: w.remote,
+                rkey: w.rkey,
+                sges: &w.sges,
+                imm: None,
+            })
+            .collect();
+        // SAFETY: every SGE comes from an op the engine core validated against a live
+        // registration, and the core keeps that region registered (deregistration of a
+        // region with in-flight batches is refused) until the batch is finished.
+        unsafe { qp.post_chain(&specs) }?;
+        Ok(n)
+    }
+
+    /// Drops `n` from the batch's pending count; at zero posts the notification or completes.
+    fn release(&self, ctl: &Arc<BatchCtl>, n: u64) {
+        if ctl.pending.fetch_sub(n, Ordering::AcqRel) != n {
+            return;
+        }
+        if ctl.done.load(Ordering::Acquire) {
+            return;
+        }
+        let held = lock(&ctl.held).take();
+        match held {
+            Some(w) => {
+                ctl.pending.store(1, Ordering::Release);
+                lock(&self.deferred).push_back((Arc::clone(ctl), w));
+                self.post_deferred();
+            }
+            None => {
+                if !ctl.done.swap(true, Ordering::AcqRel) {
+                    ctl.sink.complete();
+                }
+            }
+        }
+    }
+
+    /// Posts held notification WRs on QP 0 while its window has room (never blocks: the
+    /// completion thread calls this too).
+    fn post_deferred(&self) {
+        loop {
+            if self.is_broken() {
+                let e = self.broken_err();
+                for (ctl, _) in lock(&self.deferred).drain(..) {
+                    ctl.fail(e.clone());
+                }
+                return;
+            }
+            let slot = &self.qps[0];
+            let Ok(mut qp) = slot.qp.try_lock() else {
+                // A poster holds QP 0; it or the completion thread will retry.
+                return;
+            };
+            let Some((ctl, w)) = lock(&self.deferred).pop_front() else {
+                return;
+            };
+            let seq = {
+                let mut t = lock(&slot.track);
+                if t.available() == 0 {
+                    drop(t);
+                    lock(&self.deferred).push_front((ctl, w));
+                    return;
+                }
+                let seq = t.reserve(1);
+                t.push(Group {
+                    last_seq: seq,
+                    wrs: 1,
+                    bytes: w.len(),
+                    owner: Arc::clone(&ctl),
+                });
+                seq
+            };
+            let tag = ctl.tag.unwrap_or(0);
+            let spec = WrSpec {
+                wr_id: encode_wr_id(WrKind::Notify, 0, seq),
+                signaled: true,
+                dir: Dir::Write,
+                remote: w.remote,
+                rkey: w.rkey,
+                sges: &w.sges,
+                // sideway passes the immediate through as raw `__be32`; send network order
+                // so C peers reading it with ntohl agree.
+                imm: Some(tag.to_be()),
+            };
+            // SAFETY: as in `post_some`: the SGEs are from validated ops whose regions stay
+            // registered until the batch finishes; an empty list is a zero-length write.
+            if let Err(e) = unsafe { qp.post_chain(std::slice::from_ref(&spec)) } {
+                drop(qp);
+                self.break_conn(e.clone());
+                ctl.fail(e);
+                return;
+            }
+        }
+    }
+
+    /// Marks the connection broken (first reason wins) and fails every batch with WRs on it.
+    pub fn break_conn(&self, err: Error) {
+        if !self.broken.swap(true, Ordering::AcqRel) {
+            tracing::warn!(conn = %self.label, error = %err, "verbs connection broken");
+            *lock(&self.reason) = Some(err.clone());
+        }
+        for slot in &self.qps {
+            let groups = lock(&slot.track).drain_all();
+            for g in groups {
+                g.owner.fail(err.clone());
+                lock(&self.graveyard).push(g.owner);
+            }
+        }
+        for (ctl, _) in lock(&self.deferred).drain(..) {
+            ctl.fail(err.clone());
+        }
+        // Stop the QPs (no more DMA, the peer's QPs see errors). A QP busy posting is
+        // skipped: its poster sees `broken` next and `close` moves it later.
+        for slot in &self.qps {
+            if let Ok(mut q) = slot.qp.try_lock() {
+                q.move_to_error();
+            }
+        }
+        self.wake.notify_all();
+    }
+
+    /// Moves every QP to ERR (so the peer notices) and fails what is in flight with `err`.
+    pub fn close(&self, err: Error) {
+        self.break_conn(err);
+        for slot in &self.qps {
+            lock(&slot.qp).move_to_error();
+        }
+    }
+
+    /// Polls both CQs once; returns how many completions were handled.
+    pub fn poll(&self, scratch: &mut Vec<Wc>) -> usize {
+        let mut handled = 0;
+        scratch.clear();
+        if let Err(e) = poll_cq(&self.send_cq, scratch, 64) {
+            self.break_conn(e);
+        }
+        handled += scratch.len();
+        let mut retired = false;
+        for wc in scratch.iter() {
+            retired |= self.on_send_wc(wc);
+        }
+        scratch.clear();
+        if let Err(e) = poll_cq(&self.recv_cq, scratch, 64) {
+            self.break_conn(e);
+        }
+        handled += scratch.len();
+        for wc in scratch.iter() {
+            self.on_recv_wc(wc);
+        }
+        if retired {
+            self.post_deferred();
+            self.wake.notify_all();
+        } else if !lock(&self.deferred).is_empty() {
+            self.post_deferred();
+        }
+        handled
+    }
+
+    fn on_send_wc(&self, wc: &Wc) -> bool {
+        let Some((kind, qi, seq)) = decode_wr_id(wc.wr_id) else {
+            return false;
+        };
+        if kind == WrKind::Recv || qi >= self.qps.len() {
+            return false;
+        }
+        if wc.status != WC_SUCCESS {
+            self.break_conn(Error::Completion {
+                status: wc.status,
+                status_str: wc_status_name(wc.status).to_string(),
+                vendor_err: wc.vendor_err,
+                wr_id: wc.wr_id,
+                qp_num: self.qps[qi].qpn,
+            });
+            return true;
+        }
+        let groups = lock(&self.qps[qi].track).retire_through(seq);
+        for g in &groups {
+            if !g.owner.done.load(Ordering::Acquire) {
+                g.owner.sink.progress(g.wrs as usize, g.bytes);
+            }
+            self.release(&g.owner, u64::from(g.wrs));
+        }
+        !groups.is_empty()
+    }
+
+    fn on_recv_wc(&self, wc: &Wc) {
+        let Some((WrKind::Recv, qi, _)) = decode_wr_id(wc.wr_id) else {
+            return;
+        };
+        if qi >= self.qps.len() {
+            return;
+        }
+        if wc.status != WC_SUCCESS {
+            // RECVs are only flushed when the QP went to ERR.
+            self.break_conn(Error::Completion {
+                status: wc.status,
+                status_str: wc_status_name(wc.status).to_string(),
+                vendor_err: wc.vendor_err,
+                wr_id: wc.wr_id,
+                qp_num: self.qps[qi].qpn,
+            });
+            return;
+        }
+        if wc.opcode == WC_RECV_RDMA_WITH_IMM
+            && let Some(n) = &self.notify
+        {
+            let tag = u32::from_be(wc.imm);
+            tracing::trace!(conn = %self.label, tag, bytes = wc.byte_len, "notification");
+            n.notify(tag);
+        }
+        let slot = &self.qps[qi];
+        let id = recv_wr_id(qi, slot.recv_seq.fetch_add(1, Ordering::Relaxed));
+        if let Err(e) = lock(&slot.qp).post_recvs(std::iter::once(id)) {
+            self.break_conn(e);
+        }
+    }
+
+    /// Queries each QP's real state (the cached one misses async errors); a QP in ERR breaks
+    /// the connection. QPs busy posting are skipped this round.
+    pub fn health_check(&self) {
+        if self.is_broken() {
+            return;
+        }
+        for slot in &self.qps {
+            let Ok(qp) = slot.qp.try_lock() else { continue };
+            if qp.query_state() == Some(QueuePairState::Error) {
+                drop(qp);
+                self.break_conn(Error::Verbs {
+                    call: "ibv_query_qp",
+                    reason: format!("QP {:#x} is in ERR state", slot.qpn),
+                });
+                return;
+            }
+        }
+    }
+
+    /// WRs in flight on all QPs.
+    #[cfg(test)]
+    pub fn outstanding(&self) -> u32 {
+        self.qps.iter().map(|s| lock(&s.track).outstanding()).sum()
+    }
+}
+
+/// wr_id of the `seq`-th RECV posted on QP `qp`.
+pub(crate) fn recv_wr_id(qp: usize, seq: u64) -> u64 {
+    encode_wr_id(WrKind::Recv, qp, seq)
+}

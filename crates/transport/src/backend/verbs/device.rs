@@ -1,0 +1,347 @@
+//! Device discovery and opening: device list, capabilities, active port, GID table.
+
+use std::io;
+use std::sync::Arc;
+
+use sideway::ibverbs::address::GidType;
+use sideway::ibverbs::device::{DeviceInfo as _, DeviceList};
+use sideway::ibverbs::device_context::{DeviceContext, LinkLayer, Mtu, PortState};
+
+use super::gid::{GidChoiceError, GidInfo, GidKind, choose_gid};
+use crate::config::BackendKind;
+use crate::error::Error;
+
+/// Port state and addressing, as `pagewire devices` shows it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RdmaPortInfo {
+    /// Port number (1-based).
+    pub port: u8,
+    /// `ACTIVE`, `DOWN`, ...
+    pub state: String,
+    /// Active path MTU in bytes (256..4096).
+    pub active_mtu: u32,
+    /// LID (0 on RoCE).
+    pub lid: u16,
+    /// `Ethernet` (RoCE) or `InfiniBand`.
+    pub link_layer: String,
+}
+
+/// One RDMA device with its ports, GIDs and the limits the verbs backend cares about.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RdmaDeviceInfo {
+    /// Device name, e.g. `rxe0` or `mlx5_0`.
+    pub name: String,
+    pub ports: Vec<RdmaPortInfo>,
+    pub gids: Vec<GidInfo>,
+    /// Largest single memory registration (bigger regions are split).
+    pub max_mr_size: u64,
+    /// Largest send queue per QP.
+    pub max_qp_wr: u32,
+    /// Most scatter-gather entries per WR.
+    pub max_sge: u32,
+    /// The GID index the backend would choose on the first active port (perftest rules,
+    /// `PAGEWIRE_GID_INDEX` honoured), if any.
+    pub chosen_gid: Option<u32>,
+}
+
+/// Device limits used when sizing QPs, CQs and MR chunks.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct DeviceCaps {
+    pub max_mr_size: u64,
+    pub max_qp_wr: u32,
+    pub max_sge: u32,
+    pub max_cqe: u32,
+    /// min(max_qp_rd_atom, max_qp_init_rd_atom), at least 1.
+    pub max_rd_atomic: u8,
+}
+
+/// An opened device with its chosen port and GID.
+pub(crate) struct OpenDevice {
+    pub ctx: Arc<DeviceContext>,
+    pub name: String,
+    pub port: u8,
+    pub lid: u16,
+    /// Active MTU in bytes.
+    pub mtu: u32,
+    pub caps: DeviceCaps,
+    pub gid: GidInfo,
+}
+
+impl std::fmt::Debug for OpenDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OpenDevice")
+            .field("name", &self.name)
+            .field("port", &self.port)
+            .field("mtu", &self.mtu)
+            .field("gid", &self.gid)
+            .finish_non_exhaustive()
+    }
+}
+
+pub(crate) fn mtu_bytes(m: Mtu) -> u32 {
+    match m {
+        Mtu::Mtu256 => 256,
+        Mtu::Mtu512 => 512,
+        Mtu::Mtu1024 => 1024,
+        Mtu::Mtu2048 => 2048,
+        Mtu::Mtu4096 => 4096,
+    }
+}
+
+/// Bytes to the largest verbs MTU not above it (at least 256).
+pub(crate) fn mtu_from_bytes(b: u32) -> Mtu {
+    match b {
+        4096.. => Mtu::Mtu4096,
+        2048.. => Mtu::Mtu2048,
+        1024.. => Mtu::Mtu1024,
+        512.. => Mtu::Mtu512,
+        _ => Mtu::Mtu256,
+    }
+}
+
+fn port_state_name(s: PortState) -> &'static str {
+    match s {
+        PortState::Nop => "NOP",
+        PortState::Down => "DOWN",
+        PortState::Initializing => "INIT",
+        PortState::Armed => "ARMED",
+        PortState::Active => "ACTIVE",
+        PortState::ActiveDefer => "ACTIVE_DEFER",
+    }
+}
+
+fn link_layer_name(l: LinkLayer) -> &'static str {
+    match l {
+        LinkLayer::Unspecified => "Unspecified",
+        LinkLayer::InfiniBand => "InfiniBand",
+        LinkLayer::Ethernet => "Ethernet",
+    }
+}
+
+/// ENOSYS (kernel without RDMA), EOPNOTSUPP (no libibverbs) and ENODEV mean "no device here".
+fn is_no_rdma(e: &io::Error) -> bool {
+    matches!(
+        e.raw_os_error(),
+        Some(libc::ENOSYS) | Some(libc::EOPNOTSUPP) | Some(libc::ENODEV) | Some(libc::ENOENT)
+    )
+}
+
+fn device_list() -> Result<Option<DeviceList>, Error> {
+    match DeviceList::new() {
+        Ok(l) => Ok(Some(l)),
+        Err(e) => match e.0 {
+            sideway::ibverbs::device::GetDeviceListErrorKind::Ibverbs(io) if is_no_rdma(&io) => {
+                Ok(None)
+            }
+            other => Err(verbs_err("ibv_get_device_list", other)),
+        },
+    }
+}
+
+pub(crate) fn verbs_err(call: &'static str, e: impl std::fmt::Display) -> Error {
+    Error::Verbs {
+        call,
+        reason: e.to_string(),
+    }
+}
+
+pub(crate) fn no_device(reason: impl Into<String>) -> Error {
+    Error::BackendUnavailable {
+        backend: BackendKind::Verbs,
+        reason: reason.into(),
+    }
+}
+
+/// `PAGEWIRE_GID_INDEX`, if set to a number (for `list_devices`; engines get it from
+/// their config).
+fn gid_index_override() -> Option<u32> {
+    std::env::var("PAGEWIRE_GID_INDEX")
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
+}
+
+fn gid_table(ctx: &DeviceContext) -> Vec<GidInfo> {
+    let Ok(entries) = ctx.query_gid_table() else {
+        return Vec::new();
+    };
+    entries
+        .iter()
+        .map(|e| {
+            let kind = match e.gid_type() {
+                GidType::InfiniBand => GidKind::Ib,
+                GidType::RoceV1 => GidKind::RoceV1,
+                GidType::RoceV2 => GidKind::RoceV2,
+            };
+            GidInfo::new(
+                e.port_num() as u8,
+                e.gid_index(),
+                kind,
+                e.netdev_name().ok(),
+                e.gid().raw,
+            )
+        })
+        .collect()
+}
+
+fn caps_of(ctx: &DeviceContext) -> Result<(DeviceCaps, u8), Error> {
+    let attr = ctx
+        .query_device()
+        .map_err(|e| verbs_err("ibv_query_device_ex", e))?;
+    let rd = attr
+        .max_qp_rd_atom()
+        .min(attr.max_qp_init_rd_atom())
+        .clamp(1, 255) as u8;
+    Ok((
+        DeviceCaps {
+            max_mr_size: attr.max_mr_size().max(4096),
+            max_qp_wr: attr.max_qp_wr().max(1) as u32,
+            max_sge: attr.max_sge().max(1) as u32,
+            max_cqe: attr.max_cqe().max(1) as u32,
+            max_rd_atomic: rd,
+        },
+        attr.phys_port_cnt(),
+    ))
+}
+
+/// Lists every RDMA device with ports and GIDs. "No RDMA here" (no kernel support, no
+/// libibverbs) is an empty list, not an error.
+pub fn list_devices() -> Result<Vec<RdmaDeviceInfo>, Error> {
+    let Some(list) = device_list()? else {
+        return Ok(Vec::new());
+    };
+    let over = gid_index_override();
+    let mut out = Vec::new();
+    for dev in &list {
+        let name = dev.name();
+        let ctx = dev
+            .open()
+            .map_err(|e| verbs_err("ibv_open_device", format!("{name}: {e}")))?;
+        let (caps, nports) = caps_of(&ctx)?;
+        let mut ports = Vec::new();
+        for p in 1..=nports {
+            let Ok(pa) = ctx.query_port(p) else { continue };
+            ports.push(RdmaPortInfo {
+                port: p,
+                state: port_state_name(pa.port_state()).to_string(),
+                active_mtu: mtu_bytes(pa.active_mtu()),
+                lid: pa.lid(),
+                link_layer: link_layer_name(pa.link_layer()).to_string(),
+            });
+        }
+        let gids = gid_table(&ctx);
+        let chosen_gid = ports
+            .iter()
+            .find(|p| p.state == "ACTIVE")
+            .and_then(|p| choose_gid(&gids, p.port, over).ok())
+            .map(|g| g.index);
+        out.push(RdmaDeviceInfo {
+            name,
+            ports,
+            gids,
+            max_mr_size: caps.max_mr_size,
+            max_qp_wr: caps.max_qp_wr,
+            max_sge: caps.max_sge,
+            chosen_gid,
+        });
+    }
+    Ok(out)
+}
+
+/// Opens `name` (or, with `None`, the first device whose port `port` is ACTIVE) and picks
+/// the GID (`gid_override` or perftest's rules).
+pub(crate) fn open(
+    name: Option<&str>,
+    port: u8,
+    gid_override: Option<u32>,
+) -> Result<OpenDevice, Error> {
+    let Some(list) = device_list()? else {
+        return Err(no_device(
+            "no RDMA support on this host (ibv_get_device_list: ENOSYS/EOPNOTSUPP)",
+        ));
+    };
+    let mut seen = Vec::new();
+    for dev in &list {
+        let dev_name = dev.name();
+        seen.push(dev_name.clone());
+        if name.is_some_and(|n| n != dev_name) {
+            continue;
+        }
+        let ctx = dev
+            .open()
+            .map_err(|e| verbs_err("ibv_open_device", format!("{dev_name}: {e}")))?;
+        let (caps, nports) = caps_of(&ctx)?;
+        let active = (port <= nports)
+            .then(|| ctx.query_port(port).ok())
+            .flatten()
+            .filter(|a| a.port_state() == PortState::Active)
+            .map(|a| (a.lid(), mtu_bytes(a.active_mtu())));
+        let Some((lid, mtu)) = active else {
+            if name.is_some() {
+                return Err(no_device(format!("{dev_name}: port {port} is not ACTIVE")));
+            }
+            continue;
+        };
+        let table = gid_table(&ctx);
+        let gid = choose_gid(&table, port, gid_override).map_err(|e| match e {
+            GidChoiceError::Empty => no_device(format!("{dev_name} port {port}: empty GID table")),
+            GidChoiceError::NoSuchIndex(i) => Error::config(
+                "gid_index",
+                i,
+                format!(
+                    "{dev_name} port {port} has no such GID (valid: {:?})",
+                    table
+                        .iter()
+                        .filter(|g| g.port == port)
+                        .map(|g| g.index)
+                        .collect::<Vec<_>>()
+                ),
+            ),
+        })?;
+        return Ok(OpenDevice {
+            ctx,
+            name: dev_name,
+            port,
+            lid,
+            mtu,
+            caps,
+            gid,
+        });
+    }
+    Err(no_device(match name {
+        Some(n) => format!("RDMA device {n:?} not found (devices: {seen:?})"),
+        None if seen.is_empty() => "no RDMA device".into(),
+        None => format!("no RDMA device with port {port} ACTIVE (devices: {seen:?})"),
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mtu_conversions() {
+        for m in [
+            Mtu::Mtu256,
+            Mtu::Mtu512,
+            Mtu::Mtu1024,
+            Mtu::Mtu2048,
+            Mtu::Mtu4096,
+        ] {
+            assert_eq!(mtu_from_bytes(mtu_bytes(m)), m);
+        }
+        assert_eq!(mtu_from_bytes(9000), Mtu::Mtu4096);
+        assert_eq!(mtu_from_bytes(1500), Mtu::Mtu1024);
+        assert_eq!(mtu_from_bytes(0), Mtu::Mtu256);
+    }
+
+    #[test]
+    fn no_rdma_errnos() {
+        assert!(is_no_rdma(&io::Error::from_raw_os_error(libc::ENOSYS)));
+        assert!(is_no_rdma(&io::Error::from_raw_os_error(libc::EOPNOTSUPP)));
+        assert!(!is_no_rdma(&io::Error::from_raw_os_error(libc::EACCES)));
+    }
+}

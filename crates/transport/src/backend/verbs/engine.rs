@@ -1,0 +1,421 @@
+//! The per-engine verbs state: device, PD, registrations, the completion thread, and
+//! connection setup (prepare -> exchange -> complete).
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use sideway::ibverbs::AccessFlags;
+use sideway::ibverbs::completion::BasicCompletionQueue;
+use sideway::ibverbs::memory_region::MemoryRegion;
+use sideway::ibverbs::protection_domain::ProtectionDomain;
+
+use super::conn::{ConnCfg, TagSink, VerbsConn, recv_wr_id};
+use super::device::{OpenDevice, open, verbs_err};
+use super::plan::MAX_QPS;
+use super::qp::{LocalPath, RcQp, RemoteQp, Wc};
+use crate::error::Error;
+
+/// What the engine asks of the verbs backend.
+#[derive(Clone, Debug)]
+pub(crate) struct VerbsOptions {
+    pub device: Option<String>,
+    pub port: u8,
+    pub gid_index: Option<u32>,
+    pub mtu: Option<u32>,
+    pub qps_per_peer: usize,
+    pub tx_depth: u32,
+    pub signal_every: u32,
+    pub max_wr_bytes: u64,
+    pub max_mr_bytes: Option<u64>,
+}
+
+/// One registered memory region (an `ibv_mr`); dropping it deregisters.
+pub(crate) struct VerbsMr {
+    pub mr: Arc<MemoryRegion>,
+}
+
+impl std::fmt::Debug for VerbsMr {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("VerbsMr")
+            .field("addr", &format_args!("{:#x}", self.mr.get_ptr()))
+            .field("len", &self.mr.region_len())
+            .field("lkey", &format_args!("{:#x}", self.mr.lkey()))
+            .field("rkey", &format_args!("{:#x}", self.mr.rkey()))
+            .finish()
+    }
+}
+
+impl VerbsMr {
+    pub fn lkey(&self) -> u32 {
+        self.mr.lkey()
+    }
+    pub fn rkey(&self) -> u32 {
+        self.mr.rkey()
+    }
+}
+
+/// The backend part of the handshake.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct VerbsEndpoint {
+    pub gid: [u8; 16],
+    pub lid: u16,
+    pub mtu: u32,
+    pub qps: Vec<(u32, u32)>,
+}
+
+struct PollerShared {
+    conns: Mutex<Vec<Weak<VerbsConn>>>,
+    stop: AtomicBool,
+}
+
+/// Engine-wide verbs state.
+pub(crate) struct VerbsEngine {
+    pub dev: OpenDevice,
+    pub pd: Arc<ProtectionDomain>,
+    pub opts: VerbsOptions,
+    /// Effective path-MTU cap in bytes.
+    pub mtu: u32,
+    poller: Arc<PollerShared>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+    conn_seq: AtomicU64,
+}
+
+impl std::fmt::Debug for VerbsEngine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("VerbsEngine")
+            .field("dev", &self.dev)
+            .field("opts", &self.opts)
+            .finish_non_exhaustive()
+    }
+}
+
+/// RECVs kept posted per QP for incoming WRITE_WITH_IMM notifications.
+const RECV_DEPTH: u32 = 64;
+/// WRs per doorbell at most.
+const CHAIN_MAX: u32 = 64;
+
+impl VerbsEngine {
+    pub fn open(opts: VerbsOptions) -> Result<Arc<Self>, Error> {
+        let dev = open(opts.device.as_deref(), opts.port, opts.gid_index)?;
+        let pd = dev
+            .ctx
+            .alloc_pd()
+            .map_err(|e| verbs_err("ibv_alloc_pd", e))?;
+        let mtu = opts.mtu.map_or(dev.mtu, |m| m.min(dev.mtu));
+        tracing::info!(
+            device = %dev.name, port = dev.port, gid_index = dev.gid.index, gid = %dev.gid.addr,
+            gid_kind = %dev.gid.kind, mtu, max_mr_size = dev.caps.max_mr_size,
+            max_qp_wr = dev.caps.max_qp_wr, max_sge = dev.caps.max_sge,
+            "verbs device opened"
+        );
+        let poller = Arc::new(PollerShared {
+            conns: Mutex::new(Vec::new()),
+            stop: AtomicBool::new(false),
+        });
+        let p2 = Arc::clone(&poller);
+        let thread = std::thread::Builder::new()
+            .name(format!("pagewire-cq-{}", dev.name))
+            .spawn(move || completion_loop(&p2))
+            .map_err(|e| Error::io("spawning the verbs completion thread", e))?;
+        Ok(Arc::new(Self {
+            dev,
+            pd,
+            opts,
+            mtu,
+            poller,
+            thread: Mutex::new(Some(thread)),
+            conn_seq: AtomicU64::new(0),
+        }))
+    }
+
+    /// Largest single MR: the config cap, else the device's `max_mr_size`.
+    pub fn max_mr_bytes(&self) -> u64 {
+        let dev = self.dev.caps.max_mr_size;
+        self.opts.max_mr_bytes.map_or(dev, |m| m.min(dev))
+    }
+
+    /// Registers `[addr, addr+len)` as one MR (callers split at [`Self::max_mr_bytes`]).
+    ///
+    /// # Safety
+    /// The range must stay mapped until the returned MR is dropped.
+    pub unsafe fn register(
+        &self,
+        addr: u64,
+        len: u64,
+        remote_write: bool,
+        remote_read: bool,
+    ) -> Result<VerbsMr, Error> {
+        // Local write is always on: READs land in local memory, and verbs requires it with
+        // remote write.
+        let mut acc = AccessFlags::LocalWrite;
+        if remote_write {
+            acc |= AccessFlags::RemoteWrite;
+        }
+        if remote_read {
+            acc |= AccessFlags::RemoteRead;
+        }
+        // SAFETY: the caller guarantees the range stays mapped while the MR exists (this
+        // fn's contract); the MR pins the pages.
+        let mr = unsafe { self.pd.reg_mr(addr as usize, len as usize, acc) }.map_err(|e| {
+            Error::Registration {
+                addr,
+                len,
+                reason: format!(
+                    "ibv_reg_mr: {}",
+                    std::error::Error::source(&e).map_or(e.to_string(), |s| s.to_string())
+                ),
+            }
+        })?;
+        Ok(VerbsMr { mr })
+    }
+
+    /// Registers a dma-buf (GPU memory exported by the CUDA driver) as one MR.
+    ///
+    /// # Safety
+    /// `fd` must be a dma-buf whose `[offset, offset+len)` stays valid while the MR exists.
+    #[allow(dead_code)] // reached through `Backend::register_dmabuf` once the engine wires it
+    pub unsafe fn register_dmabuf(
+        &self,
+        fd: i32,
+        offset: u64,
+        len: u64,
+        iova: u64,
+        remote_write: bool,
+        remote_read: bool,
+    ) -> Result<VerbsMr, Error> {
+        let mut acc = AccessFlags::LocalWrite;
+        if remote_write {
+            acc |= AccessFlags::RemoteWrite;
+        }
+        if remote_read {
+            acc |= AccessFlags::RemoteRead;
+        }
+        // SAFETY: the caller guarantees the dma-buf range outlives the MR (this fn's contract).
+        let mr =
+            unsafe { self.pd.reg_dmabuf_mr(offset, len as usize, iova, fd, acc) }.map_err(|e| {
+                Error::Registration {
+                    addr: iova,
+                    len,
+                    reason: format!(
+                        "ibv_reg_dmabuf_mr(fd {fd}): {}",
+                        std::error::Error::source(&e).map_or(e.to_string(), |s| s.to_string())
+                    ),
+                }
+            })?;
+        Ok(VerbsMr { mr })
+    }
+
+    /// Creates the local half of a connection: CQs, QPs in INIT with RECVs posted.
+    pub fn prepare(self: &Arc<Self>) -> Result<(PendingVerbs, VerbsEndpoint), Error> {
+        let nqps = self.opts.qps_per_peer.clamp(1, MAX_QPS);
+        let caps = self.dev.caps;
+        let send_wr = self.opts.tx_depth.clamp(1, caps.max_qp_wr);
+        let send_sge = caps.max_sge.min(16);
+        let recv_wr = RECV_DEPTH.min(caps.max_qp_wr);
+        let cqe = |n: u32| {
+            n.saturating_mul(nqps as u32)
+                .saturating_add(16)
+                .min(caps.max_cqe)
+        };
+        let send_cq = self.build_cq(cqe(send_wr))?;
+        let recv_cq = self.build_cq(cqe(recv_wr))?;
+        let mut qps = Vec::with_capacity(nqps);
+        for i in 0..nqps {
+            let mut qp = RcQp::create(
+                &self.pd,
+                &send_cq,
+                &recv_cq,
+                send_wr,
+                send_sge,
+                recv_wr,
+                self.dev.port,
+            )?;
+            let depth = recv_wr.min(qp.caps.max_recv_wr.max(1));
+            qp.post_recvs((0..u64::from(depth)).map(|s| recv_wr_id(i, s)))?;
+            qps.push(qp);
+        }
+        let ep = VerbsEndpoint {
+            gid: self.dev.gid.addr.octets(),
+            lid: self.dev.lid,
+            mtu: self.mtu,
+            qps: qps.iter().map(|q| (q.qpn, q.psn)).collect(),
+        };
+        Ok((
+            PendingVerbs {
+                engine: Arc::clone(self),
+                qps,
+                send_cq,
+                recv_cq,
+                recv_depth: recv_wr,
+            },
+            ep,
+        ))
+    }
+
+    fn build_cq(&self, cqe: u32) -> Result<Arc<BasicCompletionQueue>, Error> {
+        // Basic CQ on purpose: see hazard 1 (extended-CQ iterator on rdma-core 44).
+        self.dev
+            .ctx
+            .create_cq_builder()
+            .setup_cqe(cqe.max(1))
+            .build()
+            .map_err(|e| verbs_err("ibv_create_cq", e))
+    }
+
+    fn adopt(&self, conn: &Arc<VerbsConn>) {
+        let mut list = self.poller.conns.lock().unwrap_or_else(|p| p.into_inner());
+        list.retain(|w| w.strong_count() > 0);
+        list.push(Arc::downgrade(conn));
+    }
+}
+
+impl VerbsEngine {
+    /// Stops the completion thread (idempotent).
+    pub fn stop(&self) {
+        self.poller.stop.store(true, Ordering::Release);
+        let t = self.thread.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(t) = t
+            && t.thread().id() != std::thread::current().id()
+        {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for VerbsEngine {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// QPs created and in INIT, waiting for the peer's half.
+pub(crate) struct PendingVerbs {
+    engine: Arc<VerbsEngine>,
+    qps: Vec<RcQp>,
+    send_cq: Arc<BasicCompletionQueue>,
+    recv_cq: Arc<BasicCompletionQueue>,
+    recv_depth: u32,
+}
+
+impl std::fmt::Debug for PendingVerbs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PendingVerbs")
+            .field("qps", &self.qps)
+            .finish_non_exhaustive()
+    }
+}
+
+impl PendingVerbs {
+    /// Connects QP `i` to the peer's QP `i` (both sides use the smaller count; surplus QPs
+    /// are destroyed) and registers the connection with the completion thread.
+    pub fn complete(
+        mut self,
+        remote: &VerbsEndpoint,
+        notify: Option<Arc<dyn TagSink>>,
+        label: String,
+    ) -> Result<Arc<VerbsConn>, Error> {
+        let n = self.qps.len().min(remote.qps.len());
+        if n == 0 {
+            return Err(Error::Verbs {
+                call: "connect",
+                reason: "peer announced no QPs".into(),
+            });
+        }
+        self.qps.truncate(n);
+        let e = &self.engine;
+        let local = LocalPath {
+            port: e.dev.port,
+            gid_index: u8::try_from(e.dev.gid.index).map_err(|_| {
+                Error::config("gid_index", e.dev.gid.index, "must be < 256 for the GRH")
+            })?,
+            mtu: e.mtu,
+            max_rd_atomic: e.dev.caps.max_rd_atomic.min(16),
+        };
+        for (qp, &(qpn, psn)) in self.qps.iter_mut().zip(&remote.qps) {
+            qp.connect(
+                &local,
+                &RemoteQp {
+                    qpn,
+                    psn,
+                    gid: remote.gid,
+                    lid: remote.lid,
+                    mtu: remote.mtu,
+                },
+            )?;
+        }
+        let cfg = ConnCfg {
+            window: e.opts.tx_depth,
+            chain_max: CHAIN_MAX,
+            signal_every: e.opts.signal_every.max(1),
+            max_wr_bytes: e.opts.max_wr_bytes,
+            max_sge: self
+                .qps
+                .iter()
+                .map(|q| q.caps.max_send_sge as usize)
+                .min()
+                .unwrap_or(1),
+            recv_depth: self.recv_depth,
+        };
+        let seq = e.conn_seq.fetch_add(1, Ordering::Relaxed);
+        let conn = Arc::new(VerbsConn::new(
+            self.qps,
+            self.send_cq,
+            self.recv_cq,
+            cfg,
+            notify,
+            format!("{}#{seq} {label}", e.dev.name),
+        ));
+        e.adopt(&conn);
+        Ok(conn)
+    }
+}
+
+/// The completion thread: polls every live connection's CQs; busy-polls while there is
+/// work, then backs off (spin, yield, then sleeps up to 1 ms) when idle. Every 50 ms it
+/// queries the real QP states, so a QP that went to ERR without a WC of ours (the peer's
+/// error, an async event) still breaks its connection promptly.
+fn completion_loop(shared: &PollerShared) {
+    let mut scratch: Vec<Wc> = Vec::with_capacity(64);
+    let mut idle: u32 = 0;
+    let mut last_health = Instant::now();
+    let mut conns: Vec<Arc<VerbsConn>> = Vec::new();
+    while !shared.stop.load(Ordering::Acquire) {
+        conns.clear();
+        {
+            let mut list = shared.conns.lock().unwrap_or_else(|p| p.into_inner());
+            list.retain(|w| match w.upgrade() {
+                Some(c) => {
+                    conns.push(c);
+                    true
+                }
+                None => false,
+            });
+        }
+        let mut work = 0;
+        for c in &conns {
+            work += c.poll(&mut scratch);
+        }
+        if last_health.elapsed() >= Duration::from_millis(50) {
+            for c in &conns {
+                c.health_check();
+            }
+            last_health = Instant::now();
+        }
+        conns.clear();
+        if work > 0 {
+            idle = 0;
+            continue;
+        }
+        idle = idle.saturating_add(1);
+        if idle < 64 {
+            std::hint::spin_loop();
+        } else if idle < 128 {
+            std::thread::yield_now();
+        } else {
+            let step = (idle - 128).min(5);
+            std::thread::sleep(Duration::from_micros(50u64 << step).min(Duration::from_millis(1)));
+        }
+    }
+}

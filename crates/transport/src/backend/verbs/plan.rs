@@ -1,0 +1,435 @@
+//! Pure planning for the verbs post path: slicing, SGE merging, striping, wr_id encoding,
+//! selective-signalling groups and the per-QP in-flight window. No FFI here, so all of it is
+//! unit-tested on the host.
+
+use std::collections::VecDeque;
+
+/// Direction of a one-sided op, seen from the local side.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Dir {
+    /// RDMA WRITE: local -> remote.
+    Write,
+    /// RDMA READ: remote -> local.
+    Read,
+}
+
+/// One validated, key-resolved op (local and remote ranges each inside one MR chunk).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct PlanOp {
+    pub dir: Dir,
+    pub local: u64,
+    pub lkey: u32,
+    pub remote: u64,
+    pub rkey: u32,
+    pub len: u64,
+}
+
+/// A local scatter-gather entry.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Sge {
+    pub addr: u64,
+    pub len: u32,
+    pub lkey: u32,
+}
+
+/// One work request: a contiguous remote range and one or more local pieces.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct PlannedWr {
+    pub dir: Dir,
+    pub remote: u64,
+    pub rkey: u32,
+    pub sges: Vec<Sge>,
+}
+
+impl PlannedWr {
+    pub fn len(&self) -> u64 {
+        self.sges.iter().map(|s| u64::from(s.len)).sum()
+    }
+}
+
+/// Largest message we ever put in one WR (RC allows 2^31; stay well below).
+pub(crate) const MAX_WR_BYTES_CAP: u64 = 1 << 30;
+
+/// Turns ops into WRs.
+///
+/// * Ops longer than `max_wr_bytes` are sliced.
+/// * A piece whose remote range continues the current WR (same direction and rkey) is merged
+///   into it: by growing the last SGE when the local side is contiguous too and the WR still
+///   has a single SGE, or by appending an SGE (remote contiguous, local not).
+/// * SGE lists only ever hold entries of **equal length**: rdma-core 44's rxe provider computes
+///   the total of an SGE list as `n * sge[0].length` (hazard 2 in docs/transport.md), so a list
+///   with unequal entries would be truncated or fail. Unequal pieces go into separate WRs.
+pub(crate) fn plan_wrs(ops: &[PlanOp], max_wr_bytes: u64, max_sge: usize) -> Vec<PlannedWr> {
+    let max_wr = max_wr_bytes.clamp(1, MAX_WR_BYTES_CAP);
+    let max_sge = max_sge.max(1);
+    let mut out: Vec<PlannedWr> = Vec::new();
+    for op in ops {
+        let mut off = 0u64;
+        while off < op.len {
+            let n = (op.len - off).min(max_wr);
+            let piece = Sge {
+                addr: op.local + off,
+                len: n as u32,
+                lkey: op.lkey,
+            };
+            let remote = op.remote + off;
+            off += n;
+            if let Some(cur) = out.last_mut()
+                && try_merge(cur, op.dir, remote, op.rkey, piece, max_wr, max_sge)
+            {
+                continue;
+            }
+            out.push(PlannedWr {
+                dir: op.dir,
+                remote,
+                rkey: op.rkey,
+                sges: vec![piece],
+            });
+        }
+    }
+    out
+}
+
+fn try_merge(
+    cur: &mut PlannedWr,
+    dir: Dir,
+    remote: u64,
+    rkey: u32,
+    piece: Sge,
+    max_wr: u64,
+    max_sge: usize,
+) -> bool {
+    if cur.dir != dir || cur.rkey != rkey || cur.remote + cur.len() != remote {
+        return false;
+    }
+    if cur.len() + u64::from(piece.len) > max_wr {
+        return false;
+    }
+    let last = *cur.sges.last().expect("a planned WR has at least one SGE");
+    if cur.sges.len() == 1
+        && last.lkey == piece.lkey
+        && last.addr + u64::from(last.len) == piece.addr
+    {
+        cur.sges[0].len += piece.len;
+        return true;
+    }
+    if cur.sges.len() < max_sge && cur.sges.iter().all(|s| s.len == piece.len) {
+        cur.sges.push(piece);
+        return true;
+    }
+    false
+}
+
+/// Round-robin striping: WR `i` goes to QP `i % nqps`. Returns one list per QP, each in order.
+pub(crate) fn stripe<T>(wrs: Vec<T>, nqps: usize) -> Vec<VecDeque<T>> {
+    let nqps = nqps.max(1);
+    let mut per: Vec<VecDeque<T>> = (0..nqps).map(|_| VecDeque::new()).collect();
+    for (i, w) in wrs.into_iter().enumerate() {
+        per[i % nqps].push_back(w);
+    }
+    per
+}
+
+/// What a completion belongs to, encoded in the 64-bit wr_id.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum WrKind {
+    /// A data WRITE/READ of a batch.
+    Data = 0,
+    /// The final WRITE_WITH_IMM of a batch with remote notification.
+    Notify = 1,
+    /// A pre-posted RECV that absorbs a peer's WRITE_WITH_IMM.
+    Recv = 2,
+}
+
+const KIND_SHIFT: u32 = 62;
+const QP_SHIFT: u32 = 54;
+/// Per-QP sequence numbers wrap at 2^54 (never, in practice).
+pub(crate) const SEQ_MASK: u64 = (1 << QP_SHIFT) - 1;
+/// At most this many QPs per connection (8 bits of wr_id).
+pub(crate) const MAX_QPS: usize = 256;
+
+/// `[63:62] kind | [61:54] QP index in the connection | [53:0] per-QP WR sequence number`.
+pub(crate) fn encode_wr_id(kind: WrKind, qp: usize, seq: u64) -> u64 {
+    debug_assert!(qp < MAX_QPS);
+    ((kind as u64) << KIND_SHIFT) | (((qp as u64) & 0xff) << QP_SHIFT) | (seq & SEQ_MASK)
+}
+
+/// Inverse of [`encode_wr_id`]; `None` for a kind we never post.
+pub(crate) fn decode_wr_id(id: u64) -> Option<(WrKind, usize, u64)> {
+    let kind = match id >> KIND_SHIFT {
+        0 => WrKind::Data,
+        1 => WrKind::Notify,
+        2 => WrKind::Recv,
+        _ => return None,
+    };
+    Some((kind, ((id >> QP_SHIFT) & 0xff) as usize, id & SEQ_MASK))
+}
+
+/// Selective signalling: WR `i` of a chain of `len` is signalled every `every` WRs and always
+/// at the end of the chain (so every chain's last WR produces a completion that retires it).
+pub(crate) fn is_signaled(i: usize, len: usize, every: usize) -> bool {
+    i + 1 == len || (i + 1).is_multiple_of(every.max(1))
+}
+
+/// One signalled group on a QP's send queue: the WRs up to and including a signalled WR.
+/// RC completes a send queue in order, so the signalled WR's completion retires the group.
+#[derive(Debug)]
+pub(crate) struct Group<T> {
+    /// Sequence number of the signalled WR that ends the group.
+    pub last_seq: u64,
+    /// WRs in the group (the window space it holds).
+    pub wrs: u32,
+    /// Payload bytes in the group.
+    pub bytes: u64,
+    pub owner: T,
+}
+
+/// The in-flight window of one QP: WRs posted but not yet retired, in send-queue order.
+#[derive(Debug)]
+pub(crate) struct InFlight<T> {
+    cap: u32,
+    outstanding: u32,
+    next_seq: u64,
+    groups: VecDeque<Group<T>>,
+}
+
+impl<T> InFlight<T> {
+    pub fn new(cap: u32) -> Self {
+        Self {
+            cap: cap.max(1),
+            outstanding: 0,
+            next_seq: 0,
+            groups: VecDeque::new(),
+        }
+    }
+
+    /// Free window space in WRs.
+    pub fn available(&self) -> u32 {
+        self.cap - self.outstanding
+    }
+
+    #[cfg(test)]
+    pub fn outstanding(&self) -> u32 {
+        self.outstanding
+    }
+
+    /// Reserves `n` sequence numbers (and window space); returns the first.
+    /// The caller must then push groups covering exactly those `n` WRs.
+    pub fn reserve(&mut self, n: u32) -> u64 {
+        assert!(
+            n <= self.available(),
+            "window overrun: {n} > {}",
+            self.available()
+        );
+        let first = self.next_seq;
+        self.next_seq = (self.next_seq + u64::from(n)) & SEQ_MASK;
+        self.outstanding += n;
+        first
+    }
+
+    pub fn push(&mut self, g: Group<T>) {
+        self.groups.push_back(g);
+    }
+
+    /// A successful completion of WR `seq`: retires every group up to the one it ends.
+    /// Stale or unknown sequence numbers retire nothing.
+    pub fn retire_through(&mut self, seq: u64) -> Vec<Group<T>> {
+        let Some(pos) = self.groups.iter().position(|g| g.last_seq == seq) else {
+            return Vec::new();
+        };
+        let done: Vec<Group<T>> = self.groups.drain(..=pos).collect();
+        let wrs: u32 = done.iter().map(|g| g.wrs).sum();
+        self.outstanding -= wrs.min(self.outstanding);
+        done
+    }
+
+    /// The QP failed: everything in flight is lost. Returns all groups.
+    pub fn drain_all(&mut self) -> Vec<Group<T>> {
+        self.outstanding = 0;
+        self.groups.drain(..).collect()
+    }
+
+    #[cfg(test)]
+    pub fn is_empty(&self) -> bool {
+        self.groups.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn w(local: u64, remote: u64, len: u64) -> PlanOp {
+        PlanOp {
+            dir: Dir::Write,
+            local,
+            lkey: 1,
+            remote,
+            rkey: 2,
+            len,
+        }
+    }
+
+    #[test]
+    fn slices_large_ops() {
+        let wrs = plan_wrs(&[w(0, 1000, 10)], 4, 4);
+        let lens: Vec<u64> = wrs.iter().map(PlannedWr::len).collect();
+        assert_eq!(lens, vec![4, 4, 2]);
+        assert_eq!(wrs[1].remote, 1004);
+        assert_eq!(wrs[2].sges[0].addr, 8);
+    }
+
+    #[test]
+    fn merges_scattered_local_into_sge_list_when_remote_contiguous() {
+        let ops = [w(0, 100, 8), w(64, 108, 8), w(32, 116, 8)];
+        let wrs = plan_wrs(&ops, 1 << 20, 4);
+        assert_eq!(wrs.len(), 1);
+        assert_eq!(wrs[0].sges.len(), 3);
+        assert_eq!(wrs[0].remote, 100);
+        assert_eq!(wrs[0].len(), 24);
+    }
+
+    #[test]
+    fn never_builds_unequal_sge_lists() {
+        let ops = [w(0, 100, 8), w(64, 108, 4)];
+        let wrs = plan_wrs(&ops, 1 << 20, 4);
+        assert_eq!(wrs.len(), 2);
+    }
+
+    #[test]
+    fn respects_max_sge() {
+        let ops: Vec<PlanOp> = (0..5).map(|i| w(i * 100, 1000 + i * 8, 8)).collect();
+        let wrs = plan_wrs(&ops, 1 << 20, 2);
+        let n: Vec<usize> = wrs.iter().map(|w| w.sges.len()).collect();
+        assert_eq!(n, vec![2, 2, 1]);
+    }
+
+    #[test]
+    fn coalesces_fully_contiguous() {
+        let ops = [w(0, 100, 8), w(8, 108, 8)];
+        let wrs = plan_wrs(&ops, 1 << 20, 1);
+        assert_eq!(wrs.len(), 1);
+        assert_eq!(
+            wrs[0].sges,
+            vec![Sge {
+                addr: 0,
+                len: 16,
+                lkey: 1
+            }]
+        );
+    }
+
+    #[test]
+    fn does_not_merge_across_keys_or_directions() {
+        let mut b = w(8, 108, 8);
+        b.rkey = 3;
+        assert_eq!(plan_wrs(&[w(0, 100, 8), b], 1 << 20, 4).len(), 2);
+        let mut r = w(8, 108, 8);
+        r.dir = Dir::Read;
+        assert_eq!(plan_wrs(&[w(0, 100, 8), r], 1 << 20, 4).len(), 2);
+    }
+
+    #[test]
+    fn stripes_round_robin() {
+        let per = stripe((0..7).collect::<Vec<_>>(), 3);
+        assert_eq!(per[0], VecDeque::from(vec![0, 3, 6]));
+        assert_eq!(per[1], VecDeque::from(vec![1, 4]));
+        assert_eq!(per[2], VecDeque::from(vec![2, 5]));
+    }
+
+    #[test]
+    fn wr_id_round_trips() {
+        for kind in [WrKind::Data, WrKind::Notify, WrKind::Recv] {
+            for qp in [0, 1, 255] {
+                for seq in [0, 1, SEQ_MASK] {
+                    assert_eq!(
+                        decode_wr_id(encode_wr_id(kind, qp, seq)),
+                        Some((kind, qp, seq))
+                    );
+                }
+            }
+        }
+        assert_eq!(decode_wr_id(3 << 62), None);
+    }
+
+    #[test]
+    fn signalling_every_n_and_last() {
+        let s: Vec<bool> = (0..7).map(|i| is_signaled(i, 7, 3)).collect();
+        assert_eq!(s, vec![false, false, true, false, false, true, true]);
+        assert!(is_signaled(0, 1, 16));
+    }
+
+    #[test]
+    fn window_reserve_retire() {
+        let mut f: InFlight<u8> = InFlight::new(4);
+        let first = f.reserve(3);
+        assert_eq!(first, 0);
+        f.push(Group {
+            last_seq: 1,
+            wrs: 2,
+            bytes: 20,
+            owner: 1,
+        });
+        f.push(Group {
+            last_seq: 2,
+            wrs: 1,
+            bytes: 10,
+            owner: 2,
+        });
+        assert_eq!(f.available(), 1);
+        assert!(
+            f.retire_through(7).is_empty(),
+            "unknown seq retires nothing"
+        );
+        let done = f.retire_through(2);
+        assert_eq!(done.len(), 2);
+        assert_eq!(f.available(), 4);
+        assert!(f.is_empty());
+        assert_eq!(f.reserve(4), 3);
+        f.push(Group {
+            last_seq: 6,
+            wrs: 4,
+            bytes: 0,
+            owner: 3,
+        });
+        assert_eq!(f.drain_all().len(), 1);
+        assert_eq!(f.outstanding(), 0);
+    }
+
+    proptest! {
+        /// Planning preserves every byte mapping (local byte -> remote byte), keeps each WR
+        /// within limits and never emits an SGE list with unequal lengths.
+        #[test]
+        fn plan_preserves_byte_mapping(
+            pieces in prop::collection::vec((0u64..4, 1u64..40, any::<bool>()), 1..20),
+            max_wr in 1u64..64,
+            max_sge in 1usize..5,
+        ) {
+            // Remote is laid out contiguously; local gets random gaps.
+            let mut ops = Vec::new();
+            let (mut local, mut remote) = (0u64, 10_000u64);
+            for (gap, len, remote_gap) in pieces {
+                local += gap * 16;
+                if remote_gap { remote += 3; }
+                ops.push(w(local, remote, len));
+                local += len;
+                remote += len;
+            }
+            let wrs = plan_wrs(&ops, max_wr, max_sge);
+            let mut want = Vec::new();
+            for op in &ops { for b in 0..op.len { want.push((op.local + b, op.remote + b)); } }
+            let mut got = Vec::new();
+            for wr in &wrs {
+                prop_assert!(wr.len() <= max_wr);
+                prop_assert!(wr.sges.len() <= max_sge);
+                if wr.sges.len() > 1 {
+                    prop_assert!(wr.sges.iter().all(|s| s.len == wr.sges[0].len));
+                }
+                let mut r = wr.remote;
+                for s in &wr.sges { for b in 0..u64::from(s.len) { got.push((s.addr + b, r)); r += 1; } }
+            }
+            prop_assert_eq!(got, want);
+        }
+    }
+}
