@@ -61,10 +61,12 @@ pass=0 fail=0
 run_bin() {
     local name=$1 exe=$2 dir=$3 rc
     echo "=== [$name] ${exe#"$PWD"/} on ${RDMA_DEVICE:-?}${RDMA_DEVICE2:+ + $RDMA_DEVICE2}"
+    local t0=$EPOCHREALTIME
     printf 'running\t%s\n' "$name" >>"$results"
     (cd "$dir" && CARGO_MANIFEST_DIR="$dir" exec "$exe" "${targs[@]}")
     rc=$?
-    printf '%s\t%s\n' "$rc" "$name" >>"$results"
+    local ms=$(( (${EPOCHREALTIME/./} - ${t0/./}) / 1000 ))
+    printf '%s\t%s\t%s\n' "$rc" "$name" "$ms" >>"$results"
     if ((rc == 0)); then pass=$((pass + 1)); else fail=$((fail + 1)); echo "=== [$name] FAILED (exit $rc)"; fi
 }
 EOF
@@ -81,20 +83,22 @@ vrc=$?
 
 # Summary from the host side, so it is right even when the guest died half-way.
 passed=0 failed=0 lines=()
-declare -A done_rc=()
+declare -A done_rc=() done_ms=()
 if [[ -f "$resdir/results" ]]; then
-    while IFS=$'\t' read -r rc name; do
+    while IFS=$'\t' read -r rc name ms; do
         [[ "$rc" == running ]] && continue
         done_rc["$name"]=$rc
+        done_ms["$name"]=$ms
     done <"$resdir/results"
 fi
+fmt_ms() { [[ "${1:-}" =~ ^[0-9]+$ ]] && printf '%d.%01d s' $(($1 / 1000)) $(($1 % 1000 / 100)) || printf '? s'; }
 notrun=0
 while IFS=$'\t' read -r name exe dir; do
     if [[ -n "${done_rc[$name]+x}" ]]; then
         if [[ "${done_rc[$name]}" == 0 ]]; then
-            passed=$((passed + 1)); lines+=("  ok      $name")
+            passed=$((passed + 1)); lines+=("  ok      $name ($(fmt_ms "${done_ms[$name]}"))")
         else
-            failed=$((failed + 1)); lines+=("  FAILED  $name (exit ${done_rc[$name]})")
+            failed=$((failed + 1)); lines+=("  FAILED  $name (exit ${done_rc[$name]}, $(fmt_ms "${done_ms[$name]}"))")
         fi
     else
         notrun=$((notrun + 1)); lines+=("  NOT RUN $name")

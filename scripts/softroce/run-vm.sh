@@ -94,17 +94,19 @@ qemu=(qemu-system-x86_64 -M pc $accel -smp "$cpus" -m "$mem" -nodefaults -no-reb
       -virtfs "local,path=$outdir,mount_tag=out,security_model=none"
       -nic none)
 
+# --foreground keeps qemu in the caller's process group: Ctrl-C reaches it, and the
+# interactive shell can read the terminal. The timeout still kills it.
 t0=$(date +%s%N)
 if ((shell)); then
-    timeout -k 5 "$timeout" "${qemu[@]}"
+    timeout --foreground -k 5 "$timeout" "${qemu[@]}"
     qrc=$?
 else
     ((quiet)) || say "booting guest ($accel, ${cpus} vCPU, ${mem} MiB, net=$net, timeout ${timeout}s), job dir $jobdir"
     if ((quiet)); then
-        timeout -k 5 "$timeout" "${qemu[@]}" </dev/null 2>&1 |
+        timeout --foreground -k 5 "$timeout" "${qemu[@]}" </dev/null 2>&1 |
             sed -u -n -e 's/\r$//' -e '/^SOFTROCE_JOB_BEGIN$/,/^SOFTROCE_JOB_END$/{/^SOFTROCE_JOB_\(BEGIN\|END\)$/d;p}'
     else
-        timeout -k 5 "$timeout" "${qemu[@]}" </dev/null 2>&1 | sed -u -e 's/\r$//'
+        timeout --foreground -k 5 "$timeout" "${qemu[@]}" </dev/null 2>&1 | sed -u -e 's/\r$//'
     fi
     qrc=${PIPESTATUS[0]}
 fi

@@ -8,6 +8,7 @@
 #   4. rxe0 cannot be created (crc32 transform missing)         -> exit 123, loud message
 #   5. a job that hangs, with --timeout 15                      -> exit 124
 #   6. the guest kernel panics mid-job                          -> exit 125
+#   7. cargo-test wrapper on fixture/ (one test binary fails)   -> exit 1, "1 passed, 1 failed"
 # Runner options given here (e.g. --mem, --cpus) apply to every case.
 set -uo pipefail
 
@@ -64,6 +65,23 @@ check "hanging job times out" 124 "TIMEOUT" "$@" --timeout 15 "$work/hang.sh"
 
 printf 'echo c >/proc/sysrq-trigger\nsleep 60\n' >"$work/panic.sh"
 check "guest panic is reported" 125 "reported no exit status" "$work/panic.sh" "$@"
+
+# The cargo-test wrapper on a throwaway crate built under $TMPDIR (host /tmp must be visible
+# in the guest): 2 binaries, one with a failing test -> exit 1 and the right summary.
+cp -r "$here/fixture" "$work/fixture"
+t0=$SECONDS
+CARGO_TARGET_DIR="$work/target" "$here/cargo-test-in-vm.sh" --vm-args "$@" --vm-args-end \
+    --manifest-path "$work/fixture/Cargo.toml" >"$work/log" 2>&1
+got=$?
+if ((got == 1)) && grep -q '^test binaries: 1 passed, 1 failed$' "$work/log" &&
+    grep -q '^test rdma_device_from_env_exists ... ok' "$work/log" &&
+    grep -q 'FAILED  softroce-fixture::fails (test)' "$work/log"; then
+    echo "selftest: ok    cargo-test wrapper reports a failing test binary (exit $got, $((SECONDS - t0)) s)"
+else
+    echo "selftest: FAIL  cargo-test wrapper on the fixture: exit $got, wanted 1 with 1 passed, 1 failed"
+    sed 's/^/    | /' "$work/log" | tail -n 40
+    failures=$((failures + 1))
+fi
 
 if ((failures)); then
     echo "selftest: $failures case(s) FAILED"
