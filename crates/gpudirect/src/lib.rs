@@ -34,7 +34,9 @@
 //! # Ok::<(), pagewire_gpudirect::GpuError>(())
 //! ```
 
+pub mod bench;
 pub mod copy;
+pub mod engine_wire;
 mod error;
 #[cfg(feature = "cuda")]
 mod ffi;
@@ -47,6 +49,7 @@ pub mod testing;
 #[cfg(feature = "cuda")]
 pub use copy::CudaCopyEngine;
 pub use copy::{CopyEngine, CopyTicket, Direction, HostCopyEngine, HostFaults};
+pub use engine_wire::EngineWire;
 pub use error::{GpuError, Result, StageKind, Unavailable};
 pub use memory::{DeviceBuffer, DevicePtr, DeviceSpan, PinnedBuffer};
 pub use path::{GpuMode, GpuPath, PathDecision, PathEvidence};

@@ -438,3 +438,43 @@ impl Incoming for LinkIncoming {
         Ok(())
     }
 }
+
+/// A wire whose operations complete at once and move nothing: isolates the
+/// copy-engine side of the pipeline (staged device-to-host / host-to-device rates).
+#[derive(Debug, Default)]
+pub struct NullWire {
+    next: u64,
+    notifications: Vec<u32>,
+}
+
+impl NullWire {
+    /// A new null wire.
+    pub fn new() -> Self {
+        Self::default()
+    }
+    /// Notifications "sent".
+    pub fn notifications(&self) -> &[u32] {
+        &self.notifications
+    }
+}
+
+impl Wire for NullWire {
+    unsafe fn attach_ring(&mut self, _ring: &PinnedBuffer) -> Result<()> {
+        Ok(())
+    }
+    fn write(&mut self, _ops: &[WireOp]) -> Result<WireTicket> {
+        self.next += 1;
+        Ok(WireTicket(self.next))
+    }
+    fn read(&mut self, _ops: &[WireOp]) -> Result<WireTicket> {
+        self.next += 1;
+        Ok(WireTicket(self.next))
+    }
+    fn query(&mut self, _t: WireTicket) -> Result<bool> {
+        Ok(true)
+    }
+    fn notify(&mut self, tag: u32) -> Result<()> {
+        self.notifications.push(tag);
+        Ok(())
+    }
+}
