@@ -49,11 +49,12 @@ impl BatchSink for BatchState {
 
 /// Where `(peer, tag)` notifications of incoming WRITE_WITH_IMM go.
 pub(crate) trait TagSink: Send + Sync {
-    fn notify(&self, tag: u32);
+    /// `bytes` is the length of the WRITE_WITH_IMM that carried the tag.
+    fn notify(&self, tag: u32, bytes: u32);
 }
 
 impl TagSink for NotifySink {
-    fn notify(&self, tag: u32) {
+    fn notify(&self, tag: u32, _bytes: u32) {
         NotifySink::notify(self, tag);
     }
 }
@@ -515,7 +516,7 @@ impl VerbsConn {
         {
             let tag = u32::from_be(wc.imm);
             tracing::trace!(conn = %self.label, tag, bytes = wc.byte_len, "notification");
-            n.notify(tag);
+            n.notify(tag, wc.byte_len);
         }
         let slot = &self.qps[qi];
         let id = recv_wr_id(qi, slot.recv_seq.fetch_add(1, Ordering::Relaxed));

@@ -74,10 +74,11 @@ impl Sink {
 }
 
 #[derive(Default)]
-struct Tags(Mutex<Vec<u32>>);
+struct Tags(Mutex<Vec<u32>>, Mutex<Vec<u32>>);
 impl TagSink for Tags {
-    fn notify(&self, tag: u32) {
+    fn notify(&self, tag: u32, bytes: u32) {
         self.0.lock().unwrap().push(tag);
+        self.1.lock().unwrap().push(bytes);
     }
 }
 
@@ -171,6 +172,11 @@ fn rxe_striped_write_scattered_pages_with_notification() {
         std::thread::sleep(Duration::from_millis(5));
     }
     assert_eq!(*p.tags_b.0.lock().unwrap(), vec![0xC0FFEE]);
+    // The tag rode on the last WR: a list of equal 16 KiB SGEs (scattered pages, one
+    // contiguous remote range). Its receive-side byte_len must be the list's full length,
+    // which rxe v44 gets wrong for unequal lists (hazard 2).
+    let last = *p.tags_b.1.lock().unwrap().last().unwrap() as usize;
+    assert!(last > PAGE && last.is_multiple_of(PAGE), "imm write byte_len {last}");
     for i in 0..PAGES {
         assert!(
             dst[i * PAGE..(i + 1) * PAGE] == src[2 * i * PAGE..(2 * i + 1) * PAGE],
