@@ -43,6 +43,7 @@ mod ffi;
 pub mod memory;
 pub mod path;
 pub mod probe;
+pub mod region;
 pub mod staging;
 pub mod testing;
 
@@ -53,6 +54,7 @@ pub use engine_wire::EngineWire;
 pub use error::{GpuError, Result, StageKind, Unavailable};
 pub use memory::{DeviceBuffer, DevicePtr, DeviceSpan, PinnedBuffer};
 pub use path::{GpuMode, GpuPath, PathDecision, PathEvidence};
+pub use region::{GpuEngine, GpuRegionId, GpuRegionInfo, GpuTransfer};
 pub use staging::{
     Incoming, PipelineStats, Segment, StagedPipeline, StagedReceiver, StagingConfig, TraceEvent,
     Wire, WireOp, WireTicket,
