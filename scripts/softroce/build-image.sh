@@ -43,6 +43,14 @@ if [[ -f "$cache/resolved" ]] && [[ "$(head -1 "$cache/resolved")" == "$aptkey" 
     read -r pkg ver < <(sed -n 2p "$cache/resolved")
 else
     pkg="$(resolve_pkg)"
+    if [[ -z "$pkg" && ! -f "$img/stamp" && "$(id -u)" == 0 ]]; then
+        # A fresh machine may have empty package lists (setup.sh skips `apt-get update`
+        # when every package is already installed).
+        log "no apt metadata for linux-image-amd64; running apt-get update"
+        apt-get update -qq >&2 || true
+        pkg="$(resolve_pkg)"
+        aptkey="${SOFTROCE_KERNEL_PKG:-default} $(stat -c %Y /var/lib/apt/lists /var/lib/apt/lists/*_Packages* 2>/dev/null | sort -n | tail -1)"
+    fi
     if [[ -n "$pkg" ]]; then
         ver="$(apt-cache show --no-all-versions "$pkg" 2>/dev/null | awk '$1 == "Version:" { print $2; exit }')"
     fi
