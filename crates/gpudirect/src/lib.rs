@@ -54,7 +54,7 @@ pub use engine_wire::EngineWire;
 pub use error::{GpuError, Result, StageKind, Unavailable};
 pub use memory::{DeviceBuffer, DevicePtr, DeviceSpan, PinnedBuffer};
 pub use path::{GpuMode, GpuPath, PathDecision, PathEvidence};
-pub use region::{GpuEngine, GpuRegionId, GpuRegionInfo, GpuTransfer};
+pub use region::{GpuEngine, GpuRegionId, GpuRegionInfo, GpuTransfer, detect_path};
 pub use staging::{
     Incoming, PipelineStats, Segment, StagedPipeline, StagedReceiver, StagingConfig, TraceEvent,
     Wire, WireOp, WireTicket,

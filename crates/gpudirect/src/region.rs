@@ -357,3 +357,45 @@ impl GpuEngine {
         Ok(GpuTransfer::Staged(stats))
     }
 }
+
+/// The path GPU `ordinal` would take through `engine`, found by registering a
+/// small device buffer for real (dma-buf export and registration, then peermem),
+/// exactly as [`GpuEngine::register_gpu`] does in `Auto` mode. Never fails: a
+/// missing driver or GPU is a `Staged` answer with the reason.
+pub fn detect_path(engine: &Engine, ordinal: u32) -> PathDecision {
+    let staged = |reason: String| PathDecision {
+        path: GpuPath::Staged,
+        reason,
+    };
+    if let Err(why) = crate::probe::cuda() {
+        return staged(format!("CUDA unavailable: {why}"));
+    }
+    #[cfg(feature = "cuda")]
+    {
+        let copy = match crate::copy::CudaCopyEngine::new(ordinal) {
+            Ok(c) => Arc::new(c) as Arc<dyn CopyEngine>,
+            Err(e) => return staged(format!("GPU {ordinal}: {e}")),
+        };
+        // 2 MiB: host-page (and huge-page) aligned, as dma-buf export needs.
+        let buf = match copy.alloc_device(2 << 20) {
+            Ok(b) => Arc::new(b),
+            Err(e) => return staged(format!("GPU {ordinal}: test allocation failed: {e}")),
+        };
+        let ge = match GpuEngine::new(engine.clone(), copy, StagingConfig::default()) {
+            Ok(g) => g,
+            Err(e) => return staged(e.to_string()),
+        };
+        match ge.register_gpu(buf, Access::ALL, GpuMode::Auto) {
+            Ok(info) => {
+                let _ = ge.deregister(info.id);
+                info.decision
+            }
+            Err(e) => staged(e.to_string()),
+        }
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (engine, ordinal);
+        staged("built without CUDA".into())
+    }
+}
