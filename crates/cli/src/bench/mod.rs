@@ -7,14 +7,14 @@
 //! * `pattern`: seeded byte patterns for `--verify`.
 //! * `perf`: `write`, `read`, `lat` over the engine.
 //! * `pages`: KV page transfers driven by layout plans.
-// Until the engine-backed runners land, parts of the report/stats API are unused.
-#![allow(dead_code)]
+//! * `session`: engine setup, the meeting on the side channel, header data.
 mod args;
 mod oob;
 mod pages;
 mod pattern;
 mod perf;
 mod report;
+mod session;
 mod stats;
 
 pub use args::BenchArgs;

@@ -55,22 +55,6 @@ impl From<io::Error> for OobError {
     }
 }
 
-/// Parameters both ends must agree on (perftest's symmetric flags).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct SymParams {
-    pub test: String,
-    pub sizes: Vec<u64>,
-    pub iters: u64,
-    pub duration: Option<f64>,
-    pub qps: u32,
-    pub tx_depth: u32,
-    pub cq_mod: u32,
-    pub bidirectional: bool,
-    pub verify: bool,
-    pub transport: String,
-}
-
 /// What the server tells the client after a valid hello.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -84,9 +68,12 @@ pub struct Welcome {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "msg", rename_all = "snake_case", deny_unknown_fields)]
 pub enum Msg {
+    /// The client's test name and its symmetric parameters; the server compares them
+    /// with its own and refuses any difference.
     Hello {
         version: u32,
-        params: SymParams,
+        test: String,
+        params: serde_json::Value,
     },
     Welcome(Welcome),
     Refuse {
@@ -182,6 +169,35 @@ impl From<LatResult> for LatResultWire {
     }
 }
 
+impl TryFrom<LatResultWire> for LatResult {
+    type Error = OobError;
+    fn try_from(w: LatResultWire) -> Result<Self, OobError> {
+        let all = [
+            w.t_min_us,
+            w.t_max_us,
+            w.t_typical_us,
+            w.t_avg_us,
+            w.t_stdev_us,
+            w.p99_us,
+            w.p999_us,
+        ];
+        if !all.iter().all(|x| x.is_finite() && *x >= 0.0) {
+            return Err(OobError::BadMessage(format!("latency out of range: {w:?}")));
+        }
+        Ok(LatResult {
+            bytes: w.bytes,
+            iterations: w.iterations,
+            t_min_us: w.t_min_us,
+            t_max_us: w.t_max_us,
+            t_typical_us: w.t_typical_us,
+            t_avg_us: w.t_avg_us,
+            t_stdev_us: w.t_stdev_us,
+            p99_us: w.p99_us,
+            p999_us: w.p999_us,
+        })
+    }
+}
+
 impl Msg {
     fn name(&self) -> String {
         match self {
@@ -242,13 +258,6 @@ impl Channel {
         self.stream.set_read_timeout(Some(timeout))
     }
 
-    pub fn peer(&self) -> String {
-        self.stream
-            .peer_addr()
-            .map(|a| a.to_string())
-            .unwrap_or_else(|_| "?".into())
-    }
-
     pub fn send(&mut self, msg: &Msg) -> Result<(), OobError> {
         self.stream.write_all(&encode(msg))?;
         Ok(())
@@ -283,24 +292,21 @@ impl Channel {
         }
     }
 
-    pub fn recv_verified(&mut self) -> Result<(bool, String), OobError> {
+    pub fn recv_lat(&mut self) -> Result<LatResult, OobError> {
         match self.recv()? {
-            Msg::Verified { ok, detail, .. } => Ok((ok, detail)),
+            Msg::Lat { result } => result.try_into(),
             other => Err(OobError::Unexpected {
-                want: "verified",
+                want: "lat result",
                 got: other.name(),
             }),
         }
     }
 
-    pub fn expect_hello(&mut self) -> Result<SymParams, OobError> {
+    pub fn recv_verified(&mut self) -> Result<(bool, String), OobError> {
         match self.recv()? {
-            Msg::Hello { version, params } if version == VERSION => Ok(params),
-            Msg::Hello { version, .. } => Err(OobError::BadMessage(format!(
-                "version {version}, want {VERSION}"
-            ))),
+            Msg::Verified { ok, detail, .. } => Ok((ok, detail)),
             other => Err(OobError::Unexpected {
-                want: "hello",
+                want: "verified",
                 got: other.name(),
             }),
         }
@@ -321,26 +327,12 @@ impl Channel {
 mod tests {
     use super::*;
 
-    fn params() -> SymParams {
-        SymParams {
-            test: "write".into(),
-            sizes: vec![65536],
-            iters: 5000,
-            duration: None,
-            qps: 1,
-            tx_depth: 128,
-            cq_mod: 64,
-            bidirectional: false,
-            verify: true,
-            transport: "tcp".into(),
-        }
-    }
-
     #[test]
     fn frames_round_trip() {
         let m = Msg::Hello {
             version: VERSION,
-            params: params(),
+            test: "write".into(),
+            params: serde_json::json!({"sizes": [65536], "iters": 5000}),
         };
         let bytes = encode(&m);
         assert_eq!(&bytes[..4], MAGIC);

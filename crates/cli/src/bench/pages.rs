@@ -89,6 +89,16 @@ pub enum Pattern {
     Fragmented,
 }
 
+impl Pattern {
+    pub fn name(self) -> &'static str {
+        match self {
+            Pattern::Contiguous => "contiguous",
+            Pattern::Random => "random",
+            Pattern::Fragmented => "fragmented",
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum PageOp {
@@ -393,12 +403,526 @@ pub fn replay(
     Ok(())
 }
 
-pub fn run(_args: PagesArgs) -> anyhow::Result<()> {
-    anyhow::bail!("bench pages: waiting for the transport engine")
+/// Everything the report shows about one run.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct PagesReport {
+    pub op: PageOp,
+    pub model: &'static str,
+    pub kind: String,
+    pub layers: u64,
+    pub heads: u64,
+    pub head_dim: u64,
+    pub v_head_dim: u64,
+    pub dtype: &'static str,
+    pub page_size: u64,
+    pub page_bytes: u64,
+    pub src_layout: String,
+    pub dst_layout: String,
+    pub pool_pages: u64,
+    pub pool_bytes: u64,
+    pub pattern: Pattern,
+    pub seed: u64,
+    pub transport: String,
+    pub device: String,
+    pub lanes: u16,
+    pub depth: u32,
+    pub pages: u64,
+    pub batches: u64,
+    #[serde(flatten)]
+    pub plan: PlanStats,
+    pub max_wr_bytes: u64,
+    pub plan_build_us: f64,
+    pub seconds: f64,
+    pub gb_per_s: f64,
+    pub mib_per_s: f64,
+    pub pages_per_s: f64,
+    pub batch_p50_us: f64,
+    pub batch_p99_us: f64,
+    pub batch_p999_us: f64,
+    /// None when --verify was not given.
+    pub verified: Option<bool>,
+    pub verify_detail: String,
 }
 
+impl PagesReport {
+    pub fn render(&self) -> String {
+        use super::report::RESULT_LINE;
+        use std::fmt::Write as _;
+        let mut s = String::new();
+        let verb = match self.op {
+            PageOp::Write => "RDMA_Write",
+            PageOp::Read => "RDMA_Read",
+        };
+        let _ = writeln!(s, "{RESULT_LINE}");
+        let _ = writeln!(s, "                    KV Page Transfer ({verb})");
+        let dims = if self.kind == "mla" {
+            format!("L={} C={}", self.layers, self.head_dim)
+        } else {
+            format!(
+                "L={} H={} D={} Dv={}",
+                self.layers, self.heads, self.head_dim, self.v_head_dim
+            )
+        };
+        let _ = writeln!(
+            s,
+            " Model           : {} ({}, {dims}, {})",
+            self.model, self.kind, self.dtype
+        );
+        let _ = writeln!(
+            s,
+            " Page            : {} tokens, {} B (all layers and buffers)",
+            self.page_size, self.page_bytes
+        );
+        let _ = writeln!(
+            s,
+            " Layouts         : {} -> {}",
+            self.src_layout, self.dst_layout
+        );
+        let _ = writeln!(
+            s,
+            " Pool            : {} pages, {} B per side",
+            self.pool_pages, self.pool_bytes
+        );
+        let _ = writeln!(
+            s,
+            " Pattern         : {}, seed {}",
+            self.pattern.name(),
+            self.seed
+        );
+        let _ = writeln!(
+            s,
+            " Device          : {}\t\tTransport type : {}",
+            self.device, self.transport
+        );
+        let _ = writeln!(
+            s,
+            " Lanes           : {}\t\tBatches in flight : {}",
+            self.lanes, self.depth
+        );
+        let _ = writeln!(s, "{RESULT_LINE}");
+        let avg_wr = self
+            .plan
+            .bytes
+            .checked_div(self.plan.work_requests)
+            .unwrap_or(0);
+        let rows: [(&str, String); 12] = [
+            ("pages per batch", self.pages.to_string()),
+            ("bytes per batch", self.plan.bytes.to_string()),
+            (
+                "segments before coalescing",
+                self.plan.segments_raw.to_string(),
+            ),
+            (
+                "segments after coalescing",
+                self.plan.segments_plan.to_string(),
+            ),
+            (
+                "work requests per batch",
+                format!(
+                    "{} (at most {} B each, {} B on average)",
+                    self.plan.work_requests, self.max_wr_bytes, avg_wr
+                ),
+            ),
+            ("plan build [usec]", format!("{:.2}", self.plan_build_us)),
+            ("batches", self.batches.to_string()),
+            ("elapsed [sec]", format!("{:.3}", self.seconds)),
+            (
+                "bandwidth",
+                format!("{:.3} GB/s ({:.2} MiB/sec)", self.gb_per_s, self.mib_per_s),
+            ),
+            ("pages per second", format!("{:.1}", self.pages_per_s)),
+            (
+                "batch latency [usec]",
+                format!(
+                    "p50 {:.2}  p99 {:.2}  p99.9 {:.2}",
+                    self.batch_p50_us, self.batch_p99_us, self.batch_p999_us
+                ),
+            ),
+            (
+                "verify",
+                match self.verified {
+                    None => "not requested (--verify)".into(),
+                    Some(true) => format!("OK: {}", self.verify_detail),
+                    Some(false) => format!("FAILED: {}", self.verify_detail),
+                },
+            ),
+        ];
+        for (k, v) in rows {
+            let _ = writeln!(s, " {k:<27}: {v}");
+        }
+        let _ = writeln!(s, "{RESULT_LINE}");
+        s
+    }
+}
+
+fn sym_params(a: &PagesArgs) -> serde_json::Value {
+    serde_json::json!({
+        "model": a.model,
+        "dtype": a.dtype,
+        "layers": a.layers,
+        "src_layout": a.src_layout().as_str(),
+        "dst_layout": a.dst_layout().as_str(),
+        "page_size": a.page_size,
+        "pages": a.pages,
+        "pool_pages": a.pool_pages(),
+        "pattern": a.pattern,
+        "seed": a.seed,
+        "op": a.op,
+        "iters": a.iters,
+        "depth": a.depth,
+        "qps": a.qps,
+        "verify": a.verify,
+        "transport": a.transport,
+    })
+}
+
+fn engine_opts(a: &PagesArgs) -> super::session::EngineOpts {
+    super::session::EngineOpts {
+        transport: a.transport,
+        lanes: a.qps,
+        device: a.device.clone(),
+        gid_index: a.gid_index,
+        ib_port: a.ib_port,
+        tx_depth: 0,
+    }
+}
+
+/// The pool content the source side starts with; the receiver regenerates it.
+fn source_seed(a: &PagesArgs) -> u64 {
+    super::pattern::seed_for("pages", a.seed, 0)
+}
+
+/// Receiver's check: regenerate the source pool, replay the plan (with both pools at
+/// address 0) into a zeroed pool, and compare the whole receiving pool.
+fn verify_pool(
+    a: &PagesArgs,
+    g: PoolGeometry,
+    received: &[u8],
+) -> anyhow::Result<Result<String, String>> {
+    let (bytes, _) = pool_bytes(&g);
+    let src = place(g, a.src_layout(), 0)?;
+    let dst = place(g, a.dst_layout(), 0)?;
+    let m = mapping(a)?;
+    let plan = pagewire_layout::plan(&src, &dst, &m.src, &m.dst)?;
+    let mut source = vec![0u8; bytes as usize];
+    super::pattern::fill(&mut source, source_seed(a));
+    let mut expected = vec![0u8; bytes as usize];
+    replay(&plan, &source, 0, &mut expected, 0)?;
+    drop(source);
+    Ok(
+        match expected.iter().zip(received).position(|(x, y)| x != y) {
+            None => Ok(format!(
+                "receiver replayed the plan on a regenerated source; all {bytes} B of its pool match"
+            )),
+            Some(i) => Err(format!(
+                "pool byte {i} is {:#04x}, expected {:#04x}",
+                received[i], expected[i]
+            )),
+        },
+    )
+}
+
+pub fn run(args: PagesArgs) -> anyhow::Result<()> {
+    use anyhow::{Context, ensure};
+    geometry(&args)?;
+    mapping(&args)?;
+    if let Some(addr) = &args.server_addr {
+        ensure!(
+            args.transport != TransportArg::Loopback,
+            "--transport loopback needs both ends in one process"
+        );
+        let server = super::session::server_target(addr, args.port)?;
+        return client(&args, server, false).map(|_| ());
+    }
+    if args.server {
+        ensure!(
+            args.transport != TransportArg::Loopback,
+            "--transport loopback needs both ends in one process"
+        );
+        let listener = std::net::TcpListener::bind(("0.0.0.0", args.port))
+            .with_context(|| format!("binding the side channel on port {}", args.port))?;
+        return server(&args, listener, false);
+    }
+    in_process(&args).map(|_| ())
+}
+
+fn in_process(args: &PagesArgs) -> anyhow::Result<PagesReport> {
+    let a2 = args.clone();
+    let (addr, t) = super::session::spawn_local_server(move |l| server(&a2, l, true))?;
+    let r = client(args, addr, true);
+    let report = match &r {
+        Ok(rep) => Some(rep.clone()),
+        Err(_) => None,
+    };
+    super::session::join_local(t, r.map(|_| ()))?;
+    Ok(report.expect("client succeeded"))
+}
+
+/// The README's main job, part 1: a verified KV page transfer between two engines in
+/// this process over the best transport (a Llama-3-8B pool, random pages).
 pub fn run_default() -> anyhow::Result<()> {
-    Ok(())
+    use clap::Parser;
+    #[derive(Parser)]
+    struct Wrap {
+        #[command(flatten)]
+        a: PagesArgs,
+    }
+    let args = Wrap::try_parse_from([
+        "pages",
+        "--model",
+        "llama3-8b",
+        "--pattern",
+        "random",
+        "--pages",
+        "32",
+        "--page-size",
+        "16",
+        "-n",
+        "20",
+        "--verify",
+    ])
+    .expect("fixed argv parses")
+    .a;
+    eprintln!(
+        " pagewire: end-to-end KV page transfer between two engines in this process (best available transport)"
+    );
+    in_process(&args).map(|_| ())
+}
+
+fn server(a: &PagesArgs, listener: std::net::TcpListener, quiet: bool) -> anyhow::Result<()> {
+    use super::oob::{Msg, Welcome};
+    use super::session;
+    let timeout = std::time::Duration::from_secs_f64(a.timeout);
+    if !quiet {
+        eprintln!(
+            " pagewire bench pages: waiting for a client on {} (side channel)",
+            listener.local_addr()?
+        );
+    }
+    let mut ch = session::server_accept(&listener, "pages", &sym_params(a), timeout, quiet)?;
+    let listen: std::net::SocketAddr = if quiet { "127.0.0.1:0" } else { "0.0.0.0:0" }
+        .parse()
+        .expect("literal");
+    let engine = session::open_engine(&engine_opts(a), listen)?;
+    let g = geometry(a)?;
+    let (bytes, _) = pool_bytes(&g);
+    let mut local = session::Local::new(&engine, bytes)?;
+    if a.op == PageOp::Read {
+        super::pattern::fill(&mut local.buf[..], source_seed(a));
+    }
+    ch.send(&Msg::Welcome(Welcome {
+        engine_port: engine.local_addr().port(),
+        buf_len: bytes,
+    }))?;
+    let _peer = session::accept_engine(&engine, timeout)?;
+    ch.barrier(1)?;
+    ch.barrier(2)?;
+    let mut outcome = Ok(());
+    if a.verify && a.op == PageOp::Write {
+        let v = verify_pool(a, g, &local.buf[..])?;
+        let (ok, detail) = match &v {
+            Ok(d) => (true, d.clone()),
+            Err(d) => (false, d.clone()),
+        };
+        ch.send(&Msg::Verified {
+            size: bytes,
+            ok,
+            detail: detail.clone(),
+        })?;
+        if !ok {
+            outcome = Err(anyhow::anyhow!(
+                "verification failed on the server: {detail}"
+            ));
+        }
+    }
+    ch.barrier(3)?;
+    if !quiet {
+        eprintln!(
+            " pagewire bench pages: run finished ({} batches of {} pages)",
+            a.iters, a.pages
+        );
+    }
+    engine.shutdown();
+    outcome
+}
+
+fn client(
+    a: &PagesArgs,
+    server: std::net::SocketAddr,
+    in_process: bool,
+) -> anyhow::Result<PagesReport> {
+    use super::session;
+    use anyhow::{Context, anyhow, ensure};
+    use pagewire_transport::Op;
+    use std::time::{Duration, Instant};
+    let timeout = Duration::from_secs_f64(a.timeout);
+    let (mut ch, w) = session::client_hello(server, "pages", sym_params(a), timeout)?;
+    let listen: std::net::SocketAddr = if in_process {
+        "127.0.0.1:0"
+    } else {
+        "0.0.0.0:0"
+    }
+    .parse()
+    .expect("literal");
+    let engine = session::open_engine(&engine_opts(a), listen)?;
+    let g = geometry(a)?;
+    let (bytes, _) = pool_bytes(&g);
+    ensure!(
+        w.buf_len == bytes,
+        "the server's pool is {} B, this run's is {bytes} B",
+        w.buf_len
+    );
+    let mut local = session::Local::new(&engine, bytes)?;
+    if a.op == PageOp::Write {
+        super::pattern::fill(&mut local.buf[..], source_seed(a));
+    }
+    let peer = session::connect_engine(&engine, server, &w)?;
+    let remote = session::remote_buffer(&engine, peer, bytes)?;
+    let (src_base, dst_base, op) = match a.op {
+        PageOp::Write => (local.base(), remote.addr, Op::Write),
+        PageOp::Read => (remote.addr, local.base(), Op::Read),
+    };
+    let m = mapping(a)?;
+    let t0 = Instant::now();
+    let src = place(g, a.src_layout(), src_base)?;
+    let dst = place(g, a.dst_layout(), dst_base)?;
+    let plan =
+        pagewire_layout::plan(&src, &dst, &m.src, &m.dst).context("building the transfer plan")?;
+    let plan_build_us = t0.elapsed().as_secs_f64() * 1e6;
+    let info = engine.backend_info();
+    let pstats = plan_stats(&src, &plan, a.pages, info.max_wr_bytes);
+    let triples: Vec<(u64, u64, u64)> = plan.iter().map(|t| (t.src, t.dst, t.len)).collect();
+
+    let mut bar = progress_bar(a.iters, a.json);
+    ch.barrier(1)?;
+    let start = Instant::now();
+    let mut inflight = std::collections::VecDeque::new();
+    let mut lat_us = Vec::with_capacity(a.iters as usize);
+    let mut submitted = 0u64;
+    let mut last_done = start;
+    while submitted < a.iters || !inflight.is_empty() {
+        while submitted < a.iters && inflight.len() < a.depth as usize {
+            let t = Instant::now();
+            let h = engine
+                .submit_plan(peer, op, triples.iter().copied(), None)
+                .context("submitting a page batch")?;
+            inflight.push_back((h, t));
+            submitted += 1;
+        }
+        let (h, t) = inflight.pop_front().expect("in flight");
+        h.wait(Instant::now() + timeout)
+            .with_context(|| format!("page batch {}", lat_us.len()))?;
+        last_done = Instant::now();
+        lat_us.push(last_done.duration_since(t).as_secs_f64() * 1e6);
+        bar.tick(start);
+    }
+    bar.finish();
+    ch.barrier(2)?;
+    let secs = last_done.duration_since(start).as_secs_f64().max(1e-9);
+    let verified = if !a.verify {
+        None
+    } else if a.op == PageOp::Read {
+        Some(verify_pool(a, g, &local.buf[..])?.map_err(|e| format!("client: {e}")))
+    } else {
+        let (ok, detail) = ch.recv_verified()?;
+        Some(if ok {
+            Ok(detail)
+        } else {
+            Err(format!("server: {detail}"))
+        })
+    };
+    ch.barrier(3)?;
+    engine.shutdown();
+    lat_us.sort_by(f64::total_cmp);
+    let total = pstats.bytes as f64 * a.iters as f64;
+    let report = PagesReport {
+        op: a.op,
+        model: a.model.name(),
+        kind: g.kind().to_string(),
+        layers: g.layers(),
+        heads: g.heads(),
+        head_dim: g.head_dim(),
+        v_head_dim: g.v_head_dim(),
+        dtype: a.dtype.name(),
+        page_size: a.page_size,
+        page_bytes: g.bytes_per_token() * a.page_size,
+        src_layout: a.src_layout().to_string(),
+        dst_layout: a.dst_layout().to_string(),
+        pool_pages: a.pool_pages(),
+        pool_bytes: bytes,
+        pattern: a.pattern,
+        seed: a.seed,
+        transport: info.kind.to_string(),
+        device: info.device.clone(),
+        lanes: info.lanes_per_peer,
+        depth: a.depth,
+        pages: a.pages,
+        batches: a.iters,
+        plan: pstats,
+        max_wr_bytes: info.max_wr_bytes,
+        plan_build_us,
+        seconds: secs,
+        gb_per_s: total / secs / 1e9,
+        mib_per_s: total / secs / super::stats::MIB,
+        pages_per_s: (a.pages * a.iters) as f64 / secs,
+        batch_p50_us: super::stats::percentile(&lat_us, 50.0),
+        batch_p99_us: super::stats::percentile(&lat_us, 99.0),
+        batch_p999_us: super::stats::percentile(&lat_us, 99.9),
+        verified: verified.as_ref().map(|v| v.is_ok()),
+        verify_detail: match &verified {
+            Some(Ok(d)) | Some(Err(d)) => d.clone(),
+            None => String::new(),
+        },
+    };
+    if a.json {
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        print!("{}", report.render());
+    }
+    if let Some(Err(e)) = verified {
+        return Err(anyhow!("verification failed on the {e}"));
+    }
+    Ok(report)
+}
+
+/// A bar on stderr that appears once a run has taken more than two seconds, and only
+/// when stderr is a terminal and the output is not JSON.
+struct Progress {
+    bar: indicatif::ProgressBar,
+    enabled: bool,
+    shown: bool,
+}
+
+fn progress_bar(total: u64, json: bool) -> Progress {
+    use std::io::IsTerminal;
+    let bar = indicatif::ProgressBar::with_draw_target(
+        Some(total),
+        indicatif::ProgressDrawTarget::hidden(),
+    );
+    if let Ok(style) = indicatif::ProgressStyle::with_template(
+        " {bar:40} {pos}/{len} batches  {elapsed_precise} eta {eta}",
+    ) {
+        bar.set_style(style);
+    }
+    Progress {
+        bar,
+        enabled: !json && std::io::stderr().is_terminal(),
+        shown: false,
+    }
+}
+
+impl Progress {
+    fn tick(&mut self, start: std::time::Instant) {
+        self.bar.inc(1);
+        if self.enabled && !self.shown && start.elapsed().as_secs_f64() > 2.0 {
+            self.bar
+                .set_draw_target(indicatif::ProgressDrawTarget::stderr());
+            self.shown = true;
+        }
+    }
+    fn finish(&self) {
+        self.bar.finish_and_clear();
+    }
 }
 
 #[cfg(test)]

@@ -1,10 +1,600 @@
 //! `pagewire bench write|read|lat` over the transport engine.
-use super::args::{PerfArgs, TestKind};
+//!
+//! Each end registers one buffer of twice the largest message: the lower half is what
+//! it sends (or lets the peer read), the upper half is where the peer's data lands.
+//! The client always initiates; with `-b` the server initiates too, at the same time,
+//! and the client prints the sum of both ends' bandwidth (as perftest does).
+//!
+//! The op loop keeps at most `-t` operations in flight, posted in batches of `-Q`
+//! (one completion per batch, like perftest's CQ moderation). Post and completion
+//! times are taken around `Engine::submit` and `TransferHandle::wait`.
+//!
+//! `lat` is a WRITE ping-pong: the client writes `size` bytes tagged with the iteration
+//! number, the server waits for that notification and writes back. The engine surfaces
+//! a notification only once every byte of the batch is in memory, on every backend, so
+//! each half round trip is the time for the data to arrive *and* be known to have
+//! arrived (perftest instead spins on the last byte, which only verbs guarantees to
+//! land last).
+use std::collections::VecDeque;
+use std::io::Write as _;
+use std::net::{SocketAddr, TcpListener};
+use std::time::{Duration, Instant};
 
-pub fn run(_kind: TestKind, _args: PerfArgs) -> anyhow::Result<()> {
-    anyhow::bail!("bench: waiting for the transport engine")
+use anyhow::{Context, anyhow, bail, ensure};
+use clap::Parser;
+use pagewire_transport::{
+    Batch, BatchStatus, Engine, Op, PeerId, RemoteRegion, TransferHandle, TransferOp,
+};
+
+use super::args::{PerfArgs, TestKind, TransportArg};
+use super::oob::{Channel, Msg, Welcome};
+use super::pattern;
+use super::report::{Printer, RunInfo};
+use super::session::{self, EngineOpts, Local};
+use super::stats::{self, BwResult, BwSamples, LatResult};
+
+/// The flags both ends must agree on (perftest's symmetric flags, plus ours).
+fn sym_params(kind: TestKind, a: &PerfArgs, sizes: &[u64]) -> serde_json::Value {
+    serde_json::json!({
+        "sizes": sizes,
+        "iters": a.iters(kind),
+        "duration": a.duration,
+        "margin": a.effective_margin(),
+        "qps": a.qps,
+        "tx_depth": a.tx_depth(kind),
+        "cq_mod": a.cq_mod(kind),
+        "bidirectional": a.bidirectional,
+        "verify": a.verify,
+        "transport": a.transport,
+    })
 }
 
+fn engine_opts(kind: TestKind, a: &PerfArgs) -> EngineOpts {
+    EngineOpts {
+        transport: a.transport,
+        lanes: a.qps,
+        device: a.device.clone(),
+        gid_index: a.gid_index,
+        ib_port: a.ib_port,
+        tx_depth: a.tx_depth(kind),
+    }
+}
+
+pub fn run(kind: TestKind, args: PerfArgs) -> anyhow::Result<()> {
+    if kind == TestKind::Lat {
+        ensure!(
+            !args.bidirectional,
+            "-b does not apply to the latency test (it is a ping-pong)"
+        );
+        ensure!(
+            args.duration.is_none(),
+            "-D is not supported by the latency test; use -n"
+        );
+    }
+    let sizes = args.sizes(kind);
+    if let Some(addr) = &args.server_addr {
+        ensure!(
+            args.transport != TransportArg::Loopback,
+            "--transport loopback needs both ends in one process"
+        );
+        let server = session::server_target(addr, args.port)?;
+        return client(kind, &args, &sizes, server, false);
+    }
+    if args.server {
+        ensure!(
+            args.transport != TransportArg::Loopback,
+            "--transport loopback needs both ends in one process"
+        );
+        let listener = TcpListener::bind(("0.0.0.0", args.port))
+            .with_context(|| format!("binding the side channel on port {}", args.port))?;
+        return server(kind, &args, &sizes, listener, false);
+    }
+    in_process(kind, &args, &sizes)
+}
+
+/// Both ends in this process, over the engine's real transport (the side channel and
+/// the engines talk through 127.0.0.1).
+fn in_process(kind: TestKind, args: &PerfArgs, sizes: &[u64]) -> anyhow::Result<()> {
+    let (a2, s2) = (args.clone(), sizes.to_vec());
+    let (addr, t) = session::spawn_local_server(move |l| server(kind, &a2, &s2, l, true))?;
+    let r = client(kind, args, sizes, addr, true);
+    session::join_local(t, r)
+}
+
+/// The default run's bandwidth table: a few sizes, few iterations, both ends here.
 pub fn run_default() -> anyhow::Result<()> {
-    anyhow::bail!("the default end-to-end run is not implemented yet")
+    #[derive(Parser)]
+    struct Wrap {
+        #[command(flatten)]
+        a: PerfArgs,
+    }
+    let args = Wrap::try_parse_from(["write", "-n", "200", "--verify"])
+        .expect("fixed argv parses")
+        .a;
+    in_process(TestKind::Write, &args, &[4096, 65536, 1 << 20, 8 << 20])
+}
+
+fn server(
+    kind: TestKind,
+    args: &PerfArgs,
+    sizes: &[u64],
+    listener: TcpListener,
+    quiet: bool,
+) -> anyhow::Result<()> {
+    let timeout = Duration::from_secs_f64(args.timeout);
+    let params = sym_params(kind, args, sizes);
+    if !quiet {
+        eprintln!(
+            " pagewire bench {}: waiting for a client on {} (side channel)",
+            kind.name(),
+            listener.local_addr()?
+        );
+    }
+    let ch = session::server_accept(&listener, kind.name(), &params, timeout, quiet)?;
+    let listen: SocketAddr = if quiet { "127.0.0.1:0" } else { "0.0.0.0:0" }
+        .parse()
+        .expect("literal");
+    let engine = session::open_engine(&engine_opts(kind, args), listen)?;
+    let half = *sizes.iter().max().expect("at least one size");
+    let local = Local::new(&engine, 2 * half)?;
+    let mut ch = ch;
+    ch.send(&Msg::Welcome(Welcome {
+        engine_port: engine.local_addr().port(),
+        buf_len: 2 * half,
+    }))?;
+    let peer = session::accept_engine(&engine, timeout)?;
+    let remote = session::remote_buffer(&engine, peer, 2 * half)?;
+    let mut end = End {
+        engine,
+        peer,
+        local,
+        remote,
+        ch,
+        client: false,
+        print: !quiet,
+        half,
+        timeout,
+    };
+    let r = end.run_all(kind, args, sizes);
+    end.engine.shutdown();
+    r
+}
+
+fn client(
+    kind: TestKind,
+    args: &PerfArgs,
+    sizes: &[u64],
+    server: SocketAddr,
+    in_process: bool,
+) -> anyhow::Result<()> {
+    let timeout = Duration::from_secs_f64(args.timeout);
+    let params = sym_params(kind, args, sizes);
+    let (ch, w) = session::client_hello(server, kind.name(), params, timeout)?;
+    let listen: SocketAddr = if in_process {
+        "127.0.0.1:0"
+    } else {
+        "0.0.0.0:0"
+    }
+    .parse()
+    .expect("literal");
+    let engine = session::open_engine(&engine_opts(kind, args), listen)?;
+    let half = *sizes.iter().max().expect("at least one size");
+    ensure!(
+        w.buf_len >= 2 * half,
+        "the server's buffer ({} B) is smaller than this run needs",
+        w.buf_len
+    );
+    let local = Local::new(&engine, 2 * half)?;
+    let peer = session::connect_engine(&engine, server, &w)?;
+    let remote = session::remote_buffer(&engine, peer, 2 * half)?;
+    let mut end = End {
+        engine,
+        peer,
+        local,
+        remote,
+        ch,
+        client: true,
+        print: true,
+        half,
+        timeout,
+    };
+    let r = end.run_all(kind, args, sizes);
+    end.engine.shutdown();
+    r
+}
+
+/// One end of a connected pair.
+struct End {
+    engine: Engine,
+    peer: PeerId,
+    local: Local,
+    remote: RemoteRegion,
+    ch: Channel,
+    client: bool,
+    print: bool,
+    /// Offset of the landing half in both buffers.
+    half: u64,
+    timeout: Duration,
+}
+
+impl End {
+    fn run_all(&mut self, kind: TestKind, args: &PerfArgs, sizes: &[u64]) -> anyhow::Result<()> {
+        let lat = kind == TestKind::Lat;
+        let title = kind.title(args.bidirectional);
+        let data_ex = if self.print && !self.client {
+            "Ethernet (server)"
+        } else {
+            "Ethernet"
+        };
+        let header = session::header(
+            &self.engine,
+            self.peer,
+            title,
+            args.tx_depth(kind),
+            args.cq_mod(kind),
+            &self.local,
+            &self.remote,
+            data_ex,
+        )?;
+        let info = self.engine.backend_info();
+        let run_info = RunInfo {
+            test: kind.name(),
+            transport: info.kind.to_string(),
+            device: info.device.clone(),
+            qps: args.qps,
+            tx_depth: args.tx_depth(kind),
+            bidirectional: args.bidirectional,
+        };
+        // The quiet in-process server must not take the stdout lock the client prints under.
+        let out: Box<dyn std::io::Write> = if self.print {
+            Box::new(std::io::stdout())
+        } else {
+            Box::new(std::io::sink())
+        };
+        let mut printer = Printer::new(out, args.json, args.report_gbits, run_info);
+        if self.print {
+            printer.begin(&header, lat, !args.peak_enabled(kind))?;
+        }
+        self.ch.barrier(0)?;
+        let mut failure = None;
+        for (i, &size) in sizes.iter().enumerate() {
+            let step = 1 + 4 * i as u64;
+            let verdict = if lat {
+                let (r, v) = self.lat_size(step, size, args)?;
+                if self.print {
+                    printer.lat(&r)?;
+                }
+                v
+            } else {
+                let (r, v) = self.bw_size(kind, step, size, args)?;
+                if self.print {
+                    printer.bw(&r)?;
+                }
+                v
+            };
+            if let Err(e) = verdict {
+                failure = Some(e);
+                break;
+            }
+        }
+        if self.print {
+            printer.end()?;
+        }
+        drop(printer);
+        let _ = std::io::stdout().flush();
+        match failure {
+            Some(e) => Err(e),
+            None => {
+                if args.verify && self.print && !args.json {
+                    eprintln!(" pagewire: --verify: every size checked on the receiving side: OK");
+                }
+                Ok(())
+            }
+        }
+    }
+
+    fn lower(&self) -> u64 {
+        self.local.base()
+    }
+
+    fn buf_mut(&mut self) -> &mut [u8] {
+        &mut self.local.buf[..]
+    }
+
+    /// One bandwidth size: fill, barrier, measure, barrier, verify, exchange results.
+    /// Returns the row to print and the verification verdict.
+    fn bw_size(
+        &mut self,
+        kind: TestKind,
+        step: u64,
+        size: u64,
+        a: &PerfArgs,
+    ) -> anyhow::Result<(BwResult, anyhow::Result<()>)> {
+        let bidir = a.bidirectional;
+        let initiates = self.client || bidir;
+        let peer_initiates = !self.client || bidir;
+        let (src_here, land_here) = match kind {
+            TestKind::Read => (peer_initiates, initiates),
+            _ => (initiates, peer_initiates),
+        };
+        // Data that starts in the client's memory uses direction 0, the server's 1.
+        let (mine, theirs) = if self.client { (0, 1) } else { (1, 0) };
+        let src_seed = pattern::seed_for(kind.name(), size, mine);
+        let land_seed = pattern::seed_for(kind.name(), size, theirs);
+        let (half, n) = (self.half as usize, size as usize);
+        if a.verify {
+            if src_here {
+                pattern::fill(&mut self.buf_mut()[..n], src_seed);
+            }
+            if land_here {
+                self.buf_mut()[half..half + n].fill(0);
+            }
+        }
+        self.ch.barrier(step)?;
+        let mine_result = if initiates {
+            let (op, local, remote) = match kind {
+                TestKind::Read => (Op::Read, self.lower() + self.half, self.remote.addr),
+                _ => (Op::Write, self.lower(), self.remote.addr + self.half),
+            };
+            let total = a.iters(kind) * u64::from(a.qps);
+            let dur = a.duration.map(Duration::from_secs_f64);
+            let samples = self.bw_loop(
+                op,
+                local,
+                remote,
+                size,
+                total,
+                dur,
+                a.tx_depth(kind),
+                a.cq_mod(kind),
+            )?;
+            let (samples, iterations) = match a.duration {
+                Some(d) => {
+                    let m = a.effective_margin();
+                    let w = stats::trim_window(&samples, (m * 1e9) as u64, ((d - m) * 1e9) as u64);
+                    let it = w.posted.len() as u64 / u64::from(a.qps);
+                    (w, it)
+                }
+                None => (samples, a.iters(kind)),
+            };
+            let cq = a.cq_mod(kind) as usize;
+            Some(stats::bw_result(
+                size,
+                iterations,
+                &samples,
+                cq,
+                cq,
+                a.peak_enabled(kind),
+            ))
+        } else {
+            None
+        };
+        self.ch.barrier(step + 1)?;
+        let mut verdict: anyhow::Result<()> = Ok(());
+        if a.verify
+            && land_here
+            && let Err(m) = pattern::check(&self.local.buf[half..half + n], land_seed)
+        {
+            verdict = Err(anyhow!(
+                "verification failed on the {} at size {size}: {m}",
+                self.side()
+            ));
+        }
+        if self.client {
+            let peer_lands = match kind {
+                TestKind::Read => bidir,
+                _ => true,
+            };
+            if a.verify && peer_lands {
+                let (ok, detail) = self.ch.recv_verified()?;
+                if !ok && verdict.is_ok() {
+                    verdict = Err(anyhow!(
+                        "verification failed on the server at size {size}: {detail}"
+                    ));
+                }
+            }
+            let mut r = mine_result.expect("the client initiates");
+            if bidir {
+                let theirs = self.ch.recv_bw()?;
+                r = r.sum(&theirs);
+            }
+            self.ch.send(&Msg::Bw { result: r.into() })?;
+            Ok((r, verdict))
+        } else {
+            if a.verify && land_here {
+                let (ok, detail) = match &verdict {
+                    Ok(()) => (true, String::new()),
+                    Err(e) => (false, e.to_string()),
+                };
+                self.ch.send(&Msg::Verified { size, ok, detail })?;
+            }
+            if let Some(r) = mine_result {
+                self.ch.send(&Msg::Bw { result: r.into() })?;
+            }
+            let total = self.ch.recv_bw()?;
+            Ok((total, verdict))
+        }
+    }
+
+    fn side(&self) -> &'static str {
+        if self.client { "client" } else { "server" }
+    }
+
+    /// Posts `total` ops (or runs for `duration`) with at most `depth` in flight, in
+    /// batches of `cq_mod`, and returns each op's post and completion time.
+    #[allow(clippy::too_many_arguments)]
+    fn bw_loop(
+        &self,
+        op: Op,
+        local: u64,
+        remote: u64,
+        size: u64,
+        total: u64,
+        duration: Option<Duration>,
+        depth: u32,
+        cq_mod: u32,
+    ) -> anyhow::Result<BwSamples> {
+        let start = Instant::now();
+        let ns = |t: Instant| t.duration_since(start).as_nanos() as u64;
+        let end_at = duration.map(|d| start + d);
+        let cap = if duration.is_some() {
+            1 << 16
+        } else {
+            total as usize
+        };
+        let mut s = BwSamples {
+            posted: Vec::with_capacity(cap),
+            completed: Vec::with_capacity(cap),
+        };
+        let mut inflight: VecDeque<(TransferHandle, usize)> = VecDeque::new();
+        let (mut outstanding, mut posted) = (0usize, 0u64);
+        let one = TransferOp {
+            op,
+            local,
+            remote,
+            len: size,
+        };
+        loop {
+            loop {
+                let remaining = match end_at {
+                    Some(e) if Instant::now() >= e => 0,
+                    Some(_) => u64::MAX,
+                    None => total - posted,
+                };
+                let cnt = u64::from(cq_mod).min(remaining) as usize;
+                if cnt == 0 || outstanding + cnt > depth as usize {
+                    break;
+                }
+                let mut b = Batch::with_capacity(cnt);
+                for _ in 0..cnt {
+                    b.push(one);
+                }
+                let b = b.timeout(self.timeout);
+                let t = ns(Instant::now());
+                let h = self
+                    .engine
+                    .submit(self.peer, b)
+                    .context("submitting a batch")?;
+                s.posted.extend(std::iter::repeat_n(t, cnt));
+                inflight.push_back((h, cnt));
+                outstanding += cnt;
+                posted += cnt as u64;
+            }
+            let Some((h, cnt)) = inflight.pop_front() else {
+                break;
+            };
+            h.wait(Instant::now() + self.timeout)
+                .with_context(|| format!("{size} B batch (op {} of the run)", s.completed.len()))?;
+            let t = ns(Instant::now());
+            s.completed.extend(std::iter::repeat_n(t, cnt));
+            outstanding -= cnt;
+        }
+        Ok(s)
+    }
+
+    /// One latency size (ping-pong). Returns the row and the verification verdict.
+    fn lat_size(
+        &mut self,
+        step: u64,
+        size: u64,
+        a: &PerfArgs,
+    ) -> anyhow::Result<(LatResult, anyhow::Result<()>)> {
+        let iters = a.iters(TestKind::Lat);
+        let (mine, theirs) = if self.client { (0, 1) } else { (1, 0) };
+        let src_seed = pattern::seed_for("lat", size, mine);
+        let land_seed = pattern::seed_for("lat", size, theirs);
+        let (half, n) = (self.half as usize, size as usize);
+        if a.verify {
+            pattern::fill(&mut self.buf_mut()[..n], src_seed);
+            self.buf_mut()[half..half + n].fill(0);
+        }
+        let (src, dst) = (self.lower(), self.remote.addr + self.half);
+        self.ch.barrier(step)?;
+        let start = Instant::now();
+        let mut posted = Vec::with_capacity(iters as usize);
+        let mut last: Option<TransferHandle> = None;
+        for i in 0..iters {
+            let tag = i as u32;
+            if !self.client {
+                self.wait_note(tag)?;
+            }
+            if let Some(h) = &last
+                && let BatchStatus::Failed(e) = h.status()
+            {
+                bail!("ping {} failed: {e}", i - 1);
+            }
+            let t = Instant::now();
+            let h = self
+                .engine
+                .submit(
+                    self.peer,
+                    Batch::new()
+                        .write(src, dst, size)
+                        .notify(tag)
+                        .timeout(self.timeout),
+                )
+                .context("submitting a ping")?;
+            posted.push(t.duration_since(start).as_nanos() as u64);
+            last = Some(h);
+            if self.client {
+                self.wait_note(tag)?;
+            }
+        }
+        if let Some(h) = last {
+            h.wait(Instant::now() + self.timeout)
+                .context("the last ping")?;
+        }
+        self.ch.barrier(step + 1)?;
+        let mut verdict: anyhow::Result<()> = Ok(());
+        if a.verify
+            && let Err(m) = pattern::check(&self.local.buf[half..half + n], land_seed)
+        {
+            verdict = Err(anyhow!(
+                "verification failed on the {} at size {size}: {m}",
+                self.side()
+            ));
+        }
+        if self.client {
+            if a.verify {
+                let (ok, detail) = self.ch.recv_verified()?;
+                if !ok && verdict.is_ok() {
+                    verdict = Err(anyhow!(
+                        "verification failed on the server at size {size}: {detail}"
+                    ));
+                }
+            }
+            let r = stats::lat_result(size, iters, &posted, 2.0);
+            self.ch.send(&Msg::Lat { result: r.into() })?;
+            Ok((r, verdict))
+        } else {
+            if a.verify {
+                let (ok, detail) = match &verdict {
+                    Ok(()) => (true, String::new()),
+                    Err(e) => (false, e.to_string()),
+                };
+                self.ch.send(&Msg::Verified { size, ok, detail })?;
+            }
+            let r = self.ch.recv_lat()?;
+            Ok((r, verdict))
+        }
+    }
+
+    fn wait_note(&self, tag: u32) -> anyhow::Result<()> {
+        let n = self
+            .engine
+            .poll_notification(Instant::now() + self.timeout)
+            .ok_or_else(|| {
+                anyhow!(
+                    "no notification {tag} from the peer within {:?}",
+                    self.timeout
+                )
+            })?;
+        ensure!(
+            n.peer == self.peer && n.tag == tag,
+            "unexpected notification {} from {} (expected {tag})",
+            n.tag,
+            n.peer
+        );
+        Ok(())
+    }
 }

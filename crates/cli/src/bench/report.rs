@@ -302,6 +302,7 @@ impl<W: Write> Printer<W> {
         self.out.flush()
     }
 
+    #[cfg(test)]
     pub fn into_inner(self) -> W {
         self.out
     }
