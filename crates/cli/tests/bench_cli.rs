@@ -1,0 +1,307 @@
+//! `pagewire bench` end to end through the binary: in-process runs on the loopback and
+//! TCP backends, a server and a client in two processes (with a foreign connection the
+//! server must shrug off), the JSON records, and flag errors.
+use std::io::Write;
+use std::net::{TcpListener, TcpStream};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+fn pagewire() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_pagewire"))
+}
+
+fn run(args: &[&str]) -> Output {
+    let out = pagewire().args(args).output().expect("spawn pagewire");
+    if !out.status.success() {
+        panic!(
+            "pagewire {args:?} failed\nstdout:\n{}\nstderr:\n{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    out
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Data rows of a perftest-style table: the lines after the column header.
+fn rows(stdout: &str, header_start: &str) -> Vec<Vec<String>> {
+    let mut lines = stdout.lines().skip_while(|l| !l.starts_with(header_start));
+    assert!(lines.next().is_some(), "no table header in:\n{stdout}");
+    lines
+        .take_while(|l| !l.starts_with("---"))
+        .map(|l| l.split_whitespace().map(str::to_string).collect())
+        .collect()
+}
+
+#[test]
+fn write_sweep_in_process_on_loopback_and_tcp() {
+    for transport in ["loopback", "tcp"] {
+        let out = run(&[
+            "bench",
+            "write",
+            "--transport",
+            transport,
+            "-s",
+            "64K",
+            "-n",
+            "50",
+            "--verify",
+        ]);
+        let stdout = String::from_utf8(out.stdout).unwrap();
+        assert!(stdout.contains("RDMA_Write BW Test"), "{stdout}");
+        assert!(
+            stdout.contains(&format!("Transport type : {transport}")),
+            "{stdout}"
+        );
+        let r = rows(&stdout, " #bytes     #iterations    BW peak[MiB/sec]");
+        assert_eq!(r.len(), 1, "{stdout}");
+        assert_eq!(r[0][0], "65536");
+        assert_eq!(r[0][1], "50");
+        let avg: f64 = r[0][3].parse().unwrap();
+        assert!(avg > 0.0, "{stdout}");
+        assert!(String::from_utf8_lossy(&out.stderr).contains("OK"));
+    }
+}
+
+#[test]
+fn read_bidirectional_and_latency_in_process() {
+    let out = run(&[
+        "bench",
+        "read",
+        "--transport",
+        "tcp",
+        "-s",
+        "4096",
+        "-n",
+        "20",
+        "-b",
+        "--verify",
+        "--report_gbits",
+    ]);
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    assert!(
+        stdout.contains("RDMA_Read Bidirectional BW Test"),
+        "{stdout}"
+    );
+    assert_eq!(
+        rows(&stdout, " #bytes     #iterations    BW peak[Gb/sec]").len(),
+        1,
+        "{stdout}"
+    );
+
+    let out = run(&[
+        "bench",
+        "lat",
+        "--transport",
+        "loopback",
+        "-n",
+        "50",
+        "--verify",
+    ]);
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    let r = rows(&stdout, " #bytes #iterations    t_min[usec]");
+    assert_eq!(r.len(), 1, "{stdout}");
+    assert_eq!(r[0].len(), 9, "{stdout}");
+    let (min, typ, max): (f64, f64, f64) = (
+        r[0][2].parse().unwrap(),
+        r[0][4].parse().unwrap(),
+        r[0][3].parse().unwrap(),
+    );
+    assert!(min <= typ && typ <= max, "{stdout}");
+}
+
+#[test]
+fn json_gives_one_record_per_size() {
+    let out = run(&[
+        "bench",
+        "write",
+        "--transport",
+        "loopback",
+        "-a",
+        "-n",
+        "5",
+        "--json",
+    ]);
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    let recs: Vec<serde_json::Value> = stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).expect(l))
+        .collect();
+    assert_eq!(recs.len(), 23);
+    assert_eq!(recs[0]["bytes"], 2);
+    assert_eq!(recs[22]["bytes"], 8 << 20);
+    assert!(
+        recs.iter()
+            .all(|r| r["bw_avg_mib_s"].as_f64().unwrap() > 0.0)
+    );
+}
+
+#[test]
+fn server_ignores_foreign_connections_then_serves_a_client() {
+    let port = free_port().to_string();
+    let mut server = pagewire()
+        .args([
+            "bench",
+            "write",
+            "--server",
+            "-p",
+            &port,
+            "--transport",
+            "tcp",
+            "-s",
+            "8K",
+            "-n",
+            "20",
+            "--verify",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Wait for the listener, then send it garbage and a peer with the wrong parameters.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut s = loop {
+        match TcpStream::connect(("127.0.0.1", port.parse::<u16>().unwrap())) {
+            Ok(s) => break s,
+            Err(_) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(50)),
+            Err(e) => panic!("server never listened: {e}"),
+        }
+    };
+    s.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+    drop(s);
+    let wrong = pagewire()
+        .args([
+            "bench",
+            "write",
+            "127.0.0.1",
+            "-p",
+            &port,
+            "--transport",
+            "tcp",
+            "-s",
+            "8K",
+            "-n",
+            "30",
+            "--verify",
+        ])
+        .output()
+        .unwrap();
+    assert!(!wrong.status.success());
+    assert!(
+        String::from_utf8_lossy(&wrong.stderr).contains("iters"),
+        "{}",
+        String::from_utf8_lossy(&wrong.stderr)
+    );
+    // The right client.
+    let client = run(&[
+        "bench",
+        "write",
+        "127.0.0.1",
+        "-p",
+        &port,
+        "--transport",
+        "tcp",
+        "-s",
+        "8K",
+        "-n",
+        "20",
+        "--verify",
+    ]);
+    let stdout = String::from_utf8(client.stdout).unwrap();
+    assert_eq!(
+        rows(&stdout, " #bytes     #iterations")[0][0],
+        "8192",
+        "{stdout}"
+    );
+    let sout = server.wait_with_output().unwrap();
+    let serr = String::from_utf8_lossy(&sout.stderr);
+    assert!(sout.status.success(), "server failed: {serr}");
+    assert!(serr.contains("foreign or malformed"), "{serr}");
+    assert!(serr.contains("refused client"), "{serr}");
+    // The server prints the same table (the client's result).
+    let sstdout = String::from_utf8(sout.stdout).unwrap();
+    assert_eq!(
+        rows(&sstdout, " #bytes     #iterations")[0][0],
+        "8192",
+        "{sstdout}"
+    );
+}
+
+#[test]
+fn pages_cross_layout_verified() {
+    let out = run(&[
+        "bench",
+        "pages",
+        "--transport",
+        "tcp",
+        "--model",
+        "mimo-v2",
+        "--layers",
+        "2",
+        "--pages",
+        "4",
+        "--pool-pages",
+        "16",
+        "--src-layout",
+        "layer_first",
+        "--dst-layout",
+        "page_first_direct",
+        "-n",
+        "3",
+        "--verify",
+        "--json",
+    ]);
+    let rec: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(rec["verified"], true, "{rec}");
+    assert_eq!(rec["pages"], 4);
+    assert_eq!(rec["src_layout"], "layer_first");
+    assert!(rec["segments_raw"].as_u64().unwrap() >= rec["segments_plan"].as_u64().unwrap());
+    for model in ["llama3-8b", "deepseek-v3"] {
+        let out = run(&[
+            "bench",
+            "pages",
+            "--transport",
+            "loopback",
+            "--model",
+            model,
+            "--layers",
+            "2",
+            "--pattern",
+            "fragmented",
+            "--pages",
+            "8",
+            "-n",
+            "2",
+            "--verify",
+        ]);
+        let stdout = String::from_utf8(out.stdout).unwrap();
+        assert!(
+            stdout.contains("verify                     : OK"),
+            "{stdout}"
+        );
+    }
+}
+
+#[test]
+fn bad_flags_fail_with_a_message() {
+    for args in [
+        &["bench", "write", "-s", "0"][..],
+        &["bench", "write", "-n", "2"],
+        &["bench", "write", "--transport", "pigeon"],
+        &["bench", "lat", "-b"],
+        &["bench", "write", "--transport", "loopback", "--server"],
+        &["bench", "pages", "--layout", "sideways"],
+        &["bench", "pages", "--pages", "10", "--pool-pages", "5"],
+    ] {
+        let out = pagewire().args(args).output().unwrap();
+        assert!(!out.status.success(), "{args:?} should fail");
+        assert!(!out.stderr.is_empty(), "{args:?}: no message");
+    }
+}
