@@ -146,7 +146,7 @@ fn json_gives_one_record_per_size() {
 #[test]
 fn server_ignores_foreign_connections_then_serves_a_client() {
     let port = free_port().to_string();
-    let mut server = pagewire()
+    let server = pagewire()
         .args([
             "bench",
             "write",
