@@ -58,6 +58,24 @@ pub struct Notification {
     pub tag: u32,
 }
 
+/// One `(src, dst, len)` entry of a transfer plan.
+pub trait PlanEntry {
+    /// `(src, dst, len)` in data-flow order.
+    fn triple(&self) -> (u64, u64, u64);
+}
+
+impl PlanEntry for (u64, u64, u64) {
+    fn triple(&self) -> (u64, u64, u64) {
+        *self
+    }
+}
+
+impl PlanEntry for pagewire_layout::Transfer {
+    fn triple(&self) -> (u64, u64, u64) {
+        (self.src, self.dst, self.len)
+    }
+}
+
 /// What we know about a peer.
 #[non_exhaustive]
 #[derive(Debug, Clone)]
@@ -381,18 +399,24 @@ impl Engine {
         self.inner.submit(peer, batch)
     }
 
-    /// Submits a transfer plan: `(src, dst, len)` entries in data-flow order, as the
-    /// `layout` crate's plans produce them. For `Op::Write`, `src` is local and `dst`
-    /// remote; for `Op::Read`, `src` is remote and `dst` local.
-    pub fn submit_plan(
+    /// Submits a transfer plan: `(src, dst, len)` entries in data-flow order, such as a
+    /// `&pagewire_layout::TransferPlan` (pass it directly) or plain triples. For
+    /// `Op::Write`, `src` is local and `dst` remote; for `Op::Read`, `src` is remote and
+    /// `dst` local.
+    pub fn submit_plan<I>(
         &self,
         peer: PeerId,
         op: Op,
-        plan: impl IntoIterator<Item = (u64, u64, u64)>,
+        plan: I,
         notify: Option<u32>,
-    ) -> Result<TransferHandle> {
+    ) -> Result<TransferHandle>
+    where
+        I: IntoIterator,
+        I::Item: PlanEntry,
+    {
         let mut b: Batch = plan
             .into_iter()
+            .map(|e| e.triple())
             .map(|(src, dst, len)| match op {
                 Op::Write => TransferOp {
                     op,
@@ -522,9 +546,10 @@ impl Inner {
         }
     }
 
-    fn new_ctx(&self, peer: PeerId) -> ConnCtx {
+    fn new_ctx(&self, peer: PeerId, remote_ip: std::net::IpAddr) -> ConnCtx {
         ConnCtx {
             peer,
+            remote_ip,
             notify: NotifySink {
                 peer,
                 tx: self.notify_tx.clone(),
@@ -574,7 +599,7 @@ impl Inner {
             .into());
         }
         let id = PeerId(self.next_peer.fetch_add(1, Ordering::Relaxed));
-        let conn = pending.complete(&w.endpoint, self.new_ctx(id))?;
+        let conn = pending.complete(&w.endpoint, self.new_ctx(id, addr.ip()))?;
         if let Err(e) = wire::write_frame(&mut s, &Frame::Ready) {
             conn.close();
             return Err(e.into());
@@ -670,7 +695,7 @@ impl Inner {
             return Err(e);
         }
         let id = PeerId(self.next_peer.fetch_add(1, Ordering::Relaxed));
-        let conn = match pending.complete(&h.endpoint, self.new_ctx(id)) {
+        let conn = match pending.complete(&h.endpoint, self.new_ctx(id, from.ip())) {
             Ok(c) => c,
             Err(e) => {
                 let _ = reject(&mut s, &format!("cannot complete connection: {e}"));

@@ -50,7 +50,7 @@ mod wire;
 pub use backend::BackendInfo;
 pub use batch::{Batch, BatchStats, BatchStatus, Op, TransferHandle, TransferOp};
 pub use config::{BackendKind, EngineConfig, EngineConfigBuilder};
-pub use engine::{Engine, Notification, PeerId, PeerInfo};
+pub use engine::{Engine, Notification, PeerId, PeerInfo, PlanEntry};
 pub use error::{Error, HandshakeError, Result};
 pub use memory::{Access, HostBuffer, RegionId, RegionInfo, RemoteRegion};
 pub use wire::{EndpointInfo, QpInfo};

@@ -126,6 +126,9 @@ impl fmt::Debug for NotifySink {
 pub(crate) struct ConnCtx {
     /// The engine's id for the peer.
     pub peer: PeerId,
+    /// The peer's IP as seen on the control connection (where its data listener is).
+    #[allow(dead_code)]
+    pub remote_ip: std::net::IpAddr,
     /// Where incoming notifications go.
     pub notify: NotifySink,
     /// The local registry (for backends that check incoming ops themselves).

@@ -1,13 +1,834 @@
-//! TCP backend (placeholder until implemented).
-use std::sync::Arc;
+//! TCP backend: the same one-sided semantics over several TCP streams per peer.
+//!
+//! Each engine runs a data listener. After the control handshake each side opens
+//! `min(tcp_streams, peer's streams)` streams to the other's data listener; a stream
+//! starts with a hello naming the acceptor's session (a 64-bit secret exchanged in the
+//! handshake) and the token. The opener sends requests on its streams, the acceptor
+//! serves them, so every stream has one requester and one responder.
+//!
+//! Request (40 bytes): `kind u8 (1 WRITE, 2 READ, 3 NOTIFY), 0 u8 x3, rkey u32, seq u64,
+//! addr u64, len u64, tag u32, 0 u32`, followed by `len` payload bytes for WRITE.
+//! Response (16 bytes): `seq u64, status u32, len u32`, followed by `len` bytes for a
+//! successful READ.
+//!
+//! The responder checks every request against its own registry (range inside one
+//! registered chunk with the right remote access and matching key) before touching
+//! memory, then reads WRITE payload straight into the destination region (no staging
+//! buffer) and acks only once it is all there. A refused WRITE's payload is drained into
+//! a scratch buffer so the stream stays usable; a malformed header drops the stream.
+//!
+//! Ops are cut into `max_wr_bytes` chunks striped round-robin over the streams. A
+//! batch's NOTIFY goes out only after every WRITE of the batch was acked, so the peer
+//! surfaces the tag only when all bytes are in its memory. A stream error (reset, EOF,
+//! `io_timeout` with a request outstanding) breaks the whole connection and fails every
+//! pending batch with `PeerGone`.
 
-use super::{Backend, BackendInit};
+use std::collections::HashMap;
+use std::io::{ErrorKind, Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, Sender};
+
+use super::{
+    Backend, BackendInfo, BackendInit, BackendMr, BatchState, Conn, ConnCtx, EndpointInfo,
+    NotifySink, PendingConn, ResolvedOp,
+};
+use crate::batch::Op;
 use crate::config::{BackendKind, EngineConfig};
-use crate::error::{Error, Result};
+use crate::engine::{PeerId, random_u64};
+use crate::error::{Error, HandshakeError, Result};
+use crate::memory::{Access, Registry, raw_slice, raw_slice_mut};
+use crate::wire::MAX_STREAMS;
 
-pub(crate) fn open(_config: &EngineConfig, _init: &BackendInit) -> Result<Arc<dyn Backend>> {
-    Err(Error::BackendUnavailable {
-        backend: BackendKind::Tcp,
-        reason: "not implemented yet".into(),
-    })
+const STREAM_MAGIC: u32 = u32::from_le_bytes(*b"PGWS");
+const STREAM_VERSION: u16 = 1;
+const REQ_LEN: usize = 40;
+const RESP_LEN: usize = 16;
+/// Largest chunk a responder accepts (the requester's `max_wr_bytes` is capped at 2 GiB).
+const MAX_CHUNK: u64 = 1 << 31;
+/// Requests in flight per stream.
+const STREAM_DEPTH: usize = 64;
+
+const K_WRITE: u8 = 1;
+const K_READ: u8 = 2;
+const K_NOTIFY: u8 = 3;
+
+const S_OK: u32 = 0;
+const S_REFUSED: u32 = 1;
+const S_BAD_KEY: u32 = 2;
+const S_NO_SESSION: u32 = 3;
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+pub(crate) fn open(config: &EngineConfig, init: &BackendInit) -> Result<Arc<dyn Backend>> {
+    let listener = TcpListener::bind(SocketAddr::new(config.listen.ip(), 0))
+        .map_err(|e| Error::io("bind TCP data listener", e))?;
+    let local = listener
+        .local_addr()
+        .map_err(|e| Error::io("TCP data listener address", e))?;
+    let shared = Arc::new(TcpShared {
+        registry: init.registry.clone(),
+        token: config.token.clone().unwrap_or_default().into_bytes(),
+        streams: config.tcp_streams.min(MAX_STREAMS),
+        chunk: config.max_wr_bytes.clamp(1, MAX_CHUNK),
+        io_timeout: config.io_timeout,
+        handshake_timeout: config.handshake_timeout,
+        local,
+        sessions: Mutex::new(HashMap::new()),
+        next_key: AtomicU32::new((random_u64() as u32) | 1),
+        shutdown: AtomicBool::new(false),
+        listener: Mutex::new(None),
+    });
+    let weak = Arc::downgrade(&shared);
+    let t = std::thread::Builder::new()
+        .name("pagewire-tcp-accept".into())
+        .spawn(move || accept_loop(listener, weak))
+        .map_err(|e| Error::io("spawn TCP data listener", e))?;
+    *lock(&shared.listener) = Some(t);
+    Ok(Arc::new(TcpBackend { shared }))
+}
+
+struct TcpShared {
+    registry: Arc<Registry>,
+    token: Vec<u8>,
+    streams: u16,
+    chunk: u64,
+    io_timeout: Duration,
+    handshake_timeout: Duration,
+    local: SocketAddr,
+    sessions: Mutex<HashMap<u64, Arc<Session>>>,
+    next_key: AtomicU32,
+    shutdown: AtomicBool,
+    listener: Mutex<Option<JoinHandle<()>>>,
+}
+
+/// Our side of one connection as the data listener sees it.
+struct Session {
+    id: u64,
+    /// Set when the connection completes; NOTIFY before that is a protocol error.
+    sink: OnceLock<NotifySink>,
+    /// Accepted streams (clones, to shut them down on close).
+    incoming: Mutex<Vec<TcpStream>>,
+    closed: AtomicBool,
+}
+
+impl Session {
+    fn close(&self) {
+        self.closed.store(true, Ordering::Release);
+        for s in lock(&self.incoming).drain(..) {
+            let _ = s.shutdown(Shutdown::Both);
+        }
+    }
+}
+
+struct TcpBackend {
+    shared: Arc<TcpShared>,
+}
+
+impl Backend for TcpBackend {
+    fn kind(&self) -> BackendKind {
+        BackendKind::Tcp
+    }
+
+    fn info(&self) -> BackendInfo {
+        BackendInfo {
+            kind: BackendKind::Tcp,
+            device: format!("tcp {}", self.shared.local),
+            link: "TCP".into(),
+            lanes_per_peer: self.shared.streams,
+            tx_depth: STREAM_DEPTH as u32,
+            signal_every: 1,
+            max_wr_bytes: self.shared.chunk,
+            max_mr_bytes: 0,
+            ..BackendInfo::default()
+        }
+    }
+
+    fn register(&self, _addr: usize, _len: usize, _access: Access) -> Result<BackendMr> {
+        // Keys only guard against stale addresses (a peer's view from before a
+        // re-registration); start at a random value so another process's keys differ.
+        let k = self.shared.next_key.fetch_add(2, Ordering::Relaxed);
+        Ok(BackendMr {
+            lkey: k,
+            rkey: k,
+            handle: None,
+        })
+    }
+
+    fn deregister(&self, _mr: BackendMr) {}
+
+    fn prepare(&self) -> Result<(Box<dyn PendingConn>, EndpointInfo)> {
+        let session = Arc::new(Session {
+            id: random_u64(),
+            sink: OnceLock::new(),
+            incoming: Mutex::new(Vec::new()),
+            closed: AtomicBool::new(false),
+        });
+        lock(&self.shared.sessions).insert(session.id, session.clone());
+        let ep = EndpointInfo::Tcp {
+            data_port: self.shared.local.port(),
+            streams: self.shared.streams,
+            session: session.id,
+        };
+        Ok((
+            Box::new(Pending {
+                shared: self.shared.clone(),
+                session: Some(session),
+            }),
+            ep,
+        ))
+    }
+
+    fn shutdown(&self) {
+        let s = &self.shared;
+        if s.shutdown.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        for (_, sess) in lock(&s.sessions).drain() {
+            sess.close();
+        }
+        let mut wake = s.local;
+        if wake.ip().is_unspecified() {
+            wake.set_ip(std::net::Ipv4Addr::LOCALHOST.into());
+        }
+        let _ = TcpStream::connect_timeout(&wake, Duration::from_millis(200));
+        if let Some(t) = lock(&s.listener).take() {
+            let _ = t.join();
+        }
+    }
+}
+
+struct Pending {
+    shared: Arc<TcpShared>,
+    session: Option<Arc<Session>>,
+}
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        // Handshake abandoned before completion: forget the session.
+        if let Some(s) = self.session.take() {
+            lock(&self.shared.sessions).remove(&s.id);
+            s.close();
+        }
+    }
+}
+
+impl PendingConn for Pending {
+    fn complete(mut self: Box<Self>, remote: &EndpointInfo, ctx: ConnCtx) -> Result<Arc<dyn Conn>> {
+        let EndpointInfo::Tcp {
+            data_port,
+            streams,
+            session: remote_session,
+        } = *remote
+        else {
+            return Err(HandshakeError::BackendMismatch {
+                ours: "tcp".into(),
+                theirs: remote.backend_name().into(),
+            }
+            .into());
+        };
+        let shared = self.shared.clone();
+        let session = self.session.clone().expect("set in prepare");
+        let _ = session.sink.set(ctx.notify.clone());
+        let n = shared.streams.min(streams).max(1);
+        let addr = SocketAddr::new(ctx.remote_ip, data_port);
+        let mut socks = Vec::with_capacity(n.into());
+        for _ in 0..n {
+            socks.push(open_stream(&shared, addr, remote_session)?);
+        }
+        let conn = ConnShared::start(ctx.peer, shared.chunk, shared.io_timeout, socks)?;
+        // Completed: the session now lives until the connection closes.
+        self.session = None;
+        Ok(Arc::new(TcpConn {
+            conn,
+            session,
+            backend: Arc::downgrade(&shared),
+        }))
+    }
+}
+
+/// Opens one data stream to the peer and authenticates it.
+fn open_stream(shared: &TcpShared, addr: SocketAddr, session: u64) -> Result<TcpStream> {
+    let hs = shared.handshake_timeout;
+    let mut s = TcpStream::connect_timeout(&addr, hs).map_err(|e| Error::Connect {
+        addr: addr.to_string(),
+        source: Arc::new(e),
+    })?;
+    let _ = s.set_nodelay(true);
+    s.set_read_timeout(Some(hs))
+        .and_then(|()| s.set_write_timeout(Some(hs)))
+        .map_err(|e| Error::io("data stream timeouts", e))?;
+    let mut hello = Vec::with_capacity(18 + shared.token.len());
+    hello.extend_from_slice(&STREAM_MAGIC.to_le_bytes());
+    hello.extend_from_slice(&STREAM_VERSION.to_le_bytes());
+    hello.extend_from_slice(&(shared.token.len() as u16).to_le_bytes());
+    hello.extend_from_slice(&session.to_le_bytes());
+    hello.extend_from_slice(&shared.token);
+    s.write_all(&hello).map_err(HandshakeError::from)?;
+    let mut ack = [0u8; 4];
+    s.read_exact(&mut ack).map_err(HandshakeError::from)?;
+    if &ack != b"OK\0\0" {
+        return Err(HandshakeError::Rejected {
+            reason: "data stream refused".into(),
+        }
+        .into());
+    }
+    s.set_read_timeout(Some(shared.io_timeout))
+        .and_then(|()| s.set_write_timeout(Some(shared.io_timeout)))
+        .map_err(|e| Error::io("data stream timeouts", e))?;
+    Ok(s)
+}
+
+// ------------------------------------------------------------------ requester side
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    Data(Op),
+    Notify(u32),
+}
+
+struct Tracker {
+    /// Data chunks not yet acknowledged.
+    remaining: AtomicUsize,
+    notify: Option<u32>,
+}
+
+struct Job {
+    batch: Arc<BatchState>,
+    tracker: Arc<Tracker>,
+    kind: Kind,
+    local: u64,
+    remote: u64,
+    rkey: u32,
+    len: u64,
+    seq: u64,
+}
+
+struct ConnShared {
+    peer: PeerId,
+    chunk: u64,
+    /// Job queues of the sender threads; taken on close so they drain and exit.
+    queues: Mutex<Vec<Sender<Job>>>,
+    socks: Vec<TcpStream>,
+    next: AtomicUsize,
+    seq: AtomicU64,
+    broken: AtomicBool,
+    reason: Mutex<Option<String>>,
+}
+
+impl ConnShared {
+    fn start(
+        peer: PeerId,
+        chunk: u64,
+        io_timeout: Duration,
+        socks: Vec<TcpStream>,
+    ) -> Result<Arc<ConnShared>> {
+        let mut queues = Vec::new();
+        let mut rxs = Vec::new();
+        for _ in &socks {
+            let (tx, rx) = crossbeam_channel::unbounded::<Job>();
+            queues.push(tx);
+            rxs.push(rx);
+        }
+        let conn = Arc::new(ConnShared {
+            peer,
+            chunk,
+            queues: Mutex::new(queues),
+            socks: socks
+                .iter()
+                .map(|s| s.try_clone())
+                .collect::<std::io::Result<_>>()
+                .map_err(|e| Error::io("clone data stream", e))?,
+            next: AtomicUsize::new(0),
+            seq: AtomicU64::new(1),
+            broken: AtomicBool::new(false),
+            reason: Mutex::new(None),
+        });
+        for (i, (sock, rx)) in socks.into_iter().zip(rxs).enumerate() {
+            let (in_tx, in_rx) = crossbeam_channel::bounded::<Job>(STREAM_DEPTH);
+            let rsock = sock
+                .try_clone()
+                .map_err(|e| Error::io("clone data stream", e))?;
+            let c = conn.clone();
+            std::thread::Builder::new()
+                .name(format!("pagewire-tcp-tx{i}"))
+                .spawn(move || c.send_loop(sock, rx, in_tx))
+                .map_err(|e| Error::io("spawn TCP sender", e))?;
+            let c = conn.clone();
+            std::thread::Builder::new()
+                .name(format!("pagewire-tcp-rx{i}"))
+                .spawn(move || c.recv_loop(rsock, in_rx, io_timeout))
+                .map_err(|e| Error::io("spawn TCP receiver", e))?;
+        }
+        Ok(conn)
+    }
+
+    fn gone(&self) -> Error {
+        let reason = lock(&self.reason)
+            .clone()
+            .unwrap_or_else(|| "connection closed".into());
+        Error::PeerGone {
+            peer: self.peer,
+            reason,
+        }
+    }
+
+    /// Marks the connection broken and shuts every stream down, so each thread wakes,
+    /// fails what it holds and exits.
+    fn break_all(&self, reason: String) {
+        {
+            let mut r = lock(&self.reason);
+            if r.is_none() {
+                tracing::debug!(peer = %self.peer, %reason, "TCP connection broken");
+                *r = Some(reason);
+            }
+        }
+        self.broken.store(true, Ordering::Release);
+        lock(&self.queues).clear();
+        for s in &self.socks {
+            let _ = s.shutdown(Shutdown::Both);
+        }
+    }
+
+    fn enqueue(&self, job: Job) -> Result<()> {
+        let q = lock(&self.queues);
+        if self.broken.load(Ordering::Acquire) || q.is_empty() {
+            return Err(self.gone());
+        }
+        let i = self.next.fetch_add(1, Ordering::Relaxed) % q.len();
+        q[i].send(job).map_err(|_| self.gone())
+    }
+
+    fn send_loop(self: Arc<Self>, mut sock: TcpStream, jobs: Receiver<Job>, inflight: Sender<Job>) {
+        for job in jobs {
+            if self.broken.load(Ordering::Acquire) {
+                job.batch.fail(self.gone());
+                continue;
+            }
+            if matches!(job.kind, Kind::Data(_)) && job.batch.should_stop() {
+                continue;
+            }
+            let mut hdr = [0u8; REQ_LEN];
+            let (kind, tag) = match job.kind {
+                Kind::Data(Op::Write) => (K_WRITE, 0),
+                Kind::Data(Op::Read) => (K_READ, 0),
+                Kind::Notify(t) => (K_NOTIFY, t),
+            };
+            hdr[0] = kind;
+            hdr[4..8].copy_from_slice(&job.rkey.to_le_bytes());
+            hdr[8..16].copy_from_slice(&job.seq.to_le_bytes());
+            hdr[16..24].copy_from_slice(&job.remote.to_le_bytes());
+            hdr[24..32].copy_from_slice(&job.len.to_le_bytes());
+            hdr[32..36].copy_from_slice(&tag.to_le_bytes());
+            let payload = (kind == K_WRITE).then_some((job.local, job.len as usize));
+            let batch = job.batch.clone();
+            // Queue before sending so the receiver always knows what a response answers.
+            if inflight.send(job).is_err() {
+                batch.fail(self.gone());
+                continue;
+            }
+            let res = sock.write_all(&hdr).and_then(|()| match payload {
+                Some((addr, len)) => {
+                    // SAFETY: the engine validated `[addr, addr+len)` against a registered
+                    // local region, which `batch` (alive in this scope) keeps pinned.
+                    let src = unsafe { raw_slice(addr, len) };
+                    sock.write_all(src)
+                }
+                None => Ok(()),
+            });
+            if let Err(e) = res {
+                self.break_all(format!("send failed: {e}"));
+                batch.fail(self.gone());
+            }
+        }
+    }
+
+    fn recv_loop(
+        self: Arc<Self>,
+        mut sock: TcpStream,
+        inflight: Receiver<Job>,
+        io_timeout: Duration,
+    ) {
+        let mut failed: Option<Error> = None;
+        for job in inflight {
+            if let Some(e) = &failed {
+                job.batch.fail(e.clone());
+                continue;
+            }
+            if let Err(e) = self.recv_one(&mut sock, &job, io_timeout) {
+                self.break_all(e);
+                let err = self.gone();
+                job.batch.fail(err.clone());
+                failed = Some(err);
+            }
+        }
+    }
+
+    /// Reads the response to `job`. An `Err` means the stream is unusable.
+    fn recv_one(
+        &self,
+        sock: &mut TcpStream,
+        job: &Job,
+        io_timeout: Duration,
+    ) -> Result<(), String> {
+        let mut h = [0u8; RESP_LEN];
+        read_full(sock, &mut h, io_timeout).map_err(|e| format!("receive failed: {e}"))?;
+        let seq = u64::from_le_bytes(h[0..8].try_into().expect("8 bytes"));
+        let status = u32::from_le_bytes(h[8..12].try_into().expect("4 bytes"));
+        let len = u32::from_le_bytes(h[12..16].try_into().expect("4 bytes"));
+        if seq != job.seq {
+            return Err(format!("response seq {seq} for request {}", job.seq));
+        }
+        if status != S_OK {
+            if len != 0 {
+                return Err("error response with payload".into());
+            }
+            let reason = match status {
+                S_REFUSED => format!(
+                    "range {:#x}+{} outside its registered memory or lacks access",
+                    job.remote, job.len
+                ),
+                S_BAD_KEY => format!("rkey {:#x} does not match at {:#x}", job.rkey, job.remote),
+                S_NO_SESSION => "notification before the connection completed".into(),
+                s => format!("status {s}"),
+            };
+            job.batch.fail(Error::Remote {
+                peer: self.peer,
+                reason,
+            });
+            return Ok(());
+        }
+        match job.kind {
+            Kind::Data(Op::Read) => {
+                if u64::from(len) != job.len {
+                    return Err(format!("READ response of {len} bytes for {}", job.len));
+                }
+                // SAFETY: the engine validated `[local, local+len)` against a registered
+                // region with LOCAL_WRITE, pinned by `job.batch` for this whole call.
+                let dst = unsafe { raw_slice_mut(job.local, job.len as usize) };
+                read_full(sock, dst, io_timeout).map_err(|e| format!("receive failed: {e}"))?;
+            }
+            _ if len != 0 => return Err("unexpected payload".into()),
+            _ => {}
+        }
+        match job.kind {
+            Kind::Data(_) => {
+                job.batch.add_progress(1, job.len);
+                if job.tracker.remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
+                    self.last_data_done(job);
+                }
+            }
+            Kind::Notify(_) => job.batch.succeed(),
+        }
+        Ok(())
+    }
+
+    /// Every chunk of the batch is acknowledged: send the notification or finish.
+    fn last_data_done(&self, job: &Job) {
+        let Some(tag) = job.tracker.notify else {
+            job.batch.succeed();
+            return;
+        };
+        if job.batch.should_stop() {
+            return;
+        }
+        let n = Job {
+            batch: job.batch.clone(),
+            tracker: job.tracker.clone(),
+            kind: Kind::Notify(tag),
+            local: 0,
+            remote: 0,
+            rkey: 0,
+            len: 0,
+            seq: self.seq.fetch_add(1, Ordering::Relaxed),
+        };
+        if let Err(e) = self.enqueue(n) {
+            job.batch.fail(e);
+        }
+    }
+}
+
+struct TcpConn {
+    conn: Arc<ConnShared>,
+    session: Arc<Session>,
+    backend: Weak<TcpShared>,
+}
+
+impl Conn for TcpConn {
+    fn post(
+        &self,
+        batch: Arc<BatchState>,
+        ops: Vec<ResolvedOp>,
+        notify: Option<u32>,
+    ) -> Result<()> {
+        let c = &self.conn;
+        if c.broken.load(Ordering::Acquire) {
+            return Err(c.gone());
+        }
+        let chunks: usize = ops.iter().map(|o| o.len.div_ceil(c.chunk) as usize).sum();
+        let tracker = Arc::new(Tracker {
+            remaining: AtomicUsize::new(chunks),
+            notify,
+        });
+        for o in &ops {
+            let mut off = 0;
+            while off < o.len {
+                let n = (o.len - off).min(c.chunk);
+                c.enqueue(Job {
+                    batch: batch.clone(),
+                    tracker: tracker.clone(),
+                    kind: Kind::Data(o.op),
+                    local: o.local + off,
+                    remote: o.remote + off,
+                    rkey: o.rkey,
+                    len: n,
+                    seq: c.seq.fetch_add(1, Ordering::Relaxed),
+                })?;
+                off += n;
+            }
+        }
+        Ok(())
+    }
+
+    fn is_broken(&self) -> bool {
+        self.conn.broken.load(Ordering::Acquire)
+    }
+
+    fn close(&self) {
+        self.conn.break_all("connection closed locally".into());
+        self.session.close();
+        if let Some(b) = self.backend.upgrade() {
+            lock(&b.sessions).remove(&self.session.id);
+        }
+    }
+}
+
+impl Drop for TcpConn {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+// ------------------------------------------------------------------ responder side
+
+fn accept_loop(listener: TcpListener, shared: Weak<TcpShared>) {
+    for s in listener.incoming() {
+        let Some(b) = shared.upgrade() else { return };
+        if b.shutdown.load(Ordering::Acquire) {
+            return;
+        }
+        let Ok(s) = s else {
+            std::thread::sleep(Duration::from_millis(10));
+            continue;
+        };
+        let spawned = std::thread::Builder::new()
+            .name("pagewire-tcp-serve".into())
+            .spawn(move || {
+                let from = s.peer_addr().ok();
+                if let Err(e) = serve_stream(&b, s)
+                    && !b.shutdown.load(Ordering::Acquire)
+                {
+                    tracing::warn!(?from, error = %e, "TCP data stream dropped");
+                }
+            });
+        if let Err(e) = spawned {
+            tracing::warn!(error = %e, "cannot spawn TCP stream thread");
+        }
+    }
+}
+
+/// Authenticates an incoming stream, then serves its requests until it closes.
+fn serve_stream(b: &TcpShared, mut s: TcpStream) -> Result<(), String> {
+    let _ = s.set_nodelay(true);
+    s.set_read_timeout(Some(b.handshake_timeout))
+        .and_then(|()| s.set_write_timeout(Some(b.handshake_timeout)))
+        .map_err(|e| e.to_string())?;
+    let mut h = [0u8; 16];
+    s.read_exact(&mut h)
+        .map_err(|e| format!("stream hello: {e}"))?;
+    let magic = u32::from_le_bytes(h[0..4].try_into().expect("4 bytes"));
+    let version = u16::from_le_bytes(h[4..6].try_into().expect("2 bytes"));
+    let tlen = u16::from_le_bytes(h[6..8].try_into().expect("2 bytes")) as usize;
+    let sid = u64::from_le_bytes(h[8..16].try_into().expect("8 bytes"));
+    if magic != STREAM_MAGIC || version != STREAM_VERSION || tlen > crate::wire::MAX_TOKEN {
+        return Err(format!(
+            "bad stream hello (magic {magic:#x}, version {version})"
+        ));
+    }
+    let mut token = vec![0u8; tlen];
+    s.read_exact(&mut token)
+        .map_err(|e| format!("stream hello: {e}"))?;
+    if token != b.token {
+        return Err("stream token mismatch".into());
+    }
+    let session = lock(&b.sessions)
+        .get(&sid)
+        .cloned()
+        .ok_or_else(|| "unknown session".to_string())?;
+    {
+        let mut inc = lock(&session.incoming);
+        if session.closed.load(Ordering::Acquire) || inc.len() >= usize::from(MAX_STREAMS) {
+            return Err("session closed or stream limit reached".into());
+        }
+        inc.push(s.try_clone().map_err(|e| e.to_string())?);
+    }
+    s.write_all(b"OK\0\0").map_err(|e| e.to_string())?;
+    s.set_read_timeout(Some(b.io_timeout))
+        .and_then(|()| s.set_write_timeout(Some(b.io_timeout)))
+        .map_err(|e| e.to_string())?;
+    let mut scratch = Vec::new();
+    loop {
+        let mut req = [0u8; REQ_LEN];
+        match read_idle(&mut s, &mut req, b.io_timeout, &session.closed) {
+            Ok(true) => {}
+            Ok(false) => return Ok(()), // clean close between requests
+            Err(e) => return Err(format!("request: {e}")),
+        }
+        serve_request(b, &session, &mut s, &req, &mut scratch)?;
+    }
+}
+
+fn serve_request(
+    b: &TcpShared,
+    session: &Session,
+    s: &mut TcpStream,
+    req: &[u8; REQ_LEN],
+    scratch: &mut Vec<u8>,
+) -> Result<(), String> {
+    let kind = req[0];
+    let rkey = u32::from_le_bytes(req[4..8].try_into().expect("4 bytes"));
+    let seq = u64::from_le_bytes(req[8..16].try_into().expect("8 bytes"));
+    let addr = u64::from_le_bytes(req[16..24].try_into().expect("8 bytes"));
+    let len = u64::from_le_bytes(req[24..32].try_into().expect("8 bytes"));
+    let tag = u32::from_le_bytes(req[32..36].try_into().expect("4 bytes"));
+    if req[1..4] != [0; 3] || req[36..40] != [0; 4] {
+        return Err("reserved request bytes set".into());
+    }
+    let respond = |s: &mut TcpStream, status: u32, plen: u32| -> Result<(), String> {
+        let mut r = [0u8; RESP_LEN];
+        r[0..8].copy_from_slice(&seq.to_le_bytes());
+        r[8..12].copy_from_slice(&status.to_le_bytes());
+        r[12..16].copy_from_slice(&plen.to_le_bytes());
+        s.write_all(&r).map_err(|e| format!("respond: {e}"))
+    };
+    match kind {
+        K_NOTIFY => {
+            if addr != 0 || len != 0 || rkey != 0 {
+                return Err("malformed NOTIFY".into());
+            }
+            match session.sink.get() {
+                Some(sink) => {
+                    sink.notify(tag);
+                    respond(s, S_OK, 0)
+                }
+                None => respond(s, S_NO_SESSION, 0),
+            }
+        }
+        K_WRITE | K_READ => {
+            if len == 0 || len > MAX_CHUNK || addr.checked_add(len).is_none() || tag != 0 {
+                return Err(format!("malformed request: addr {addr:#x} len {len}"));
+            }
+            let needed = if kind == K_WRITE {
+                Access::REMOTE_WRITE
+            } else {
+                Access::REMOTE_READ
+            };
+            let status = match b.registry.pin(addr, len, needed) {
+                Err(_) => Err(S_REFUSED),
+                Ok(pin) => {
+                    let key_ok = pin
+                        .region()
+                        .chunk_at(addr)
+                        .is_some_and(|c| c.rkey == rkey && addr + len <= c.addr + c.len);
+                    if key_ok { Ok(pin) } else { Err(S_BAD_KEY) }
+                }
+            };
+            let n = len as usize;
+            match (kind, status) {
+                (K_WRITE, Ok(_pin)) => {
+                    // SAFETY: `[addr, addr+len)` lies in a registered region with
+                    // REMOTE_WRITE (checked above) that `_pin` keeps registered, hence
+                    // allocated, until the payload is in place.
+                    let dst = unsafe { raw_slice_mut(addr, n) };
+                    read_full(s, dst, b.io_timeout).map_err(|e| format!("payload: {e}"))?;
+                    respond(s, S_OK, 0)
+                }
+                (K_WRITE, Err(st)) => {
+                    // Keep the stream in sync: drain the refused payload.
+                    scratch.resize(n.min(1 << 20), 0);
+                    let mut left = n;
+                    while left > 0 {
+                        let k = left.min(scratch.len());
+                        read_full(s, &mut scratch[..k], b.io_timeout)
+                            .map_err(|e| format!("payload: {e}"))?;
+                        left -= k;
+                    }
+                    respond(s, st, 0)
+                }
+                (_, Ok(_pin)) => {
+                    respond(s, S_OK, len as u32)?;
+                    // SAFETY: `[addr, addr+len)` lies in a registered region with
+                    // REMOTE_READ that `_pin` keeps registered while we send.
+                    let src = unsafe { raw_slice(addr, n) };
+                    s.write_all(src).map_err(|e| format!("payload: {e}"))
+                }
+                (_, Err(st)) => respond(s, st, 0),
+            }
+        }
+        k => Err(format!("unknown request kind {k}")),
+    }
+}
+
+/// `read_exact` with a deadline of `timeout` of no progress.
+fn read_full(s: &mut TcpStream, buf: &mut [u8], timeout: Duration) -> std::io::Result<()> {
+    let mut got = 0;
+    let mut last = Instant::now();
+    while got < buf.len() {
+        match s.read(&mut buf[got..]) {
+            Ok(0) => return Err(ErrorKind::UnexpectedEof.into()),
+            Ok(n) => {
+                got += n;
+                last = Instant::now();
+            }
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
+                if last.elapsed() >= timeout {
+                    return Err(ErrorKind::TimedOut.into());
+                }
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// Reads a request header; waiting idle before its first byte is fine. `Ok(false)` on a
+/// clean close (EOF before any byte, or the session closed while idle).
+fn read_idle(
+    s: &mut TcpStream,
+    buf: &mut [u8],
+    timeout: Duration,
+    closed: &AtomicBool,
+) -> std::io::Result<bool> {
+    loop {
+        match s.read(&mut buf[..1]) {
+            Ok(0) => return Ok(false),
+            Ok(_) => break,
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
+                if closed.load(Ordering::Acquire) {
+                    return Ok(false);
+                }
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    read_full(s, &mut buf[1..], timeout)?;
+    Ok(true)
 }

@@ -1,0 +1,137 @@
+//! Shared helpers for the transport integration tests: engine factories per backend,
+//! device discovery for verbs (RDMA_DEVICE / RDMA_REQUIRED), patterns and checks.
+#![allow(dead_code)]
+
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use pagewire_transport::{
+    Access, BackendKind, Engine, EngineConfig, EngineConfigBuilder, HostBuffer, PeerId, RegionId,
+};
+
+/// Bytes written around targets to detect stray writes.
+pub const GUARD: u8 = 0xEE;
+
+/// Largest single transfer the size sweep uses (`PAGEWIRE_TEST_MAX_BYTES`, default 64 MiB).
+pub fn max_bytes() -> u64 {
+    std::env::var("PAGEWIRE_TEST_MAX_BYTES")
+        .ok()
+        .and_then(|v| parse_size(&v))
+        .unwrap_or(64 << 20)
+}
+
+fn parse_size(v: &str) -> Option<u64> {
+    let v = v.trim();
+    let (n, m) = match v.chars().last()? {
+        'K' | 'k' => (&v[..v.len() - 1], 1u64 << 10),
+        'M' | 'm' => (&v[..v.len() - 1], 1 << 20),
+        'G' | 'g' => (&v[..v.len() - 1], 1 << 30),
+        _ => (v, 1),
+    };
+    n.parse::<u64>().ok().map(|n| n * m)
+}
+
+/// Whether tests for `kind` can run here. Verbs needs `RDMA_DEVICE`; without it the
+/// test prints SKIP, or fails when `RDMA_REQUIRED=1`.
+pub fn runnable(kind: BackendKind, test: &str) -> bool {
+    if kind != BackendKind::Verbs {
+        return true;
+    }
+    let required = std::env::var("RDMA_REQUIRED").is_ok_and(|v| v == "1");
+    match std::env::var("RDMA_DEVICE") {
+        Ok(d) if !d.is_empty() => true,
+        _ => {
+            assert!(
+                !required,
+                "RDMA_REQUIRED=1 but RDMA_DEVICE is not set ({test})"
+            );
+            eprintln!("SKIP verbs::{test}: RDMA_DEVICE not set");
+            false
+        }
+    }
+}
+
+/// A config builder for `kind` listening on localhost.
+pub fn config(kind: BackendKind) -> EngineConfigBuilder {
+    let mut b = EngineConfig::builder()
+        .backend(kind)
+        .listen("127.0.0.1:0".parse().expect("literal"))
+        .batch_timeout(Duration::from_secs(30))
+        .io_timeout(Duration::from_secs(10));
+    if kind == BackendKind::Verbs
+        && let Ok(d) = std::env::var("RDMA_DEVICE")
+    {
+        b = b.rdma_device(d);
+    }
+    b
+}
+
+/// An engine of `kind` with default test settings.
+pub fn engine(kind: BackendKind) -> Result<Engine> {
+    engine_with(config(kind))
+}
+
+/// An engine from a builder.
+pub fn engine_with(b: EngineConfigBuilder) -> Result<Engine> {
+    let e = Engine::new(b.build()?).context("Engine::new")?;
+    Ok(e)
+}
+
+/// `a` connects to `b`; returns (a's id for b, b's id for a).
+pub fn connect(a: &Engine, b: &Engine) -> Result<(PeerId, PeerId)> {
+    let ab = a.connect(b.local_addr()).context("connect")?;
+    let ba = b
+        .accept(Instant::now() + Duration::from_secs(10))
+        .context("peer never showed up on the accepting side")?;
+    Ok((ab, ba))
+}
+
+/// A registered buffer.
+pub fn buffer(e: &Engine, len: usize, access: Access) -> Result<(HostBuffer, RegionId)> {
+    let b = HostBuffer::new(len)?;
+    let id = e.register(&b, access)?;
+    Ok((b, id))
+}
+
+/// Fills with a position- and seed-dependent pattern (misplaced bytes are detected).
+pub fn fill_pattern(buf: &mut [u8], seed: u64) {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut chunks = buf.chunks_exact_mut(8);
+    for c in &mut chunks {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        c.copy_from_slice(&x.to_le_bytes());
+    }
+    for (i, b) in chunks.into_remainder().iter_mut().enumerate() {
+        *b = (x >> (i * 8)) as u8;
+    }
+}
+
+/// Whether every byte equals `v` (memcmp against a block, fast in debug builds).
+pub fn all_eq(s: &[u8], v: u8) -> bool {
+    let block = [v; 4096];
+    s.chunks(4096).all(|c| c == &block[..c.len()])
+}
+
+/// Asserts `dst[off..off+len] == src[soff..soff+len]` and guards elsewhere in `dst`.
+pub fn check_landed(dst: &[u8], off: usize, src: &[u8], soff: usize, len: usize) -> Result<()> {
+    if dst[off..off + len] != src[soff..soff + len] {
+        let first = (0..len)
+            .find(|&i| dst[off + i] != src[soff + i])
+            .unwrap_or(0);
+        bail!("payload mismatch: {len} bytes at offset {off}, first bad byte at +{first}");
+    }
+    if !all_eq(&dst[..off], GUARD) {
+        bail!("guard bytes before offset {off} were overwritten");
+    }
+    if !all_eq(&dst[off + len..], GUARD) {
+        bail!("guard bytes after offset {} were overwritten", off + len);
+    }
+    Ok(())
+}
+
+/// A deadline `secs` from now.
+pub fn secs(s: u64) -> Instant {
+    Instant::now() + Duration::from_secs(s)
+}

@@ -1,0 +1,808 @@
+//! The transport conformance suite: written once in `suite`, instantiated per backend by
+//! `backend_suite!` (loopback and tcp always; verbs with the `verbs` feature, reading
+//! `RDMA_DEVICE`, skipping visibly without it and failing with `RDMA_REQUIRED=1`).
+//!
+//! Every transfer is verified byte for byte on the receiving side, with guard bytes
+//! around the target to catch stray writes. `PAGEWIRE_TEST_MAX_BYTES` caps the size
+//! sweep (default 64 MiB) for slow links such as rxe under TCG.
+
+mod common;
+
+use std::collections::HashSet;
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail, ensure};
+use common::*;
+use pagewire_layout::{Layout, Pool, PoolGeometry, PoolKind};
+use pagewire_transport::{
+    Access, BackendKind, Batch, BatchStatus, Error, HandshakeError, Op, TransferOp,
+};
+
+mod suite {
+    use super::*;
+
+    /// Writes then reads back sizes from 1 byte to `max_bytes()` at odd offsets; the last
+    /// write carries a notification, and its bytes are checked the moment it arrives.
+    pub fn write_read_sizes(kind: BackendKind) -> Result<()> {
+        let (a, b) = (engine(kind)?, engine(kind)?);
+        let max = max_bytes() as usize;
+        let cap = max + 2 * 4096;
+        let (mut src, _) = buffer(&a, cap, Access::LOCAL_WRITE)?;
+        let (mut back, _) = buffer(&a, cap, Access::LOCAL_WRITE)?;
+        let (mut dst, _) = buffer(&b, cap, Access::ALL)?;
+        fill_pattern(&mut src, 1);
+        let (ab, ba) = connect(&a, &b)?;
+        let mut sizes: Vec<usize> = vec![
+            1,
+            3,
+            4095,
+            4096,
+            4097,
+            65536 + 7,
+            1 << 20,
+            (1 << 20) + 1,
+            (4 << 20) - 3,
+            16 << 20,
+            64 << 20,
+        ];
+        sizes.retain(|&s| s <= max);
+        if *sizes.last().expect("1 byte always fits") != max {
+            sizes.push(max);
+        }
+        for (i, &n) in sizes.iter().enumerate() {
+            let (soff, doff) = (13 + i, 4096 - (i % 7));
+            dst.fill(GUARD);
+            let tag = 1000 + i as u32;
+            let h = a.submit(
+                ab,
+                Batch::new()
+                    .write(src.addr() + soff as u64, dst.addr() + doff as u64, n as u64)
+                    .notify(tag),
+            )?;
+            let note = b
+                .poll_notification(secs(60))
+                .with_context(|| format!("no notification for {n} bytes"))?;
+            ensure!(note.peer == ba && note.tag == tag, "notification {note:?}");
+            // The notification alone must guarantee the bytes are there.
+            check_landed(&dst, doff, &src, soff, n).with_context(|| format!("WRITE {n} B"))?;
+            let st = h.wait(secs(60)).with_context(|| format!("WRITE {n} B"))?;
+            ensure!(st.bytes == n as u64, "stats {st:?}");
+
+            back.fill(GUARD);
+            let boff = 4096 + (i % 5);
+            a.submit(
+                ab,
+                Batch::new().read(
+                    back.addr() + boff as u64,
+                    dst.addr() + doff as u64,
+                    n as u64,
+                ),
+            )?
+            .wait(secs(60))
+            .with_context(|| format!("READ {n} B"))?;
+            check_landed(&back, boff, &src, soff, n).with_context(|| format!("READ {n} B"))?;
+        }
+        Ok(())
+    }
+
+    /// Scattered pages from a real layout plan: page_first source, page_first_direct
+    /// destination, non-contiguous page lists, written with a notification and read back.
+    pub fn layout_plan_pages(kind: BackendKind) -> Result<()> {
+        let (a, b) = (engine(kind)?, engine(kind)?);
+        let geometry = PoolGeometry::builder(PoolKind::Mha)
+            .layers(4)
+            .page_size(16)
+            .heads(4)
+            .head_dim(64)
+            .dtype_bytes(2)
+            .capacity(64 * 16)
+            .build()?;
+        let pool_bytes = 2 * geometry.buffer_bytes(pagewire_layout::Component::K) as usize;
+        let (mut src, _) = buffer(&a, pool_bytes, Access::LOCAL_WRITE)?;
+        let (mut dst, _) = buffer(&b, pool_bytes, Access::ALL)?;
+        fill_pattern(&mut src, 7);
+        dst.fill(GUARD);
+        let src_pool = Pool::new(geometry, Layout::PageFirst, src.addr(), None)?;
+        let dst_pool = Pool::new(geometry, Layout::PageFirstDirect, dst.addr(), None)?;
+        let src_pages = [3u64, 10, 11, 12, 40, 63, 0];
+        let dst_pages = [7u64, 2, 3, 4, 60, 1, 33];
+        let plan = pagewire_layout::plan(&src_pool, &dst_pool, &src_pages, &dst_pages)?;
+        ensure!(plan.len() > src_pages.len(), "plan should be scattered");
+        let (ab, _ba) = connect(&a, &b)?;
+        a.submit_plan(ab, Op::Write, &plan, Some(42))?
+            .wait(secs(60))?;
+        let note = b.poll_notification(secs(10)).context("notification")?;
+        ensure!(note.tag == 42);
+        // Byte-exact per plan entry, and nothing else touched.
+        let mut expect = vec![GUARD; pool_bytes];
+        for t in &plan {
+            let (s, d, n) = (
+                (t.src - src.addr()) as usize,
+                (t.dst - dst.addr()) as usize,
+                t.len as usize,
+            );
+            expect[d..d + n].copy_from_slice(&src[s..s + n]);
+        }
+        ensure!(
+            dst[..] == expect[..],
+            "destination pool differs from the plan"
+        );
+
+        // And the decode side pulls the same pages back with READs of the reverse plan.
+        let (mut back, _) = buffer(&a, pool_bytes, Access::LOCAL_WRITE)?;
+        back.fill(GUARD);
+        let back_pool = Pool::new(geometry, Layout::PageFirst, back.addr(), None)?;
+        let pull = pagewire_layout::plan(&dst_pool, &back_pool, &dst_pages, &src_pages)?;
+        a.submit_plan(ab, Op::Read, &pull, None)?.wait(secs(60))?;
+        for t in &plan {
+            let s = (t.src - src.addr()) as usize;
+            let n = t.len as usize;
+            ensure!(back[s..s + n] == src[s..s + n], "READ plan mismatch at {s}");
+        }
+        Ok(())
+    }
+
+    /// Many batches in flight to one peer, and three peers writing into one engine at once;
+    /// every (peer, tag) notification arrives exactly once and all bytes are exact.
+    pub fn concurrency(kind: BackendKind) -> Result<()> {
+        let b = engine(kind)?;
+        const SENDERS: usize = 3;
+        const BATCHES: usize = 24;
+        const OPS: usize = 4;
+        const OP: usize = 16 << 10;
+        let per_sender = BATCHES * OPS * OP;
+        let (mut dst, _) = buffer(&b, SENDERS * per_sender, Access::ALL)?;
+        dst.fill(GUARD);
+        let dst_addr = dst.addr();
+        let mut threads = Vec::new();
+        let mut peers = Vec::new();
+        let mut srcs = Vec::new();
+        for s in 0..SENDERS {
+            let a = engine(kind)?;
+            let (mut src, _) = buffer(&a, per_sender, Access::LOCAL_WRITE)?;
+            fill_pattern(&mut src, 100 + s as u64);
+            let (ab, ba) = connect(&a, &b)?;
+            peers.push(ba);
+            let src_addr = src.addr();
+            srcs.push(src);
+            threads.push(std::thread::spawn(move || -> Result<()> {
+                let base = dst_addr + (s * per_sender) as u64;
+                let mut handles = Vec::new();
+                for k in 0..BATCHES {
+                    let mut batch = Batch::with_capacity(OPS);
+                    for o in 0..OPS {
+                        // Reverse op order inside the batch so completion order varies.
+                        let off = ((k * OPS + (OPS - 1 - o)) * OP) as u64;
+                        batch.push(TransferOp {
+                            op: Op::Write,
+                            local: src_addr + off,
+                            remote: base + off,
+                            len: OP as u64,
+                        });
+                    }
+                    handles.push(a.submit(ab, batch.notify(k as u32))?);
+                }
+                for h in handles {
+                    h.wait(secs(60))?;
+                }
+                // Keep the engine alive until the receiver has seen everything.
+                std::thread::sleep(Duration::from_millis(200));
+                drop(a);
+                Ok(())
+            }));
+        }
+        let mut seen = HashSet::new();
+        while seen.len() < SENDERS * BATCHES {
+            let n = b
+                .poll_notification(secs(60))
+                .with_context(|| format!("only {} notifications", seen.len()))?;
+            ensure!(
+                peers.contains(&n.peer),
+                "notification from unknown {}",
+                n.peer
+            );
+            ensure!((n.tag as usize) < BATCHES, "bad tag {}", n.tag);
+            ensure!(seen.insert((n.peer, n.tag)), "duplicate notification {n:?}");
+        }
+        for t in threads {
+            t.join().expect("sender thread panicked")?;
+        }
+        for (s, src) in srcs.iter().enumerate() {
+            let d = &dst[s * per_sender..(s + 1) * per_sender];
+            ensure!(d == &src[..], "sender {s}: bytes differ");
+        }
+        Ok(())
+    }
+
+    /// Cancel a large batch right after submitting it: it ends `Cancelled` (or `Done` if
+    /// it won the race), its regions are released, and the connection stays usable.
+    pub fn cancellation(kind: BackendKind) -> Result<()> {
+        let (a, b) = (engine(kind)?, engine(kind)?);
+        let n = max_bytes().min(32 << 20) as usize;
+        let (mut src, src_id) = buffer(&a, n, Access::LOCAL_WRITE)?;
+        let (mut dst, _) = buffer(&b, n, Access::ALL)?;
+        fill_pattern(&mut src, 5);
+        let (ab, _) = connect(&a, &b)?;
+        let chunk = 64 << 10;
+        let batch: Batch = (0..n / chunk)
+            .map(|i| TransferOp {
+                op: Op::Write,
+                local: src.addr() + (i * chunk) as u64,
+                remote: dst.addr() + (i * chunk) as u64,
+                len: chunk as u64,
+            })
+            .collect();
+        let h = a.submit(ab, batch)?;
+        let cancelled = h.cancel();
+        match (cancelled, h.status()) {
+            (true, BatchStatus::Cancelled) => {
+                ensure!(matches!(h.wait(secs(1)), Err(Error::Cancelled)));
+            }
+            (false, BatchStatus::Done) => eprintln!("note: batch finished before cancel"),
+            other => bail!("unexpected cancel outcome {other:?}"),
+        }
+        ensure!(!h.cancel(), "second cancel must report finished");
+        // The backend lets go of the batch soon: the source region can be deregistered.
+        a.deregister_wait(src_id, secs(30))
+            .context("region still busy after cancel")?;
+        // The connection is still good.
+        let (mut s2, _) = buffer(&a, 4096, Access::LOCAL_WRITE)?;
+        fill_pattern(&mut s2, 9);
+        dst[..4096].fill(GUARD);
+        a.submit(ab, Batch::new().write(s2.addr(), dst.addr(), 4096))?
+            .wait(secs(30))?;
+        ensure!(dst[..4096] == s2[..], "transfer after cancel");
+        Ok(())
+    }
+
+    /// Batch deadlines fail the batch with `Timeout`; a short `wait` deadline does not.
+    pub fn deadlines(kind: BackendKind) -> Result<()> {
+        let (a, b) = (engine(kind)?, engine(kind)?);
+        let n = max_bytes().min(16 << 20);
+        let (src, src_id) = buffer(&a, n as usize, Access::LOCAL_WRITE)?;
+        let (dst, _) = buffer(&b, n as usize, Access::ALL)?;
+        let (ab, _) = connect(&a, &b)?;
+        // Deadline already passed: must fail with Timeout, promptly.
+        let t0 = Instant::now();
+        let h = a.submit(
+            ab,
+            Batch::new()
+                .write(src.addr(), dst.addr(), n)
+                .deadline(Instant::now()),
+        )?;
+        match h.wait(secs(10)) {
+            Err(Error::Timeout { .. }) => {}
+            other => bail!("expired batch: {other:?}"),
+        }
+        ensure!(matches!(
+            h.status(),
+            BatchStatus::Failed(Error::Timeout { .. })
+        ));
+        ensure!(
+            t0.elapsed() < Duration::from_secs(5),
+            "timeout took {:?}",
+            t0.elapsed()
+        );
+        // A wait deadline that passes first returns Timeout but the batch carries on.
+        let h = a.submit(ab, Batch::new().write(src.addr(), dst.addr(), n))?;
+        match h.wait(Instant::now()) {
+            Ok(_) => eprintln!("note: batch finished within a zero wait"),
+            Err(Error::Timeout { .. }) => {}
+            Err(e) => bail!("zero wait: {e}"),
+        }
+        h.wait(secs(60)).context("batch after a short wait")?;
+        a.deregister_wait(src_id, secs(30))?;
+        Ok(())
+    }
+
+    /// The peer shuts down in the middle of a large batch: the batch fails within its
+    /// deadline, later submits fail, and nothing outside the target range was written.
+    pub fn peer_dies_mid_batch(kind: BackendKind) -> Result<()> {
+        let a = engine(kind)?;
+        let b = engine(kind)?;
+        let n = max_bytes().min(64 << 20) as usize;
+        let (mut src, _) = buffer(&a, n, Access::LOCAL_WRITE)?;
+        let (mut dst, _) = buffer(&b, n + 2 * 4096, Access::ALL)?;
+        fill_pattern(&mut src, 3);
+        dst.fill(GUARD);
+        let (ab, _) = connect(&a, &b)?;
+        let chunk = 256 << 10;
+        let target = dst.addr() + 4096;
+        let mk = || -> Batch {
+            (0..n / chunk)
+                .map(|i| TransferOp {
+                    op: Op::Write,
+                    local: src.addr() + (i * chunk) as u64,
+                    remote: target + (i * chunk) as u64,
+                    len: chunk as u64,
+                })
+                .collect::<Batch>()
+                .timeout(Duration::from_secs(20))
+        };
+        let killer = {
+            let b = b.clone();
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(2));
+                b.shutdown();
+            })
+        };
+        let t0 = Instant::now();
+        let mut failed = None;
+        // Keep the link busy until the peer is gone.
+        for _ in 0..200 {
+            let h = match a.submit(ab, mk()) {
+                Ok(h) => h,
+                Err(e) => {
+                    failed = Some(e);
+                    break;
+                }
+            };
+            if let Err(e) = h.wait(secs(25)) {
+                failed = Some(e);
+                break;
+            }
+        }
+        killer.join().expect("killer");
+        let e = failed.context("the peer shut down but every batch succeeded")?;
+        ensure!(
+            matches!(
+                e,
+                Error::PeerGone { .. }
+                    | Error::Remote { .. }
+                    | Error::Timeout { .. }
+                    | Error::Completion { .. }
+            ),
+            "unexpected error {e:?}"
+        );
+        ensure!(
+            t0.elapsed() < Duration::from_secs(30),
+            "took {:?}",
+            t0.elapsed()
+        );
+        // Bytes may be partial inside the target, never outside it.
+        ensure!(
+            all_eq(&dst[..4096], GUARD),
+            "guard before target overwritten"
+        );
+        ensure!(
+            all_eq(&dst[4096 + n..], GUARD),
+            "guard after target overwritten"
+        );
+        // A later submit fails quickly (or its batch does).
+        let t1 = Instant::now();
+        if let Ok(h) = a.submit(ab, Batch::new().write(src.addr(), target, 4096)) {
+            ensure!(h.wait(secs(25)).is_err(), "write to a dead peer succeeded");
+        }
+        ensure!(t1.elapsed() < Duration::from_secs(25));
+        Ok(())
+    }
+
+    /// Bounds and permission checks: every bad op is refused with a typed error before
+    /// anything is posted (a good op in the same batch does not run either).
+    pub fn permissions(kind: BackendKind) -> Result<()> {
+        let (a, b) = (engine(kind)?, engine(kind)?);
+        let (src, _) = buffer(&a, 1 << 16, Access::LOCAL_WRITE)?;
+        let (nolw, _) = buffer(&a, 4096, Access::NONE)?;
+        let (exp, _) = buffer(&b, 1 << 16, Access::ALL)?;
+        let (ro, _) = buffer(&b, 4096, Access::LOCAL_WRITE | Access::REMOTE_READ)?;
+        let (hidden, _) = buffer(&b, 4096, Access::LOCAL_WRITE)?;
+        let (ab, _) = connect(&a, &b)?;
+        let exposed = a.peer_regions(ab)?;
+        ensure!(
+            !exposed
+                .iter()
+                .any(|r| r.addr <= hidden.addr() && hidden.addr() < r.addr + r.len),
+            "a LOCAL_WRITE-only region was exposed"
+        );
+        let unregistered = vec![0u8; 4096];
+        let (e_end, s) = (exp.addr() + exp.len() as u64, src.addr());
+        type Case = (&'static str, Batch, fn(&Error) -> bool);
+        let cases: Vec<Case> = vec![
+            (
+                "remote past end",
+                Batch::new().write(s, e_end - 10, 20),
+                |e| matches!(e, Error::RemoteOutOfBounds { .. }),
+            ),
+            (
+                "remote not exposed",
+                Batch::new().write(s, hidden.addr(), 16),
+                |e| matches!(e, Error::RemoteOutOfBounds { .. }),
+            ),
+            (
+                "write to read-only",
+                Batch::new().write(s, ro.addr(), 16),
+                |e| matches!(e, Error::RemotePermission { needed, .. } if *needed == Access::REMOTE_WRITE),
+            ),
+            (
+                "unregistered local",
+                Batch::new().write(unregistered.as_ptr() as u64, exp.addr(), 16),
+                |e| matches!(e, Error::Unregistered { .. }),
+            ),
+            (
+                "local past end",
+                Batch::new().write(s + (1 << 16) - 8, exp.addr(), 16),
+                |e| matches!(e, Error::Unregistered { .. }),
+            ),
+            (
+                "read into non-writable local",
+                Batch::new().read(nolw.addr(), exp.addr(), 16),
+                |e| matches!(e, Error::PermissionDenied { .. }),
+            ),
+            ("zero length", Batch::new().write(s, exp.addr(), 0), |e| {
+                matches!(e, Error::InvalidRange { .. })
+            }),
+            (
+                "remote overflow",
+                Batch::new().write(s, u64::MAX - 4, 16),
+                |e| matches!(e, Error::InvalidRange { .. }),
+            ),
+            ("empty batch", Batch::new(), |e| {
+                matches!(e, Error::EmptyBatch)
+            }),
+            (
+                "good op then bad op",
+                Batch::new()
+                    .write(s, exp.addr(), 4096)
+                    .write(s, e_end - 1, 2),
+                |e| matches!(e, Error::RemoteOutOfBounds { .. }),
+            ),
+        ];
+        for (name, batch, ok) in cases {
+            match a.submit(ab, batch) {
+                Ok(_) => bail!("{name}: accepted"),
+                Err(e) if ok(&e) => {}
+                Err(e) => bail!("{name}: wrong error {e:?}"),
+            }
+        }
+        std::thread::sleep(Duration::from_millis(50));
+        ensure!(all_eq(&exp, 0), "a refused batch wrote into the peer");
+        // Positive controls: reading a read-only region works, and so does a good write.
+        a.submit(ab, Batch::new().read(src.addr(), ro.addr(), 4096))?
+            .wait(secs(30))?;
+        a.submit(ab, Batch::new().write(s, exp.addr(), 4096))?
+            .wait(secs(30))?;
+        ensure!(exp[..4096] == src[..4096]);
+        // A disconnected peer is unknown.
+        a.disconnect(ab)?;
+        ensure!(matches!(
+            a.submit(ab, Batch::new().write(s, exp.addr(), 1)),
+            Err(Error::UnknownPeer { .. })
+        ));
+        Ok(())
+    }
+
+    /// Registration rules: same range again is free, busy regions refuse deregistration,
+    /// and regions split into several MRs still move bytes across the MR boundaries.
+    pub fn registration_and_mr_split(kind: BackendKind) -> Result<()> {
+        let cfg = || config(kind).max_mr_bytes(1 << 20);
+        let (a, b) = (engine_with(cfg())?, engine_with(cfg())?);
+        let n = 4 << 20;
+        let (mut src, sid) = buffer(&a, n, Access::LOCAL_WRITE)?;
+        ensure!(
+            a.register(&src, Access::LOCAL_WRITE)? == sid,
+            "re-registration not free"
+        );
+        a.deregister(sid)?; // drops the second registration only
+        ensure!(
+            a.regions().iter().any(|r| r.id == sid && r.mrs == 4),
+            "{:?}",
+            a.regions()
+        );
+        let (mut dst, _) = buffer(&b, n + 8192, Access::ALL)?;
+        ensure!(b.exposed_regions().len() == 5, "{:?}", b.exposed_regions());
+        fill_pattern(&mut src, 11);
+        dst.fill(GUARD);
+        let (ab, _) = connect(&a, &b)?;
+        // 3 MiB + 5 starting mid-MR on both sides, crossing several MR boundaries.
+        let (soff, doff, len) = (512 << 10, (1 << 20) - 77, (3 << 20) + 5);
+        let h = a.submit(
+            ab,
+            Batch::new().write(
+                src.addr() + soff as u64,
+                dst.addr() + doff as u64,
+                len as u64,
+            ),
+        )?;
+        match a.deregister(sid) {
+            Err(Error::RegionBusy { .. }) => {}
+            Ok(()) => bail!("deregistered a region under an in-flight batch"),
+            Err(e) if h.status().is_finished() => {
+                bail!("unexpected deregister error {e:?}")
+            }
+            Err(e) => bail!("deregister: {e:?}"),
+        }
+        h.wait(secs(60))?;
+        check_landed(&dst, doff, &src, soff, len)?;
+        a.deregister_wait(sid, secs(30))?;
+        ensure!(a.regions().is_empty());
+        ensure!(matches!(
+            a.deregister(sid),
+            Err(Error::UnknownRegion { .. })
+        ));
+        Ok(())
+    }
+
+    /// A peer that registers more memory after connecting is re-described.
+    pub fn redescribe(kind: BackendKind) -> Result<()> {
+        let (a, b) = (engine(kind)?, engine(kind)?);
+        let (mut src, _) = buffer(&a, 8192, Access::LOCAL_WRITE)?;
+        fill_pattern(&mut src, 21);
+        let (ab, _) = connect(&a, &b)?;
+        ensure!(a.peer_regions(ab)?.is_empty());
+        let (late, _) = buffer(&b, 8192, Access::ALL)?;
+        ensure!(matches!(
+            a.submit(ab, Batch::new().write(src.addr(), late.addr(), 8192)),
+            Err(Error::RemoteOutOfBounds { .. })
+        ));
+        let regions = a.redescribe(ab)?;
+        ensure!(
+            regions.len() == 1 && regions[0].addr == late.addr(),
+            "{regions:?}"
+        );
+        a.submit(ab, Batch::new().write(src.addr(), late.addr(), 8192))?
+            .wait(secs(30))?;
+        ensure!(late[..] == src[..]);
+        Ok(())
+    }
+
+    /// Hostile bytes on the control port: each connection is dropped, the listener keeps
+    /// serving, and a valid engine still connects while half-open clients hang around.
+    pub fn hostile_handshakes(kind: BackendKind) -> Result<()> {
+        let b = engine_with(config(kind).handshake_timeout(Duration::from_secs(2)))?;
+        let (dst, _) = buffer(&b, 4096, Access::ALL)?;
+        let addr = b.local_addr();
+        let send = |bytes: &[u8]| -> Result<TcpStream> {
+            let mut s = TcpStream::connect(addr)?;
+            s.write_all(bytes)?;
+            Ok(s)
+        };
+        let mut held = Vec::new();
+        // Half-open: connect, say nothing, keep the socket.
+        held.push(TcpStream::connect(addr)?);
+        // Partial header, kept open.
+        held.push(send(b"PGWR\x01")?);
+        // Garbage, HTTP and TLS probes.
+        let mut garbage = vec![0u8; 4096];
+        fill_pattern(&mut garbage, 99);
+        drop(send(&garbage)?);
+        drop(send(b"GET / HTTP/1.1\r\nHost: pagewire\r\n\r\n")?);
+        drop(send(&[
+            0x16, 0x03, 0x01, 0x02, 0x00, 0x01, 0x00, 0x01, 0xfc, 0x03, 0x03, 0,
+        ])?);
+        // Valid magic, oversized length.
+        let mut h = Vec::new();
+        h.extend_from_slice(b"PGWR");
+        h.extend_from_slice(&1u16.to_le_bytes());
+        h.extend_from_slice(&[1, 0]);
+        h.extend_from_slice(&u32::MAX.to_le_bytes());
+        drop(send(&h)?);
+        // Foreign version.
+        let mut v = h.clone();
+        v[4] = 77;
+        v[8..12].copy_from_slice(&0u32.to_le_bytes());
+        drop(send(&v)?);
+        // A Hello with a hostile body (random bytes of the announced length).
+        let mut hb = h.clone();
+        hb[8..12].copy_from_slice(&512u32.to_le_bytes());
+        hb.extend_from_slice(&garbage[..512]);
+        drop(send(&hb)?);
+        // A Hello announcing more bytes than it sends, then hanging.
+        let mut trunc = h.clone();
+        trunc[8..12].copy_from_slice(&100u32.to_le_bytes());
+        trunc.extend_from_slice(&[0; 10]);
+        held.push(send(&trunc)?);
+        // A well-formed Ready out of turn gets dropped too.
+        let mut ready = h.clone();
+        ready[6] = 3;
+        ready[8..12].copy_from_slice(&0u32.to_le_bytes());
+        drop(send(&ready)?);
+
+        // A valid client connects while the half-open ones are still held.
+        let a = engine(kind)?;
+        let (mut src, _) = buffer(&a, 4096, Access::LOCAL_WRITE)?;
+        fill_pattern(&mut src, 4);
+        let t0 = Instant::now();
+        let (ab, _) = connect(&a, &b)?;
+        ensure!(
+            t0.elapsed() < Duration::from_secs(2),
+            "valid connect took {:?}",
+            t0.elapsed()
+        );
+        a.submit(
+            ab,
+            Batch::new().write(src.addr(), dst.addr(), 4096).notify(5),
+        )?
+        .wait(secs(30))?;
+        ensure!(b.poll_notification(secs(10)).is_some_and(|n| n.tag == 5));
+        ensure!(dst[..] == src[..]);
+        ensure!(
+            b.peers().len() == 1,
+            "hostile clients became peers: {:?}",
+            b.peers()
+        );
+        // Half-open clients are cut at the handshake timeout.
+        let mut s = held.remove(0);
+        s.set_read_timeout(Some(Duration::from_secs(10)))?;
+        let mut buf = [0u8; 16];
+        let r = s.read(&mut buf);
+        ensure!(
+            matches!(r, Ok(0) | Err(_)),
+            "half-open client not dropped: {r:?}"
+        );
+        Ok(())
+    }
+
+    /// Shared tokens: a wrong token is rejected with a typed error, the right one works;
+    /// engines of different backends refuse each other.
+    pub fn tokens_and_mismatch(kind: BackendKind) -> Result<()> {
+        let b = engine_with(config(kind).token("sesame"))?;
+        let wrong = engine_with(config(kind).token("guess"))?;
+        match wrong.connect(b.local_addr()) {
+            Err(Error::Handshake(HandshakeError::Rejected { reason })) => {
+                ensure!(reason.contains("token"), "{reason}");
+            }
+            other => bail!("wrong token: {other:?}"),
+        }
+        let none = engine(kind)?;
+        ensure!(
+            none.connect(b.local_addr()).is_err(),
+            "missing token accepted"
+        );
+        let right = engine_with(config(kind).token("sesame"))?;
+        connect(&right, &b)?;
+        let other_kind = if kind == BackendKind::Tcp {
+            BackendKind::Loopback
+        } else {
+            BackendKind::Tcp
+        };
+        let other = engine_with(config(other_kind).token("sesame"))?;
+        match other.connect(b.local_addr()) {
+            Err(Error::Handshake(_)) => {}
+            r => bail!("backend mismatch: {r:?}"),
+        }
+        ensure!(b.peers().len() == 1);
+        Ok(())
+    }
+}
+
+macro_rules! backend_suite {
+    ($name:ident, $kind:expr, [$($test:ident),* $(,)?]) => {
+        mod $name {
+            use super::*;
+            $(
+                #[test]
+                fn $test() {
+                    if common::runnable($kind, stringify!($test)) {
+                        let t0 = Instant::now();
+                        suite::$test($kind).unwrap();
+                        eprintln!("{}::{} took {:?}", stringify!($name), stringify!($test), t0.elapsed());
+                    }
+                }
+            )*
+        }
+    };
+}
+
+macro_rules! all_backends {
+    ($($name:ident => $kind:expr),* $(,)?) => {
+        $(
+            backend_suite!($name, $kind, [
+                write_read_sizes,
+                layout_plan_pages,
+                concurrency,
+                cancellation,
+                deadlines,
+                peer_dies_mid_batch,
+                permissions,
+                registration_and_mr_split,
+                redescribe,
+                hostile_handshakes,
+                tokens_and_mismatch,
+            ]);
+        )*
+    };
+}
+
+all_backends!(loopback => BackendKind::Loopback, tcp => BackendKind::Tcp);
+#[cfg(feature = "verbs")]
+all_backends!(verbs => BackendKind::Verbs);
+
+/// TCP only: a peer *process* killed in the middle of a batch (re-executes this test
+/// binary in the peer role).
+#[test]
+fn tcp_peer_process_killed_mid_batch() {
+    peer_process_killed().unwrap();
+}
+
+const ROLE_ENV: &str = "PAGEWIRE_TEST_ROLE";
+
+/// The peer role: only active in the child process.
+#[test]
+fn peer_role_helper() {
+    if std::env::var(ROLE_ENV).as_deref() != Ok("tcp-peer") {
+        return;
+    }
+    let e = engine(BackendKind::Tcp).expect("engine");
+    let (buf, _) = buffer(&e, 64 << 20, Access::ALL).expect("buffer");
+    println!("LISTEN {} {:#x}", e.local_addr(), buf.addr());
+    std::io::stdout().flush().ok();
+    // Serve until killed (bounded, so an orphan cannot live forever).
+    std::thread::sleep(Duration::from_secs(120));
+}
+
+fn peer_process_killed() -> Result<()> {
+    use std::io::BufRead;
+    use std::process::{Command, Stdio};
+    let exe = std::env::current_exe()?;
+    let mut child = Command::new(exe)
+        .args([
+            "--exact",
+            "peer_role_helper",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(ROLE_ENV, "tcp-peer")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()?;
+    let stdout = child.stdout.take().context("child stdout")?;
+    let mut lines = std::io::BufReader::new(stdout).lines();
+    let (addr, base) = loop {
+        let line = lines.next().context("child exited before listening")??;
+        // libtest prints "test peer_role_helper ... " on the same line first.
+        if let Some(rest) = line.split("LISTEN ").nth(1) {
+            let mut it = rest.split_whitespace();
+            let addr: std::net::SocketAddr = it.next().context("addr")?.parse()?;
+            let base =
+                u64::from_str_radix(it.next().context("base")?.trim_start_matches("0x"), 16)?;
+            break (addr, base);
+        }
+    };
+    let a = engine(BackendKind::Tcp)?;
+    let n = 64 << 20;
+    let (mut src, _) = buffer(&a, n, Access::LOCAL_WRITE)?;
+    fill_pattern(&mut src, 8);
+    let peer = a.connect(addr)?;
+    let chunk = 1 << 20;
+    let mk = || -> Batch {
+        (0..n / chunk)
+            .map(|i| TransferOp {
+                op: Op::Write,
+                local: src.addr() + (i * chunk) as u64,
+                remote: base + (i * chunk) as u64,
+                len: chunk as u64,
+            })
+            .collect::<Batch>()
+            .timeout(Duration::from_secs(20))
+    };
+    // One good round first: the child is really serving.
+    a.submit(peer, mk())?.wait(secs(30))?;
+    let h = a.submit(peer, mk())?;
+    child.kill()?;
+    let t0 = Instant::now();
+    let mut result = h.wait(secs(25));
+    while result.is_ok() {
+        result = a.submit(peer, mk()).and_then(|h| h.wait(secs(25)));
+    }
+    let _ = child.wait();
+    let e = result.expect_err("loop exits on error");
+    ensure!(
+        matches!(e, Error::PeerGone { .. } | Error::Timeout { .. }),
+        "unexpected error {e:?}"
+    );
+    ensure!(
+        t0.elapsed() < Duration::from_secs(25),
+        "took {:?}",
+        t0.elapsed()
+    );
+    ensure!(
+        matches!(
+            a.submit(peer, Batch::new().write(src.addr(), base, 1)),
+            Err(Error::PeerGone { .. })
+        ),
+        "submit after death must fail fast"
+    );
+    Ok(())
+}
