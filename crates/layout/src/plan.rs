@@ -2,7 +2,7 @@
 
 use crate::error::{LayoutError, Result, add, mul};
 use crate::geometry::{Layout, PoolKind};
-use crate::pool::{Pool, walk};
+use crate::pool::{Pool, Walk};
 
 /// One copy: `len` bytes from `src` to `dst` (plain addresses, local and remote).
 #[derive(Clone, Copy, Debug, Default, Eq, Hash, PartialEq)]
@@ -141,6 +141,42 @@ impl<'a> IntoIterator for &'a TransferPlan {
     }
 }
 
+/// Merges a stream of blocks into maximal runs (both sides contiguous) before appending
+/// them to a plan. Dropping it without [`Merger::finish`] loses the pending run.
+struct Merger<'a> {
+    out: &'a mut TransferPlan,
+    cur: Transfer,
+}
+
+impl<'a> Merger<'a> {
+    fn new(out: &'a mut TransferPlan) -> Self {
+        Self {
+            out,
+            cur: Transfer::default(),
+        }
+    }
+
+    #[inline(always)]
+    fn add(&mut self, src: u64, dst: u64, len: u64) {
+        let c = &mut self.cur;
+        // `cur.len == 0` only before the first block; blocks are never empty.
+        if c.len != 0 && c.src.wrapping_add(c.len) == src && c.dst.wrapping_add(c.len) == dst {
+            c.len += len;
+            return;
+        }
+        if c.len != 0 {
+            self.out.push(*c);
+        }
+        *c = Transfer { src, dst, len };
+    }
+
+    fn finish(self) {
+        if self.cur.len != 0 {
+            self.out.push(self.cur);
+        }
+    }
+}
+
 /// A run of pages consecutive on both sides: `count` pages from `src` and `dst` on.
 #[derive(Clone, Copy, Debug, Eq, PartialEq)]
 pub struct PageRun {
@@ -210,8 +246,33 @@ pub fn pd_connector_plan(
     src_pages: &[u64],
     dst_pages: &[u64],
 ) -> Result<TransferPlan> {
-    let runs = page_runs(src_pages, dst_pages)?;
-    let mut n = 0usize;
+    let mut out = TransferPlan::new();
+    pd_connector_plan_into(groups, src_pages, dst_pages, &mut out)?;
+    Ok(out)
+}
+
+/// [`pd_connector_plan`] into a caller's plan (cleared first; its capacity is reused).
+///
+/// # Errors
+/// As [`pd_connector_plan`]; `out` is left empty on error.
+pub fn pd_connector_plan_into(
+    groups: &[PdBuffers<'_>],
+    src_pages: &[u64],
+    dst_pages: &[u64],
+    out: &mut TransferPlan,
+) -> Result<()> {
+    out.clear();
+    if src_pages.len() != dst_pages.len() {
+        return Err(LayoutError::LengthMismatch {
+            what: "source and destination page lists",
+            left: src_pages.len(),
+            right: dst_pages.len(),
+        });
+    }
+    let (max_src, max_dst) = (
+        src_pages.iter().copied().max().unwrap_or(0),
+        dst_pages.iter().copied().max().unwrap_or(0),
+    );
     for g in groups {
         if g.src.len() != g.dst.len() {
             return Err(LayoutError::LengthMismatch {
@@ -227,30 +288,34 @@ pub fn pd_connector_plan(
                 reason: "must be at least 1",
             });
         }
-        n = n.saturating_add(g.src.len().saturating_mul(runs.len()));
-    }
-    let mut plan = TransferPlan::with_capacity(n);
-    for g in groups {
-        for (&sb, &db) in g.src.iter().zip(g.dst) {
-            for r in &runs {
-                let src = add(
-                    sb,
-                    mul(r.src, g.item_len, "source offset")?,
-                    "source address",
-                )?;
-                let dst = add(
-                    db,
-                    mul(r.dst, g.item_len, "destination offset")?,
-                    "destination address",
-                )?;
-                let len = mul(g.item_len, r.count, "block length")?;
-                add(src, len, "source end")?;
-                add(dst, len, "destination end")?;
-                plan.push(Transfer { src, dst, len });
-            }
+        // Check the farthest byte once; then no address below can overflow.
+        let (src_top, dst_top) = (
+            g.src.iter().copied().max().unwrap_or(0),
+            g.dst.iter().copied().max().unwrap_or(0),
+        );
+        let reach = |base, page| -> Result<u64> {
+            let end = mul(add(page, 1, "page end")?, g.item_len, "page offset")?;
+            add(base, end, "end address")
+        };
+        if !src_pages.is_empty() {
+            reach(src_top, max_src)?;
+            reach(dst_top, max_dst)?;
         }
     }
-    Ok(plan)
+    // SGLang merges pages into runs once (`group_concurrent_contiguous`) and sends one block
+    // per run and layer; merging the per-page blocks of one layer gives the same blocks,
+    // because with a fixed item_len both sides are contiguous exactly when both page
+    // numbers go up by one.
+    for g in groups {
+        for (&sb, &db) in g.src.iter().zip(g.dst) {
+            let mut m = Merger::new(out);
+            for (&ps, &pd) in src_pages.iter().zip(dst_pages) {
+                m.add(sb + ps * g.item_len, db + pd * g.item_len, g.item_len);
+            }
+            m.finish();
+        }
+    }
+    Ok(())
 }
 
 /// Which heads of the model each pool holds, for plans between different TP degrees.
@@ -397,45 +462,33 @@ pub fn plan_into(
     for &c in src.components() {
         let (ss, ds) = (src.strides(c), dst.strides(c));
         let (sb, db) = (src.base(c) + h_src * ss.head, dst.base(c) + h_dst * ds.head);
-        // A new buffer: never merge into the previous buffer's last run.
-        let first = out.len();
-        let mut emit = |s: u64, d: u64, len: u64| {
-            if out.len() == first {
-                out.push(Transfer {
-                    src: s,
-                    dst: d,
-                    len,
-                });
-            } else {
-                out.push_coalesced(Transfer {
-                    src: s,
-                    dst: d,
-                    len,
-                });
-            }
-        };
+        // One merger per buffer: never merge K into V.
+        let mut m = Merger::new(out);
+        let mut emit = |s: u64, d: u64, len: u64| m.add(s, d, len);
         // Every address below lies inside a buffer whose end was checked by `Pool::new`.
         if layer_major {
-            let axes = src.axes(c, 1, heads, &ss, &ds);
+            let w = Walk::new(src.axes(c, 1, heads, &ss, &ds), ss.row);
             for l in 0..gs.layers() {
                 for (&ps, &pd) in src_pages.iter().zip(dst_pages) {
                     let s0 = sb + ps * ss.page + l * ss.layer;
                     let d0 = db + pd * ds.page + l * ds.layer;
-                    walk(s0, d0, axes, ss.row, &mut emit);
+                    w.run(s0, d0, &mut emit);
                 }
             }
         } else {
-            let axes = src.axes(c, gs.layers(), heads, &ss, &ds);
-            for (&ps, &pd) in src_pages.iter().zip(dst_pages) {
-                walk(
-                    sb + ps * ss.page,
-                    db + pd * ds.page,
-                    axes,
-                    ss.row,
-                    &mut emit,
-                );
+            let w = Walk::new(src.axes(c, gs.layers(), heads, &ss, &ds), ss.row);
+            if w.is_single() {
+                // Same byte order on both sides: one block per page (the common case).
+                for (&ps, &pd) in src_pages.iter().zip(dst_pages) {
+                    emit(sb + ps * ss.page, db + pd * ds.page, w.len());
+                }
+            } else {
+                for (&ps, &pd) in src_pages.iter().zip(dst_pages) {
+                    w.run(sb + ps * ss.page, db + pd * ds.page, &mut emit);
+                }
             }
         }
+        m.finish();
     }
     Ok(())
 }

@@ -325,7 +325,8 @@ impl Pool {
                 capacity: cap,
             });
         }
-        if strict {
+        // A branch-free pass first (it vectorises); the slow pass only finds the culprit.
+        if strict && mismatch(chunk, t0) {
             for (offset, (&found, expected)) in chunk.iter().zip(t0..).enumerate() {
                 if found != expected {
                     return Err(LayoutError::NonConsecutive {
@@ -474,9 +475,26 @@ impl Pool {
     /// # Errors
     /// [`LayoutError::PageOutOfRange`].
     pub fn page_meta_for_pages(&self, pages: &[u64]) -> Result<Segments> {
-        let mut out = Segments::with_capacity(pages.len() * self.entries_per_page());
-        self.for_each_page_segment(pages, |_, s| out.push(s))?;
+        let mut out = Segments::default();
+        self.page_meta_for_pages_into(pages, &mut out)?;
         Ok(out)
+    }
+
+    /// [`Pool::page_meta_for_pages`] into a caller's lists (cleared first; their capacity
+    /// is reused, so a warm call allocates nothing).
+    ///
+    /// # Errors
+    /// [`LayoutError::PageOutOfRange`]; `out` is left empty on error.
+    pub fn page_meta_for_pages_into(&self, pages: &[u64], out: &mut Segments) -> Result<()> {
+        out.clear();
+        let n = pages.len().saturating_mul(self.entries_per_page());
+        out.ptrs.reserve(n);
+        out.lens.reserve(n);
+        let r = self.for_each_page_segment(pages, |_, s| out.push(s));
+        if r.is_err() {
+            out.clear();
+        }
+        r.map(|_| ())
     }
 
     /// Entries per page of [`Pool::page_meta`].
@@ -638,8 +656,8 @@ impl Pool {
             for &c in self.components() {
                 let s = self.strides(c);
                 let start = self.base(c) + page * s.page + layer * s.layer;
-                let axes = self.axes(c, 1, g.component_heads(c), &s, &s);
-                walk(start, start, axes, s.row, &mut |addr, _, len| {
+                let w = Walk::new(self.axes(c, 1, g.component_heads(c), &s, &s), s.row);
+                w.run(start, start, &mut |addr, _, len| {
                     f(c, Segment { addr, len });
                 });
             }
@@ -700,7 +718,19 @@ impl Pool {
     }
 }
 
-/// One loop of [`walk`]: `count` steps of `src` bytes on one side and `dst` on the other.
+/// Whether `chunk` differs anywhere from `t0, t0+1, ...` (no early exit, so it vectorises).
+#[inline]
+fn mismatch(chunk: &[u64], t0: u64) -> bool {
+    let mut diff = 0u64;
+    let mut want = t0;
+    for &x in chunk {
+        diff |= x ^ want;
+        want = want.wrapping_add(1);
+    }
+    diff != 0
+}
+
+/// One loop of a [`Walk`]: `count` steps of `src` bytes on one side and `dst` on the other.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct WalkAxis {
     pub(crate) count: u64,
@@ -708,45 +738,76 @@ pub(crate) struct WalkAxis {
     pub(crate) dst: u64,
 }
 
-/// Visit the blocks of a 3-deep loop nest of `unit`-byte rows (outermost axis first),
-/// folding inner axes into the block whenever they are contiguous on both sides.
-/// `f(src, dst, len)`.
-#[inline]
-pub(crate) fn walk(
-    src: u64,
-    dst: u64,
+/// A 3-deep loop nest of `unit`-byte rows (outermost axis first) with the inner axes that
+/// are contiguous on both sides folded into one block. Built once, run per page.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Walk {
+    /// The loops left after folding; folded ones become single steps.
     axes: [WalkAxis; 3],
-    unit: u64,
-    f: &mut impl FnMut(u64, u64, u64),
-) {
-    if axes.iter().any(|a| a.count == 0) {
-        return;
-    }
-    let mut len = unit;
-    let mut outer = 3;
-    while outer > 0 {
-        let a = axes[outer - 1];
-        if a.count == 1 || (a.src == len && a.dst == len) {
-            len *= a.count;
-            outer -= 1;
+    /// Bytes per block.
+    len: u64,
+    /// Whether the whole nest folded into one block.
+    single: bool,
+}
+
+impl Walk {
+    pub(crate) fn new(axes: [WalkAxis; 3], unit: u64) -> Self {
+        let mut len = unit;
+        let mut outer = 3;
+        if axes.iter().any(|a| a.count == 0) {
+            len = 0;
         } else {
-            break;
+            while outer > 0 {
+                let a = axes[outer - 1];
+                if a.count == 1 || (a.src == len && a.dst == len) {
+                    len *= a.count;
+                    outer -= 1;
+                } else {
+                    break;
+                }
+            }
+        }
+        let one = WalkAxis {
+            count: 1,
+            src: 0,
+            dst: 0,
+        };
+        let ax = |i: usize| if i < outer { axes[i] } else { one };
+        Self {
+            axes: [ax(0), ax(1), ax(2)],
+            len,
+            single: outer == 0,
         }
     }
-    // Unused outer axes become single-step loops.
-    let one = WalkAxis {
-        count: 1,
-        src: 0,
-        dst: 0,
-    };
-    let ax = |i: usize| if i < outer { axes[i] } else { one };
-    let (a0, a1, a2) = (ax(0), ax(1), ax(2));
-    for i in 0..a0.count {
-        let (s0, d0) = (src + i * a0.src, dst + i * a0.dst);
-        for j in 0..a1.count {
-            let (s1, d1) = (s0 + j * a1.src, d0 + j * a1.dst);
-            for k in 0..a2.count {
-                f(s1 + k * a2.src, d1 + k * a2.dst, len);
+
+    /// Bytes per block.
+    pub(crate) const fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Whether each run is one block of [`Walk::len`] bytes.
+    pub(crate) const fn is_single(&self) -> bool {
+        self.single
+    }
+
+    /// `f(src, dst, len)` for each block, in loop order.
+    #[inline(always)]
+    pub(crate) fn run(&self, src: u64, dst: u64, f: &mut impl FnMut(u64, u64, u64)) {
+        if self.len == 0 {
+            return;
+        }
+        if self.single {
+            f(src, dst, self.len);
+            return;
+        }
+        let [a0, a1, a2] = self.axes;
+        for i in 0..a0.count {
+            let (s0, d0) = (src + i * a0.src, dst + i * a0.dst);
+            for j in 0..a1.count {
+                let (s1, d1) = (s0 + j * a1.src, d0 + j * a1.dst);
+                for k in 0..a2.count {
+                    f(s1 + k * a2.src, d1 + k * a2.dst, self.len);
+                }
             }
         }
     }

@@ -9,7 +9,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use pagewire_layout::{
     Checks, Component, HeadShards, Layout, LayoutError, PdBuffers, Pool, PoolGeometry, PoolKind,
-    Segment, coalesce, pd_connector_plan, plan, plan_with_heads,
+    Segment, coalesce, page_runs, pd_connector_plan, plan, plan_with_heads,
 };
 use proptest::prelude::*;
 
@@ -491,4 +491,40 @@ fn check_plan(
         );
     }
     Ok(())
+}
+
+proptest! {
+    /// The PD connector plan is SGLang's loop, literally: runs from
+    /// `group_concurrent_contiguous`, then for each group, layer and run one block.
+    #[test]
+    fn pd_plan_is_sglangs_loop(
+        pairs in prop::collection::vec((0..12u64, 0..12u64), 0..24),
+        layers in 1..4usize,
+        k_item in 1..100u64,
+        v_item in 1..100u64,
+        with_v in any::<bool>(),
+    ) {
+        let (src_pages, dst_pages): (Vec<u64>, Vec<u64>) = pairs.into_iter().unzip();
+        let bases = |b: u64| -> Vec<u64> { (0..layers as u64).map(|l| b + l * 0x10000).collect() };
+        let (sk, dk, sv, dv) = (bases(0x100000), bases(0x800000), bases(0x200000), bases(0x900000));
+        let mut groups = vec![PdBuffers { src: &sk, dst: &dk, item_len: k_item }];
+        if with_v {
+            groups.push(PdBuffers { src: &sv, dst: &dv, item_len: v_item });
+        }
+        let runs = page_runs(&src_pages, &dst_pages).unwrap();
+        let mut want = Vec::new();
+        for g in &groups {
+            for l in 0..layers {
+                for r in &runs {
+                    want.push((g.src[l] + r.src * g.item_len, g.dst[l] + r.dst * g.item_len, g.item_len * r.count));
+                }
+            }
+        }
+        let got: Vec<_> = pd_connector_plan(&groups, &src_pages, &dst_pages)
+            .unwrap()
+            .iter()
+            .map(|t| (t.src, t.dst, t.len))
+            .collect();
+        prop_assert_eq!(got, want);
+    }
 }
