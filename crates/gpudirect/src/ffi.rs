@@ -263,8 +263,8 @@ pub(crate) fn host_alloc(ordinal: u32, len: usize) -> Result<*mut u8> {
     Ok(p.cast())
 }
 
-pub(crate) fn host_free(ptr: *mut u8) -> Result<()> {
-    loaded()?;
+pub(crate) fn host_free(ordinal: u32, ptr: *mut u8) -> Result<()> {
+    set_current(ordinal)?;
     // SAFETY: `ptr` came from `host_alloc` and is freed once by its owner.
     check("cuMemFreeHost", unsafe { sys::cuMemFreeHost(ptr.cast()) })
 }
@@ -411,7 +411,7 @@ impl Event {
     }
 
     pub(crate) fn query(&self) -> Result<EventState> {
-        loaded()?;
+        set_current(self.ordinal)?;
         // SAFETY: the event is live.
         let r = unsafe { sys::cuEventQuery(self.raw()) };
         if r == sys::CUresult::CUDA_ERROR_NOT_READY {
@@ -423,7 +423,7 @@ impl Event {
 
 impl Drop for Event {
     fn drop(&mut self) {
-        if loaded().is_ok() {
+        if set_current(self.ordinal).is_ok() {
             // SAFETY: the event is live and destroyed once.
             let _ = unsafe { sys::cuEventDestroy_v2(self.raw()) };
         }

@@ -61,7 +61,7 @@ fn host_alloc_zeroed(len: usize) -> Result<(NonNull<u8>, Layout)> {
 enum PinnedOwner {
     Host(Layout),
     #[cfg(feature = "cuda")]
-    Cuda,
+    Cuda(u32),
 }
 
 /// Page-locked host memory (or its host stand-in): the staging ring lives here.
@@ -105,7 +105,7 @@ impl PinnedBuffer {
         Ok(Self {
             ptr,
             len,
-            owner: PinnedOwner::Cuda,
+            owner: PinnedOwner::Cuda(ordinal),
         })
     }
 
@@ -131,8 +131,8 @@ impl Drop for PinnedBuffer {
             // SAFETY: allocated in `host` with exactly this layout, freed once.
             PinnedOwner::Host(layout) => unsafe { std::alloc::dealloc(self.ptr.as_ptr(), layout) },
             #[cfg(feature = "cuda")]
-            PinnedOwner::Cuda => {
-                let _ = crate::ffi::host_free(self.ptr.as_ptr());
+            PinnedOwner::Cuda(ordinal) => {
+                let _ = crate::ffi::host_free(ordinal, self.ptr.as_ptr());
             }
         }
     }
