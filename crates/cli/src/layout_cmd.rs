@@ -191,6 +191,9 @@ pub fn run(cmd: LayoutCommand) -> Result<()> {
     Ok(())
 }
 
+/// The most entries `meta` prints (2^26, about 1 GiB of JSON).
+const MAX_ENTRIES: u64 = 1 << 26;
+
 #[derive(Serialize)]
 struct MetaJson<'a> {
     ptrs: &'a [u64],
@@ -233,6 +236,23 @@ fn meta(a: &MetaArgs) -> Result<String> {
         > 1
     {
         bail!("--split-heads, --coalesce and --layer exclude each other");
+    }
+
+    // Refuse before generating an output nobody can read (absurd layer or head counts).
+    let g = pool.geometry();
+    let comps = pool.components().len() as u64;
+    let per_page = match (split, layer) {
+        (Some(f), _) => f.saturating_mul(comps),
+        // At most one run per token and head of the layer (page_head).
+        (_, Some(_)) => g
+            .page_size()
+            .saturating_mul(g.heads())
+            .saturating_mul(comps),
+        _ => pool.entries_per_page() as u64,
+    };
+    let bound = (indices.len() as u64 / g.page_size()).saturating_mul(per_page);
+    if bound > MAX_ENTRIES {
+        bail!("the request could produce {bound} entries (limit {MAX_ENTRIES})");
     }
 
     // Each entry with its buffer, for the table.

@@ -295,6 +295,11 @@ fn errors_are_one_line_and_name_the_problem() {
         &["overflow", "K buffer"],
     );
     fails(
+        "layout meta --pool mha --layout layer_first --layers 1000000000000 --page-size 1 \
+         --capacity 1 --heads 1 --head-dim 1 --dtype-bytes 1 --base 0 --indices 0 --json",
+        &["2000000000000 entries", "limit"],
+    );
+    fails(
         "layout pd-plan --src-k 0x100000,0x110000 --dst-k 0x800000 --k-item-len 48 \
          --src-pages 2 --dst-pages 10 --json",
         &["per-layer base lists", "2 vs 1"],

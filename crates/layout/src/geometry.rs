@@ -170,6 +170,8 @@ pub struct PoolGeometry {
     v_head_dim: u64,
     dtype_bytes: u64,
     capacity: u64,
+    /// `capacity / page_size`, kept to avoid a division per page.
+    pages: u64,
     /// Bytes of one token of one layer: K (or latent), then V (0 for MLA).
     row: [u64; 2],
     /// Bytes of one whole buffer (`L*S*row`): K (or latent), then V.
@@ -233,7 +235,7 @@ impl PoolGeometry {
     }
     /// `N = S / P`, the number of pages.
     pub const fn pages(&self) -> u64 {
-        self.capacity / self.page_size
+        self.pages
     }
 
     /// Heads of one buffer: `H` for K and V, 1 for the latent buffer.
@@ -429,6 +431,7 @@ impl GeometryBuilder {
             v_head_dim,
             dtype_bytes,
             capacity,
+            pages: capacity / page_size,
             row: [k_row, v_row],
             buffer: [k_buf, v_buf],
         })

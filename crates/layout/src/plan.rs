@@ -427,16 +427,10 @@ pub fn plan_into(
             right: dst_pages.len(),
         });
     }
-    for (&p, pool) in src_pages
-        .iter()
-        .map(|p| (p, src))
-        .chain(dst_pages.iter().map(|p| (p, dst)))
-    {
-        if p >= pool.geometry().pages() {
-            return Err(LayoutError::PageOutOfRange {
-                page: p,
-                pages: pool.geometry().pages(),
-            });
+    for (pages, pool) in [(src_pages, src), (dst_pages, dst)] {
+        let n = pool.geometry().pages();
+        if let Some(&page) = pages.iter().find(|&&p| p >= n) {
+            return Err(LayoutError::PageOutOfRange { page, pages: n });
         }
     }
     // The heads both pools hold, as local head indices on each side.

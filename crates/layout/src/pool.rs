@@ -458,11 +458,8 @@ impl Pool {
     /// As [`Pool::for_each_segment`]; `out` is left empty on error.
     pub fn page_meta_into(&self, indices: &[u64], out: &mut Segments) -> Result<()> {
         out.clear();
-        let per_page = self.entries_per_page();
-        out.ptrs
-            .reserve(indices.len() / self.geometry.page_size() as usize * per_page);
-        out.lens
-            .reserve(indices.len() / self.geometry.page_size() as usize * per_page);
+        let pages = indices.len() / self.geometry.page_size() as usize;
+        out.reserve(pages.saturating_mul(self.entries_per_page()));
         let r = self.for_each_segment(indices, |_, s| out.push(s));
         if r.is_err() {
             out.clear();
@@ -487,9 +484,7 @@ impl Pool {
     /// [`LayoutError::PageOutOfRange`]; `out` is left empty on error.
     pub fn page_meta_for_pages_into(&self, pages: &[u64], out: &mut Segments) -> Result<()> {
         out.clear();
-        let n = pages.len().saturating_mul(self.entries_per_page());
-        out.ptrs.reserve(n);
-        out.lens.reserve(n);
+        out.reserve(pages.len().saturating_mul(self.entries_per_page()));
         let r = self.for_each_page_segment(pages, |_, s| out.push(s));
         if r.is_err() {
             out.clear();
@@ -498,10 +493,12 @@ impl Pool {
     }
 
     /// Entries per page of [`Pool::page_meta`].
+    /// (Saturates at `usize::MAX` for absurd layer counts.)
     pub fn entries_per_page(&self) -> usize {
         let comps = self.components().len();
         match self.layout {
-            Layout::LayerFirst => comps * self.geometry.layers() as usize,
+            Layout::LayerFirst => usize::try_from(self.geometry.layers())
+                .map_or(usize::MAX, |l| comps.saturating_mul(l)),
             _ => comps,
         }
     }

@@ -36,6 +36,14 @@ impl Segments {
         }
     }
 
+    /// Make room for `n` more entries, but never reserve more than 2^20 at once up front:
+    /// an absurd request should fail as it grows, not abort in `reserve`.
+    pub fn reserve(&mut self, n: usize) {
+        let n = n.min(1 << 20);
+        self.ptrs.reserve(n);
+        self.lens.reserve(n);
+    }
+
     /// Append one entry.
     #[inline]
     pub fn push(&mut self, s: Segment) {
