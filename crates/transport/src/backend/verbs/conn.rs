@@ -10,11 +10,12 @@ use sideway::ibverbs::completion::BasicCompletionQueue;
 use sideway::ibverbs::queue_pair::QueuePairState;
 
 use super::plan::{
-    Dir, Group, InFlight, PlanOp, PlannedWr, WrKind, decode_wr_id, encode_wr_id, is_signaled,
-    plan_wrs, stripe,
+    Dir, Group, InFlight, PlanOp, PlannedWr, SEQ_MASK, WrKind, decode_wr_id, encode_wr_id,
+    is_signaled, plan_wrs, stripe,
 };
 use super::qp::{RcQp, WC_RECV_RDMA_WITH_IMM, WC_SUCCESS, Wc, WrSpec, poll_cq, wc_status_name};
 use crate::backend::{BatchState, NotifySink};
+use crate::engine::PeerId;
 use crate::error::Error;
 
 /// Where a batch's progress goes (the engine core's [`BatchState`]; a plain recorder in
@@ -99,7 +100,18 @@ struct QpSlot {
     track: Mutex<InFlight<Arc<BatchCtl>>>,
     qpn: u32,
     recv_seq: AtomicU64,
+    /// RECVs consumed but not yet reposted (reposting waits if a poster holds the QP).
+    recv_owed: AtomicU64,
+    /// Last time this QP's send queue made progress (a post returned, a CQE retired WRs).
+    last_progress: Mutex<Instant>,
 }
+
+/// A QP with WRs outstanding and no progress for this long counts as a dead peer.
+/// Hardware reports a dead peer itself (RETRY_EXC_ERR after `(retry_cnt + 1) x 4.096 us x
+/// 2^timeout` = 8 x 67 ms with our attributes); rxe on kernel 6.1 never completes WRs to
+/// a destroyed QP, so without this watchdog the connection would only time out batch by
+/// batch.
+pub(crate) const STALL_TIMEOUT: Duration = Duration::from_secs(5);
 
 pub(crate) struct VerbsConn {
     qps: Vec<QpSlot>,
@@ -109,6 +121,7 @@ pub(crate) struct VerbsConn {
     broken: AtomicBool,
     reason: Mutex<Option<Error>>,
     notify: Option<Arc<dyn TagSink>>,
+    peer: PeerId,
     deferred: Mutex<VecDeque<(Arc<BatchCtl>, PlannedWr)>>,
     /// Batches failed by a broken connection while WRs of theirs may still sit in a send
     /// queue: kept (with the regions they pin) until the QPs are destroyed with `self`.
@@ -143,6 +156,7 @@ impl VerbsConn {
         recv_cq: Arc<BasicCompletionQueue>,
         cfg: ConnCfg,
         notify: Option<Arc<dyn TagSink>>,
+        peer: PeerId,
         label: String,
     ) -> Self {
         let qps = qps
@@ -154,6 +168,8 @@ impl VerbsConn {
                     track: Mutex::new(InFlight::new(window)),
                     qp: Mutex::new(q),
                     recv_seq: AtomicU64::new(u64::from(cfg.recv_depth)),
+                    recv_owed: AtomicU64::new(0),
+                    last_progress: Mutex::new(Instant::now()),
                 }
             })
             .collect();
@@ -165,6 +181,7 @@ impl VerbsConn {
             broken: AtomicBool::new(false),
             reason: Mutex::new(None),
             notify,
+            peer,
             deferred: Mutex::new(VecDeque::new()),
             graveyard: Mutex::new(Vec::new()),
             wake: Condvar::new(),
@@ -291,7 +308,7 @@ impl VerbsConn {
                 bytes += w.len();
                 if is_signaled(k, n, self.cfg.signal_every as usize) {
                     t.push(Group {
-                        last_seq: first + k as u64,
+                        last_seq: (first + k as u64) & SEQ_MASK,
                         wrs,
                         bytes,
                         owner: Arc::clone(ctl),
@@ -306,7 +323,7 @@ impl VerbsConn {
             .iter()
             .enumerate()
             .map(|(k, w)| WrSpec {
-                wr_id: encode_wr_id(WrKind::Data, i, first + k as u64),
+                wr_id: encode_wr_id(WrKind::Data, i, (first + k as u64) & SEQ_MASK),
                 signaled: is_signaled(k, n, self.cfg.signal_every as usize),
                 dir: w.dir,
                 remote: w.remote,
@@ -319,6 +336,7 @@ impl VerbsConn {
         // registration, and the core keeps that region registered (deregistration of a
         // region with in-flight batches is refused) until the batch is finished.
         unsafe { qp.post_chain(&specs) }?;
+        *lock(&slot.last_progress) = Instant::now();
         Ok(n)
     }
 
@@ -400,6 +418,7 @@ impl VerbsConn {
                 ctl.fail(e);
                 return;
             }
+            *lock(&slot.last_progress) = Instant::now();
         }
     }
 
@@ -457,6 +476,9 @@ impl VerbsConn {
         for wc in scratch.iter() {
             self.on_recv_wc(wc);
         }
+        if !self.is_broken() {
+            self.replenish_recvs();
+        }
         if retired {
             self.post_deferred();
             self.wake.notify_all();
@@ -484,6 +506,9 @@ impl VerbsConn {
             return true;
         }
         let groups = lock(&self.qps[qi].track).retire_through(seq);
+        if !groups.is_empty() {
+            *lock(&self.qps[qi].last_progress) = Instant::now();
+        }
         for g in &groups {
             if !g.owner.done.load(Ordering::Acquire) {
                 g.owner.sink.progress(g.wrs as usize, g.bytes);
@@ -518,15 +543,34 @@ impl VerbsConn {
             tracing::trace!(conn = %self.label, tag, bytes = wc.byte_len, "notification");
             n.notify(tag, wc.byte_len);
         }
-        let slot = &self.qps[qi];
-        let id = recv_wr_id(qi, slot.recv_seq.fetch_add(1, Ordering::Relaxed));
-        if let Err(e) = lock(&slot.qp).post_recvs(std::iter::once(id)) {
-            self.break_conn(e);
+        self.qps[qi].recv_owed.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// Reposts consumed RECVs on QPs whose post lock is free. A poster may hold a QP for
+    /// the whole transfer (rxe posts synchronously), and the completion thread must not
+    /// stall behind it; the owed RECVs go in on a later round.
+    fn replenish_recvs(&self) {
+        for (qi, slot) in self.qps.iter().enumerate() {
+            if slot.recv_owed.load(Ordering::Acquire) == 0 {
+                continue;
+            }
+            let Ok(mut qp) = slot.qp.try_lock() else {
+                continue;
+            };
+            let n = slot.recv_owed.swap(0, Ordering::AcqRel);
+            let first = slot.recv_seq.fetch_add(n, Ordering::Relaxed);
+            if let Err(e) = qp.post_recvs((first..first + n).map(|s| recv_wr_id(qi, s))) {
+                drop(qp);
+                self.break_conn(e);
+                return;
+            }
         }
     }
 
     /// Queries each QP's real state (the cached one misses async errors); a QP in ERR breaks
-    /// the connection. QPs busy posting are skipped this round.
+    /// the connection, and so does a QP whose outstanding WRs made no progress for
+    /// [`STALL_TIMEOUT`]. QPs busy posting are skipped this round (a post in progress is
+    /// progress: rxe moves the data inside the post call).
     pub fn health_check(&self) {
         if self.is_broken() {
             return;
@@ -535,9 +579,22 @@ impl VerbsConn {
             let Ok(qp) = slot.qp.try_lock() else { continue };
             if qp.query_state() == Some(QueuePairState::Error) {
                 drop(qp);
-                self.break_conn(Error::Verbs {
-                    call: "ibv_query_qp",
+                self.break_conn(Error::PeerGone {
+                    peer: self.peer,
                     reason: format!("QP {:#x} is in ERR state", slot.qpn),
+                });
+                return;
+            }
+            let outstanding = lock(&slot.track).outstanding();
+            let idle = lock(&slot.last_progress).elapsed();
+            if outstanding > 0 && idle > STALL_TIMEOUT {
+                drop(qp);
+                self.break_conn(Error::PeerGone {
+                    peer: self.peer,
+                    reason: format!(
+                        "no completion on QP {:#x} for {idle:.1?} with {outstanding} WRs outstanding",
+                        slot.qpn
+                    ),
                 });
                 return;
             }

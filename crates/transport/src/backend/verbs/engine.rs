@@ -15,6 +15,7 @@ use super::conn::{ConnCfg, TagSink, VerbsConn, recv_wr_id};
 use super::device::{OpenDevice, open, verbs_err};
 use super::plan::MAX_QPS;
 use super::qp::{LocalPath, RcQp, RemoteQp, Wc};
+use crate::engine::PeerId;
 use crate::error::Error;
 
 /// What the engine asks of the verbs backend.
@@ -314,7 +315,7 @@ impl PendingVerbs {
         mut self,
         remote: &VerbsEndpoint,
         notify: Option<Arc<dyn TagSink>>,
-        label: String,
+        peer: PeerId,
     ) -> Result<Arc<VerbsConn>, Error> {
         let n = self.qps.len().min(remote.qps.len());
         if n == 0 {
@@ -365,7 +366,8 @@ impl PendingVerbs {
             self.recv_cq,
             cfg,
             notify,
-            format!("{}#{seq} {label}", e.dev.name),
+            peer,
+            format!("{}#{seq} {peer}", e.dev.name),
         ));
         e.adopt(&conn);
         Ok(conn)

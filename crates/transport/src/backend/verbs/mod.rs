@@ -162,7 +162,7 @@ impl PendingConn for Pending {
         };
         let peer = ctx.peer;
         let sink: Arc<dyn TagSink> = Arc::new(ctx.notify);
-        let conn = self.0.complete(&ep, Some(sink), peer.to_string())?;
+        let conn = self.0.complete(&ep, Some(sink), peer)?;
         Ok(Arc::new(VerbsPeerConn { conn, peer }))
     }
 }

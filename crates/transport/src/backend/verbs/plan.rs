@@ -208,7 +208,6 @@ impl<T> InFlight<T> {
         self.cap - self.outstanding
     }
 
-    #[cfg(test)]
     pub fn outstanding(&self) -> u32 {
         self.outstanding
     }

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use super::conn::{BatchSink, TagSink, VerbsConn};
 use super::engine::{VerbsEngine, VerbsMr, VerbsOptions};
 use super::plan::{Dir, PlanOp};
+use crate::engine::PeerId;
 use crate::error::Error;
 
 fn device(test: &str) -> Option<String> {
@@ -100,9 +101,9 @@ fn connect(a: Arc<VerbsEngine>, b: Arc<VerbsEngine>) -> Pair {
     let (pa, ea) = a.prepare().expect("prepare a");
     let (pb, eb) = b.prepare().expect("prepare b");
     let tags_b = Arc::new(Tags::default());
-    let ab = pa.complete(&eb, None, "a->b".into()).expect("complete a");
+    let ab = pa.complete(&eb, None, PeerId(1)).expect("complete a");
     let ba = pb
-        .complete(&ea, Some(tags_b.clone() as Arc<dyn TagSink>), "b->a".into())
+        .complete(&ea, Some(tags_b.clone() as Arc<dyn TagSink>), PeerId(2))
         .expect("complete b");
     Pair {
         a,
@@ -176,7 +177,10 @@ fn rxe_striped_write_scattered_pages_with_notification() {
     // contiguous remote range). Its receive-side byte_len must be the list's full length,
     // which rxe v44 gets wrong for unequal lists (hazard 2).
     let last = *p.tags_b.1.lock().unwrap().last().unwrap() as usize;
-    assert!(last > PAGE && last.is_multiple_of(PAGE), "imm write byte_len {last}");
+    assert!(
+        last > PAGE && last.is_multiple_of(PAGE),
+        "imm write byte_len {last}"
+    );
     for i in 0..PAGES {
         assert!(
             dst[i * PAGE..(i + 1) * PAGE] == src[2 * i * PAGE..(2 * i + 1) * PAGE],
@@ -307,4 +311,53 @@ fn rxe_bad_rkey_fails_promptly_then_reconnect() {
     sink.wait(Duration::from_secs(30)).expect("after reconnect");
     assert!(dst == src);
     drop((ms, md));
+}
+
+#[test]
+fn rxe_peer_destroyed_qps_fail_the_batch() {
+    let Some(dev) = device("rxe_peer_destroyed_qps_fail_the_batch") else {
+        return;
+    };
+    let p = pair(&dev, 2);
+    let n = 1 << 20;
+    let mut src = pattern(n, 1);
+    let mut dst = vec![0u8; n];
+    let ms = reg(&p.a, &mut src);
+    let md = reg(&p.b, &mut dst);
+    let op = PlanOp {
+        dir: Dir::Write,
+        local: src.as_ptr() as u64,
+        lkey: ms.lkey(),
+        remote: dst.as_ptr() as u64,
+        rkey: md.rkey(),
+        len: n as u64,
+    };
+    // The peer goes away: its QPs go to ERR and are destroyed.
+    let Pair { a, b, ab, ba, .. } = p;
+    ba.close(Error::Shutdown);
+    drop(ba);
+    let sink = Arc::new(Sink::default());
+    let t0 = Instant::now();
+    let r = ab.post(
+        sink.clone(),
+        &[op],
+        None,
+        Instant::now() + Duration::from_secs(30),
+    );
+    eprintln!("post -> {r:?} after {:?}", t0.elapsed());
+    let err = sink
+        .wait(Duration::from_secs(30))
+        .expect_err("a dead peer must fail the batch");
+    let dt = t0.elapsed();
+    eprintln!("dead peer -> {err} after {dt:?}");
+    assert!(
+        matches!(err, Error::PeerGone { .. } | Error::Completion { .. }),
+        "{err}"
+    );
+    assert!(
+        dt < super::conn::STALL_TIMEOUT + Duration::from_secs(2),
+        "{dt:?}"
+    );
+    assert!(ab.is_broken());
+    drop((ms, md, a, b));
 }
