@@ -1,0 +1,240 @@
+#!/usr/bin/env bash
+# pagewire vs perftest on the same RDMA device in the same run, and pagewire's TCP
+# backend vs iperf3 on loopback. Prints side-by-side tables (markdown) with the ratio
+# pagewire/perftest per message size: median of N runs, with the min and max.
+#
+#   scripts/rdma-vm.sh run -- scripts/bench-vs-perftest.sh            # RDMA part, in the soft-RoCE VM
+#   scripts/bench-vs-perftest.sh --section tcp                        # TCP part, on the host
+#
+# Options:
+#   --section rdma|tcp|all   what to run (default: rdma if an RDMA device is visible, else tcp)
+#   --runs N                 runs of every test (default 3)
+#   --iters N                iterations per size for the bandwidth sweeps (default 20; rxe
+#                            under TCG moves ~50 MB/s, so -a with 20 iterations is ~10 s)
+#   --lat-iters N            ping-pong iterations for the latency tests (default 1000)
+#   --device DEV             RDMA device (default: $RDMA_DEVICE, else rxe0)
+#   --tcp-size SIZE          message size of pagewire's TCP runs (default 1M)
+#   --tcp-secs S             seconds per TCP run (default 5)
+#   --streams "1 4"          stream counts compared with iperf3 (default "1 4")
+#   --out DIR                raw outputs and tables (default target/bench-vs-perftest, or
+#                            $SOFTROCE_OUT/bench-vs-perftest inside the VM)
+#   --pagewire PATH          the binary (default target/release/pagewire)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+section="" runs=3 iters=20 lat_iters=1000 dev="${RDMA_DEVICE:-rxe0}" tcp_size=1M tcp_secs=5
+streams="1 4" out="" pw="target/release/pagewire"
+while (($#)); do
+    case "$1" in
+        --section) section="$2"; shift 2 ;;
+        --runs) runs="$2"; shift 2 ;;
+        --iters) iters="$2"; shift 2 ;;
+        --lat-iters) lat_iters="$2"; shift 2 ;;
+        --device) dev="$2"; shift 2 ;;
+        --tcp-size) tcp_size="$2"; shift 2 ;;
+        --tcp-secs) tcp_secs="$2"; shift 2 ;;
+        --streams) streams="$2"; shift 2 ;;
+        --out) out="$2"; shift 2 ;;
+        --pagewire) pw="$2"; shift 2 ;;
+        -h|--help) sed -n '2,/^set /p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+        *) echo "bench-vs-perftest: unknown option $1" >&2; exit 2 ;;
+    esac
+done
+if [[ -z "$out" ]]; then
+    if [[ -n "${SOFTROCE_OUT:-}" ]]; then out="$SOFTROCE_OUT/bench-vs-perftest"; else out="target/bench-vs-perftest"; fi
+fi
+mkdir -p "$out/raw"
+[[ -x "$pw" ]] || { echo "bench-vs-perftest: $pw not found; build it: cargo build --release -p pagewire-cli" >&2; exit 1; }
+if [[ -z "$section" ]]; then
+    if [[ -e "/sys/class/infiniband/$dev" ]]; then section=rdma; else section=tcp; fi
+fi
+
+port=19000
+next_port() { port=$((port + 1)); }
+
+# Runs "SERVER CMD" in the background and "CLIENT CMD" in the foreground; the client's
+# stdout goes to $1. perftest's client does not retry, so wait until the server listens.
+pair() {
+    local outfile="$1" server="$2" client="$3"
+    bash -c "$server" >"$outfile.server" 2>&1 &
+    local spid=$!
+    local t=0
+    until grep -q ":$(printf '%04X' "$port") 00000000" /proc/net/tcp /proc/net/tcp6 2>/dev/null || ((t >= 100)); do
+        sleep 0.1; t=$((t + 1))
+    done
+    bash -c "$client" >"$outfile" 2>"$outfile.err"
+    local rc=$?
+    wait "$spid" 2>/dev/null
+    if ((rc != 0)); then
+        echo "  FAILED ($rc): $client" >&2
+        sed 's/^/    /' "$outfile.err" "$outfile.server" | tail -n 12 >&2
+    fi
+    return $rc
+}
+
+machine() {
+    echo "## Machine"
+    echo
+    echo "- date: $(date -u '+%Y-%m-%d %H:%M UTC')"
+    echo "- kernel: $(uname -r)"
+    echo "- CPU: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//') ($(nproc) online)"
+    echo "- pagewire: $("$pw" --version 2>/dev/null), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+    echo
+}
+
+rdma_section() {
+    command -v ib_write_bw >/dev/null || { echo "bench-vs-perftest: perftest is not installed" >&2; return 1; }
+    echo "## RDMA: $dev, perftest vs pagewire (same device, same run)" | tee "$out/rdma.md"
+    local r
+    for ((r = 1; r <= runs; r++)); do
+        echo "run $r/$runs" >&2
+        for t in write read; do
+            next_port
+            pair "$out/raw/perftest_${t}_$r.txt" \
+                "ib_${t}_bw -d $dev -a -n $iters -F -p $port" \
+                "ib_${t}_bw -d $dev -a -n $iters -F -p $port 127.0.0.1"
+            next_port
+            pair "$out/raw/pagewire_${t}_$r.txt" \
+                "$pw bench $t --server -d $dev --transport verbs -a -n $iters -p $port" \
+                "$pw bench $t 127.0.0.1 -d $dev --transport verbs -a -n $iters -p $port"
+        done
+        next_port
+        pair "$out/raw/perftest_lat_$r.txt" \
+            "ib_write_lat -d $dev -n $lat_iters -F -p $port" \
+            "ib_write_lat -d $dev -n $lat_iters -F -p $port 127.0.0.1"
+        next_port
+        pair "$out/raw/pagewire_lat_$r.txt" \
+            "$pw bench lat --server -d $dev --transport verbs -n $lat_iters -p $port" \
+            "$pw bench lat 127.0.0.1 -d $dev --transport verbs -n $lat_iters -p $port"
+    done
+    # Header blocks of the last run, for the record.
+    for f in perftest_write pagewire_write; do
+        { echo; echo "### $f header (run $runs)"; echo; echo '```'; sed -n '1,/#bytes/p' "$out/raw/${f}_$runs.txt"; echo '```'; } >>"$out/rdma.md"
+    done
+    python3 - "$out/raw" "$runs" rdma >>"$out/rdma.md" <<'PY'
+import re, statistics, sys, os
+raw, runs, what = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+row = re.compile(r"^\s*(\d+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)(.*)$")
+
+def table(path):
+    """size -> list of numbers after the iterations column."""
+    out, seen = {}, False
+    try:
+        lines = open(path).read().splitlines()
+    except OSError:
+        return out
+    for l in lines:
+        if "#bytes" in l:
+            seen = True
+            continue
+        m = row.match(l) if seen else None
+        if m:
+            nums = [float(x) for x in l.split()[2:]]
+            out[int(m.group(1))] = nums
+    return out
+
+def runs_of(tool, test):
+    return [table(os.path.join(raw, f"{tool}_{test}_{r}.txt")) for r in range(1, runs + 1)]
+
+def mmm(xs):
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        return None
+    return (min(xs), statistics.median(xs), max(xs))
+
+def fmt(t, d=2):
+    if t is None:
+        return "n/a"
+    lo, med, hi = t
+    return f"{med:.{d}f} [{lo:.{d}f}, {hi:.{d}f}]"
+
+for test, title in (("write", "RDMA WRITE bandwidth, `-a`"), ("read", "RDMA READ bandwidth, `-a`")):
+    pf, pw = runs_of("perftest", test), runs_of("pagewire", test)
+    sizes = sorted(set().union(*[set(t) for t in pf + pw]))
+    print(f"\n### {title} ({runs} runs; median [min, max]; ratio = pagewire/perftest per run)\n")
+    print("| bytes | perftest BW avg MiB/s | pagewire BW avg MiB/s | ratio BW | perftest Mpps | pagewire Mpps | ratio Mpps |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for s in sizes:
+        def col(runs_, i):
+            return [t[s][i] if s in t and len(t[s]) > i else None for t in runs_]
+        a_bw, b_bw = col(pf, 1), col(pw, 1)
+        a_mr, b_mr = col(pf, 2), col(pw, 2)
+        r_bw = [b / a if a and b is not None else None for a, b in zip(a_bw, b_bw)]
+        r_mr = [b / a if a and b is not None else None for a, b in zip(a_mr, b_mr)]
+        print(f"| {s} | {fmt(mmm(a_bw))} | {fmt(mmm(b_bw))} | {fmt(mmm(r_bw))} | {fmt(mmm(a_mr), 6)} | {fmt(mmm(b_mr), 6)} | {fmt(mmm(r_mr))} |")
+
+pf, pw = runs_of("perftest", "lat"), runs_of("pagewire", "lat")
+print(f"\n### RDMA WRITE latency, 2 bytes ({runs} runs; median [min, max]; usec)\n")
+print("| column | perftest | pagewire | ratio pagewire/perftest |")
+print("|---|---:|---:|---:|")
+names = ["t_min", "t_max", "t_typical", "t_avg", "t_stdev", "99%", "99.9%"]
+for i, n in enumerate(names):
+    a = [t[2][i] if 2 in t and len(t[2]) > i else None for t in pf]
+    b = [t[2][i] if 2 in t and len(t[2]) > i else None for t in pw]
+    r = [y / x if x and y is not None else None for x, y in zip(a, b)]
+    print(f"| {n} | {fmt(mmm(a))} | {fmt(mmm(b))} | {fmt(mmm(r))} |")
+PY
+    cat "$out/rdma.md"
+}
+
+tcp_section() {
+    command -v iperf3 >/dev/null || { echo "bench-vs-perftest: iperf3 is not installed" >&2; return 1; }
+    local r s
+    for ((r = 1; r <= runs; r++)); do
+        echo "tcp run $r/$runs" >&2
+        for s in $streams; do
+            next_port
+            pair "$out/raw/iperf3_P${s}_$r.json" \
+                "iperf3 -s -1 -p $port" \
+                "iperf3 -c 127.0.0.1 -p $port -P $s -t $tcp_secs -J"
+            next_port
+            pair "$out/raw/pagewire_tcp_q${s}_$r.json" \
+                "$pw bench write --server --transport tcp -q $s -s $tcp_size -D $tcp_secs -p $port --json" \
+                "$pw bench write 127.0.0.1 --transport tcp -q $s -s $tcp_size -D $tcp_secs -p $port --json"
+        done
+    done
+    {
+        echo "## TCP on loopback: pagewire --transport tcp vs iperf3 (same stream count)"
+        python3 - "$out/raw" "$runs" "$streams" "$tcp_size" "$tcp_secs" <<'PY'
+import json, statistics, sys, os
+raw, runs, streams, size, secs = sys.argv[1], int(sys.argv[2]), sys.argv[3].split(), sys.argv[4], sys.argv[5]
+def iperf(p):
+    try:
+        j = json.load(open(p))
+        return j["end"]["sum_received"]["bits_per_second"] / 1e9
+    except Exception:
+        return None
+def pw(p):
+    try:
+        lines = [l for l in open(p).read().splitlines() if l.startswith("{")]
+        return json.loads(lines[-1])["bw_avg_gbit_s"]
+    except Exception:
+        return None
+def mmm(xs):
+    xs = [x for x in xs if x is not None]
+    return (min(xs), statistics.median(xs), max(xs)) if xs else None
+def fmt(t):
+    return "n/a" if t is None else f"{t[1]:.2f} [{t[0]:.2f}, {t[2]:.2f}]"
+print(f"\n{runs} runs of {secs} s each; Gb/s = 10^9 bit/s; median [min, max]. pagewire: `bench write --transport tcp -s {size} -D {secs} -q N` (time-window average); iperf3: `-P N -t {secs}`, receiver sum.\n")
+print("| streams | iperf3 Gb/s | pagewire Gb/s | ratio pagewire/iperf3 |")
+print("|---:|---:|---:|---:|")
+for s in streams:
+    a = [iperf(os.path.join(raw, f"iperf3_P{s}_{r}.json")) for r in range(1, runs + 1)]
+    b = [pw(os.path.join(raw, f"pagewire_tcp_q{s}_{r}.json")) for r in range(1, runs + 1)]
+    rr = [y / x if x and y is not None else None for x, y in zip(a, b)]
+    print(f"| {s} | {fmt(mmm(a))} | {fmt(mmm(b))} | {fmt(mmm(rr))} |")
+PY
+    } >"$out/tcp.md"
+    cat "$out/tcp.md"
+}
+
+machine | tee "$out/machine.md"
+rc=0
+case "$section" in
+    rdma) rdma_section || rc=1 ;;
+    tcp) tcp_section || rc=1 ;;
+    all) rdma_section || rc=1; tcp_section || rc=1 ;;
+    *) echo "bench-vs-perftest: --section must be rdma, tcp or all" >&2; exit 2 ;;
+esac
+echo "raw outputs: $out/raw" >&2
+exit $rc
