@@ -134,12 +134,48 @@ impl Extend<Transfer> for TransferPlan {
 
 impl<'a> IntoIterator for &'a TransferPlan {
     type Item = Transfer;
-    type IntoIter = Box<dyn ExactSizeIterator<Item = Transfer> + 'a>;
+    type IntoIter = Transfers<'a>;
 
     fn into_iter(self) -> Self::IntoIter {
-        Box::new(self.iter())
+        Transfers {
+            plan: self,
+            next: 0,
+        }
     }
 }
+
+/// Iterator over the [`Transfer`]s of a [`TransferPlan`] (from `&plan`).
+#[derive(Clone, Debug)]
+pub struct Transfers<'a> {
+    plan: &'a TransferPlan,
+    next: usize,
+}
+
+impl Iterator for Transfers<'_> {
+    type Item = Transfer;
+
+    #[inline]
+    fn next(&mut self) -> Option<Transfer> {
+        let i = self.next;
+        let p = self.plan;
+        if i >= p.lens.len() {
+            return None;
+        }
+        self.next = i + 1;
+        Some(Transfer {
+            src: p.srcs[i],
+            dst: p.dsts[i],
+            len: p.lens[i],
+        })
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        let n = self.plan.lens.len() - self.next;
+        (n, Some(n))
+    }
+}
+
+impl ExactSizeIterator for Transfers<'_> {}
 
 /// Merges a stream of blocks into maximal runs (both sides contiguous) before appending
 /// them to a plan. Dropping it without [`Merger::finish`] loses the pending run.
