@@ -414,6 +414,8 @@ pub fn pick_engine(
     gpu: u32,
     require_gpu: bool,
 ) -> Result<(std::sync::Arc<dyn CopyEngine>, String)> {
+    #[cfg(not(feature = "cuda"))]
+    let _ = gpu; // only a CUDA engine has an ordinal
     match crate::probe::cuda() {
         #[cfg(feature = "cuda")]
         Ok(info) => {
