@@ -83,10 +83,10 @@ vrc=$?
 
 # Summary from the host side, so it is right even when the guest died half-way.
 passed=0 failed=0 lines=()
-declare -A done_rc=() done_ms=()
+declare -A done_rc=() done_ms=() started=()
 if [[ -f "$resdir/results" ]]; then
     while IFS=$'\t' read -r rc name ms; do
-        [[ "$rc" == running ]] && continue
+        if [[ "$rc" == running ]]; then started["$name"]=1; continue; fi
         done_rc["$name"]=$rc
         done_ms["$name"]=$ms
     done <"$resdir/results"
@@ -101,7 +101,12 @@ while IFS=$'\t' read -r name exe dir; do
             failed=$((failed + 1)); lines+=("  FAILED  $name (exit ${done_rc[$name]}, $(fmt_ms "${done_ms[$name]}"))")
         fi
     else
-        notrun=$((notrun + 1)); lines+=("  NOT RUN $name")
+        notrun=$((notrun + 1))
+        if [[ -n "${started[$name]+x}" ]]; then
+            lines+=("  UNFINISHED $name (was running when the guest stopped)")
+        else
+            lines+=("  NOT RUN $name")
+        fi
     fi
 done <"$work/binaries"
 echo "softroce: test binaries run in the guest:"
