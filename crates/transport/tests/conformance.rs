@@ -505,17 +505,23 @@ mod suite {
                 len as u64,
             ),
         )?;
-        match a.deregister(sid) {
-            Err(Error::RegionBusy { .. }) => {}
+        // A backend may finish inside `submit` (rxe moves the data within the post call),
+        // so deregistering is only wrong if the batch had not finished before it.
+        let finished_before = h.status().is_finished();
+        let deregistered = match a.deregister(sid) {
+            Err(Error::RegionBusy { .. }) => false,
+            Ok(()) if finished_before => true,
             Ok(()) => bail!("deregistered a region under an in-flight batch"),
             Err(e) if h.status().is_finished() => {
                 bail!("unexpected deregister error {e:?}")
             }
             Err(e) => bail!("deregister: {e:?}"),
-        }
+        };
         h.wait(secs(60))?;
         check_landed(&dst, doff, &src, soff, len)?;
-        a.deregister_wait(sid, secs(30))?;
+        if !deregistered {
+            a.deregister_wait(sid, secs(30))?;
+        }
         ensure!(a.regions().is_empty());
         ensure!(matches!(
             a.deregister(sid),
