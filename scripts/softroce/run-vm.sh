@@ -79,7 +79,8 @@ case "$kvm" in
           fi ;;
 esac
 
-kargs="console=ttyS0 loglevel=4 panic=-1 rdinit=/init tsc=reliable mitigations=off"
+# --quiet also keeps kernel warnings off the console, so stdout is the job's own output.
+kargs="console=ttyS0 loglevel=$((quiet ? 1 : 4)) panic=-1 rdinit=/init tsc=reliable mitigations=off"
 kargs="$kargs sr.net=$net sr.mtu=$mtu"
 ((shell)) && kargs="$kargs sr.shell=1"
 kargs="$kargs $append"
