@@ -271,6 +271,34 @@ impl Engine {
         self.inner.register(ptr as u64, len as u64, access, None)
     }
 
+    /// Registers device memory exported as a dma-buf (GPUDirect RDMA through
+    /// `ibv_reg_dmabuf_mr`); verbs backend only, others return [`Error::Unsupported`].
+    ///
+    /// The region is addressed by `iova` (normally the device virtual address of the
+    /// range), `[iova, iova+len)` mapping to `[offset, offset+len)` of the dma-buf; ops
+    /// name local addresses in that range. `fd` may be closed after the call (each MR keeps
+    /// its own reference to the buffer). Split into several MRs like other regions.
+    ///
+    /// # Safety
+    /// `fd` must be a dma-buf whose `[offset, offset+len)` stays allocated until the region
+    /// is deregistered and no batch uses it.
+    pub unsafe fn register_dmabuf(
+        &self,
+        fd: std::os::fd::BorrowedFd<'_>,
+        offset: u64,
+        len: usize,
+        iova: u64,
+        access: Access,
+    ) -> Result<RegionId> {
+        use std::os::fd::AsRawFd;
+        let raw = fd.as_raw_fd();
+        let backend = &self.inner.backend;
+        self.inner
+            .register_with(iova, len as u64, access, None, &|off, n| {
+                backend.register_dmabuf(raw, offset + off, n as usize, iova + off, access)
+            })
+    }
+
     /// Deregisters a region; refuses with [`Error::RegionBusy`] while batches use it.
     pub fn deregister(&self, id: RegionId) -> Result<()> {
         if let Some(mrs) = self.inner.registry.remove(id)? {
@@ -491,6 +519,22 @@ impl Inner {
         access: Access,
         keepalive: Option<Arc<dyn std::any::Any + Send + Sync>>,
     ) -> Result<RegionId> {
+        self.register_with(addr, len, access, keepalive, &|off, n| {
+            self.backend
+                .register((addr + off) as usize, n as usize, access)
+        })
+    }
+
+    /// `register` with the per-chunk backend call (`reg(offset in region, chunk len)`)
+    /// supplied: host memory or dma-buf.
+    fn register_with(
+        &self,
+        addr: u64,
+        len: u64,
+        access: Access,
+        keepalive: Option<Arc<dyn std::any::Any + Send + Sync>>,
+        reg: &dyn Fn(u64, u64) -> Result<BackendMr>,
+    ) -> Result<RegionId> {
         self.check_open()?;
         if let InsertPlan::Existing(id) = self.registry.begin_insert(addr, len, access)? {
             return Ok(id);
@@ -507,10 +551,7 @@ impl Inner {
         let mut off = 0u64;
         while off < len {
             let n = (len - off).min(max);
-            match self
-                .backend
-                .register((addr + off) as usize, n as usize, access)
-            {
+            match reg(off, n) {
                 Ok(mr) => {
                     chunks.push(Chunk {
                         addr: addr + off,

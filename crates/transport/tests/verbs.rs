@@ -367,3 +367,34 @@ fn auto_without_device_falls_back_to_tcp() -> Result<()> {
     eprintln!("auto: {why}");
     Ok(())
 }
+
+/// dma-buf registration: a typed error (never a crash) for an fd that is not a dma-buf on
+/// a verbs device (rxe has no dma-buf support at all), and `Unsupported` on TCP.
+#[test]
+fn dmabuf_registration_errors_are_typed() -> Result<()> {
+    use std::os::fd::AsFd;
+    let f = std::fs::File::open("/dev/null")?;
+    let tcp = Engine::new(
+        EngineConfig::builder()
+            .backend(BackendKind::Tcp)
+            .listen("127.0.0.1:0".parse()?)
+            .build()?,
+    )?;
+    // SAFETY: the call fails before anything is registered (TCP has no dma-buf path).
+    match unsafe { tcp.register_dmabuf(f.as_fd(), 0, 1 << 20, 0x7000_0000_0000, Access::ALL) } {
+        Err(Error::Unsupported { .. }) => {}
+        other => bail!("tcp register_dmabuf: {other:?}"),
+    }
+    let Some(dev) = device("dmabuf_registration_errors_are_typed") else {
+        return Ok(());
+    };
+    let e = engine(&dev, |b| b)?;
+    // SAFETY: /dev/null is not a dma-buf, so `ibv_reg_dmabuf_mr` must refuse it; nothing
+    // is registered and no memory is ever touched.
+    match unsafe { e.register_dmabuf(f.as_fd(), 0, 1 << 20, 0x7000_0000_0000, Access::ALL) } {
+        Err(Error::Registration { reason, .. }) => eprintln!("dma-buf on {dev}: {reason}"),
+        other => bail!("verbs register_dmabuf of /dev/null: {other:?}"),
+    }
+    ensure!(e.regions().is_empty());
+    Ok(())
+}

@@ -157,6 +157,19 @@ pub(crate) trait Backend: Send + Sync + 'static {
     /// Called once per MR chunk (the engine already split at `info().max_mr_bytes`);
     /// the returned keys are stored in the registry.
     fn register(&self, addr: usize, len: usize, access: Access) -> Result<BackendMr, Error>;
+    /// Registers one chunk of a dma-buf (`ibv_reg_dmabuf_mr`); only verbs supports it.
+    fn register_dmabuf(
+        &self,
+        _fd: std::os::fd::RawFd,
+        _offset: u64,
+        _len: usize,
+        _iova: u64,
+        _access: Access,
+    ) -> Result<BackendMr, Error> {
+        Err(Error::Unsupported {
+            what: format!("dma-buf registration on the {} backend", self.kind()),
+        })
+    }
     /// Releases one registration.
     fn deregister(&self, mr: BackendMr);
     /// Builds the local half of a new connection and its part of the handshake.

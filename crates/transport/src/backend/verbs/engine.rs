@@ -176,7 +176,6 @@ impl VerbsEngine {
     ///
     /// # Safety
     /// `fd` must be a dma-buf whose `[offset, offset+len)` stays valid while the MR exists.
-    #[allow(dead_code)] // reached through `Backend::register_dmabuf` once the engine wires it
     pub unsafe fn register_dmabuf(
         &self,
         fd: i32,

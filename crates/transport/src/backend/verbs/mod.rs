@@ -19,7 +19,6 @@ mod qp;
 #[cfg(test)]
 mod rxe_tests;
 
-use std::any::Any;
 use std::sync::Arc;
 
 pub use device::{RdmaDeviceInfo, RdmaPortInfo, list_devices};
@@ -107,6 +106,29 @@ impl Backend for VerbsBackend {
             self.engine.register(
                 addr as u64,
                 len as u64,
+                access.contains(Access::REMOTE_WRITE),
+                access.contains(Access::REMOTE_READ),
+            )
+        }?;
+        Ok(Self::mr(mr))
+    }
+
+    fn register_dmabuf(
+        &self,
+        fd: std::os::fd::RawFd,
+        offset: u64,
+        len: usize,
+        iova: u64,
+        access: Access,
+    ) -> Result<BackendMr, Error> {
+        // SAFETY: `Engine::register_dmabuf`'s contract: `fd` is a dma-buf whose range stays
+        // allocated until the region is deregistered, which drops this MR first.
+        let mr = unsafe {
+            self.engine.register_dmabuf(
+                fd,
+                offset,
+                len as u64,
+                iova,
                 access.contains(Access::REMOTE_WRITE),
                 access.contains(Access::REMOTE_READ),
             )
@@ -216,10 +238,4 @@ impl Conn for VerbsPeerConn {
             reason: "connection closed".into(),
         });
     }
-}
-
-/// Keeps `Any` in use for the MR handle type (the registry stores it type-erased).
-#[allow(dead_code)]
-fn _mr_handle_is_any(mr: VerbsMr) -> Box<dyn Any + Send + Sync> {
-    Box::new(mr)
 }
