@@ -812,3 +812,113 @@ fn peer_process_killed() -> Result<()> {
     );
     Ok(())
 }
+
+/// TCP only: hostile bytes on the *data* port. A stream with a wrong session is refused;
+/// with the right session, requests outside the exposed memory or with a wrong key are
+/// refused without touching memory, a malformed header drops the stream, and the real
+/// connection keeps working.
+#[test]
+fn tcp_hostile_data_streams() {
+    hostile_data_streams().unwrap();
+}
+
+fn hostile_data_streams() -> Result<()> {
+    use pagewire_transport::EndpointInfo;
+    let (a, b) = (engine(BackendKind::Tcp)?, engine(BackendKind::Tcp)?);
+    let (mut src, _) = buffer(&a, 4096, Access::LOCAL_WRITE)?;
+    fill_pattern(&mut src, 31);
+    let (exp, _) = buffer(&b, 8192, Access::ALL)?;
+    let (hidden, _) = buffer(&b, 4096, Access::LOCAL_WRITE)?;
+    let (ab, _) = connect(&a, &b)?;
+    let EndpointInfo::Tcp {
+        data_port, session, ..
+    } = a.peer_info(ab)?.remote_endpoint
+    else {
+        bail!("not a TCP endpoint");
+    };
+    let rkey = a.peer_regions(ab)?[0].rkey;
+    let data = std::net::SocketAddr::from(([127, 0, 0, 1], data_port));
+    let hello = |sid: u64| {
+        let mut h = Vec::new();
+        h.extend_from_slice(b"PGWS");
+        h.extend_from_slice(&1u16.to_le_bytes());
+        h.extend_from_slice(&0u16.to_le_bytes());
+        h.extend_from_slice(&sid.to_le_bytes());
+        h
+    };
+    let req = |kind: u8, rkey: u32, seq: u64, addr: u64, len: u64| {
+        let mut r = vec![0u8; 40];
+        r[0] = kind;
+        r[4..8].copy_from_slice(&rkey.to_le_bytes());
+        r[8..16].copy_from_slice(&seq.to_le_bytes());
+        r[16..24].copy_from_slice(&addr.to_le_bytes());
+        r[24..32].copy_from_slice(&len.to_le_bytes());
+        r
+    };
+    // Closed = EOF or reset, not a read timeout.
+    let closed = |s: &mut TcpStream| -> bool {
+        s.set_read_timeout(Some(Duration::from_secs(5))).ok();
+        match s.read(&mut [0u8; 16]) {
+            Ok(0) => true,
+            Ok(_) => false,
+            Err(e) => !matches!(
+                e.kind(),
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+            ),
+        }
+    };
+    // Garbage and a wrong session are dropped.
+    let mut g = TcpStream::connect(data)?;
+    g.write_all(b"GET / HTTP/1.1\r\n\r\n")?;
+    ensure!(closed(&mut g), "garbage stream not dropped");
+    let mut w = TcpStream::connect(data)?;
+    w.write_all(&hello(session ^ 1))?;
+    ensure!(closed(&mut w), "wrong session not dropped");
+    // The right session: requests are validated one by one.
+    let mut s = TcpStream::connect(data)?;
+    s.set_read_timeout(Some(Duration::from_secs(5)))?;
+    s.write_all(&hello(session))?;
+    let mut ok = [0u8; 4];
+    s.read_exact(&mut ok)?;
+    ensure!(&ok == b"OK\0\0");
+    let status = |s: &mut TcpStream, r: Vec<u8>, payload: usize| -> Result<u32> {
+        s.write_all(&r)?;
+        s.write_all(&vec![0xAB; payload])?;
+        let mut resp = [0u8; 16];
+        s.read_exact(&mut resp)?;
+        Ok(u32::from_le_bytes(resp[8..12].try_into()?))
+    };
+    ensure!(
+        status(&mut s, req(1, rkey, 1, hidden.addr(), 16), 16)? == 1,
+        "hidden write"
+    );
+    ensure!(
+        status(&mut s, req(1, rkey ^ 0x55, 2, exp.addr(), 16), 16)? == 2,
+        "bad key"
+    );
+    ensure!(
+        status(&mut s, req(1, rkey, 3, exp.addr() + 8190, 16), 16)? == 1,
+        "write across the end"
+    );
+    ensure!(
+        status(&mut s, req(2, rkey, 4, hidden.addr(), 16), 0)? == 1,
+        "hidden read"
+    );
+    // Malformed header: unknown kind, then an absurd length. Each drops the stream.
+    s.write_all(&req(9, rkey, 5, exp.addr(), 16))?;
+    ensure!(closed(&mut s), "unknown kind not dropped");
+    let mut s2 = TcpStream::connect(data)?;
+    s2.write_all(&hello(session))?;
+    s2.read_exact(&mut ok)?;
+    s2.write_all(&req(1, rkey, 6, exp.addr(), u64::MAX))?;
+    ensure!(closed(&mut s2), "absurd length not dropped");
+    ensure!(
+        all_eq(&exp, 0) && all_eq(&hidden, 0),
+        "hostile requests wrote memory"
+    );
+    // The real connection is unaffected.
+    a.submit(ab, Batch::new().write(src.addr(), exp.addr(), 4096))?
+        .wait(secs(30))?;
+    ensure!(exp[..4096] == src[..]);
+    Ok(())
+}

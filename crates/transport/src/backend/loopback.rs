@@ -23,7 +23,7 @@ use crate::batch::Op;
 use crate::config::{BackendKind, EngineConfig};
 use crate::engine::PeerId;
 use crate::error::{Error, HandshakeError, Result};
-use crate::memory::{Access, Registry};
+use crate::memory::{Access, RegionPin, Registry};
 
 type ConnKey = (u64, u64);
 
@@ -184,15 +184,18 @@ impl Shared {
             b.fail(self.gone("connection closed"));
             return;
         }
+        // One pin is reused while consecutive ops stay in the same peer region.
+        let mut pin: Option<RegionPin> = None;
         for op in &job.ops {
             if b.should_stop() {
                 return;
             }
-            if let Err(e) = self.copy(b, op) {
+            if let Err(e) = self.copy(b, &mut pin, op) {
                 b.fail(e);
                 return;
             }
         }
+        drop(pin);
         if let Some(tag) = job.notify {
             let sink = lock(sinks()).get(&self.remote).cloned();
             match sink {
@@ -206,29 +209,34 @@ impl Shared {
         b.succeed();
     }
 
-    /// One resolved op: re-validate against the peer's live registry, pin, copy.
-    fn copy(&self, b: &BatchState, op: &ResolvedOp) -> Result<()> {
-        let registry = lock(engines())
-            .get(&self.remote.0)
-            .and_then(Weak::upgrade)
-            .ok_or_else(|| self.gone("peer engine shut down"))?;
+    /// One resolved op: validate against the peer's live registry, pin, copy.
+    fn copy(&self, b: &BatchState, pin: &mut Option<RegionPin>, op: &ResolvedOp) -> Result<()> {
         let needed = match op.op {
             Op::Write => Access::REMOTE_WRITE,
             Op::Read => Access::REMOTE_READ,
         };
-        let refused = |reason: String| Error::Remote {
-            peer: self.peer,
-            reason,
-        };
-        let pin = registry
-            .pin(op.remote, op.len, needed)
-            .map_err(|e| refused(e.to_string()))?;
-        let rkey_ok = pin
-            .region()
+        let end = op.remote + op.len;
+        let reuse = pin.as_ref().is_some_and(|p| {
+            let r = p.region();
+            r.access.contains(needed) && op.remote >= r.addr && end <= r.end()
+        });
+        if !reuse {
+            *pin = None;
+            let registry = lock(engines())
+                .get(&self.remote.0)
+                .and_then(Weak::upgrade)
+                .ok_or_else(|| self.gone("peer engine shut down"))?;
+            let p = registry
+                .pin(op.remote, op.len, needed)
+                .map_err(|e| self.refused(e.to_string()))?;
+            *pin = Some(p);
+        }
+        let region = pin.as_ref().expect("set above").region();
+        let rkey_ok = region
             .chunk_at(op.remote)
-            .is_some_and(|c| c.rkey == op.rkey && op.remote + op.len <= c.addr + c.len);
+            .is_some_and(|c| c.rkey == op.rkey && end <= c.addr + c.len);
         if !rkey_ok {
-            return Err(refused(format!("rkey {:#x} does not match", op.rkey)));
+            return Err(self.refused(format!("rkey {:#x} does not match", op.rkey)));
         }
         let mut off = 0u64;
         while off < op.len {
@@ -242,16 +250,23 @@ impl Shared {
             };
             // SAFETY: the local range was validated by the engine against a registered
             // region that the batch pins (it cannot be deregistered while `b` lives); the
-            // remote range was just validated against the peer's live registry and is
-            // pinned by `pin`. Both regions' memory stays allocated while registered
-            // (caller contract of `register_raw`, or the HostBuffer keep-alive). `copy`
-            // (memmove) tolerates overlap when an engine is connected to itself.
+            // remote range was validated against the peer's registry and is pinned by
+            // `pin`. Both regions' memory stays allocated while registered (caller
+            // contract of `register_raw`, or the HostBuffer keep-alive). `copy` (memmove)
+            // tolerates overlap when an engine is connected to itself.
             unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, n as usize) };
             b.add_progress(0, n);
             off += n;
         }
         b.add_progress(1, 0);
         Ok(())
+    }
+
+    fn refused(&self, reason: String) -> Error {
+        Error::Remote {
+            peer: self.peer,
+            reason,
+        }
     }
 }
 

@@ -24,7 +24,7 @@
 //! pending batch with `PeerGone`.
 
 use std::collections::HashMap;
-use std::io::{ErrorKind, Read, Write};
+use std::io::{ErrorKind, IoSlice, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
@@ -50,8 +50,10 @@ const REQ_LEN: usize = 40;
 const RESP_LEN: usize = 16;
 /// Largest chunk a responder accepts (the requester's `max_wr_bytes` is capped at 2 GiB).
 const MAX_CHUNK: u64 = 1 << 31;
-/// Requests in flight per stream.
-const STREAM_DEPTH: usize = 64;
+/// Most requests sent with one `writev` (and responses read with one `read`).
+const GATHER: usize = 64;
+/// Stop gathering once this much WRITE payload is queued in one `writev`.
+const GATHER_BYTES: u64 = 4 << 20;
 
 const K_WRITE: u8 = 1;
 const K_READ: u8 = 2;
@@ -113,15 +115,16 @@ struct Session {
     id: u64,
     /// Set when the connection completes; NOTIFY before that is a protocol error.
     sink: OnceLock<NotifySink>,
-    /// Accepted streams (clones, to shut them down on close).
-    incoming: Mutex<Vec<TcpStream>>,
+    /// Accepted streams (clones, to shut them down on close), by a local stream id.
+    incoming: Mutex<Vec<(u64, TcpStream)>>,
+    next_stream: AtomicU64,
     closed: AtomicBool,
 }
 
 impl Session {
     fn close(&self) {
         self.closed.store(true, Ordering::Release);
-        for s in lock(&self.incoming).drain(..) {
+        for (_, s) in lock(&self.incoming).drain(..) {
             let _ = s.shutdown(Shutdown::Both);
         }
     }
@@ -142,7 +145,7 @@ impl Backend for TcpBackend {
             device: format!("tcp {}", self.shared.local),
             link: "TCP".into(),
             lanes_per_peer: self.shared.streams,
-            tx_depth: STREAM_DEPTH as u32,
+            tx_depth: GATHER as u32,
             signal_every: 1,
             max_wr_bytes: self.shared.chunk,
             max_mr_bytes: 0,
@@ -168,6 +171,7 @@ impl Backend for TcpBackend {
             id: random_u64(),
             sink: OnceLock::new(),
             incoming: Mutex::new(Vec::new()),
+            next_stream: AtomicU64::new(0),
             closed: AtomicBool::new(false),
         });
         lock(&self.shared.sessions).insert(session.id, session.clone());
@@ -351,7 +355,9 @@ impl ConnShared {
             reason: Mutex::new(None),
         });
         for (i, (sock, rx)) in socks.into_iter().zip(rxs).enumerate() {
-            let (in_tx, in_rx) = crossbeam_channel::bounded::<Job>(STREAM_DEPTH);
+            // Unbounded: the socket's own buffers are the back-pressure; a bounded queue
+            // could block the sender between queueing a gather and writing it.
+            let (in_tx, in_rx) = crossbeam_channel::unbounded::<Job>();
             let rsock = sock
                 .try_clone()
                 .map_err(|e| Error::io("clone data stream", e))?;
@@ -405,50 +411,76 @@ impl ConnShared {
         q[i].send(job).map_err(|_| self.gone())
     }
 
+    /// Sends queued jobs in gathers: up to `GATHER` requests (headers and WRITE payloads
+    /// straight from registered memory) per `writev`. All but the last request of a
+    /// gather carry the "more follows" flag, so the responder batches its acks too.
     fn send_loop(self: Arc<Self>, mut sock: TcpStream, jobs: Receiver<Job>, inflight: Sender<Job>) {
-        for job in jobs {
-            if self.broken.load(Ordering::Acquire) {
-                job.batch.fail(self.gone());
-                continue;
-            }
-            if matches!(job.kind, Kind::Data(_)) && job.batch.should_stop() {
-                continue;
-            }
-            let mut hdr = [0u8; REQ_LEN];
-            let (kind, tag) = match job.kind {
-                Kind::Data(Op::Write) => (K_WRITE, 0),
-                Kind::Data(Op::Read) => (K_READ, 0),
-                Kind::Notify(t) => (K_NOTIFY, t),
-            };
-            hdr[0] = kind;
-            hdr[4..8].copy_from_slice(&job.rkey.to_le_bytes());
-            hdr[8..16].copy_from_slice(&job.seq.to_le_bytes());
-            hdr[16..24].copy_from_slice(&job.remote.to_le_bytes());
-            hdr[24..32].copy_from_slice(&job.len.to_le_bytes());
-            hdr[32..36].copy_from_slice(&tag.to_le_bytes());
-            let payload = (kind == K_WRITE).then_some((job.local, job.len as usize));
-            let batch = job.batch.clone();
-            // Queue before sending so the receiver always knows what a response answers.
-            if inflight.send(job).is_err() {
-                batch.fail(self.gone());
-                continue;
-            }
-            let res = sock.write_all(&hdr).and_then(|()| match payload {
-                Some((addr, len)) => {
-                    // SAFETY: the engine validated `[addr, addr+len)` against a registered
-                    // local region, which `batch` (alive in this scope) keeps pinned.
-                    let src = unsafe { raw_slice(addr, len) };
-                    sock.write_all(src)
+        let mut gather: Vec<Job> = Vec::with_capacity(GATHER);
+        let mut hdrs: Vec<[u8; REQ_LEN]> = Vec::with_capacity(GATHER);
+        while let Ok(first) = jobs.recv() {
+            let mut bytes = 0u64;
+            let mut next = Some(first);
+            while let Some(job) = next.take() {
+                if self.broken.load(Ordering::Acquire) {
+                    job.batch.fail(self.gone());
+                } else if !(matches!(job.kind, Kind::Data(_)) && job.batch.should_stop()) {
+                    bytes += if job.kind == Kind::Data(Op::Write) {
+                        job.len
+                    } else {
+                        0
+                    };
+                    gather.push(job);
                 }
-                None => Ok(()),
-            });
+                if gather.len() < GATHER && bytes < GATHER_BYTES {
+                    next = jobs.try_recv().ok();
+                }
+            }
+            if gather.is_empty() {
+                continue;
+            }
+            hdrs.clear();
+            let n = gather.len();
+            for (i, job) in gather.iter().enumerate() {
+                hdrs.push(encode_request(job, i + 1 < n));
+            }
+            let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(2 * n);
+            for (job, h) in gather.iter().zip(&hdrs) {
+                slices.push(IoSlice::new(h));
+                if job.kind == Kind::Data(Op::Write) {
+                    // SAFETY: the engine validated `[local, local+len)` against a registered
+                    // local region, which the job's batch keeps pinned; `batches` below holds
+                    // every batch of the gather until the write has finished.
+                    slices.push(IoSlice::new(unsafe {
+                        raw_slice(job.local, job.len as usize)
+                    }));
+                }
+            }
+            // Queue before sending so the receiver always knows what a response answers.
+            let batches: Vec<Arc<BatchState>> = gather.iter().map(|j| j.batch.clone()).collect();
+            let mut queued = true;
+            for job in gather.drain(..) {
+                if let Err(crossbeam_channel::SendError(job)) = inflight.send(job) {
+                    job.batch.fail(self.gone());
+                    queued = false;
+                }
+            }
+            let res = if queued {
+                write_all_vectored(&mut sock, &mut slices)
+            } else {
+                Err(ErrorKind::BrokenPipe.into())
+            };
+            drop(slices);
             if let Err(e) = res {
                 self.break_all(format!("send failed: {e}"));
-                batch.fail(self.gone());
+                for b in batches {
+                    b.fail(self.gone());
+                }
             }
         }
     }
 
+    /// Reads responses in order. Consecutive responses without payload are read with
+    /// one `read_exact`; a READ's payload goes straight into local memory.
     fn recv_loop(
         self: Arc<Self>,
         mut sock: TcpStream,
@@ -456,29 +488,56 @@ impl ConnShared {
         io_timeout: Duration,
     ) {
         let mut failed: Option<Error> = None;
-        for job in inflight {
+        let mut group: Vec<Job> = Vec::with_capacity(GATHER);
+        let mut buf = vec![0u8; GATHER * RESP_LEN];
+        while let Ok(first) = inflight.recv() {
+            let mut last_is_read = first.kind == Kind::Data(Op::Read);
+            group.push(first);
+            while !last_is_read && group.len() < GATHER {
+                match inflight.try_recv() {
+                    Ok(j) => {
+                        last_is_read = j.kind == Kind::Data(Op::Read);
+                        group.push(j);
+                    }
+                    Err(_) => break,
+                }
+            }
             if let Some(e) = &failed {
-                job.batch.fail(e.clone());
+                for j in group.drain(..) {
+                    j.batch.fail(e.clone());
+                }
                 continue;
             }
-            if let Err(e) = self.recv_one(&mut sock, &job, io_timeout) {
+            let hdrs = &mut buf[..group.len() * RESP_LEN];
+            let res = read_full(&mut sock, hdrs, io_timeout)
+                .map_err(|e| format!("receive failed: {e}"))
+                .and_then(|()| {
+                    for (j, h) in group.iter().zip(hdrs.chunks_exact(RESP_LEN)) {
+                        self.recv_one(&mut sock, j, h, io_timeout)?;
+                    }
+                    Ok(())
+                });
+            if let Err(e) = res {
                 self.break_all(e);
                 let err = self.gone();
-                job.batch.fail(err.clone());
+                for j in &group {
+                    j.batch.fail(err.clone());
+                }
                 failed = Some(err);
             }
+            group.clear();
         }
     }
 
-    /// Reads the response to `job`. An `Err` means the stream is unusable.
+    /// Handles the response header `h` to `job` (and a READ's payload). An `Err` means
+    /// the stream is unusable.
     fn recv_one(
         &self,
         sock: &mut TcpStream,
         job: &Job,
+        h: &[u8],
         io_timeout: Duration,
     ) -> Result<(), String> {
-        let mut h = [0u8; RESP_LEN];
-        read_full(sock, &mut h, io_timeout).map_err(|e| format!("receive failed: {e}"))?;
         let seq = u64::from_le_bytes(h[0..8].try_into().expect("8 bytes"));
         let status = u32::from_le_bytes(h[8..12].try_into().expect("4 bytes"));
         let len = u32::from_le_bytes(h[12..16].try_into().expect("4 bytes"));
@@ -671,35 +730,63 @@ fn serve_stream(b: &TcpShared, mut s: TcpStream) -> Result<(), String> {
         .get(&sid)
         .cloned()
         .ok_or_else(|| "unknown session".to_string())?;
+    let sid = session.next_stream.fetch_add(1, Ordering::Relaxed);
     {
         let mut inc = lock(&session.incoming);
         if session.closed.load(Ordering::Acquire) || inc.len() >= usize::from(MAX_STREAMS) {
             return Err("session closed or stream limit reached".into());
         }
-        inc.push(s.try_clone().map_err(|e| e.to_string())?);
+        inc.push((sid, s.try_clone().map_err(|e| e.to_string())?));
     }
+    let r = serve_requests(b, &session, &mut s);
+    // Close for real (the clone in `incoming` would keep the socket open) and forget it.
+    let _ = s.shutdown(Shutdown::Both);
+    lock(&session.incoming).retain(|(id, _)| *id != sid);
+    r
+}
+
+/// Acknowledges the stream hello, then serves requests until the stream closes.
+fn serve_requests(b: &TcpShared, session: &Session, s: &mut TcpStream) -> Result<(), String> {
     s.write_all(b"OK\0\0").map_err(|e| e.to_string())?;
     s.set_read_timeout(Some(b.io_timeout))
         .and_then(|()| s.set_write_timeout(Some(b.io_timeout)))
         .map_err(|e| e.to_string())?;
     let mut scratch = Vec::new();
+    let mut acks: Vec<u8> = Vec::with_capacity(GATHER * RESP_LEN);
     loop {
         let mut req = [0u8; REQ_LEN];
-        match read_idle(&mut s, &mut req, b.io_timeout, &session.closed) {
+        match read_idle(s, &mut req, b.io_timeout, &session.closed) {
             Ok(true) => {}
             Ok(false) => return Ok(()), // clean close between requests
             Err(e) => return Err(format!("request: {e}")),
         }
-        serve_request(b, &session, &mut s, &req, &mut scratch)?;
+        serve_request(b, session, s, &req, &mut scratch, &mut acks)?;
+        // Acks wait while the requester said more requests follow in the same burst.
+        let more = req[1] == 1;
+        if !acks.is_empty() && (!more || acks.len() >= GATHER * RESP_LEN) {
+            s.write_all(&acks).map_err(|e| format!("respond: {e}"))?;
+            acks.clear();
+        }
     }
 }
 
+fn response(seq: u64, status: u32, len: u32) -> [u8; RESP_LEN] {
+    let mut r = [0u8; RESP_LEN];
+    r[0..8].copy_from_slice(&seq.to_le_bytes());
+    r[8..12].copy_from_slice(&status.to_le_bytes());
+    r[12..16].copy_from_slice(&len.to_le_bytes());
+    r
+}
+
+/// Serves one request. Responses without payload are appended to `acks`; a READ's
+/// response is written at once, after the pending acks.
 fn serve_request(
     b: &TcpShared,
     session: &Session,
     s: &mut TcpStream,
     req: &[u8; REQ_LEN],
     scratch: &mut Vec<u8>,
+    acks: &mut Vec<u8>,
 ) -> Result<(), String> {
     let kind = req[0];
     let rkey = u32::from_le_bytes(req[4..8].try_into().expect("4 bytes"));
@@ -707,28 +794,24 @@ fn serve_request(
     let addr = u64::from_le_bytes(req[16..24].try_into().expect("8 bytes"));
     let len = u64::from_le_bytes(req[24..32].try_into().expect("8 bytes"));
     let tag = u32::from_le_bytes(req[32..36].try_into().expect("4 bytes"));
-    if req[1..4] != [0; 3] || req[36..40] != [0; 4] {
+    if req[1] > 1 || req[2..4] != [0; 2] || req[36..40] != [0; 4] {
         return Err("reserved request bytes set".into());
     }
-    let respond = |s: &mut TcpStream, status: u32, plen: u32| -> Result<(), String> {
-        let mut r = [0u8; RESP_LEN];
-        r[0..8].copy_from_slice(&seq.to_le_bytes());
-        r[8..12].copy_from_slice(&status.to_le_bytes());
-        r[12..16].copy_from_slice(&plen.to_le_bytes());
-        s.write_all(&r).map_err(|e| format!("respond: {e}"))
-    };
     match kind {
         K_NOTIFY => {
             if addr != 0 || len != 0 || rkey != 0 {
                 return Err("malformed NOTIFY".into());
             }
-            match session.sink.get() {
+            // Every WRITE before this NOTIFY was acked, i.e. its bytes are in memory.
+            let status = match session.sink.get() {
                 Some(sink) => {
                     sink.notify(tag);
-                    respond(s, S_OK, 0)
+                    S_OK
                 }
-                None => respond(s, S_NO_SESSION, 0),
-            }
+                None => S_NO_SESSION,
+            };
+            acks.extend_from_slice(&response(seq, status, 0));
+            Ok(())
         }
         K_WRITE | K_READ => {
             if len == 0 || len > MAX_CHUNK || addr.checked_add(len).is_none() || tag != 0 {
@@ -757,7 +840,8 @@ fn serve_request(
                     // allocated, until the payload is in place.
                     let dst = unsafe { raw_slice_mut(addr, n) };
                     read_full(s, dst, b.io_timeout).map_err(|e| format!("payload: {e}"))?;
-                    respond(s, S_OK, 0)
+                    acks.extend_from_slice(&response(seq, S_OK, 0));
+                    Ok(())
                 }
                 (K_WRITE, Err(st)) => {
                     // Keep the stream in sync: drain the refused payload.
@@ -769,20 +853,57 @@ fn serve_request(
                             .map_err(|e| format!("payload: {e}"))?;
                         left -= k;
                     }
-                    respond(s, st, 0)
+                    acks.extend_from_slice(&response(seq, st, 0));
+                    Ok(())
                 }
                 (_, Ok(_pin)) => {
-                    respond(s, S_OK, len as u32)?;
+                    let h = response(seq, S_OK, len as u32);
                     // SAFETY: `[addr, addr+len)` lies in a registered region with
                     // REMOTE_READ that `_pin` keeps registered while we send.
                     let src = unsafe { raw_slice(addr, n) };
-                    s.write_all(src).map_err(|e| format!("payload: {e}"))
+                    let mut bufs = [IoSlice::new(acks), IoSlice::new(&h), IoSlice::new(src)];
+                    write_all_vectored(s, &mut bufs).map_err(|e| format!("payload: {e}"))?;
+                    acks.clear();
+                    Ok(())
                 }
-                (_, Err(st)) => respond(s, st, 0),
+                (_, Err(st)) => {
+                    acks.extend_from_slice(&response(seq, st, 0));
+                    Ok(())
+                }
             }
         }
         k => Err(format!("unknown request kind {k}")),
     }
+}
+
+fn encode_request(job: &Job, more: bool) -> [u8; REQ_LEN] {
+    let mut hdr = [0u8; REQ_LEN];
+    let (kind, tag) = match job.kind {
+        Kind::Data(Op::Write) => (K_WRITE, 0),
+        Kind::Data(Op::Read) => (K_READ, 0),
+        Kind::Notify(t) => (K_NOTIFY, t),
+    };
+    hdr[0] = kind;
+    hdr[1] = u8::from(more);
+    hdr[4..8].copy_from_slice(&job.rkey.to_le_bytes());
+    hdr[8..16].copy_from_slice(&job.seq.to_le_bytes());
+    hdr[16..24].copy_from_slice(&job.remote.to_le_bytes());
+    hdr[24..32].copy_from_slice(&job.len.to_le_bytes());
+    hdr[32..36].copy_from_slice(&tag.to_le_bytes());
+    hdr
+}
+
+/// `write_all` for a list of slices (`Write::write_all_vectored` is unstable).
+fn write_all_vectored(s: &mut TcpStream, mut bufs: &mut [IoSlice<'_>]) -> std::io::Result<()> {
+    while !bufs.is_empty() {
+        match s.write_vectored(bufs) {
+            Ok(0) => return Err(ErrorKind::WriteZero.into()),
+            Ok(n) => IoSlice::advance_slices(&mut bufs, n),
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
 }
 
 /// `read_exact` with a deadline of `timeout` of no progress.
