@@ -7,7 +7,13 @@
 #   scripts/bench-vs-perftest.sh --section tcp                        # TCP part, on the host
 #
 # Options:
-#   --section rdma|tcp|all   what to run (default: rdma if an RDMA device is visible, else tcp)
+#   --section S              rdma | tcp | pages | all, or a list such as "rdma pages"
+#                            (default: "rdma pages" if an RDMA device is visible, else
+#                            "tcp pages"). pages: `bench pages` (Llama-3-8B preset, random
+#                            pages) against `bench write` at the same bytes per work request,
+#                            on verbs when a device is visible, else on TCP.
+#   --pages N --page-iters N pages per batch and batches of the pages runs (default 8 and 5
+#                            on verbs, 32 and 20 on TCP)
 #   --runs N                 runs of every test (default 3)
 #   --iters N                iterations per size for the bandwidth sweeps (default 20; rxe
 #                            under TCG moves ~50 MB/s, so -a with 20 iterations is ~10 s)
@@ -22,12 +28,14 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-section="" runs=3 iters=20 lat_iters=1000 dev="${RDMA_DEVICE:-rxe0}" tcp_size=1M tcp_secs=5
+section="" pages_n="" page_iters="" runs=3 iters=20 lat_iters=1000 dev="${RDMA_DEVICE:-rxe0}" tcp_size=1M tcp_secs=5
 streams="1 4" out="" pw="target/release/pagewire"
 while (($#)); do
     case "$1" in
         --section) section="$2"; shift 2 ;;
         --runs) runs="$2"; shift 2 ;;
+        --pages) pages_n="$2"; shift 2 ;;
+        --page-iters) page_iters="$2"; shift 2 ;;
         --iters) iters="$2"; shift 2 ;;
         --lat-iters) lat_iters="$2"; shift 2 ;;
         --device) dev="$2"; shift 2 ;;
@@ -45,9 +53,12 @@ if [[ -z "$out" ]]; then
 fi
 mkdir -p "$out/raw"
 [[ -x "$pw" ]] || { echo "bench-vs-perftest: $pw not found; build it: cargo build --release -p pagewire-cli" >&2; exit 1; }
+have_rdma=0
+[[ -e "/sys/class/infiniband/$dev" ]] && have_rdma=1
 if [[ -z "$section" ]]; then
-    if [[ -e "/sys/class/infiniband/$dev" ]]; then section=rdma; else section=tcp; fi
+    if ((have_rdma)); then section="rdma pages"; else section="tcp pages"; fi
 fi
+[[ "$section" == all ]] && section="rdma tcp pages"
 
 port=19000
 next_port() { port=$((port + 1)); }
@@ -228,13 +239,73 @@ PY
     cat "$out/tcp.md"
 }
 
+pages_section() {
+    local transport=tcp dflag=() p=${pages_n:-32} n=${page_iters:-20} r
+    if ((have_rdma)); then transport=verbs; dflag=(-d "$dev"); p=${pages_n:-8}; n=${page_iters:-5}; fi
+    # Llama-3-8B, 16-token pages, page_first: each page is one 1 MiB K run and one 1 MiB V
+    # run, so every work request carries 1 MiB; bench write -s 1M moves the same bytes.
+    local wr_total=$((p * 2 * n))
+    for ((r = 1; r <= runs; r++)); do
+        echo "pages run $r/$runs ($transport)" >&2
+        next_port
+        pair "$out/raw/pages_$r.json" \
+            "$pw bench pages --server ${dflag[*]} --transport $transport --model llama3-8b --pattern random --page-size 16 --pages $p -n $n -p $port --json" \
+            "$pw bench pages 127.0.0.1 ${dflag[*]} --transport $transport --model llama3-8b --pattern random --page-size 16 --pages $p -n $n -p $port --json"
+        next_port
+        pair "$out/raw/pages_write_$r.json" \
+            "$pw bench write --server ${dflag[*]} --transport $transport -s 1M -n $wr_total -p $port --json" \
+            "$pw bench write 127.0.0.1 ${dflag[*]} --transport $transport -s 1M -n $wr_total -p $port --json"
+    done
+    {
+        echo "## bench pages vs bench write at the same bytes per work request ($transport)"
+        python3 - "$out/raw" "$runs" "$transport" "$p" "$n" "$wr_total" <<'PY'
+import json, statistics, sys, os
+raw, runs, transport, p, n, wrs = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5], sys.argv[6]
+def last_json(path):
+    try:
+        return json.loads([l for l in open(path).read().splitlines() if l.startswith("{")][-1])
+    except Exception:
+        return None
+def mmm(xs):
+    xs = [x for x in xs if x is not None]
+    return (min(xs), statistics.median(xs), max(xs)) if xs else None
+def fmt(t, d=2):
+    return "n/a" if t is None else f"{t[1]:.{d}f} [{t[0]:.{d}f}, {t[2]:.{d}f}]"
+pages = [last_json(os.path.join(raw, f"pages_{r}.json")) for r in range(1, runs + 1)]
+writes = [last_json(os.path.join(raw, f"pages_write_{r}.json")) for r in range(1, runs + 1)]
+a = [x["mib_per_s"] if x else None for x in pages]
+b = [x["bw_avg_mib_s"] if x else None for x in writes]
+rr = [x / y if x is not None and y else None for x, y in zip(a, b)]
+one = next((x for x in pages if x), None)
+print()
+if one:
+    avg = one["bytes"] // max(one["work_requests"], 1)
+    print(f"`bench pages --model llama3-8b --pattern random --page-size 16 --pages {p} -n {n}` "
+          f"({one['bytes']} B per batch in {one['work_requests']} work requests of {avg} B on average, "
+          f"{one['segments_raw']} segments before and {one['segments_plan']} after coalescing) against "
+          f"`bench write -s 1M -n {wrs}`; {runs} runs, median [min, max].\n")
+print("| | MiB/s | pages/s | batch p50 / p99 [ms] |")
+print("|---|---:|---:|---:|")
+pp = [x["pages_per_s"] if x else None for x in pages]
+p50 = [x["batch_p50_us"] / 1e3 if x else None for x in pages]
+p99 = [x["batch_p99_us"] / 1e3 if x else None for x in pages]
+print(f"| bench pages | {fmt(mmm(a))} | {fmt(mmm(pp), 1)} | {fmt(mmm(p50), 1)} / {fmt(mmm(p99), 1)} |")
+print(f"| bench write -s 1M | {fmt(mmm(b))} | | |")
+print(f"| ratio pages/write | {fmt(mmm(rr))} | | |")
+PY
+    } >"$out/pages.md"
+    cat "$out/pages.md"
+}
+
 machine | tee "$out/machine.md"
 rc=0
-case "$section" in
-    rdma) rdma_section || rc=1 ;;
-    tcp) tcp_section || rc=1 ;;
-    all) rdma_section || rc=1; tcp_section || rc=1 ;;
-    *) echo "bench-vs-perftest: --section must be rdma, tcp or all" >&2; exit 2 ;;
-esac
+for s in $section; do
+    case "$s" in
+        rdma) rdma_section || rc=1 ;;
+        tcp) tcp_section || rc=1 ;;
+        pages) pages_section || rc=1 ;;
+        *) echo "bench-vs-perftest: unknown section $s (rdma, tcp, pages, all)" >&2; exit 2 ;;
+    esac
+done
 echo "raw outputs: $out/raw" >&2
 exit $rc

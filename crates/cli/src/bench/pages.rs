@@ -707,8 +707,12 @@ fn server(a: &PagesArgs, listener: std::net::TcpListener, quiet: bool) -> anyhow
     let g = geometry(a)?;
     let (bytes, _) = pool_bytes(&g);
     let mut local = session::Local::new(&engine, bytes)?;
+    // The source pool holds the seeded pattern; the destination is written once so every
+    // page is faulted in before the clock starts.
     if a.op == PageOp::Read {
         super::pattern::fill(&mut local.buf[..], source_seed(a));
+    } else {
+        local.buf.fill(0);
     }
     ch.send(&Msg::Welcome(Welcome {
         engine_port: engine.local_addr().port(),
@@ -775,6 +779,8 @@ fn client(
     let mut local = session::Local::new(&engine, bytes)?;
     if a.op == PageOp::Write {
         super::pattern::fill(&mut local.buf[..], source_seed(a));
+    } else {
+        local.buf.fill(0);
     }
     let peer = session::connect_engine(&engine, server, &w)?;
     let remote = session::remote_buffer(&engine, peer, bytes)?;

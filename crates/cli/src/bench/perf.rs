@@ -322,13 +322,12 @@ impl End {
         let src_seed = pattern::seed_for(kind.name(), size, mine);
         let land_seed = pattern::seed_for(kind.name(), size, theirs);
         let (half, n) = (self.half as usize, size as usize);
-        if a.verify {
-            if src_here {
-                pattern::fill(&mut self.buf_mut()[..n], src_seed);
-            }
-            if land_here {
-                self.buf_mut()[half..half + n].fill(0);
-            }
+        // Always, not only with --verify: it also faults every page in before the clock starts.
+        if src_here {
+            pattern::fill(&mut self.buf_mut()[..n], src_seed);
+        }
+        if land_here {
+            self.buf_mut()[half..half + n].fill(0);
         }
         self.ch.barrier(step)?;
         let mine_result = if initiates {
@@ -504,10 +503,8 @@ impl End {
         let src_seed = pattern::seed_for("lat", size, mine);
         let land_seed = pattern::seed_for("lat", size, theirs);
         let (half, n) = (self.half as usize, size as usize);
-        if a.verify {
-            pattern::fill(&mut self.buf_mut()[..n], src_seed);
-            self.buf_mut()[half..half + n].fill(0);
-        }
+        pattern::fill(&mut self.buf_mut()[..n], src_seed);
+        self.buf_mut()[half..half + n].fill(0);
         let (src, dst) = (self.lower(), self.remote.addr + self.half);
         self.ch.barrier(step)?;
         let start = Instant::now();
