@@ -44,6 +44,7 @@ pub mod memory;
 pub mod path;
 pub mod probe;
 pub mod region;
+pub mod remote_ring;
 pub mod staging;
 pub mod testing;
 
@@ -55,6 +56,7 @@ pub use error::{GpuError, Result, StageKind, Unavailable};
 pub use memory::{DeviceBuffer, DevicePtr, DeviceSpan, PinnedBuffer};
 pub use path::{GpuMode, GpuPath, PathDecision, PathEvidence};
 pub use region::{GpuEngine, GpuRegionId, GpuRegionInfo, GpuTransfer, detect_path};
+pub use remote_ring::{CreditBoard, RingDescriptor, RingPushWire, RingReceiver};
 pub use staging::{
     Incoming, PipelineStats, Segment, StagedPipeline, StagedReceiver, StagingConfig, TraceEvent,
     Wire, WireOp, WireTicket,

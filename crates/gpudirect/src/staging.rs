@@ -724,6 +724,11 @@ impl<C: CopyEngine> StagedReceiver<C> {
         &self.copy
     }
 
+    /// The configuration.
+    pub fn config(&self) -> &StagingConfig {
+        &self.cfg
+    }
+
     /// The landing ring, to be registered with the transport and exposed to the
     /// sender (`None` once retired after a failed drain).
     pub fn ring(&self) -> Option<&PinnedBuffer> {

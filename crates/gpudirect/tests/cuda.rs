@@ -252,3 +252,58 @@ fn cuda_dmabuf_export_matches_attribute() {
     assert!(host.export_dmabuf().is_err());
     let _ = Direction::D2H;
 }
+
+#[test]
+fn cuda_gpu_to_gpu_push_over_loopback_engines() {
+    use pagewire_gpudirect::{CreditBoard, RingPushWire, RingReceiver};
+    use pagewire_transport::{BackendKind, Engine, EngineConfig};
+    let Some(ord) = gpu("cuda_gpu_to_gpu_push_over_loopback_engines") else {
+        return;
+    };
+    let mk = || {
+        Engine::new(
+            EngineConfig::builder()
+                .backend(BackendKind::Loopback)
+                .listen("127.0.0.1:0".parse().unwrap())
+                .build()
+                .unwrap(),
+        )
+        .unwrap()
+    };
+    let (tx_e, rx_e) = (mk(), mk());
+    let c = cfg(2 << 20, 4);
+    let len = (64 << 20) + 12345;
+    let rx_copy = CudaCopyEngine::new(ord).unwrap();
+    let dst = rx_copy.alloc_device(len).unwrap();
+    let mut rx = RingReceiver::new(rx_e.clone(), rx_copy, c).unwrap();
+    let credits = CreditBoard::new(tx_e.clone(), c.depth).unwrap();
+    let peer_tx = tx_e.connect(rx_e.local_addr()).unwrap();
+    let peer_rx = rx_e.accept(std::time::Instant::now() + T).unwrap();
+    let tx_copy = CudaCopyEngine::new(ord).unwrap();
+    let src = tx_copy.alloc_device(len).unwrap();
+    let data = pattern(len, 3);
+    tx_copy.upload(&src, 0, &data, T).unwrap();
+    let seg = [Segment {
+        local_off: 0,
+        remote_off: 0,
+        len: len as u64,
+    }];
+    let wire = RingPushWire::new(tx_e.clone(), peer_tx, rx.descriptor(), &credits, T).unwrap();
+    let mut p = StagedPipeline::new(&tx_copy, wire, c).unwrap();
+    let t0 = std::time::Instant::now();
+    thread::scope(|s| {
+        let h = s.spawn(|| p.write(src.span(), &seg, None));
+        rx.receive(peer_rx, credits.addr(), dst.span(), &seg, || Ok(()))
+            .unwrap();
+        h.join().unwrap().unwrap();
+    });
+    let el = t0.elapsed();
+    eprintln!(
+        "GPU->GPU staged push over loopback: {} MiB in {el:?} = {:.2} GB/s",
+        len >> 20,
+        len as f64 / el.as_secs_f64() / 1e9
+    );
+    let mut out = vec![0u8; len];
+    rx.copy_engine().download(&dst, 0, &mut out, T).unwrap();
+    assert!(out == data, "GPU to GPU push over loopback differs");
+}
