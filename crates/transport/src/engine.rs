@@ -389,6 +389,13 @@ impl Engine {
         })
     }
 
+    /// Whether the connection to a peer is still usable (`false` once it broke: peer
+    /// gone, stream reset, QP in error). A broken peer stays listed until `disconnect`;
+    /// connect again for a new `PeerId`.
+    pub fn peer_alive(&self, peer: PeerId) -> Result<bool> {
+        Ok(!self.inner.peer(peer)?.conn.is_broken())
+    }
+
     /// The regions a peer exposes, as last described.
     pub fn peer_regions(&self, peer: PeerId) -> Result<Vec<RemoteRegion>> {
         Ok(self.inner.peer(peer)?.table().regions().to_vec())

@@ -376,6 +376,7 @@ mod suite {
             ensure!(h.wait(secs(25)).is_err(), "write to a dead peer succeeded");
         }
         ensure!(t1.elapsed() < Duration::from_secs(25));
+        ensure!(!a.peer_alive(ab)?, "a dead peer is reported alive");
         Ok(())
     }
 
