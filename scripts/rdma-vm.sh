@@ -11,7 +11,7 @@
 #   rdma-vm.sh selftest              check the harness itself (pass, fail, no rxe, timeout)
 #
 # OPTIONS (before the subcommand, or right after it):
-#   --timeout S   limit for the whole guest run (default 600; test: 900)
+#   --timeout S   limit for the whole guest run (default 600; test: 900; shell: 3600)
 #   --mem MB      guest RAM (default 1024)          --cpus N      vCPUs (default 1)
 #   --two-devices rxe0 on veth0 + rxe1 on veth1 (RDMA_DEVICE2=rxe1), traffic crosses veth
 #   --mtu N       netdev MTU (default 9000 -> RoCE MTU 4096)
