@@ -172,6 +172,8 @@ pub struct PoolGeometry {
     capacity: u64,
     /// `capacity / page_size`, kept to avoid a division per page.
     pages: u64,
+    /// `page_size - 1` when the page size is a power of two (alignment by mask), else 0.
+    page_mask: u64,
     /// Bytes of one token of one layer: K (or latent), then V (0 for MLA).
     row: [u64; 2],
     /// Bytes of one whole buffer (`L*S*row`): K (or latent), then V.
@@ -236,6 +238,16 @@ impl PoolGeometry {
     /// `N = S / P`, the number of pages.
     pub const fn pages(&self) -> u64 {
         self.pages
+    }
+
+    /// Whether token slot `t` starts a page (a mask test for power-of-two page sizes).
+    #[inline]
+    pub const fn is_page_start(&self, t: u64) -> bool {
+        if self.page_mask != 0 || self.page_size == 1 {
+            t & self.page_mask == 0
+        } else {
+            t.is_multiple_of(self.page_size)
+        }
     }
 
     /// Heads of one buffer: `H` for K and V, 1 for the latent buffer.
@@ -432,6 +444,11 @@ impl GeometryBuilder {
             dtype_bytes,
             capacity,
             pages: capacity / page_size,
+            page_mask: if page_size.is_power_of_two() {
+                page_size - 1
+            } else {
+                0
+            },
             row: [k_row, v_row],
             buffer: [k_buf, v_buf],
         })

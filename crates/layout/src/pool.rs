@@ -311,7 +311,7 @@ impl Pool {
             });
         }
         let strict = self.checks == Checks::Strict;
-        if (strict || aligned_only) && !t0.is_multiple_of(p) {
+        if (strict || aligned_only) && !g.is_page_start(t0) {
             return Err(LayoutError::Misaligned {
                 position,
                 slot: t0,
@@ -377,10 +377,7 @@ impl Pool {
                 }
             }
             _ => {
-                // SGLang's asymmetric pool floors the slot to the page start for
-                // page_first_direct; the symmetric and MLA pools do not. Extensions are
-                // always aligned, so flooring them changes nothing.
-                let unit = if g.kind() == PoolKind::MhaSplit && self.layout != Layout::PageFirst {
+                let unit = if self.floors_slot() {
                     t0 - t0 % g.page_size()
                 } else {
                     t0
@@ -458,13 +455,68 @@ impl Pool {
     /// As [`Pool::for_each_segment`]; `out` is left empty on error.
     pub fn page_meta_into(&self, indices: &[u64], out: &mut Segments) -> Result<()> {
         out.clear();
-        let pages = indices.len() / self.geometry.page_size() as usize;
+        let pages = self.check_count(indices)?;
+        let p = self.geometry.page_size() as usize;
+        if self.layout.is_page_major() {
+            // Validate every page first, then fill the lists in straight-line loops.
+            let aligned_only = !self.sglang_has_meta();
+            for (pos, chunk) in indices.chunks_exact(p).enumerate() {
+                self.page_start(pos, chunk, aligned_only)?;
+            }
+            let firsts = indices.chunks_exact(p).map(|c| c[0]);
+            if self.floors_slot() {
+                let ps = self.geometry.page_size();
+                self.fill_page_major(firsts.map(|t| t - t % ps), out);
+            } else {
+                self.fill_page_major(firsts, out);
+            }
+            return Ok(());
+        }
         out.reserve(pages.saturating_mul(self.entries_per_page()));
         let r = self.for_each_segment(indices, |_, s| out.push(s));
         if r.is_err() {
             out.clear();
         }
         r.map(|_| ())
+    }
+
+    /// SGLang's asymmetric pool floors the first slot to the page start for
+    /// `page_first_direct`; the symmetric and MLA pools do not. Extensions are always
+    /// aligned, so flooring them changes nothing.
+    fn floors_slot(&self) -> bool {
+        self.geometry.kind() == PoolKind::MhaSplit
+            && self.layout == Layout::PageFirstDirect
+            && self.checks == Checks::Sglang
+    }
+
+    /// Page-major lists from each page's (validated) first slot: per page, each buffer at
+    /// `base + t0 * L * row`, `L * P * row` long.
+    fn fill_page_major(&self, firsts: impl ExactSizeIterator<Item = u64>, out: &mut Segments) {
+        let g = &self.geometry;
+        let n = firsts.len();
+        match *self.components() {
+            [c] => {
+                let (b, step) = (self.base(c), g.layers() * g.row_bytes(c));
+                out.ptrs.extend(firsts.map(|t| b + t * step));
+                out.lens.resize(n, g.page_bytes(c));
+            }
+            [k, v] => {
+                let (kb, ks) = (self.base(k), g.layers() * g.row_bytes(k));
+                let (vb, vs) = (self.base(v), g.layers() * g.row_bytes(v));
+                out.ptrs.resize(2 * n, 0);
+                for (pair, t) in out.ptrs.chunks_exact_mut(2).zip(firsts) {
+                    pair[0] = kb + t * ks;
+                    pair[1] = vb + t * vs;
+                }
+                out.lens.resize(2 * n, 0);
+                let (kl, vl) = (g.page_bytes(k), g.page_bytes(v));
+                for pair in out.lens.chunks_exact_mut(2) {
+                    pair[0] = kl;
+                    pair[1] = vl;
+                }
+            }
+            _ => unreachable!("pools have one or two buffers"),
+        }
     }
 
     /// [`Pool::page_meta`] for page indices.
@@ -484,6 +536,17 @@ impl Pool {
     /// [`LayoutError::PageOutOfRange`]; `out` is left empty on error.
     pub fn page_meta_for_pages_into(&self, pages: &[u64], out: &mut Segments) -> Result<()> {
         out.clear();
+        if self.layout.is_page_major() {
+            // One entry per page and buffer at `base + page * page_bytes`: check all pages
+            // in one pass, then fill both lists with straight-line loops.
+            let n = self.geometry.pages();
+            if let Some(&page) = pages.iter().find(|&&p| p >= n) {
+                return Err(LayoutError::PageOutOfRange { page, pages: n });
+            }
+            let ps = self.geometry.page_size();
+            self.fill_page_major(pages.iter().map(|&p| p * ps), out);
+            return Ok(());
+        }
         out.reserve(pages.len().saturating_mul(self.entries_per_page()));
         let r = self.for_each_page_segment(pages, |_, s| out.push(s));
         if r.is_err() {

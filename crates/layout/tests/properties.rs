@@ -528,3 +528,53 @@ proptest! {
         prop_assert_eq!(got, want);
     }
 }
+
+proptest! {
+    /// With SGLang's own checks, any first slot that leaves the page inside the pool gives
+    /// SGLang's formula (§4 of the reference), the other slots are ignored, and the visitor
+    /// and the lists agree.
+    #[test]
+    fn sglang_checks_follow_sglangs_formula(
+        case in case_strategy(),
+        firsts in prop::collection::vec(any::<u64>(), 0..6),
+        junk in any::<u64>(),
+    ) {
+        let pool = case.pool.with_checks(Checks::Sglang);
+        prop_assume!(pool.sglang_has_meta());
+        let g = *pool.geometry();
+        let (p, s) = (g.page_size(), g.capacity());
+        let firsts: Vec<u64> = firsts.iter().map(|f| f % (s - p + 1)).collect();
+        let mut tokens = Vec::new();
+        for &t0 in &firsts {
+            tokens.push(t0);
+            tokens.extend((1..p).map(|i| junk.wrapping_mul(i)));
+        }
+        let mut want = Vec::new();
+        for &t0 in &firsts {
+            match pool.layout() {
+                Layout::LayerFirst => {
+                    for l in 0..g.layers() {
+                        for &c in pool.components() {
+                            let row = g.row_bytes(c);
+                            want.push((pool.base(c) + t0 * row + l * s * row, p * row));
+                        }
+                    }
+                }
+                layout => {
+                    let floor = g.kind() == PoolKind::MhaSplit && layout == Layout::PageFirstDirect;
+                    let unit = if floor { t0 / p * p } else { t0 };
+                    for &c in pool.components() {
+                        let row = g.row_bytes(c);
+                        want.push((pool.base(c) + unit * g.layers() * row, g.layers() * p * row));
+                    }
+                }
+            }
+        }
+        let meta = pool.page_meta(&tokens).unwrap();
+        let got: Vec<_> = meta.iter().map(|s| (s.addr, s.len)).collect();
+        prop_assert_eq!(&got, &want);
+        let mut visited = Vec::new();
+        pool.for_each_segment(&tokens, |_, s| visited.push((s.addr, s.len))).unwrap();
+        prop_assert_eq!(&visited, &want);
+    }
+}
