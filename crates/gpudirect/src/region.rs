@@ -171,30 +171,62 @@ impl GpuEngine {
             PathEvidence::no_rdma(dmabuf_attr, &format!("{} backend", kind.as_str()))
         } else {
             let dev = self.engine.backend_info().device;
+            let page = crate::memory::HOST_ALIGN as u64;
+            let aligned = ptr.0.is_multiple_of(page) && (len as u64).is_multiple_of(page);
+            #[cfg_attr(not(feature = "cuda"), allow(unused_mut))]
+            let mut fd: Option<std::os::fd::OwnedFd> = None;
             let dmabuf_export = match (dmabuf_attr, ordinal) {
                 (false, _) => Step::NotTried("attribute says unsupported".into()),
                 (true, None) => Step::NotTried("not a CUDA allocation".into()),
+                (true, Some(_)) if !aligned => {
+                    Step::NotTried(format!("range {:#x}+{len} is not host-page aligned", ptr.0))
+                }
                 #[cfg(feature = "cuda")]
                 (true, Some(o)) => match crate::ffi::dmabuf_export(o, ptr.0, len) {
-                    Ok(_fd) => Step::Ok,
+                    Ok(f) => {
+                        fd = Some(f);
+                        Step::Ok
+                    }
                     Err(e) => Step::Failed(e.to_string()),
                 },
                 #[cfg(not(feature = "cuda"))]
                 (true, Some(_)) => Step::NotTried("built without CUDA".into()),
             };
-            // The transport engine does not expose reg_dmabuf_mr yet; until it
-            // does, dma-buf stops at the export step and peermem is tried next.
-            let reg_dmabuf_mr =
-                Step::NotTried("pagewire-transport has no dma-buf registration API yet".into());
-            // SAFETY: the caller's contract keeps the range allocated until
-            // deregistration, when we deregister it from the transport too.
-            let reg = unsafe { self.engine.register_raw(ptr.0 as *mut u8, len, access) };
-            let reg_mr_peermem = match reg {
-                Ok(id) => {
-                    transport_region = Some(id);
-                    Step::Ok
+            let reg_dmabuf_mr = match &fd {
+                None => Step::NotTried("no dma-buf fd".into()),
+                Some(f) => {
+                    use std::os::fd::AsFd;
+                    // SAFETY: the fd exports exactly [ptr, ptr+len), which the
+                    // caller's contract keeps allocated until deregistration; the
+                    // region is addressed by the device addresses (iova = ptr).
+                    let r = unsafe {
+                        self.engine
+                            .register_dmabuf(f.as_fd(), 0, len, ptr.0, access)
+                    };
+                    match r {
+                        Ok(id) => {
+                            transport_region = Some(id);
+                            Step::Ok
+                        }
+                        Err(e) => Step::Failed(e.to_string()),
+                    }
                 }
-                Err(e) => Step::Failed(e.to_string()),
+            };
+            // Each MR holds its own reference to the dma-buf.
+            drop(fd);
+            let reg_mr_peermem = if transport_region.is_some() {
+                Step::NotTried("dma-buf registration succeeded".into())
+            } else {
+                // SAFETY: the caller's contract keeps the range allocated until
+                // deregistration, when we deregister it from the transport too.
+                let reg = unsafe { self.engine.register_raw(ptr.0 as *mut u8, len, access) };
+                match reg {
+                    Ok(id) => {
+                        transport_region = Some(id);
+                        Step::Ok
+                    }
+                    Err(e) => Step::Failed(e.to_string()),
+                }
             };
             PathEvidence {
                 rdma_device: Some(dev),
