@@ -3,12 +3,13 @@
 # fails. Each case boots one guest (about 5-10 s each under TCG).
 #   1. smoke: rxe0 is ACTIVE, the RDMA_* contract is set, a file written to $SOFTROCE_OUT
 #      comes back to the host                                   -> exit 0
-#   2. a job that fails (exit 3)                                -> exit 3
-#   3. rxe0 cannot be created (netdev that does not exist)      -> exit 123, loud message
-#   4. rxe0 cannot be created (crc32 transform missing)         -> exit 123, loud message
-#   5. a job that hangs, with --timeout 15                      -> exit 124
-#   6. the guest kernel panics mid-job                          -> exit 125
-#   7. cargo-test wrapper on fixture/ (one test binary fails)   -> exit 1, "1 passed, 1 failed"
+#   2. --two-devices: rxe0 on veth0 and rxe1 on veth1, ACTIVE  -> exit 0
+#   3. a job that fails (exit 3)                                -> exit 3
+#   4. rxe0 cannot be created (netdev that does not exist)      -> exit 123, loud message
+#   5. rxe0 cannot be created (crc32 transform missing)         -> exit 123, loud message
+#   6. a job that hangs, with --timeout 15                      -> exit 124
+#   7. the guest kernel panics mid-job                          -> exit 125
+#   8. cargo-test wrapper on fixture/ (one test binary fails)   -> exit 1, "1 passed, 1 failed"
 # Runner options given here (e.g. --mem, --cpus) apply to every case.
 set -uo pipefail
 
@@ -50,6 +51,15 @@ if [[ "$(cat "$work/out/smoke.txt" 2>/dev/null)" != "written in the guest" ]]; t
     echo "selftest: FAIL  the file written to \$SOFTROCE_OUT did not come back"
     failures=$((failures + 1))
 fi
+
+cat >"$work/two.sh" <<'EOF'
+set -e
+[ "$RDMA_DEVICE" = rxe0 ] && [ "$RDMA_DEVICE2" = rxe1 ]
+rdma link show | grep -q 'rxe0/1 state ACTIVE .* netdev veth0'
+rdma link show | grep -q 'rxe1/1 state ACTIVE .* netdev veth1'
+echo "TWO-OK"
+EOF
+check "two devices on a veth pair" 0 "TWO-OK" --two-devices "$work/two.sh" "$@"
 
 printf 'echo "this job fails on purpose"\nexit 3\n' >"$work/fail.sh"
 check "failing job returns its status" 3 "fails on purpose" "$work/fail.sh" "$@"
