@@ -456,21 +456,14 @@ impl Pool {
     pub fn page_meta_into(&self, indices: &[u64], out: &mut Segments) -> Result<()> {
         out.clear();
         let pages = self.check_count(indices)?;
-        let p = self.geometry.page_size() as usize;
         if self.layout.is_page_major() {
-            // Validate every page first, then fill the lists in straight-line loops.
-            let aligned_only = !self.sglang_has_meta();
-            for (pos, chunk) in indices.chunks_exact(p).enumerate() {
-                self.page_start(pos, chunk, aligned_only)?;
+            // One pass: validate each page and write its entries (the index array is the
+            // bulk of the memory traffic, so it is read once).
+            let r = self.fill_page_major_checked(indices, pages, out);
+            if r.is_err() {
+                out.clear();
             }
-            let firsts = indices.chunks_exact(p).map(|c| c[0]);
-            if self.floors_slot() {
-                let ps = self.geometry.page_size();
-                self.fill_page_major(firsts.map(|t| t - t % ps), out);
-            } else {
-                self.fill_page_major(firsts, out);
-            }
-            return Ok(());
+            return r;
         }
         out.reserve(pages.saturating_mul(self.entries_per_page()));
         let r = self.for_each_segment(indices, |_, s| out.push(s));
@@ -487,6 +480,52 @@ impl Pool {
         self.geometry.kind() == PoolKind::MhaSplit
             && self.layout == Layout::PageFirstDirect
             && self.checks == Checks::Sglang
+    }
+
+    /// Page-major lists from token slots, validating each page on the way.
+    fn fill_page_major_checked(
+        &self,
+        indices: &[u64],
+        pages: usize,
+        out: &mut Segments,
+    ) -> Result<()> {
+        let g = &self.geometry;
+        let ps = g.page_size();
+        let aligned_only = !self.sglang_has_meta();
+        let floor = self.floors_slot();
+        let chunks = indices.chunks_exact(ps as usize).enumerate();
+        let first = |pos, chunk| -> Result<u64> {
+            let t0 = self.page_start(pos, chunk, aligned_only)?;
+            Ok(if floor { t0 - t0 % ps } else { t0 })
+        };
+        match *self.components() {
+            [c] => {
+                let (b, step) = (self.base(c), g.layers() * g.row_bytes(c));
+                out.ptrs.resize(pages, 0);
+                for ((pos, chunk), ptr) in chunks.zip(out.ptrs.iter_mut()) {
+                    *ptr = b + first(pos, chunk)? * step;
+                }
+                out.lens.resize(pages, g.page_bytes(c));
+            }
+            [k, v] => {
+                let (kb, ks) = (self.base(k), g.layers() * g.row_bytes(k));
+                let (vb, vs) = (self.base(v), g.layers() * g.row_bytes(v));
+                out.ptrs.resize(2 * pages, 0);
+                for ((pos, chunk), pair) in chunks.zip(out.ptrs.chunks_exact_mut(2)) {
+                    let t = first(pos, chunk)?;
+                    pair[0] = kb + t * ks;
+                    pair[1] = vb + t * vs;
+                }
+                out.lens.resize(2 * pages, 0);
+                let (kl, vl) = (g.page_bytes(k), g.page_bytes(v));
+                for pair in out.lens.chunks_exact_mut(2) {
+                    pair[0] = kl;
+                    pair[1] = vl;
+                }
+            }
+            _ => unreachable!("pools have one or two buffers"),
+        }
+        Ok(())
     }
 
     /// Page-major lists from each page's (validated) first slot: per page, each buffer at
