@@ -497,7 +497,7 @@ pub fn plan_into(
         let mut emit = |s: u64, d: u64, len: u64| m.add(s, d, len);
         // Every address below lies inside a buffer whose end was checked by `Pool::new`.
         if layer_major {
-            let w = Walk::new(src.axes(c, 1, heads, &ss, &ds), ss.row);
+            let w = Walk::new(src.axes(1, heads, &ss, &ds), ss.row);
             for l in 0..gs.layers() {
                 for (&ps, &pd) in src_pages.iter().zip(dst_pages) {
                     let s0 = sb + ps * ss.page + l * ss.layer;
@@ -506,7 +506,7 @@ pub fn plan_into(
                 }
             }
         } else {
-            let w = Walk::new(src.axes(c, gs.layers(), heads, &ss, &ds), ss.row);
+            let w = Walk::new(src.axes(gs.layers(), heads, &ss, &ds), ss.row);
             if w.is_single() {
                 // Same byte order on both sides: one block per page (the common case).
                 for (&ps, &pd) in src_pages.iter().zip(dst_pages) {

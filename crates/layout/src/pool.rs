@@ -755,7 +755,7 @@ impl Pool {
             for &c in self.components() {
                 let s = self.strides(c);
                 let start = self.base(c) + page * s.page + layer * s.layer;
-                let w = Walk::new(self.axes(c, 1, g.component_heads(c), &s, &s), s.row);
+                let w = Walk::new(self.axes(1, g.component_heads(c), &s, &s), s.row);
                 w.run(start, start, &mut |addr, _, len| {
                     f(c, Segment { addr, len });
                 });
@@ -794,17 +794,15 @@ impl Pool {
             .collect()
     }
 
-    /// The in-page axes of buffer `c` in this layout's order, with the given layer and head
-    /// counts (tokens: the whole page) and the strides of both ends.
+    /// The in-page axes in this layout's order, with the given layer and head counts
+    /// (tokens: the whole page) and the strides of both ends.
     pub(crate) fn axes(
         &self,
-        c: Component,
         layers: u64,
         heads: u64,
         src: &Strides,
         dst: &Strides,
     ) -> [WalkAxis; 3] {
-        let _ = c;
         self.layout.axis_order().map(|a| WalkAxis {
             count: match a {
                 Axis::Layer => layers,
