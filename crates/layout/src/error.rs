@@ -124,6 +124,12 @@ pub enum LayoutError {
         /// The number of pages of the pool.
         pages: u64,
     },
+    /// A destination page appears twice in a plan: two sources would race for it.
+    #[error("destination page {page} appears more than once")]
+    DuplicatePage {
+        /// The repeated page.
+        page: u64,
+    },
     /// A layer, head or element index lies beyond its axis.
     #[error("{axis} {index} is out of range (the pool has {size})")]
     IndexOutOfRange {

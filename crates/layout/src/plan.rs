@@ -389,10 +389,14 @@ impl HeadShards {
 ///
 /// # Errors
 /// [`LayoutError::KindMismatch`], [`LayoutError::GeometryMismatch`],
-/// [`LayoutError::LengthMismatch`], [`LayoutError::PageOutOfRange`].
+/// [`LayoutError::LengthMismatch`], [`LayoutError::PageOutOfRange`],
+/// [`LayoutError::DuplicatePage`] (a destination page listed twice).
 pub fn plan(src: &Pool, dst: &Pool, src_pages: &[u64], dst_pages: &[u64]) -> Result<TransferPlan> {
     let (hs, hd) = (src.geometry().heads(), dst.geometry().heads());
-    if hs != hd {
+    // (MLA against MHA is reported as a kind mismatch by `plan_into`.)
+    let same_family =
+        (src.geometry().kind() == PoolKind::Mla) == (dst.geometry().kind() == PoolKind::Mla);
+    if hs != hd && same_family {
         return Err(LayoutError::GeometryMismatch {
             what: "heads",
             src: hs,
@@ -469,6 +473,7 @@ pub fn plan_into(
             return Err(LayoutError::PageOutOfRange { page, pages: n });
         }
     }
+    check_distinct(dst_pages)?;
     // The heads both pools hold, as local head indices on each side.
     let (h_src, h_dst, heads) = if mla {
         (0, 0, 1)
@@ -521,6 +526,20 @@ pub fn plan_into(
         m.finish();
     }
     Ok(())
+}
+
+/// A source page may go to several destinations, but two sources must not write one page.
+/// Increasing lists (the common case) pass in one scan; others are sorted in a copy.
+fn check_distinct(pages: &[u64]) -> Result<()> {
+    if pages.windows(2).all(|w| w[0] < w[1]) {
+        return Ok(());
+    }
+    let mut sorted = pages.to_vec();
+    sorted.sort_unstable();
+    match sorted.windows(2).find(|w| w[0] == w[1]) {
+        Some(w) => Err(LayoutError::DuplicatePage { page: w[0] }),
+        None => Ok(()),
+    }
 }
 
 #[cfg(test)]

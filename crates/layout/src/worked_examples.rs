@@ -334,3 +334,62 @@ fn base_validation() {
         })
     );
 }
+
+#[test]
+fn plans_refuse_bad_page_lists() {
+    let a = Pool::new(mha(), Layout::PageFirst, 0x1000, None).unwrap();
+    let b = Pool::new(mha(), Layout::PageHead, 0x10000, None).unwrap();
+    assert_eq!(
+        plan(&a, &b, &[1, 2, 3], &[4, 5, 4]),
+        Err(LayoutError::DuplicatePage { page: 4 })
+    );
+    // One source to two destinations is a broadcast, not a race.
+    assert!(plan(&a, &b, &[1, 1], &[6, 2]).is_ok());
+    assert_eq!(
+        plan(&a, &b, &[1, 8], &[2, 3]),
+        Err(LayoutError::PageOutOfRange { page: 8, pages: 8 })
+    );
+    assert!(matches!(
+        plan(&a, &b, &[1, 2], &[3]),
+        Err(LayoutError::LengthMismatch {
+            left: 2,
+            right: 1,
+            ..
+        })
+    ));
+    let m = Pool::new(mla(), Layout::PageFirst, 0x100000, None).unwrap();
+    assert!(matches!(
+        plan(&a, &m, &[1], &[1]),
+        Err(LayoutError::KindMismatch { .. })
+    ));
+    let wide = PoolGeometry::builder(PoolKind::Mha)
+        .layers(2)
+        .page_size(4)
+        .heads(4)
+        .head_dim(3)
+        .dtype_bytes(2)
+        .capacity(32)
+        .build()
+        .unwrap();
+    let w = Pool::new(wide, Layout::PageFirst, 0x100000, None).unwrap();
+    assert_eq!(
+        plan(&a, &w, &[1], &[1]),
+        Err(LayoutError::GeometryMismatch {
+            what: "heads",
+            src: 2,
+            dst: 4
+        })
+    );
+    // Different TP: source rank 0 of TP 2 (heads 0..2) into a TP-1 pool of 4 heads.
+    let p = plan_with_heads(&a, &w, &[1], &[1], HeadShards::default()).unwrap();
+    assert_eq!(p.total_bytes(), 2 * 96);
+    // Shards with no common head.
+    let shards = HeadShards {
+        src_first_head: 0,
+        dst_first_head: 2,
+    };
+    assert!(matches!(
+        plan_with_heads(&a, &a, &[1], &[1], shards),
+        Err(LayoutError::HeadShard { .. })
+    ));
+}
