@@ -97,6 +97,61 @@ fn verbs_engine_reports_device_port_and_gid() -> Result<()> {
     Ok(())
 }
 
+/// GID choice on the real table (an IPv4-mapped RoCE v2 entry wins when present, e.g. with
+/// the harness's `--append sr.ip=10.9.9.1/24`), the `gid_index` override (explicit GID 0
+/// connects and moves data), and an override that names no entry (typed config error).
+#[test]
+fn verbs_gid_choice_and_override() -> Result<()> {
+    let Some(dev) = device("verbs_gid_choice_and_override") else {
+        return Ok(());
+    };
+    let devs = pagewire_transport::verbs::list_devices()?;
+    let d = devs
+        .iter()
+        .find(|d| d.name == dev)
+        .context("device listed")?;
+    let chosen = d.chosen_gid.context("a GID was chosen")?;
+    let g = d
+        .gids
+        .iter()
+        .find(|g| g.port == 1 && g.index == chosen)
+        .context("chosen GID in table")?;
+    eprintln!(
+        "{dev}: {} GIDs, chosen {chosen} = {} ({})",
+        d.gids.len(),
+        g.addr,
+        g.kind
+    );
+    if d.gids
+        .iter()
+        .any(|g| g.port == 1 && g.addr.to_ipv4_mapped().is_some())
+    {
+        ensure!(
+            g.addr.to_ipv4_mapped().is_some(),
+            "IPv4-mapped GID not preferred: {d:?}"
+        );
+    }
+    let n = 64 << 10;
+    let a = engine(&dev, |b| b.gid_index(0))?;
+    let b = engine(&dev, |b| b.gid_index(0))?;
+    ensure!(a.backend_info().gid_index == Some(0));
+    let src = filled(n, 5)?;
+    let dst = HostBuffer::new(n)?;
+    a.register(&src, Access::LOCAL_WRITE)?;
+    b.register(&dst, Access::ALL)?;
+    let peer = a.connect(b.local_addr())?;
+    a.submit(peer, Batch::new().write(src.addr(), dst.addr(), n as u64))?
+        .wait(secs(30))?;
+    ensure!(dst[..] == src[..]);
+    match engine(&dev, |b| b.gid_index(4000)) {
+        Err(e) => match e.downcast_ref::<Error>() {
+            Some(Error::Config { key, .. }) if key == "gid_index" => Ok(()),
+            _ => bail!("unexpected error {e}"),
+        },
+        Ok(_) => bail!("GID index 4000 accepted"),
+    }
+}
+
 /// Scattered local pages, contiguous remote range: WRs with equal-length SGE lists. Then
 /// READ back into a differently scattered set. Bytes verified on both sides.
 #[test]
