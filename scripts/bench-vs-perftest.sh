@@ -22,8 +22,9 @@
 #   --tcp-size SIZE          message size of pagewire's TCP runs (default 1M)
 #   --tcp-secs S             seconds per TCP run (default 5)
 #   --streams "1 4"          stream counts compared with iperf3 (default "1 4")
-#   --out DIR                raw outputs and tables (default target/bench-vs-perftest, or
-#                            $SOFTROCE_OUT/bench-vs-perftest inside the VM)
+#   --out DIR                raw outputs and tables (default: a new directory per invocation,
+#                            target/bench-vs-perftest/<time>-<pid>, or under $SOFTROCE_OUT
+#                            inside the VM, so concurrent runs never mix their files)
 #   --pagewire PATH          the binary (default target/release/pagewire)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -49,7 +50,8 @@ while (($#)); do
     esac
 done
 if [[ -z "$out" ]]; then
-    if [[ -n "${SOFTROCE_OUT:-}" ]]; then out="$SOFTROCE_OUT/bench-vs-perftest"; else out="target/bench-vs-perftest"; fi
+    stamp="$(date -u +%Y%m%d-%H%M%S)-$$"
+    if [[ -n "${SOFTROCE_OUT:-}" ]]; then out="$SOFTROCE_OUT/bench-vs-perftest/$stamp"; else out="target/bench-vs-perftest/$stamp"; fi
 fi
 mkdir -p "$out/raw"
 [[ -x "$pw" ]] || { echo "bench-vs-perftest: $pw not found; build it: cargo build --release -p pagewire-cli" >&2; exit 1; }

@@ -187,11 +187,17 @@ impl PerfArgs {
         })
     }
 
+    /// `-t`, else 128 (bandwidth) or 1 (latency); like perftest, never more than the
+    /// iteration count of a fixed-iteration run.
     pub fn tx_depth(&self, kind: TestKind) -> u32 {
-        self.tx_depth.unwrap_or(match kind {
+        let d = self.tx_depth.unwrap_or(match kind {
             TestKind::Lat => 1,
             _ => 128,
-        })
+        });
+        match self.duration {
+            Some(_) => d,
+            None => d.min(u32::try_from(self.iters(kind)).unwrap_or(u32::MAX)),
+        }
     }
 
     /// Operations per batch: `-Q`, else half the TX depth (so one batch is always in
