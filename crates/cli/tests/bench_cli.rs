@@ -305,3 +305,69 @@ fn bad_flags_fail_with_a_message() {
         assert!(!out.stderr.is_empty(), "{args:?}: no message");
     }
 }
+
+/// A client that says a valid hello and then never connects its engine is dropped after
+/// the handshake deadline; the server then serves the next client.
+#[test]
+fn server_survives_a_client_that_vanishes_after_hello() {
+    let port = free_port();
+    let ps = port.to_string();
+    let common = [
+        "--transport",
+        "tcp",
+        "-s",
+        "8K",
+        "-n",
+        "20",
+        "--timeout",
+        "2",
+    ];
+    let mut sargs = vec!["bench", "write", "--server", "-p", &ps];
+    sargs.extend(common);
+    let server = pagewire()
+        .args(&sargs)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut s = loop {
+        match TcpStream::connect(("127.0.0.1", port)) {
+            Ok(s) => break s,
+            Err(_) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(50)),
+            Err(e) => panic!("server never listened: {e}"),
+        }
+    };
+    let body = serde_json::json!({
+        "msg": "hello", "version": 1, "test": "write",
+        "params": {"sizes": [8192], "iters": 20, "duration": null, "margin": 0.0, "qps": 1,
+                   "tx_depth": 20, "cq_mod": 10, "bidirectional": false, "verify": false,
+                   "transport": "tcp"}
+    })
+    .to_string();
+    let mut frame = b"PWB1".to_vec();
+    frame.extend_from_slice(&(body.len() as u32).to_be_bytes());
+    frame.extend_from_slice(body.as_bytes());
+    s.write_all(&frame).unwrap();
+    // Read the welcome, then vanish without connecting an engine.
+    let mut head = [0u8; 8];
+    std::io::Read::read_exact(&mut s, &mut head).unwrap();
+    assert_eq!(&head[..4], b"PWB1");
+    drop(s);
+    // The server is still waiting out the vanished client: give the welcome time.
+    let mut cargs = vec!["bench", "write", "127.0.0.1", "-p", &ps];
+    cargs.extend(&common[..6]);
+    cargs.extend(["--timeout", "20"]);
+    let client = run(&cargs);
+    assert_eq!(
+        rows(
+            &String::from_utf8(client.stdout).unwrap(),
+            " #bytes     #iterations"
+        )[0][0],
+        "8192"
+    );
+    let sout = server.wait_with_output().unwrap();
+    let serr = String::from_utf8_lossy(&sout.stderr);
+    assert!(sout.status.success(), "{serr}");
+    assert!(serr.contains("client setup failed"), "{serr}");
+}

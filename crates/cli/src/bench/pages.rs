@@ -690,7 +690,7 @@ pub fn run_default() -> anyhow::Result<()> {
 }
 
 fn server(a: &PagesArgs, listener: std::net::TcpListener, quiet: bool) -> anyhow::Result<()> {
-    use super::oob::{Msg, Welcome};
+    use super::oob::Msg;
     use super::session;
     let timeout = std::time::Duration::from_secs_f64(a.timeout);
     if !quiet {
@@ -699,7 +699,61 @@ fn server(a: &PagesArgs, listener: std::net::TcpListener, quiet: bool) -> anyhow
             listener.local_addr()?
         );
     }
-    let mut ch = session::server_accept(&listener, "pages", &sym_params(a), timeout, quiet)?;
+    // A client that fails between its hello and the first barrier is dropped; the server
+    // keeps waiting for another.
+    let (mut ch, engine, local, g) = loop {
+        let ch = session::server_accept(&listener, "pages", &sym_params(a), timeout, quiet)?;
+        match server_setup(a, ch, quiet, timeout) {
+            Ok(x) => break x,
+            Err(e) if !quiet => {
+                eprintln!(" pagewire: client setup failed: {e:#}; waiting for another client");
+            }
+            Err(e) => return Err(e),
+        }
+    };
+    ch.barrier(2)?;
+    let mut outcome = Ok(());
+    if a.verify && a.op == PageOp::Write {
+        let v = verify_pool(a, g, &local.buf[..])?;
+        let (ok, detail) = match &v {
+            Ok(d) => (true, d.clone()),
+            Err(d) => (false, d.clone()),
+        };
+        ch.send(&Msg::Verified {
+            size: local.buf.len() as u64,
+            ok,
+            detail: detail.clone(),
+        })?;
+        if !ok {
+            outcome = Err(anyhow::anyhow!(
+                "verification failed on the server: {detail}"
+            ));
+        }
+    }
+    ch.barrier(3)?;
+    if !quiet {
+        eprintln!(
+            " pagewire bench pages: run finished ({} batches of {} pages)",
+            a.iters, a.pages
+        );
+    }
+    engine.shutdown();
+    outcome
+}
+
+fn server_setup(
+    a: &PagesArgs,
+    mut ch: super::oob::Channel,
+    quiet: bool,
+    timeout: std::time::Duration,
+) -> anyhow::Result<(
+    super::oob::Channel,
+    pagewire_transport::Engine,
+    super::session::Local,
+    PoolGeometry,
+)> {
+    use super::oob::{Msg, Welcome};
+    use super::session;
     let listen: std::net::SocketAddr = if quiet { "127.0.0.1:0" } else { "0.0.0.0:0" }
         .parse()
         .expect("literal");
@@ -720,34 +774,7 @@ fn server(a: &PagesArgs, listener: std::net::TcpListener, quiet: bool) -> anyhow
     }))?;
     let _peer = session::accept_engine(&engine, timeout)?;
     ch.barrier(1)?;
-    ch.barrier(2)?;
-    let mut outcome = Ok(());
-    if a.verify && a.op == PageOp::Write {
-        let v = verify_pool(a, g, &local.buf[..])?;
-        let (ok, detail) = match &v {
-            Ok(d) => (true, d.clone()),
-            Err(d) => (false, d.clone()),
-        };
-        ch.send(&Msg::Verified {
-            size: bytes,
-            ok,
-            detail: detail.clone(),
-        })?;
-        if !ok {
-            outcome = Err(anyhow::anyhow!(
-                "verification failed on the server: {detail}"
-            ));
-        }
-    }
-    ch.barrier(3)?;
-    if !quiet {
-        eprintln!(
-            " pagewire bench pages: run finished ({} batches of {} pages)",
-            a.iters, a.pages
-        );
-    }
-    engine.shutdown();
-    outcome
+    Ok((ch, engine, local, g))
 }
 
 fn client(

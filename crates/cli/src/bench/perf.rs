@@ -130,21 +130,44 @@ fn server(
             listener.local_addr()?
         );
     }
-    let ch = session::server_accept(&listener, kind.name(), &params, timeout, quiet)?;
+    // A client that said a valid hello but then fails the engine handshake (or vanishes)
+    // is logged and dropped like a foreign connection; the server keeps waiting.
+    let mut end = loop {
+        let ch = session::server_accept(&listener, kind.name(), &params, timeout, quiet)?;
+        match server_setup(kind, args, sizes, ch, quiet, timeout) {
+            Ok(end) => break end,
+            Err(e) if !quiet => {
+                eprintln!(" pagewire: client setup failed: {e:#}; waiting for another client");
+            }
+            Err(e) => return Err(e),
+        }
+    };
+    let r = end.run_all(kind, args, sizes);
+    end.engine.shutdown();
+    r
+}
+
+fn server_setup(
+    kind: TestKind,
+    args: &PerfArgs,
+    sizes: &[u64],
+    mut ch: Channel,
+    quiet: bool,
+    timeout: Duration,
+) -> anyhow::Result<End> {
     let listen: SocketAddr = if quiet { "127.0.0.1:0" } else { "0.0.0.0:0" }
         .parse()
         .expect("literal");
     let engine = session::open_engine(&engine_opts(kind, args), listen)?;
     let half = *sizes.iter().max().expect("at least one size");
     let local = Local::new(&engine, 2 * half)?;
-    let mut ch = ch;
     ch.send(&Msg::Welcome(Welcome {
         engine_port: engine.local_addr().port(),
         buf_len: 2 * half,
     }))?;
     let peer = session::accept_engine(&engine, timeout)?;
     let remote = session::remote_buffer(&engine, peer, 2 * half)?;
-    let mut end = End {
+    Ok(End {
         engine,
         peer,
         local,
@@ -154,10 +177,7 @@ fn server(
         print: !quiet,
         half,
         timeout,
-    };
-    let r = end.run_all(kind, args, sizes);
-    end.engine.shutdown();
-    r
+    })
 }
 
 fn client(
