@@ -732,7 +732,12 @@ fn peer_role_helper() {
         return;
     }
     let e = engine(BackendKind::Tcp).expect("engine");
-    let (buf, _) = buffer(&e, 64 << 20, Access::ALL).expect("buffer");
+    let (buf, _) = buffer(
+        &e,
+        max_bytes().clamp(4 << 20, 64 << 20) as usize,
+        Access::ALL,
+    )
+    .expect("buffer");
     println!("LISTEN {} {:#x}", e.local_addr(), buf.addr());
     std::io::stdout().flush().ok();
     // Serve until killed (bounded, so an orphan cannot live forever).
@@ -768,7 +773,7 @@ fn peer_process_killed() -> Result<()> {
         }
     };
     let a = engine(BackendKind::Tcp)?;
-    let n = 64 << 20;
+    let n = max_bytes().clamp(4 << 20, 64 << 20) as usize;
     let (mut src, _) = buffer(&a, n, Access::LOCAL_WRITE)?;
     fill_pattern(&mut src, 8);
     let peer = a.connect(addr)?;

@@ -12,12 +12,19 @@ use pagewire_transport::{
 /// Bytes written around targets to detect stray writes.
 pub const GUARD: u8 = 0xEE;
 
-/// Largest single transfer the size sweep uses (`PAGEWIRE_TEST_MAX_BYTES`, default 64 MiB).
+/// Largest single transfer the size sweep uses: `PAGEWIRE_TEST_MAX_BYTES`, else 64 MiB,
+/// or 8 MiB inside the soft-RoCE guest (`SOFTROCE=1`: rxe under TCG moves ~50 MB/s and the
+/// guest has 1 GiB of memory).
 pub fn max_bytes() -> u64 {
+    let default = if std::env::var("SOFTROCE").is_ok_and(|v| v == "1") {
+        8 << 20
+    } else {
+        64 << 20
+    };
     std::env::var("PAGEWIRE_TEST_MAX_BYTES")
         .ok()
         .and_then(|v| parse_size(&v))
-        .unwrap_or(64 << 20)
+        .unwrap_or(default)
 }
 
 fn parse_size(v: &str) -> Option<u64> {
