@@ -2,7 +2,7 @@
 //! copies through the pinned ring, and staged transfers end to end over the
 //! loopback or TCP transport, bytes verified.
 //!
-//! `cargo run --release -p pagewire-examples --features cuda \
+//! `cargo run --release -p pagewire-examples --no-default-features --features cuda \
 //!   --example gpu_staged_bench -- --bytes 256M --chunk 2M --depth 4 --iters 5 [--require-gpu]`
 
 use pagewire_gpudirect::bench::{StagedBenchOptions, run_staged_bench};

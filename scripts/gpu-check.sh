@@ -36,7 +36,9 @@ fail() { echo "FAIL: $*" >&2; FAILED+=("$*"); }
 # Build the test binaries and the bench example; print their paths, one a line.
 build_binaries() {
     command -v cargo >/dev/null || { echo "FAIL: cargo not found (use --prebuilt DIR)" >&2; exit 1; }
-    cargo build "${CARGO_FLAGS[@]}" --examples >&2
+    # The example lives in the examples package; without `verbs` it needs no cmake/libclang.
+    local ex_flags=("${CARGO_FLAGS[@]/pagewire-gpudirect/pagewire-examples}")
+    cargo build "${ex_flags[@]}" --example gpu_staged_bench >&2
     cargo test "${CARGO_FLAGS[@]}" --no-run --message-format=json |
         python3 -c '
 import json, sys
