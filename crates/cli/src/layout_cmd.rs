@@ -571,12 +571,15 @@ fn parse_list(s: &str) -> Result<Vec<u64>> {
             if a > b {
                 bail!("range {item:?} runs backwards");
             }
-            // Refuse absurd ranges before allocating them.
-            if b - a > 1 << 28 {
-                bail!("range {item:?} has more than 2^28 entries");
+            // Refuse absurd lists before allocating them.
+            if b - a > (1 << 28) - out.len() as u64 {
+                bail!("more than 2^28 entries (at {item:?})");
             }
             out.extend(a..b);
         } else {
+            if out.len() >= 1 << 28 {
+                bail!("more than 2^28 entries (at {item:?})");
+            }
             out.push(parse_u64(item)?);
         }
     }
@@ -594,6 +597,8 @@ mod tests {
         assert!(parse_list("3..1").is_err());
         assert!(parse_list("1,,2").is_err());
         assert!(parse_list("-1").is_err());
+        // Refused before allocating.
+        assert!(parse_list("0..268435457").is_err());
         assert_eq!(parse_addr("0x1000").unwrap(), 4096);
         assert_eq!(parse_addr("4096").unwrap(), 4096);
         assert!(parse_addr("0x").is_err());
