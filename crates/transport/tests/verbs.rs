@@ -259,6 +259,50 @@ fn verbs_many_qps_notification_after_striped_writes() -> Result<()> {
     Ok(())
 }
 
+/// A send queue window of 4 WRs, signalling every 3rd, and 512 single-page WRs (neither
+/// side contiguous, so nothing merges): the poster must repeatedly wait for the completion
+/// thread to retire groups, on both QPs, with every byte landing.
+#[test]
+fn verbs_small_window_many_wrs() -> Result<()> {
+    let Some(dev) = device("verbs_small_window_many_wrs") else {
+        return Ok(());
+    };
+    const PAGE: usize = 4096;
+    const PAGES: usize = 512;
+    let a = engine(&dev, |b| b.qps_per_peer(2).tx_depth(4).signal_every(3))?;
+    let b = engine(&dev, |b| b)?;
+    ensure!(a.backend_info().tx_depth == 4);
+    let src = filled(PAGE * PAGES * 2, 8)?;
+    let dst = HostBuffer::new(PAGE * PAGES * 2)?;
+    a.register(&src, Access::LOCAL_WRITE)?;
+    b.register(&dst, Access::ALL)?;
+    let peer = a.connect(b.local_addr())?;
+    // Page i goes from src page 2i to dst page (2 * (PAGES - 1 - i) + 1): reversed, gapped.
+    let mut batch = Batch::with_capacity(PAGES);
+    for i in 0..PAGES {
+        batch = batch.write(
+            src.addr() + (2 * i * PAGE) as u64,
+            dst.addr() + ((2 * (PAGES - 1 - i) + 1) * PAGE) as u64,
+            PAGE as u64,
+        );
+    }
+    let st = a.submit(peer, batch.notify(77))?.wait(secs(60))?;
+    ensure!(st.bytes == (PAGE * PAGES) as u64, "{st:?}");
+    ensure!(b.poll_notification(secs(10)).context("notification")?.tag == 77);
+    for i in 0..PAGES {
+        let d = (2 * (PAGES - 1 - i) + 1) * PAGE;
+        ensure!(
+            dst[d..d + PAGE] == src[2 * i * PAGE..(2 * i + 1) * PAGE],
+            "page {i}"
+        );
+        ensure!(
+            dst[d - PAGE..d].iter().all(|&x| x == 0),
+            "gap before page {i} written"
+        );
+    }
+    Ok(())
+}
+
 /// The peer deregisters its region, so our cached rkey is stale: the WRITE completes with
 /// REM_ACCESS_ERR promptly, the connection is broken (both sides), later submits fail
 /// fast, and after disconnect + connect transfers work again.
