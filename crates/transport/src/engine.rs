@@ -28,6 +28,10 @@ use crate::memory::{
 };
 use crate::wire::{self, EndpointInfo, Frame, Hello, Welcome};
 
+/// Most handshakes served at the same time from one source IP, so a single host holding
+/// half-open connections cannot starve the others.
+const MAX_HANDSHAKES_PER_IP: usize = 16;
+
 /// Most handshakes served at the same time; further connections are dropped at once.
 const MAX_CONCURRENT_HANDSHAKES: usize = 64;
 
@@ -138,6 +142,7 @@ struct Inner {
     local_addr: SocketAddr,
     shutdown: AtomicBool,
     handshakes: AtomicUsize,
+    handshakes_by_ip: Mutex<HashMap<std::net::IpAddr, usize>>,
     listener: Mutex<Option<JoinHandle<()>>>,
 }
 
@@ -203,6 +208,7 @@ impl Engine {
             local_addr,
             shutdown: AtomicBool::new(false),
             handshakes: AtomicUsize::new(0),
+            handshakes_by_ip: Mutex::new(HashMap::new()),
             listener: Mutex::new(None),
         });
         let weak = Arc::downgrade(&inner);
@@ -971,31 +977,78 @@ fn listen_loop(listener: TcpListener, inner: Weak<Inner>) {
                 continue;
             }
         };
-        if engine.handshakes.fetch_add(1, Ordering::AcqRel) >= MAX_CONCURRENT_HANDSHAKES {
-            engine.handshakes.fetch_sub(1, Ordering::AcqRel);
+        let Some(slot) = HandshakeSlot::take(&engine, &s) else {
             tracing::warn!(from = ?s.peer_addr().ok(), "too many concurrent handshakes; dropping");
             let _ = s.shutdown(Shutdown::Both);
             continue;
-        }
-        let worker = engine.clone();
+        };
         drop(engine);
         let spawned = std::thread::Builder::new()
             .name("pagewire-hs".into())
             .spawn(move || {
                 let from = s.peer_addr().ok();
-                if let Err(e) = worker.serve(s)
-                    && !worker.shutdown.load(Ordering::Acquire)
+                if let Err(e) = slot.engine.serve(s)
+                    && !slot.engine.shutdown.load(Ordering::Acquire)
                 {
                     tracing::warn!(?from, error = %e, "control connection dropped");
                 }
-                worker.handshakes.fetch_sub(1, Ordering::AcqRel);
             });
         if let Err(e) = spawned {
+            // The closure (and the slot in it) was dropped: the counts are released.
             tracing::warn!(error = %e, "cannot spawn handshake thread");
-            if let Some(engine) = inner.upgrade() {
+        }
+    }
+}
+
+/// One admitted handshake: counted globally and per source IP until dropped.
+struct HandshakeSlot {
+    engine: Arc<Inner>,
+    ip: Option<std::net::IpAddr>,
+}
+
+impl HandshakeSlot {
+    fn take(engine: &Arc<Inner>, s: &TcpStream) -> Option<HandshakeSlot> {
+        if engine.handshakes.fetch_add(1, Ordering::AcqRel) >= MAX_CONCURRENT_HANDSHAKES {
+            engine.handshakes.fetch_sub(1, Ordering::AcqRel);
+            return None;
+        }
+        let ip = s.peer_addr().ok().map(|a| a.ip());
+        if let Some(ip) = ip {
+            let mut by_ip = engine
+                .handshakes_by_ip
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            let n = by_ip.entry(ip).or_insert(0);
+            if *n >= MAX_HANDSHAKES_PER_IP {
+                drop(by_ip);
                 engine.handshakes.fetch_sub(1, Ordering::AcqRel);
+                return None;
+            }
+            *n += 1;
+        }
+        Some(HandshakeSlot {
+            engine: engine.clone(),
+            ip,
+        })
+    }
+}
+
+impl Drop for HandshakeSlot {
+    fn drop(&mut self) {
+        if let Some(ip) = self.ip {
+            let mut by_ip = self
+                .engine
+                .handshakes_by_ip
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            if let Some(n) = by_ip.get_mut(&ip) {
+                *n -= 1;
+                if *n == 0 {
+                    by_ip.remove(&ip);
+                }
             }
         }
+        self.engine.handshakes.fetch_sub(1, Ordering::AcqRel);
     }
 }
 

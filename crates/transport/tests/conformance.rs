@@ -641,6 +641,58 @@ mod suite {
         Ok(())
     }
 
+    /// A flood of half-open control connections from one host is capped (16 per source
+    /// IP): the excess is closed at once, and once the flood goes away a valid client
+    /// connects.
+    pub fn handshake_flood(kind: BackendKind) -> Result<()> {
+        let b = engine_with(config(kind).handshake_timeout(Duration::from_secs(5)))?;
+        let addr = b.local_addr();
+        let mut flood = Vec::new();
+        for _ in 0..24 {
+            flood.push(TcpStream::connect(addr)?);
+        }
+        let mut refused = 0;
+        for s in &mut flood {
+            s.set_read_timeout(Some(Duration::from_millis(100)))?;
+            match s.read(&mut [0u8; 8]) {
+                Ok(0) => refused += 1,
+                Err(e)
+                    if !matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                    ) =>
+                {
+                    refused += 1
+                }
+                _ => {}
+            }
+        }
+        ensure!(
+            refused == 8,
+            "{refused} of 24 half-open connections were closed at once"
+        );
+        drop(flood);
+        let a = engine(kind)?;
+        let t0 = Instant::now();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            match a.connect(addr) {
+                Ok(_) => break,
+                Err(e) if Instant::now() < deadline => {
+                    eprintln!("retrying after {e}");
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+                Err(e) => bail!("valid client refused after the flood: {e}"),
+            }
+        }
+        ensure!(
+            t0.elapsed() < Duration::from_secs(2),
+            "took {:?}",
+            t0.elapsed()
+        );
+        Ok(())
+    }
+
     /// Shared tokens: a wrong token is rejected with a typed error, the right one works;
     /// engines of different backends refuse each other.
     pub fn tokens_and_mismatch(kind: BackendKind) -> Result<()> {
@@ -706,6 +758,7 @@ macro_rules! all_backends {
                 registration_and_mr_split,
                 redescribe,
                 hostile_handshakes,
+                handshake_flood,
                 tokens_and_mismatch,
             ]);
         )*
