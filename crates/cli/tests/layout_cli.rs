@@ -232,6 +232,30 @@ fn cross_layout_and_head_split_plans() {
 }
 
 #[test]
+fn sglang_checks_mode() {
+    // SGLang reads only each page's first slot and does not floor it (symmetric pool).
+    let v = json(&format!(
+        "{} --layout page_first_direct --checks sglang",
+        MHA.replace("8..16", "9,0,0,0")
+    ));
+    assert_eq!(nums(&v, "ptrs"), [0x1000 + 9 * 24, 0x1300 + 9 * 24]);
+    // The asymmetric pool floors it to the page start.
+    let v = json(&format!(
+        "{} --layout page_first_direct --checks sglang",
+        SPLIT.replace("8..16", "9,0,0,0")
+    ));
+    assert_eq!(nums(&v, "ptrs"), [0x10C0, 0x9080]);
+    fails(
+        &format!("{} --layout page_first", MHA.replace("8..16", "9,0,0,0")),
+        &["slot 9", "multiple of the page size"],
+    );
+    fails(
+        &format!("{MHA} --layout page_first --checks loose"),
+        &["--checks", "loose"],
+    );
+}
+
+#[test]
 fn errors_are_one_line_and_name_the_problem() {
     let pf = format!("{MHA} --layout page_first");
     fails(
@@ -312,6 +336,20 @@ fn errors_are_one_line_and_name_the_problem() {
         "layout pd-plan --src-k 0xffffffffffffff00 --dst-k 0 --k-item-len 48 --src-pages 9 \
          --dst-pages 1 --json",
         &["overflow"],
+    );
+    fails(
+        "layout plan --pool mha --layers 2 --page-size 4 --heads 2 --head-dim 3 \
+         --dtype-bytes 2 --src-layout page_first --dst-layout layer_first --src-capacity 32 \
+         --dst-capacity 32 --src-base 0x1000 --dst-base 0x100000 --src-pages 1,2 \
+         --dst-pages 5,5 --json",
+        &["destination page 5"],
+    );
+    fails(
+        "layout plan --pool mha --layers 2 --page-size 4 --heads 2 --head-dim 3 \
+         --dtype-bytes 2 --src-layout page_first --dst-layout layer_first --src-capacity 32 \
+         --dst-capacity 32 --src-base 0x1000 --dst-base 0x100000 --src-pages 1 \
+         --dst-pages 8 --json",
+        &["page 8", "8 pages"],
     );
     fails(
         "layout pd-plan --src-k 0 --dst-k 0 --src-v 0 --k-item-len 48 --src-pages 1 \
