@@ -22,6 +22,12 @@ mkdir -p "$work/out"
 "$here/build-image.sh" >/dev/null || { echo "selftest: image build failed" >&2; exit 1; }
 
 failures=0
+# The runner keeps the job dir of every failed run; the expected failures here need none.
+drop_kept() {
+    sed -n 's/^softroce: kept job dir \(.*\)$/\1/p' "$work/log" | while read -r d; do
+        [[ "$d" == */jobs/job.* ]] && rm -rf "$d"
+    done
+}
 # check NAME EXPECTED_RC GREP_PATTERN RUNNER_ARGS... : run, compare exit status and output.
 check() {
     local name=$1 want=$2 pattern=$3 t0 got
@@ -31,6 +37,7 @@ check() {
     got=$?
     if [[ "$got" == "$want" ]] && { [[ -z "$pattern" ]] || grep -Eq "$pattern" "$work/log"; }; then
         echo "selftest: ok    $name (exit $got, $((SECONDS - t0)) s)"
+        drop_kept
     else
         echo "selftest: FAIL  $name: exit $got, wanted $want${pattern:+ and output matching /$pattern/}"
         sed 's/^/    | /' "$work/log" | tail -n 25
@@ -87,6 +94,7 @@ if ((got == 1)) && grep -q '^test binaries: 1 passed, 1 failed$' "$work/log" &&
     grep -q '^test rdma_device_from_env_exists ... ok' "$work/log" &&
     grep -q 'FAILED  softroce-fixture::fails (test)' "$work/log"; then
     echo "selftest: ok    cargo-test wrapper reports a failing test binary (exit $got, $((SECONDS - t0)) s)"
+    drop_kept
 else
     echo "selftest: FAIL  cargo-test wrapper on the fixture: exit $got, wanted 1 with 1 passed, 1 failed"
     sed 's/^/    | /' "$work/log" | tail -n 40
