@@ -49,7 +49,7 @@ pub use error::{LayoutError, Result};
 pub use geometry::{Component, GeometryBuilder, Layout, PoolGeometry, PoolKind};
 pub use plan::{
     HeadShards, PageRun, PdBuffers, Transfer, TransferPlan, Transfers, page_runs,
-    pd_connector_plan, pd_connector_plan_into, plan, plan_into, plan_with_heads,
+    pd_connector_plan, pd_connector_plan_into, plan, plan_into, plan_layers_into, plan_with_heads,
 };
 pub use pool::{Checks, ComponentSegments, LayerView, Pool};
 pub use segment::{Segment, Segments, coalesce, push_coalesced};

@@ -435,7 +435,35 @@ pub fn plan_into(
     shards: HeadShards,
     out: &mut TransferPlan,
 ) -> Result<()> {
+    let layers = src.geometry().layers();
+    plan_layers_into(src, dst, src_pages, dst_pages, shards, 0..layers, out)
+}
+
+/// [`plan_into`] restricted to the layers `layers` (for layer-by-layer sends that overlap
+/// with compute). The plans of disjoint layer ranges together move exactly the bytes of the
+/// whole plan.
+///
+/// # Errors
+/// As [`plan_with_heads`], plus [`LayoutError::IndexOutOfRange`] for a layer range that is
+/// empty or beyond the pools' layers.
+pub fn plan_layers_into(
+    src: &Pool,
+    dst: &Pool,
+    src_pages: &[u64],
+    dst_pages: &[u64],
+    shards: HeadShards,
+    layers: std::ops::Range<u64>,
+    out: &mut TransferPlan,
+) -> Result<()> {
     out.clear();
+    let n_layers = src.geometry().layers();
+    if layers.start >= layers.end || layers.end > n_layers {
+        return Err(LayoutError::IndexOutOfRange {
+            axis: "layer range end",
+            index: layers.end,
+            size: n_layers,
+        });
+    }
     let (gs, gd) = (src.geometry(), dst.geometry());
     let mla = gs.kind() == PoolKind::Mla;
     if mla != (gd.kind() == PoolKind::Mla) {
@@ -494,16 +522,20 @@ pub fn plan_into(
         )
     };
     let layer_major = src.layout() == Layout::LayerFirst;
+    let (l0, nl) = (layers.start, layers.end - layers.start);
     for &c in src.components() {
         let (ss, ds) = (src.strides(c), dst.strides(c));
-        let (sb, db) = (src.base(c) + h_src * ss.head, dst.base(c) + h_dst * ds.head);
+        let (sb, db) = (
+            src.base(c) + h_src * ss.head + l0 * ss.layer,
+            dst.base(c) + h_dst * ds.head + l0 * ds.layer,
+        );
         // One merger per buffer: never merge K into V.
         let mut m = Merger::new(out);
         let mut emit = |s: u64, d: u64, len: u64| m.add(s, d, len);
         // Every address below lies inside a buffer whose end was checked by `Pool::new`.
         if layer_major {
             let w = Walk::new(src.axes(1, heads, &ss, &ds), ss.row);
-            for l in 0..gs.layers() {
+            for l in 0..nl {
                 for (&ps, &pd) in src_pages.iter().zip(dst_pages) {
                     let s0 = sb + ps * ss.page + l * ss.layer;
                     let d0 = db + pd * ds.page + l * ds.layer;
@@ -511,7 +543,7 @@ pub fn plan_into(
                 }
             }
         } else {
-            let w = Walk::new(src.axes(gs.layers(), heads, &ss, &ds), ss.row);
+            let w = Walk::new(src.axes(nl, heads, &ss, &ds), ss.row);
             if w.is_single() {
                 // Same byte order on both sides: one block per page (the common case).
                 for (&ps, &pd) in src_pages.iter().zip(dst_pages) {

@@ -578,3 +578,37 @@ proptest! {
         prop_assert_eq!(&visited, &want);
     }
 }
+
+proptest! {
+    /// Per-layer plans over a partition of the layers move, together, exactly the bytes of
+    /// the whole plan.
+    #[test]
+    fn layer_range_plans_partition_the_plan(
+        src in case_strategy(),
+        dst_layout in layout_strategy(),
+        cut in 0..3u64,
+    ) {
+        let g = *src.pool.geometry();
+        prop_assume!(!(g.kind() == PoolKind::Mla && dst_layout == Layout::PageHead));
+        let v = (g.kind() != PoolKind::Mla).then_some(0x900_0000);
+        let dst = Pool::new(g, dst_layout, 0x800_0000, v).unwrap();
+        let whole = plan(&src.pool, &dst, &src.pages, &src.pages).unwrap();
+        let cut = 1 + cut % g.layers();
+        let mut parts = BTreeMap::new();
+        for range in [0..cut, cut..g.layers()] {
+            let mut p = pagewire_layout::TransferPlan::new();
+            let r = pagewire_layout::plan_layers_into(
+                &src.pool, &dst, &src.pages, &src.pages, HeadShards::default(), range.clone(), &mut p,
+            );
+            if range.is_empty() {
+                prop_assert!(r.is_err());
+                continue;
+            }
+            r.unwrap();
+            for (s, d) in byte_map(&p) {
+                prop_assert!(parts.insert(s, d).is_none());
+            }
+        }
+        prop_assert_eq!(parts, byte_map(&whole));
+    }
+}
