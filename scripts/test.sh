@@ -15,7 +15,9 @@ cargo test --workspace --locked
 # package adds its tests' TCG run time; the VM part must stay under 10 minutes).
 VM_TEST_PACKAGES=(${PAGEWIRE_VM_TEST_PACKAGES:-pagewire-transport})
 echo "== soft-RoCE harness self-test"
+vm_t0=$SECONDS
 scripts/rdma-vm.sh selftest
+echo "== self-test took $((SECONDS - vm_t0)) s"
 echo "== verbs suite in the soft-RoCE VM: ${VM_TEST_PACKAGES[*]}"
 pkg_args=()
 for p in "${VM_TEST_PACKAGES[@]}"; do pkg_args+=(-p "$p"); done
@@ -23,3 +25,4 @@ for p in "${VM_TEST_PACKAGES[@]}"; do pkg_args+=(-p "$p"); done
 # instead of 273 s). The timeout keeps the VM part inside its 10-minute budget.
 scripts/rdma-vm.sh --two-devices --cpus 2 --timeout "${PAGEWIRE_VM_TEST_TIMEOUT:-480}" \
     test "${pkg_args[@]}" --locked
+echo "== VM part took $((SECONDS - vm_t0)) s"
