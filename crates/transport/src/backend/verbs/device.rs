@@ -52,6 +52,8 @@ pub(crate) struct DeviceCaps {
     pub max_mr_size: u64,
     pub max_qp_wr: u32,
     pub max_sge: u32,
+    /// SGEs per RDMA READ (may be below `max_sge`, e.g. on iWARP).
+    pub max_sge_rd: u32,
     pub max_cqe: u32,
     /// min(max_qp_rd_atom, max_qp_init_rd_atom), at least 1.
     pub max_rd_atomic: u8,
@@ -200,6 +202,7 @@ fn caps_of(ctx: &DeviceContext) -> Result<(DeviceCaps, u8), Error> {
             max_mr_size: attr.max_mr_size().max(4096),
             max_qp_wr: attr.max_qp_wr().max(1) as u32,
             max_sge: attr.max_sge().max(1) as u32,
+            max_sge_rd: attr.max_sge_rd().max(1) as u32,
             max_cqe: attr.max_cqe().max(1) as u32,
             max_rd_atomic: rd,
         },
