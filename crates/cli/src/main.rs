@@ -28,7 +28,19 @@ enum Command {
 }
 
 fn main() {
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(err) if !err.use_stderr() => err.exit(), // --help, --version
+        Err(err) => {
+            // Invalid input gets one line naming the problem (clap's first line, without
+            // its usage block) and exit status 2, as clap itself would use.
+            let rendered = err.to_string();
+            let first = rendered.lines().next().unwrap_or("invalid arguments");
+            let first = first.strip_prefix("error: ").unwrap_or(first);
+            eprintln!("pagewire: error: {first} (see --help)");
+            std::process::exit(2);
+        }
+    };
     let result = match cli.command {
         Some(Command::Layout(cmd)) => layout_cmd::run(cmd),
         Some(Command::Bench(args)) => bench::run(args),

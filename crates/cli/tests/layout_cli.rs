@@ -357,3 +357,11 @@ fn errors_are_one_line_and_name_the_problem() {
         &["--src-v needs --dst-v"],
     );
 }
+
+/// Argument errors caught by the parser (unknown flag, missing value) are one line too.
+#[test]
+fn parser_errors_are_one_line() {
+    fails("layout meta --bogus 1", &["--bogus"]);
+    fails("layout pd-plan --src-k", &["--src-k"]);
+    fails("layout frobnicate", &["frobnicate"]);
+}
