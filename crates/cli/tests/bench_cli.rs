@@ -342,7 +342,7 @@ fn server_survives_a_client_that_vanishes_after_hello() {
         "msg": "hello", "version": 1, "test": "write",
         "params": {"sizes": [8192], "iters": 20, "duration": null, "margin": 0.0, "qps": 1,
                    "tx_depth": 20, "cq_mod": 10, "bidirectional": false, "verify": false,
-                   "transport": "tcp"}
+                   "transport": "tcp", "poll_memory": false}
     })
     .to_string();
     let mut frame = b"PWB1".to_vec();

@@ -158,6 +158,12 @@ pub struct PerfArgs {
     #[arg(long)]
     pub verify: bool,
 
+    /// lat only: spin on the last byte of the landing buffer, as ib_write_lat does, instead
+    /// of waiting for the engine's notification. Valid where the last byte of a write lands
+    /// last (RC verbs; the TCP backend's in-order copy); not with the loopback backend.
+    #[arg(long)]
+    pub poll_memory: bool,
+
     /// One JSON record per result row on stdout instead of the perftest table.
     #[arg(long)]
     pub json: bool,

@@ -36,6 +36,15 @@ pub fn fill_at(buf: &mut [u8], seed: u64, base: u64) {
     }
 }
 
+/// Fills `buf` with the pattern bytes that start at any offset `at` (not only multiples of 8).
+pub fn fill_at_byte(buf: &mut [u8], seed: u64, at: u64) {
+    let base = at / 8 * 8;
+    let skip = (at - base) as usize;
+    let mut tmp = vec![0u8; skip + buf.len()];
+    fill_at(&mut tmp, seed, base);
+    buf.copy_from_slice(&tmp[skip..]);
+}
+
 pub fn fill(buf: &mut [u8], seed: u64) {
     fill_at(buf, seed, 0);
 }

@@ -46,6 +46,7 @@ fn sym_params(kind: TestKind, a: &PerfArgs, sizes: &[u64]) -> serde_json::Value 
         "bidirectional": a.bidirectional,
         "verify": a.verify,
         "transport": a.transport,
+        "poll_memory": a.poll_memory,
     })
 }
 
@@ -69,6 +70,16 @@ pub fn run(kind: TestKind, args: PerfArgs) -> anyhow::Result<()> {
         ensure!(
             args.duration.is_none(),
             "-D is not supported by the latency test; use -n"
+        );
+    }
+    if args.poll_memory {
+        ensure!(
+            kind == TestKind::Lat,
+            "--poll-memory applies to the latency test only"
+        );
+        ensure!(
+            args.transport != TransportArg::Loopback,
+            "--poll-memory needs a transport whose writes land in order (verbs or tcp)"
         );
     }
     let sizes = args.sizes(kind);
@@ -527,39 +538,57 @@ impl End {
         self.buf_mut()[half..half + n].fill(0);
         let (src, dst) = (self.lower(), self.remote.addr + self.half);
         self.ch.barrier(step)?;
+        let poll = a.poll_memory;
+        // --poll-memory: the last byte of each ping carries a running value 1..=255 and the
+        // receiver spins on it, as ib_write_lat does; otherwise the engine's notification.
+        let mark = |i: u64| (i % 255) as u8 + 1;
         let start = Instant::now();
         let mut posted = Vec::with_capacity(iters as usize);
         let mut last: Option<TransferHandle> = None;
         for i in 0..iters {
             let tag = i as u32;
             if !self.client {
-                self.wait_note(tag)?;
+                self.wait_ping(poll, tag, half + n - 1, mark(i))?;
             }
             if let Some(h) = &last
                 && let BatchStatus::Failed(e) = h.status()
             {
                 bail!("ping {} failed: {e}", i - 1);
             }
+            if poll {
+                self.buf_mut()[n - 1] = mark(i);
+            }
+            let mut b = Batch::new().write(src, dst, size).timeout(self.timeout);
+            if !poll {
+                b = b.notify(tag);
+            }
             let t = Instant::now();
             let h = self
                 .engine
-                .submit(
-                    self.peer,
-                    Batch::new()
-                        .write(src, dst, size)
-                        .notify(tag)
-                        .timeout(self.timeout),
-                )
+                .submit(self.peer, b)
                 .context("submitting a ping")?;
             posted.push(t.duration_since(start).as_nanos() as u64);
             last = Some(h);
             if self.client {
-                self.wait_note(tag)?;
+                self.wait_ping(poll, tag, half + n - 1, mark(i))?;
             }
         }
         if let Some(h) = last {
             h.wait(Instant::now() + self.timeout)
                 .context("the last ping")?;
+        }
+        if poll {
+            // The last byte carried the marks; the rest must still be the pattern.
+            let want = mark(iters - 1);
+            let got = self.local.buf[half + n - 1];
+            if a.verify && got != want {
+                bail!("the last ping's final byte is {got:#04x}, expected {want:#04x}");
+            }
+            self.buf_mut()[half + n - 1] = {
+                let mut tail = [0u8; 1];
+                pattern::fill_at_byte(&mut tail, land_seed, n as u64 - 1);
+                tail[0]
+            };
         }
         self.ch.barrier(step + 1)?;
         let mut verdict: anyhow::Result<()> = Ok(());
@@ -596,6 +625,24 @@ impl End {
         }
     }
 
+    /// Waits for ping `tag`: spinning on byte `off` of our buffer until it reads `mark`
+    /// (`--poll-memory`), or for the engine's notification.
+    fn wait_ping(&self, poll: bool, tag: u32, off: usize, mark: u8) -> anyhow::Result<()> {
+        if !poll {
+            return self.wait_note(tag);
+        }
+        let deadline = Instant::now() + self.timeout;
+        let mut spins = 0u32;
+        while peek(&self.local.buf, off) != mark {
+            std::hint::spin_loop();
+            spins = spins.wrapping_add(1);
+            if spins.is_multiple_of(4096) && Instant::now() >= deadline {
+                bail!("ping {tag} did not arrive within {:?}", self.timeout);
+            }
+        }
+        Ok(())
+    }
+
     fn wait_note(&self, tag: u32) -> anyhow::Result<()> {
         let n = self
             .engine
@@ -614,4 +661,19 @@ impl End {
         );
         Ok(())
     }
+}
+
+/// Reads one byte of a registered buffer that the peer may be writing at this moment.
+fn peek(buf: &pagewire_transport::HostBuffer, off: usize) -> u8 {
+    assert!(
+        off < buf.len(),
+        "peek at {off} outside a {} B buffer",
+        buf.len()
+    );
+    // SAFETY: `off` is inside the buffer's allocation (checked above), which lives while
+    // `buf` is borrowed. `AtomicU8` has the layout of `u8` and every bit pattern is valid,
+    // so an atomic load of a byte that the NIC or the engine writes concurrently reads
+    // some value it held; being atomic, the load is not hoisted out of the polling loop.
+    let cell = unsafe { std::sync::atomic::AtomicU8::from_ptr(buf.as_mut_ptr().add(off)) };
+    cell.load(std::sync::atomic::Ordering::Acquire)
 }
