@@ -119,6 +119,10 @@ rdma_section() {
         pair "$out/raw/pagewire_lat_$r.txt" \
             "$pw bench lat --server -d $dev --transport verbs -n $lat_iters -p $port" \
             "$pw bench lat 127.0.0.1 -d $dev --transport verbs -n $lat_iters -p $port"
+        next_port
+        pair "$out/raw/pagewirepoll_lat_$r.txt" \
+            "$pw bench lat --server -d $dev --transport verbs -n $lat_iters -p $port --poll-memory" \
+            "$pw bench lat 127.0.0.1 -d $dev --transport verbs -n $lat_iters -p $port --poll-memory"
     done
     # Header blocks of the last run, for the record.
     for f in perftest_write pagewire_write; do
@@ -176,16 +180,19 @@ for test, title in (("write", "RDMA WRITE bandwidth, `-a`"), ("read", "RDMA READ
         r_mr = [b / a if a and b is not None else None for a, b in zip(a_mr, b_mr)]
         print(f"| {s} | {fmt(mmm(a_bw))} | {fmt(mmm(b_bw))} | {fmt(mmm(r_bw))} | {fmt(mmm(a_mr), 6)} | {fmt(mmm(b_mr), 6)} | {fmt(mmm(r_mr))} |")
 
-pf, pw = runs_of("perftest", "lat"), runs_of("pagewire", "lat")
+pf, pw, pm = runs_of("perftest", "lat"), runs_of("pagewire", "lat"), runs_of("pagewirepoll", "lat")
 print(f"\n### RDMA WRITE latency, 2 bytes ({runs} runs; median [min, max]; usec)\n")
-print("| column | perftest | pagewire | ratio pagewire/perftest |")
-print("|---|---:|---:|---:|")
+print("pagewire (notify): each side waits for the engine's remote notification; pagewire (poll): `--poll-memory`, spins on the last byte like ib_write_lat.\n")
+print("| column | perftest | pagewire (notify) | ratio | pagewire (poll) | ratio |")
+print("|---|---:|---:|---:|---:|---:|")
 names = ["t_min", "t_max", "t_typical", "t_avg", "t_stdev", "99%", "99.9%"]
+def lat_col(runs_, i):
+    return [t[2][i] if 2 in t and len(t[2]) > i else None for t in runs_]
 for i, n in enumerate(names):
-    a = [t[2][i] if 2 in t and len(t[2]) > i else None for t in pf]
-    b = [t[2][i] if 2 in t and len(t[2]) > i else None for t in pw]
-    r = [y / x if x and y is not None else None for x, y in zip(a, b)]
-    print(f"| {n} | {fmt(mmm(a))} | {fmt(mmm(b))} | {fmt(mmm(r))} |")
+    a, b, c = lat_col(pf, i), lat_col(pw, i), lat_col(pm, i)
+    rb = [y / x if x and y is not None else None for x, y in zip(a, b)]
+    rc = [y / x if x and y is not None else None for x, y in zip(a, c)]
+    print(f"| {n} | {fmt(mmm(a))} | {fmt(mmm(b))} | {fmt(mmm(rb))} | {fmt(mmm(c))} | {fmt(mmm(rc))} |")
 PY
     cat "$out/rdma.md"
 }
