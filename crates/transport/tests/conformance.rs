@@ -507,11 +507,12 @@ mod suite {
             ),
         )?;
         // A backend may finish inside `submit` (rxe moves the data within the post call),
-        // so deregistering is only wrong if the batch had not finished before it.
-        let finished_before = h.status().is_finished();
+        // or between `submit` and here. Backends finish a batch before they release it
+        // (and its pins), so a successful deregistration is only wrong if the batch is
+        // still unfinished afterwards.
         let deregistered = match a.deregister(sid) {
             Err(Error::RegionBusy { .. }) => false,
-            Ok(()) if finished_before => true,
+            Ok(()) if h.status().is_finished() => true,
             Ok(()) => bail!("deregistered a region under an in-flight batch"),
             Err(e) if h.status().is_finished() => {
                 bail!("unexpected deregister error {e:?}")
