@@ -22,7 +22,8 @@ fn write_vs_memcpy(c: &mut Criterion) {
     let src = HostBuffer::new(max).expect("alloc");
     let dst = HostBuffer::new(max).expect("alloc");
     a.register(&src, Access::LOCAL_WRITE).expect("register src");
-    b.register(&dst, Access::LOCAL_WRITE | Access::REMOTE_WRITE).expect("register dst");
+    b.register(&dst, Access::LOCAL_WRITE | Access::REMOTE_WRITE)
+        .expect("register dst");
     let peer = a.connect(b.local_addr()).expect("connect");
     let mut g = c.benchmark_group("loopback_write");
     for size in [4096usize, 65536, 1 << 20, 8 << 20] {
@@ -30,9 +31,13 @@ fn write_vs_memcpy(c: &mut Criterion) {
         g.bench_with_input(BenchmarkId::new("engine", size), &size, |bench, &size| {
             bench.iter(|| {
                 let h = a
-                    .submit(peer, Batch::new().write(src.addr(), dst.addr(), size as u64))
+                    .submit(
+                        peer,
+                        Batch::new().write(src.addr(), dst.addr(), size as u64),
+                    )
                     .expect("submit");
-                h.wait(Instant::now() + Duration::from_secs(10)).expect("wait");
+                h.wait(Instant::now() + Duration::from_secs(10))
+                    .expect("wait");
             });
         });
         let mut plain = vec![0u8; size];

@@ -10,7 +10,11 @@ mod layout_cmd;
 use clap::{Parser, Subcommand};
 
 #[derive(Debug, Parser)]
-#[command(name = "pagewire", version, about = "Zero-copy KV-cache page transfer engine")]
+#[command(
+    name = "pagewire",
+    version,
+    about = "Zero-copy KV-cache page transfer engine"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Option<Command>,
