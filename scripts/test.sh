@@ -6,6 +6,14 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh --vm
 export PATH="$HOME/.cargo/bin:$PATH"
 
+echo "== lint: cargo fmt --check, cargo clippy --all-targets -D warnings"
+if cargo fmt --version >/dev/null 2>&1 && cargo clippy --version >/dev/null 2>&1; then
+    cargo fmt --all -- --check
+    cargo clippy --workspace --all-targets --locked -- -D warnings
+else
+    echo "lint: SKIPPED (rustfmt/clippy components not installed: rustup component add rustfmt clippy)"
+fi
+
 echo "== host suite: cargo test --workspace"
 cargo test --workspace --locked
 
