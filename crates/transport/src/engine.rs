@@ -640,7 +640,7 @@ impl Inner {
             other => {
                 return Err(HandshakeError::UnexpectedFrame {
                     expected: "Welcome",
-                    found: frame_kind(&other),
+                    found: other.kind(),
                 }
                 .into());
             }
@@ -715,7 +715,7 @@ impl Inner {
             }
             other => Err(HandshakeError::UnexpectedFrame {
                 expected: "Hello or Describe",
-                found: frame_kind(&other),
+                found: other.kind(),
             }),
         }
     }
@@ -774,7 +774,7 @@ impl Inner {
                 conn.close();
                 return Err(HandshakeError::UnexpectedFrame {
                     expected: "Ready",
-                    found: frame_kind(&other),
+                    found: other.kind(),
                 });
             }
             Err(e) => {
@@ -825,7 +825,7 @@ impl Inner {
             other => {
                 return Err(HandshakeError::UnexpectedFrame {
                     expected: "Regions",
-                    found: frame_kind(&other),
+                    found: other.kind(),
                 }
                 .into());
             }
@@ -1063,17 +1063,6 @@ fn reject(s: &mut TcpStream, reason: &str) -> Result<(), HandshakeError> {
     let _ = s.shutdown(Shutdown::Write);
     let _ = s.read(&mut [0u8; 64]);
     Ok(())
-}
-
-fn frame_kind(f: &Frame) -> u8 {
-    match f {
-        Frame::Hello(_) => 1,
-        Frame::Welcome(_) => 2,
-        Frame::Ready => 3,
-        Frame::Reject { .. } => 4,
-        Frame::Describe { .. } => 5,
-        Frame::Regions(_) => 6,
-    }
 }
 
 /// Read/write timeouts set to what is left until `deadline` (at least 1 ms).

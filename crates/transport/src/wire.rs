@@ -141,7 +141,8 @@ pub(crate) enum Frame {
 }
 
 impl Frame {
-    fn kind(&self) -> u8 {
+    /// The frame's type byte on the wire.
+    pub(crate) fn kind(&self) -> u8 {
         match self {
             Frame::Hello(_) => 1,
             Frame::Welcome(_) => 2,

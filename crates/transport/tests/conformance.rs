@@ -310,17 +310,7 @@ mod suite {
         let (ab, _) = connect(&a, &b)?;
         let chunk = 256 << 10;
         let target = dst.addr() + 4096;
-        let mk = || -> Batch {
-            (0..n / chunk)
-                .map(|i| TransferOp {
-                    op: Op::Write,
-                    local: src.addr() + (i * chunk) as u64,
-                    remote: target + (i * chunk) as u64,
-                    len: chunk as u64,
-                })
-                .collect::<Batch>()
-                .timeout(Duration::from_secs(20))
-        };
+        let mk = || chunked_writes(src.addr(), target, n, chunk);
         let killer = {
             let b = b.clone();
             std::thread::spawn(move || {
@@ -832,17 +822,7 @@ fn peer_process_killed() -> Result<()> {
     fill_pattern(&mut src, 8);
     let peer = a.connect(addr)?;
     let chunk = 1 << 20;
-    let mk = || -> Batch {
-        (0..n / chunk)
-            .map(|i| TransferOp {
-                op: Op::Write,
-                local: src.addr() + (i * chunk) as u64,
-                remote: base + (i * chunk) as u64,
-                len: chunk as u64,
-            })
-            .collect::<Batch>()
-            .timeout(Duration::from_secs(20))
-    };
+    let mk = || chunked_writes(src.addr(), base, n, chunk);
     // One good round first: the child is really serving.
     a.submit(peer, mk())?.wait(secs(30))?;
     let h = a.submit(peer, mk())?;

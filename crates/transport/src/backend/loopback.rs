@@ -17,7 +17,7 @@ use crossbeam_channel::Sender;
 
 use super::{
     Backend, BackendInfo, BackendInit, BackendMr, BatchState, Conn, ConnCtx, EndpointInfo,
-    NotifySink, PendingConn, ResolvedOp,
+    NotifySink, PendingConn, ResolvedOp, lock,
 };
 use crate::batch::Op;
 use crate::config::{BackendKind, EngineConfig};
@@ -35,10 +35,6 @@ fn engines() -> &'static Mutex<HashMap<u64, Weak<Registry>>> {
 fn sinks() -> &'static Mutex<HashMap<ConnKey, NotifySink>> {
     static T: OnceLock<Mutex<HashMap<ConnKey, NotifySink>>> = OnceLock::new();
     T.get_or_init(Default::default)
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 pub(crate) fn open(config: &EngineConfig, init: &BackendInit) -> Result<Arc<dyn Backend>> {
@@ -79,11 +75,7 @@ impl Backend for LoopbackBackend {
 
     fn register(&self, _addr: usize, _len: usize, _access: Access) -> Result<BackendMr> {
         let k = self.next_key.fetch_add(1, Ordering::Relaxed);
-        Ok(BackendMr {
-            lkey: k,
-            rkey: k,
-            handle: None,
-        })
+        Ok(BackendMr::keyed(k))
     }
 
     fn deregister(&self, _mr: BackendMr) {}

@@ -30,6 +30,12 @@ pub(crate) mod tcp;
 #[cfg(feature = "verbs")]
 pub(crate) mod verbs;
 
+/// Locks `m`, recovering the guard of a poisoned mutex: a panic on one thread must not
+/// wedge every later caller.
+pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 /// Which data path, and the figures a benchmark header prints.
 #[non_exhaustive]
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -73,6 +79,18 @@ pub(crate) struct BackendMr {
     /// Backend state kept alive while registered (e.g. the verbs MR object).
     #[allow(dead_code)] // read by the verbs backend only
     pub handle: Option<Box<dyn Any + Send + Sync>>,
+}
+
+impl BackendMr {
+    /// A registration with no backend state, one key serving as lkey and rkey (TCP and
+    /// loopback, where the key only names the region).
+    pub(crate) fn keyed(key: u32) -> Self {
+        Self {
+            lkey: key,
+            rkey: key,
+            handle: None,
+        }
+    }
 }
 
 impl fmt::Debug for BackendMr {

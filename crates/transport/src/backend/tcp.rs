@@ -35,7 +35,7 @@ use crossbeam_channel::{Receiver, Sender};
 
 use super::{
     Backend, BackendInfo, BackendInit, BackendMr, BatchState, Conn, ConnCtx, EndpointInfo,
-    NotifySink, PendingConn, ResolvedOp,
+    NotifySink, PendingConn, ResolvedOp, lock,
 };
 use crate::batch::Op;
 use crate::config::{BackendKind, EngineConfig};
@@ -63,10 +63,6 @@ const S_OK: u32 = 0;
 const S_REFUSED: u32 = 1;
 const S_BAD_KEY: u32 = 2;
 const S_NO_SESSION: u32 = 3;
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
 
 pub(crate) fn open(config: &EngineConfig, init: &BackendInit) -> Result<Arc<dyn Backend>> {
     let listener = TcpListener::bind(SocketAddr::new(config.listen.ip(), 0))
@@ -157,11 +153,7 @@ impl Backend for TcpBackend {
         // Keys only guard against stale addresses (a peer's view from before a
         // re-registration); start at a random value so another process's keys differ.
         let k = self.shared.next_key.fetch_add(2, Ordering::Relaxed);
-        Ok(BackendMr {
-            lkey: k,
-            rkey: k,
-            handle: None,
-        })
+        Ok(BackendMr::keyed(k))
     }
 
     fn deregister(&self, _mr: BackendMr) {}

@@ -6,7 +6,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use pagewire_transport::{
-    Access, BackendKind, Engine, EngineConfig, EngineConfigBuilder, HostBuffer, PeerId, RegionId,
+    Access, BackendKind, Batch, Engine, EngineConfig, EngineConfigBuilder, HostBuffer, Op, PeerId,
+    RegionId, TransferOp,
 };
 
 /// Bytes written around targets to detect stray writes.
@@ -141,4 +142,18 @@ pub fn check_landed(dst: &[u8], off: usize, src: &[u8], soff: usize, len: usize)
 /// A deadline `secs` from now.
 pub fn secs(s: u64) -> Instant {
     Instant::now() + Duration::from_secs(s)
+}
+
+/// `n / chunk` writes of `chunk` bytes each, from `local` to `remote` laid end to end,
+/// under a 20 s batch deadline.
+pub fn chunked_writes(local: u64, remote: u64, n: usize, chunk: usize) -> Batch {
+    (0..n / chunk)
+        .map(|i| TransferOp {
+            op: Op::Write,
+            local: local + (i * chunk) as u64,
+            remote: remote + (i * chunk) as u64,
+            len: chunk as u64,
+        })
+        .collect::<Batch>()
+        .timeout(Duration::from_secs(20))
 }
