@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use crate::copy::{CopyEngine, Direction};
 use crate::error::Result;
 use crate::memory::{DeviceBuffer, PinnedBuffer};
-use crate::staging::{PipelineStats, Segment, StagedPipeline, StagingConfig, Wire};
+use crate::staging::{Segment, StagedPipeline, StagingConfig, Wire};
 use crate::testing::NullWire;
 
 /// One bandwidth figure.
@@ -37,22 +37,18 @@ impl Rate {
     }
     /// GB/s (10^9 B/s) of the mean iteration.
     pub fn gb_per_s(&self) -> f64 {
-        let s = self.mean.as_secs_f64();
-        if s > 0.0 {
-            self.bytes as f64 / s / 1e9
-        } else {
-            0.0
-        }
+        gb_per_s(self.bytes, self.mean)
     }
     /// GB/s of the best iteration.
     pub fn best_gb_per_s(&self) -> f64 {
-        let s = self.best.as_secs_f64();
-        if s > 0.0 {
-            self.bytes as f64 / s / 1e9
-        } else {
-            0.0
-        }
+        gb_per_s(self.bytes, self.best)
     }
+}
+
+/// `bytes` moved in `d`, in GB/s (0 for a zero duration).
+fn gb_per_s(bytes: u64, d: Duration) -> f64 {
+    let s = d.as_secs_f64();
+    if s > 0.0 { bytes as f64 / s / 1e9 } else { 0.0 }
 }
 
 /// One plain copy of `dev` ↔ `host` in `dir` per iteration: what `cudaMemcpyAsync`
@@ -66,9 +62,7 @@ pub fn plain_copy(
     timeout: Duration,
 ) -> Result<Rate> {
     let len = dev.len().min(host.len());
-    let mut samples = Vec::with_capacity(iters as usize);
-    for _ in 0..iters.max(1) {
-        let t0 = Instant::now();
+    repeat(len as u64, iters, || {
         // SAFETY: both buffers are borrowed (alive) and big enough for `len`; we
         // synchronize on the ticket before the next iteration or returning.
         unsafe {
@@ -78,14 +72,12 @@ pub fn plain_copy(
             }
         }
         let t = copy.record(dir)?;
-        copy.synchronize(t, Instant::now() + timeout)?;
-        samples.push(t0.elapsed());
-    }
-    Ok(Rate::from_samples(len as u64, &samples))
+        copy.synchronize(t, Instant::now() + timeout)
+    })
 }
 
-/// Run `f` `iters` times and turn the pipeline stats into a rate.
-fn repeat(bytes: u64, iters: u32, mut f: impl FnMut() -> Result<PipelineStats>) -> Result<Rate> {
+/// Time `f` over `iters` iterations (at least one), `bytes` each, into a rate.
+fn repeat<T>(bytes: u64, iters: u32, mut f: impl FnMut() -> Result<T>) -> Result<Rate> {
     let mut samples = Vec::with_capacity(iters as usize);
     for _ in 0..iters.max(1) {
         let t0 = Instant::now();
@@ -93,6 +85,15 @@ fn repeat(bytes: u64, iters: u32, mut f: impl FnMut() -> Result<PipelineStats>) 
         samples.push(t0.elapsed());
     }
     Ok(Rate::from_samples(bytes, &samples))
+}
+
+/// One segment covering all of `dev`, at remote offset 0.
+fn whole(dev: &DeviceBuffer) -> [Segment; 1] {
+    [Segment {
+        local_off: 0,
+        remote_off: 0,
+        len: dev.len() as u64,
+    }]
 }
 
 /// Staged device-to-host through the ring only (wire writes complete at once).
@@ -103,11 +104,7 @@ pub fn staged_d2h<C: CopyEngine>(
     iters: u32,
 ) -> Result<Rate> {
     let mut p = StagedPipeline::new(copy, NullWire::new(), cfg)?;
-    let seg = [Segment {
-        local_off: 0,
-        remote_off: 0,
-        len: dev.len() as u64,
-    }];
+    let seg = whole(dev);
     repeat(dev.len() as u64, iters, || p.write(dev.span(), &seg, None))
 }
 
@@ -119,11 +116,7 @@ pub fn staged_h2d<C: CopyEngine>(
     iters: u32,
 ) -> Result<Rate> {
     let mut p = StagedPipeline::new(copy, NullWire::new(), cfg)?;
-    let seg = [Segment {
-        local_off: 0,
-        remote_off: 0,
-        len: dev.len() as u64,
-    }];
+    let seg = whole(dev);
     repeat(dev.len() as u64, iters, || p.read(dev.span(), &seg))
 }
 
@@ -137,11 +130,7 @@ pub fn staged_end_to_end<C: CopyEngine, W: Wire>(
     iters: u32,
 ) -> Result<(Rate, Rate)> {
     let mut p = StagedPipeline::new(copy, wire, cfg)?;
-    let seg = [Segment {
-        local_off: 0,
-        remote_off: 0,
-        len: dev.len() as u64,
-    }];
+    let seg = whole(dev);
     let w = repeat(dev.len() as u64, iters, || p.write(dev.span(), &seg, None))?;
     let r = repeat(dev.len() as u64, iters, || p.read(dev.span(), &seg))?;
     Ok((w, r))

@@ -112,63 +112,41 @@ pub trait CopyEngine: Send + Sync + fmt::Debug {
     }
 }
 
-impl<C: CopyEngine + ?Sized> CopyEngine for std::sync::Arc<C> {
-    fn name(&self) -> String {
-        (**self).name()
-    }
-    fn alloc_pinned(&self, len: usize) -> Result<PinnedBuffer> {
-        (**self).alloc_pinned(len)
-    }
-    fn alloc_device(&self, len: usize) -> Result<DeviceBuffer> {
-        (**self).alloc_device(len)
-    }
-    unsafe fn d2h_async(&self, src: DevicePtr, dst: *mut u8, len: usize) -> Result<()> {
-        // SAFETY: forwarded contract.
-        unsafe { (**self).d2h_async(src, dst, len) }
-    }
-    unsafe fn h2d_async(&self, src: *const u8, dst: DevicePtr, len: usize) -> Result<()> {
-        // SAFETY: forwarded contract.
-        unsafe { (**self).h2d_async(src, dst, len) }
-    }
-    fn record(&self, dir: Direction) -> Result<CopyTicket> {
-        (**self).record(dir)
-    }
-    fn query(&self, t: CopyTicket) -> Result<bool> {
-        (**self).query(t)
-    }
-    fn synchronize(&self, t: CopyTicket, deadline: Instant) -> Result<()> {
-        (**self).synchronize(t, deadline)
-    }
+/// `CopyEngine` for pointers to one: every method forwards to the pointee.
+macro_rules! forward_copy_engine {
+    ($($ptr:ty),+) => {$(
+        impl<C: CopyEngine + ?Sized> CopyEngine for $ptr {
+            fn name(&self) -> String {
+                (**self).name()
+            }
+            fn alloc_pinned(&self, len: usize) -> Result<PinnedBuffer> {
+                (**self).alloc_pinned(len)
+            }
+            fn alloc_device(&self, len: usize) -> Result<DeviceBuffer> {
+                (**self).alloc_device(len)
+            }
+            unsafe fn d2h_async(&self, src: DevicePtr, dst: *mut u8, len: usize) -> Result<()> {
+                // SAFETY: forwarded contract.
+                unsafe { (**self).d2h_async(src, dst, len) }
+            }
+            unsafe fn h2d_async(&self, src: *const u8, dst: DevicePtr, len: usize) -> Result<()> {
+                // SAFETY: forwarded contract.
+                unsafe { (**self).h2d_async(src, dst, len) }
+            }
+            fn record(&self, dir: Direction) -> Result<CopyTicket> {
+                (**self).record(dir)
+            }
+            fn query(&self, t: CopyTicket) -> Result<bool> {
+                (**self).query(t)
+            }
+            fn synchronize(&self, t: CopyTicket, deadline: Instant) -> Result<()> {
+                (**self).synchronize(t, deadline)
+            }
+        }
+    )+};
 }
 
-impl<C: CopyEngine + ?Sized> CopyEngine for &C {
-    fn name(&self) -> String {
-        (**self).name()
-    }
-    fn alloc_pinned(&self, len: usize) -> Result<PinnedBuffer> {
-        (**self).alloc_pinned(len)
-    }
-    fn alloc_device(&self, len: usize) -> Result<DeviceBuffer> {
-        (**self).alloc_device(len)
-    }
-    unsafe fn d2h_async(&self, src: DevicePtr, dst: *mut u8, len: usize) -> Result<()> {
-        // SAFETY: forwarded contract.
-        unsafe { (**self).d2h_async(src, dst, len) }
-    }
-    unsafe fn h2d_async(&self, src: *const u8, dst: DevicePtr, len: usize) -> Result<()> {
-        // SAFETY: forwarded contract.
-        unsafe { (**self).h2d_async(src, dst, len) }
-    }
-    fn record(&self, dir: Direction) -> Result<CopyTicket> {
-        (**self).record(dir)
-    }
-    fn query(&self, t: CopyTicket) -> Result<bool> {
-        (**self).query(t)
-    }
-    fn synchronize(&self, t: CopyTicket, deadline: Instant) -> Result<()> {
-        (**self).synchronize(t, deadline)
-    }
-}
+forward_copy_engine!(std::sync::Arc<C>, &C);
 
 /// Spin, then yield, then sleep briefly: cheap for short waits, polite for long ones.
 #[derive(Debug, Default)]

@@ -12,6 +12,9 @@ use pagewire_gpudirect::{
     StagedReceiver, StagingConfig, probe,
 };
 
+mod common;
+use common::pattern;
+
 const T: Duration = Duration::from_secs(30);
 
 /// The GPU ordinal to use, or `None` (skip) when there is none and none is required.
@@ -39,12 +42,6 @@ fn gpu(test: &str) -> Option<u32> {
             None
         }
     }
-}
-
-fn pattern(len: usize, seed: u8) -> Vec<u8> {
-    (0..len)
-        .map(|i| (i as u8).wrapping_mul(13).wrapping_add(seed) ^ (i >> 12) as u8)
-        .collect()
 }
 
 fn cfg(chunk_size: usize, depth: usize) -> StagingConfig {
@@ -256,20 +253,11 @@ fn cuda_dmabuf_export_matches_attribute() {
 #[test]
 fn cuda_gpu_to_gpu_push_over_loopback_engines() {
     use pagewire_gpudirect::{CreditBoard, RingPushWire, RingReceiver};
-    use pagewire_transport::{BackendKind, Engine, EngineConfig};
+    use pagewire_transport::BackendKind;
     let Some(ord) = gpu("cuda_gpu_to_gpu_push_over_loopback_engines") else {
         return;
     };
-    let mk = || {
-        Engine::new(
-            EngineConfig::builder()
-                .backend(BackendKind::Loopback)
-                .listen("127.0.0.1:0".parse().unwrap())
-                .build()
-                .unwrap(),
-        )
-        .unwrap()
-    };
+    let mk = || common::engine(BackendKind::Loopback).expect("loopback engine");
     let (tx_e, rx_e) = (mk(), mk());
     let c = cfg(2 << 20, 4);
     let len = (64 << 20) + 12345;

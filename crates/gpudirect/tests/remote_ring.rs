@@ -9,26 +9,12 @@ use pagewire_gpudirect::{
     CopyEngine, CreditBoard, GpuError, HostCopyEngine, HostFaults, RingPushWire, RingReceiver,
     Segment, StageKind, StagedPipeline, StagingConfig,
 };
-use pagewire_transport::{BackendKind, Engine, EngineConfig};
+use pagewire_transport::BackendKind;
+
+mod common;
+use common::{engine, host_backend_tests, pattern};
 
 const T: Duration = Duration::from_secs(20);
-
-fn engine(kind: BackendKind) -> Option<Engine> {
-    let cfg = EngineConfig::builder()
-        .backend(kind)
-        .listen("127.0.0.1:0".parse().unwrap())
-        .build()
-        .unwrap();
-    Engine::new(cfg)
-        .map_err(|e| eprintln!("SKIP {kind:?}: {e}"))
-        .ok()
-}
-
-fn pattern(len: usize, seed: u8) -> Vec<u8> {
-    (0..len)
-        .map(|i| (i as u8).wrapping_mul(57).wrapping_add(seed) ^ (i >> 10) as u8)
-        .collect()
-}
 
 fn push_rounds(kind: BackendKind) {
     let (Some(tx_e), Some(rx_e)) = (engine(kind), engine(kind)) else {
@@ -113,15 +99,10 @@ fn push_rounds(kind: BackendKind) {
     }
 }
 
-#[test]
-fn staged_push_into_remote_landing_ring_loopback() {
-    push_rounds(BackendKind::Loopback);
-}
-
-#[test]
-fn staged_push_into_remote_landing_ring_tcp() {
-    push_rounds(BackendKind::Tcp);
-}
+host_backend_tests!(push_rounds =>
+    staged_push_into_remote_landing_ring_loopback,
+    staged_push_into_remote_landing_ring_tcp
+);
 
 #[test]
 fn receiver_copy_failure_means_no_completion_and_sender_times_out() {

@@ -12,13 +12,10 @@ use pagewire_gpudirect::{
 };
 use proptest::prelude::*;
 
-const T: Duration = Duration::from_secs(10);
+mod common;
+use common::pattern;
 
-fn pattern(len: usize, seed: u8) -> Vec<u8> {
-    (0..len)
-        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) ^ (i >> 8) as u8)
-        .collect()
-}
+const T: Duration = Duration::from_secs(10);
 
 fn cfg(chunk_size: usize, depth: usize) -> StagingConfig {
     StagingConfig {

@@ -6,30 +6,12 @@ use std::time::{Duration, Instant};
 use pagewire_gpudirect::{
     CopyEngine, EngineWire, GpuError, HostCopyEngine, Segment, StagedPipeline, StagingConfig,
 };
-use pagewire_transport::{Access, BackendKind, Engine, EngineConfig, HostBuffer};
+use pagewire_transport::{Access, BackendKind, HostBuffer};
+
+mod common;
+use common::{engine, host_backend_tests, pattern};
 
 const T: Duration = Duration::from_secs(20);
-
-fn engine(kind: BackendKind) -> Option<Engine> {
-    let cfg = EngineConfig::builder()
-        .backend(kind)
-        .listen("127.0.0.1:0".parse().unwrap())
-        .build()
-        .unwrap();
-    match Engine::new(cfg) {
-        Ok(e) => Some(e),
-        Err(e) => {
-            eprintln!("SKIP {kind:?}: engine unavailable: {e}");
-            None
-        }
-    }
-}
-
-fn pattern(len: usize, seed: u8) -> Vec<u8> {
-    (0..len)
-        .map(|i| (i as u8).wrapping_mul(29).wrapping_add(seed) ^ (i >> 9) as u8)
-        .collect()
-}
 
 fn run(kind: BackendKind) {
     let (Some(prefill), Some(decode)) = (engine(kind), engine(kind)) else {
@@ -111,15 +93,7 @@ fn run(kind: BackendKind) {
     );
 }
 
-#[test]
-fn staged_gpu_pages_over_loopback() {
-    run(BackendKind::Loopback);
-}
-
-#[test]
-fn staged_gpu_pages_over_tcp() {
-    run(BackendKind::Tcp);
-}
+host_backend_tests!(run => staged_gpu_pages_over_loopback, staged_gpu_pages_over_tcp);
 
 #[test]
 fn gpu_engine_picks_staged_on_loopback_and_moves_plans() {
