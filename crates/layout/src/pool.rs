@@ -1,5 +1,7 @@
 //! A pool = geometry + layout + base addresses; page segment lists.
 
+use std::convert::Infallible;
+
 use crate::error::{LayoutError, Result, add};
 use crate::geometry::{Component, Layout, PoolGeometry, PoolKind};
 use crate::segment::{Segment, Segments, push_coalesced};
@@ -364,15 +366,7 @@ impl Pool {
             Layout::LayerFirst => {
                 for l in 0..g.layers() {
                     for &c in comps {
-                        let row = g.row_bytes(c);
-                        let addr = self.base(c) + (l * g.capacity() + t0) * row;
-                        f(
-                            c,
-                            Segment {
-                                addr,
-                                len: g.layer_page_bytes(c),
-                            },
-                        );
+                        f(c, self.layer_first_segment(c, l, t0));
                     }
                 }
             }
@@ -489,54 +483,36 @@ impl Pool {
         pages: usize,
         out: &mut Segments,
     ) -> Result<()> {
-        let g = &self.geometry;
-        let ps = g.page_size();
+        let ps = self.geometry.page_size();
         let aligned_only = !self.sglang_has_meta();
         let floor = self.floors_slot();
-        let chunks = indices.chunks_exact(ps as usize).enumerate();
-        let first = |pos, chunk| -> Result<u64> {
-            let t0 = self.page_start(pos, chunk, aligned_only)?;
-            Ok(if floor { t0 - t0 % ps } else { t0 })
-        };
-        match *self.components() {
-            [c] => {
-                let (b, step) = (self.base(c), g.layers() * g.row_bytes(c));
-                out.ptrs.resize(pages, 0);
-                for ((pos, chunk), ptr) in chunks.zip(out.ptrs.iter_mut()) {
-                    *ptr = b + first(pos, chunk)? * step;
-                }
-                out.lens.resize(pages, g.page_bytes(c));
-            }
-            [k, v] => {
-                let (kb, ks) = (self.base(k), g.layers() * g.row_bytes(k));
-                let (vb, vs) = (self.base(v), g.layers() * g.row_bytes(v));
-                out.ptrs.resize(2 * pages, 0);
-                for ((pos, chunk), pair) in chunks.zip(out.ptrs.chunks_exact_mut(2)) {
-                    let t = first(pos, chunk)?;
-                    pair[0] = kb + t * ks;
-                    pair[1] = vb + t * vs;
-                }
-                out.lens.resize(2 * pages, 0);
-                let (kl, vl) = (g.page_bytes(k), g.page_bytes(v));
-                for pair in out.lens.chunks_exact_mut(2) {
-                    pair[0] = kl;
-                    pair[1] = vl;
-                }
-            }
-            _ => unreachable!("pools have one or two buffers"),
-        }
-        Ok(())
+        let firsts = indices
+            .chunks_exact(ps as usize)
+            .enumerate()
+            .map(|(pos, chunk)| {
+                let t0 = self.page_start(pos, chunk, aligned_only)?;
+                Ok(if floor { t0 - t0 % ps } else { t0 })
+            });
+        self.fill_page_major(pages, firsts, out)
     }
 
-    /// Page-major lists from each page's (validated) first slot: per page, each buffer at
-    /// `base + t0 * L * row`, `L * P * row` long.
-    fn fill_page_major(&self, firsts: impl ExactSizeIterator<Item = u64>, out: &mut Segments) {
+    /// Page-major lists from each of `n` pages' first slot: per page, each buffer at
+    /// `base + t0 * L * row`, `L * P * row` long. Stops at the first error `firsts`
+    /// yields (`Infallible` for pre-validated slots, which compiles to plain `u64`s).
+    fn fill_page_major<E>(
+        &self,
+        n: usize,
+        firsts: impl Iterator<Item = std::result::Result<u64, E>>,
+        out: &mut Segments,
+    ) -> std::result::Result<(), E> {
         let g = &self.geometry;
-        let n = firsts.len();
         match *self.components() {
             [c] => {
                 let (b, step) = (self.base(c), g.layers() * g.row_bytes(c));
-                out.ptrs.extend(firsts.map(|t| b + t * step));
+                out.ptrs.resize(n, 0);
+                for (ptr, t) in out.ptrs.iter_mut().zip(firsts) {
+                    *ptr = b + t? * step;
+                }
                 out.lens.resize(n, g.page_bytes(c));
             }
             [k, v] => {
@@ -544,6 +520,7 @@ impl Pool {
                 let (vb, vs) = (self.base(v), g.layers() * g.row_bytes(v));
                 out.ptrs.resize(2 * n, 0);
                 for (pair, t) in out.ptrs.chunks_exact_mut(2).zip(firsts) {
+                    let t = t?;
                     pair[0] = kb + t * ks;
                     pair[1] = vb + t * vs;
                 }
@@ -556,6 +533,7 @@ impl Pool {
             }
             _ => unreachable!("pools have one or two buffers"),
         }
+        Ok(())
     }
 
     /// [`Pool::page_meta`] for page indices.
@@ -583,7 +561,8 @@ impl Pool {
                 return Err(LayoutError::PageOutOfRange { page, pages: n });
             }
             let ps = self.geometry.page_size();
-            self.fill_page_major(pages.iter().map(|&p| p * ps), out);
+            let firsts = pages.iter().map(|&p| Ok::<_, Infallible>(p * ps));
+            let Ok(()) = self.fill_page_major(pages.len(), firsts, out);
             return Ok(());
         }
         out.reserve(pages.len().saturating_mul(self.entries_per_page()));
@@ -678,14 +657,7 @@ impl Pool {
     /// # Errors
     /// As [`Pool::for_each_segment`].
     pub fn coalesced_meta(&self, indices: &[u64]) -> Result<Vec<ComponentSegments>> {
-        let mut out: Vec<ComponentSegments> = self
-            .components()
-            .iter()
-            .map(|&component| ComponentSegments {
-                component,
-                segments: Vec::new(),
-            })
-            .collect();
+        let mut out = self.empty_component_segments();
         let slot = |c: Component| usize::from(c == Component::V);
         if self.layout == Layout::LayerFirst {
             // Validate everything first, then walk layer-major.
@@ -694,14 +666,8 @@ impl Pool {
             for l in 0..g.layers() {
                 for &t0 in &starts {
                     for &c in self.components() {
-                        let addr = self.base(c) + (l * g.capacity() + t0) * g.row_bytes(c);
-                        push_coalesced(
-                            &mut out[slot(c)].segments,
-                            Segment {
-                                addr,
-                                len: g.layer_page_bytes(c),
-                            },
-                        );
+                        let seg = self.layer_first_segment(c, l, t0);
+                        push_coalesced(&mut out[slot(c)].segments, seg);
                     }
                 }
             }
@@ -769,19 +735,32 @@ impl Pool {
     /// # Errors
     /// As [`Pool::for_each_layer_segment`].
     pub fn layer_view(&self, indices: &[u64], layer: u64) -> Result<LayerView> {
-        let mut components: Vec<ComponentSegments> = self
-            .components()
-            .iter()
-            .map(|&component| ComponentSegments {
-                component,
-                segments: Vec::new(),
-            })
-            .collect();
+        let mut components = self.empty_component_segments();
         self.for_each_layer_segment(indices, layer, |c, s| {
             let i = usize::from(c == Component::V);
             push_coalesced(&mut components[i].segments, s);
         })?;
         Ok(LayerView { layer, components })
+    }
+
+    /// One empty list per buffer, in the order of [`Pool::components`].
+    fn empty_component_segments(&self) -> Vec<ComponentSegments> {
+        self.components()
+            .iter()
+            .map(|&component| ComponentSegments {
+                component,
+                segments: Vec::new(),
+            })
+            .collect()
+    }
+
+    /// Layer `l` of the page starting at slot `t0` in buffer `c` of a `layer_first` pool.
+    fn layer_first_segment(&self, c: Component, l: u64, t0: u64) -> Segment {
+        let g = &self.geometry;
+        Segment {
+            addr: self.base(c) + (l * g.capacity() + t0) * g.row_bytes(c),
+            len: g.layer_page_bytes(c),
+        }
     }
 
     /// [`Pool::layer_view`] for every layer.
