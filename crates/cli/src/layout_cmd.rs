@@ -213,11 +213,8 @@ fn meta(a: &MetaArgs) -> Result<String> {
         opt_u64(&a.heads, "--heads")?,
         req_u64(&a.capacity, "--capacity")?,
     )?;
-    let base = parse_addr(req(&a.base, "--base")?).context("--base")?;
-    let v_base = match &a.v_base {
-        Some(s) => Some(parse_addr(s).context("--v-base")?),
-        None => None,
-    };
+    let base = req_parsed(&a.base, "--base", parse_addr)?;
+    let v_base = opt_parsed(&a.v_base, "--v-base", parse_addr)?;
     let mut pool = Pool::new(geometry, layout, base, v_base)?;
     if let Some(c) = &a.checks {
         pool = pool.with_checks(match c.as_str() {
@@ -226,7 +223,7 @@ fn meta(a: &MetaArgs) -> Result<String> {
             _ => bail!("--checks: unknown mode {c:?} (expected strict or sglang)"),
         });
     }
-    let indices = parse_list(req(&a.indices, "--indices")?).context("--indices")?;
+    let indices = req_parsed(&a.indices, "--indices", parse_list)?;
     let split = opt_u64(&a.split_heads, "--split-heads")?;
     let layer = opt_u64(&a.layer, "--layer")?;
     if [split.is_some(), a.coalesce, layer.is_some()]
@@ -327,8 +324,8 @@ fn meta(a: &MetaArgs) -> Result<String> {
 }
 
 fn pd_plan(a: &PdPlanArgs) -> Result<String> {
-    let src_k = parse_addrs(req(&a.src_k, "--src-k")?).context("--src-k")?;
-    let dst_k = parse_addrs(req(&a.dst_k, "--dst-k")?).context("--dst-k")?;
+    let src_k = req_parsed(&a.src_k, "--src-k", parse_addrs)?;
+    let dst_k = req_parsed(&a.dst_k, "--dst-k", parse_addrs)?;
     let k_item = req_u64(&a.k_item_len, "--k-item-len")?;
     let (src_v, dst_v) = match (&a.src_v, &a.dst_v) {
         (Some(s), Some(d)) => (
@@ -344,8 +341,8 @@ fn pd_plan(a: &PdPlanArgs) -> Result<String> {
         Some(v) => v,
         None => k_item,
     };
-    let src_pages = parse_list(req(&a.src_pages, "--src-pages")?).context("--src-pages")?;
-    let dst_pages = parse_list(req(&a.dst_pages, "--dst-pages")?).context("--dst-pages")?;
+    let src_pages = req_parsed(&a.src_pages, "--src-pages", parse_list)?;
+    let dst_pages = req_parsed(&a.dst_pages, "--dst-pages", parse_list)?;
     let mut groups = vec![PdBuffers {
         src: &src_k,
         dst: &dst_k,
@@ -378,36 +375,17 @@ fn plan(a: &PlanArgs) -> Result<String> {
         (None, s, d) => (opt_u64(s, "--src-heads")?, opt_u64(d, "--dst-heads")?),
         _ => bail!("--heads excludes --src-heads and --dst-heads"),
     };
-    let gs = a
-        .geometry
-        .build(hs, req_u64(&a.src_capacity, "--src-capacity")?)
-        .context("source pool")?;
-    let gd = a
-        .geometry
-        .build(hd, req_u64(&a.dst_capacity, "--dst-capacity")?)
-        .context("destination pool")?;
-    let src = Pool::new(
-        gs,
-        parse_named(&a.src_layout, "--src-layout")?,
-        parse_addr(req(&a.src_base, "--src-base")?).context("--src-base")?,
-        opt_addr(&a.src_v_base, "--src-v-base")?,
-    )
-    .context("source pool")?;
-    let dst = Pool::new(
-        gd,
-        parse_named(&a.dst_layout, "--dst-layout")?,
-        parse_addr(req(&a.dst_base, "--dst-base")?).context("--dst-base")?,
-        opt_addr(&a.dst_v_base, "--dst-v-base")?,
-    )
-    .context("destination pool")?;
+    let src = a.pool(Side::Src, hs)?;
+    let dst = a.pool(Side::Dst, hd)?;
+    let (gs, gd) = (*src.geometry(), *dst.geometry());
     let shards = HeadShards::from_tp_ranks(
         &src,
         opt_u64(&a.src_tp_rank, "--src-tp-rank")?.unwrap_or(0),
         &dst,
         opt_u64(&a.dst_tp_rank, "--dst-tp-rank")?.unwrap_or(0),
     )?;
-    let src_pages = parse_list(req(&a.src_pages, "--src-pages")?).context("--src-pages")?;
-    let dst_pages = parse_list(req(&a.dst_pages, "--dst-pages")?).context("--dst-pages")?;
+    let src_pages = req_parsed(&a.src_pages, "--src-pages", parse_list)?;
+    let dst_pages = req_parsed(&a.dst_pages, "--dst-pages", parse_list)?;
     let plan = plan_with_heads(&src, &dst, &src_pages, &dst_pages, shards)?;
     if a.json {
         return plan_json(&plan);
@@ -425,6 +403,45 @@ fn plan(a: &PlanArgs) -> Result<String> {
         ),
         &plan,
     ))
+}
+
+#[derive(Clone, Copy)]
+enum Side {
+    Src,
+    Dst,
+}
+
+impl PlanArgs {
+    /// The source or destination pool, from that side's `--src-*` / `--dst-*` options.
+    fn pool(&self, side: Side, heads: Option<u64>) -> Result<Pool> {
+        let (f, what, capacity, layout, base, v_base) = match side {
+            Side::Src => (
+                "src",
+                "source pool",
+                &self.src_capacity,
+                &self.src_layout,
+                &self.src_base,
+                &self.src_v_base,
+            ),
+            Side::Dst => (
+                "dst",
+                "destination pool",
+                &self.dst_capacity,
+                &self.dst_layout,
+                &self.dst_base,
+                &self.dst_v_base,
+            ),
+        };
+        let capacity = req_u64(capacity, &format!("--{f}-capacity"))?;
+        let g = self.geometry.build(heads, capacity).context(what)?;
+        Pool::new(
+            g,
+            parse_named(layout, &format!("--{f}-layout"))?,
+            req_parsed(base, &format!("--{f}-base"), parse_addr)?,
+            opt_parsed(v_base, &format!("--{f}-v-base"), parse_addr)?,
+        )
+        .context(what)
+    }
 }
 
 impl GeometryArgs {
@@ -510,20 +527,28 @@ fn req<'a>(v: &'a Option<String>, flag: &str) -> Result<&'a str> {
     }
 }
 
+/// The required `flag` through `parse`, errors naming the flag.
+fn req_parsed<T>(v: &Option<String>, flag: &str, parse: fn(&str) -> Result<T>) -> Result<T> {
+    parse(req(v, flag)?).with_context(|| flag.to_owned())
+}
+
+/// The optional `flag` through `parse`, errors naming the flag.
+fn opt_parsed<T>(
+    v: &Option<String>,
+    flag: &str,
+    parse: fn(&str) -> Result<T>,
+) -> Result<Option<T>> {
+    v.as_deref()
+        .map(|s| parse(s).with_context(|| flag.to_owned()))
+        .transpose()
+}
+
 fn req_u64(v: &Option<String>, flag: &str) -> Result<u64> {
-    parse_u64(req(v, flag)?).with_context(|| flag.to_owned())
+    req_parsed(v, flag, parse_u64)
 }
 
 fn opt_u64(v: &Option<String>, flag: &str) -> Result<Option<u64>> {
-    v.as_deref()
-        .map(|s| parse_u64(s).with_context(|| flag.to_owned()))
-        .transpose()
-}
-
-fn opt_addr(v: &Option<String>, flag: &str) -> Result<Option<u64>> {
-    v.as_deref()
-        .map(|s| parse_addr(s).with_context(|| flag.to_owned()))
-        .transpose()
+    opt_parsed(v, flag, parse_u64)
 }
 
 fn parse_named<T>(v: &Option<String>, flag: &str) -> Result<T>
