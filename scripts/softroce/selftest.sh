@@ -28,6 +28,17 @@ drop_kept() {
         [[ "$d" == */jobs/job.* ]] && rm -rf "$d"
     done
 }
+# passed NAME EXIT_STATUS START_SECONDS / failed MESSAGE LOG_LINES: report one case
+# (a failure shows the last LOG_LINES of $work/log).
+passed() {
+    echo "selftest: ok    $1 (exit $2, $((SECONDS - $3)) s)"
+    drop_kept
+}
+failed() {
+    echo "selftest: FAIL  $1"
+    sed 's/^/    | /' "$work/log" | tail -n "$2"
+    failures=$((failures + 1))
+}
 # check NAME EXPECTED_RC GREP_PATTERN RUNNER_ARGS... : run, compare exit status and output.
 check() {
     local name=$1 want=$2 pattern=$3 t0 got
@@ -36,12 +47,9 @@ check() {
     "$run" "$@" >"$work/log" 2>&1
     got=$?
     if [[ "$got" == "$want" ]] && { [[ -z "$pattern" ]] || grep -Eq "$pattern" "$work/log"; }; then
-        echo "selftest: ok    $name (exit $got, $((SECONDS - t0)) s)"
-        drop_kept
+        passed "$name" "$got" "$t0"
     else
-        echo "selftest: FAIL  $name: exit $got, wanted $want${pattern:+ and output matching /$pattern/}"
-        sed 's/^/    | /' "$work/log" | tail -n 25
-        failures=$((failures + 1))
+        failed "$name: exit $got, wanted $want${pattern:+ and output matching /$pattern/}" 25
     fi
 }
 
@@ -93,12 +101,9 @@ got=$?
 if ((got == 1)) && grep -q '^test binaries: 1 passed, 1 failed$' "$work/log" &&
     grep -q '^test rdma_device_from_env_exists ... ok' "$work/log" &&
     grep -q 'FAILED  softroce-fixture::fails (test)' "$work/log"; then
-    echo "selftest: ok    cargo-test wrapper reports a failing test binary (exit $got, $((SECONDS - t0)) s)"
-    drop_kept
+    passed "cargo-test wrapper reports a failing test binary" "$got" "$t0"
 else
-    echo "selftest: FAIL  cargo-test wrapper on the fixture: exit $got, wanted 1 with 1 passed, 1 failed"
-    sed 's/^/    | /' "$work/log" | tail -n 40
-    failures=$((failures + 1))
+    failed "cargo-test wrapper on the fixture: exit $got, wanted 1 with 1 passed, 1 failed" 40
 fi
 
 if ((failures)); then
