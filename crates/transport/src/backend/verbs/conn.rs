@@ -3,18 +3,19 @@
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use sideway::ibverbs::completion::BasicCompletionQueue;
 use sideway::ibverbs::queue_pair::QueuePairState;
 
+use super::engine::PollWake;
 use super::plan::{
     Dir, Group, InFlight, PlanOp, PlannedWr, SEQ_MASK, WrKind, decode_wr_id, encode_wr_id,
     is_signaled, plan_wrs, stripe,
 };
 use super::qp::{RcQp, WC_RECV_RDMA_WITH_IMM, WC_SUCCESS, Wc, WrSpec, poll_cq, wc_status_name};
-use crate::backend::{BatchState, NotifySink};
+use crate::backend::{BatchState, NotifySink, lock};
 use crate::engine::PeerId;
 use crate::error::Error;
 
@@ -128,6 +129,8 @@ pub(crate) struct VerbsConn {
     graveyard: Mutex<Vec<Arc<BatchCtl>>>,
     wake: Condvar,
     wake_lock: Mutex<()>,
+    /// The engine's completion thread: kicked on every post so it polls at once.
+    poller: Arc<PollWake>,
     label: String,
 }
 
@@ -141,12 +144,6 @@ impl std::fmt::Debug for VerbsConn {
     }
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // A panic while holding one of these locks leaves consistent-enough data (counters and
-    // queues); keep serving rather than poisoning every later call.
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
 impl VerbsConn {
     /// Wraps connected (RTS) QPs. RECVs must already be posted (`recv_depth` per QP, ids from
     /// [`recv_wr_id`]).
@@ -158,6 +155,7 @@ impl VerbsConn {
         notify: Option<Arc<dyn TagSink>>,
         peer: PeerId,
         label: String,
+        poller: Arc<PollWake>,
     ) -> Self {
         let qps = qps
             .into_iter()
@@ -186,6 +184,7 @@ impl VerbsConn {
             graveyard: Mutex::new(Vec::new()),
             wake: Condvar::new(),
             wake_lock: Mutex::new(()),
+            poller,
             label,
         }
     }
@@ -217,6 +216,7 @@ impl VerbsConn {
         if self.is_broken() {
             return Err(self.broken_err());
         }
+        self.poller.kick();
         let mut wrs = plan_wrs(ops, self.cfg.max_wr_bytes, self.cfg.max_sge);
         let held = notify.map(|_| match wrs.last() {
             Some(w) if w.dir == Dir::Write => wrs.pop().expect("checked non-empty"),
@@ -488,6 +488,17 @@ impl VerbsConn {
         handled
     }
 
+    /// The typed error for a failed completion on QP `qi`.
+    fn completion_error(&self, wc: &Wc, qi: usize) -> Error {
+        Error::Completion {
+            status: wc.status,
+            status_str: wc_status_name(wc.status).to_string(),
+            vendor_err: wc.vendor_err,
+            wr_id: wc.wr_id,
+            qp_num: self.qps[qi].qpn,
+        }
+    }
+
     fn on_send_wc(&self, wc: &Wc) -> bool {
         let Some((kind, qi, seq)) = decode_wr_id(wc.wr_id) else {
             return false;
@@ -496,13 +507,7 @@ impl VerbsConn {
             return false;
         }
         if wc.status != WC_SUCCESS {
-            self.break_conn(Error::Completion {
-                status: wc.status,
-                status_str: wc_status_name(wc.status).to_string(),
-                vendor_err: wc.vendor_err,
-                wr_id: wc.wr_id,
-                qp_num: self.qps[qi].qpn,
-            });
+            self.break_conn(self.completion_error(wc, qi));
             return true;
         }
         let groups = lock(&self.qps[qi].track).retire_through(seq);
@@ -527,13 +532,7 @@ impl VerbsConn {
         }
         if wc.status != WC_SUCCESS {
             // RECVs are only flushed when the QP went to ERR.
-            self.break_conn(Error::Completion {
-                status: wc.status,
-                status_str: wc_status_name(wc.status).to_string(),
-                vendor_err: wc.vendor_err,
-                wr_id: wc.wr_id,
-                qp_num: self.qps[qi].qpn,
-            });
+            self.break_conn(self.completion_error(wc, qi));
             return;
         }
         if wc.opcode == WC_RECV_RDMA_WITH_IMM
@@ -599,6 +598,13 @@ impl VerbsConn {
                 return;
             }
         }
+    }
+
+    /// Whether any WR (data or notification) is in flight or a notification waits for
+    /// window room: the completion thread keeps polling while this holds.
+    pub fn has_outstanding(&self) -> bool {
+        self.qps.iter().any(|s| lock(&s.track).outstanding() > 0)
+            || !lock(&self.deferred).is_empty()
     }
 
     /// WRs in flight on all QPs.

@@ -2,7 +2,7 @@
 //! connection setup (prepare -> exchange -> complete).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -30,6 +30,8 @@ pub(crate) struct VerbsOptions {
     pub signal_every: u32,
     pub max_wr_bytes: u64,
     pub max_mr_bytes: Option<u64>,
+    /// The completion thread's polling grace period after the last post or completion.
+    pub poll_spin: Duration,
 }
 
 /// One registered memory region (an `ibv_mr`); dropping it deregisters.
@@ -69,6 +71,27 @@ pub(crate) struct VerbsEndpoint {
 struct PollerShared {
     conns: Mutex<Vec<Weak<VerbsConn>>>,
     stop: AtomicBool,
+    wake: Arc<PollWake>,
+    spin: Duration,
+}
+
+/// Lets a poster wake the completion thread at once instead of at the end of its sleep.
+#[derive(Debug, Default)]
+pub(crate) struct PollWake {
+    /// Bumped by every post; a change counts as activity and restarts the grace period.
+    posts: AtomicU64,
+    thread: OnceLock<std::thread::Thread>,
+}
+
+impl PollWake {
+    /// Called by a poster before it posts: the completion thread goes back to polling.
+    pub fn kick(&self) {
+        self.posts.fetch_add(1, Ordering::Release);
+        // Cheap unless the thread is parked (one atomic swap).
+        if let Some(t) = self.thread.get() {
+            t.unpark();
+        }
+    }
 }
 
 /// Engine-wide verbs state.
@@ -114,6 +137,8 @@ impl VerbsEngine {
         let poller = Arc::new(PollerShared {
             conns: Mutex::new(Vec::new()),
             stop: AtomicBool::new(false),
+            wake: Arc::new(PollWake::default()),
+            spin: opts.poll_spin,
         });
         let p2 = Arc::clone(&poller);
         let thread = std::thread::Builder::new()
@@ -148,29 +173,11 @@ impl VerbsEngine {
         remote_write: bool,
         remote_read: bool,
     ) -> Result<VerbsMr, Error> {
-        // Local write is always on: READs land in local memory, and verbs requires it with
-        // remote write.
-        // Relaxed ordering is an optional flag (providers without it ignore it); on PCIe
-        // hosts with GPUs it is worth a large factor in bandwidth.
-        let mut acc = AccessFlags::LocalWrite | AccessFlags::RelaxedOrdering;
-        if remote_write {
-            acc |= AccessFlags::RemoteWrite;
-        }
-        if remote_read {
-            acc |= AccessFlags::RemoteRead;
-        }
+        let acc = mr_access(remote_write, remote_read);
         // SAFETY: the caller guarantees the range stays mapped while the MR exists (this
         // fn's contract); the MR pins the pages.
-        let mr = unsafe { self.pd.reg_mr(addr as usize, len as usize, acc) }.map_err(|e| {
-            Error::Registration {
-                addr,
-                len,
-                reason: format!(
-                    "ibv_reg_mr: {}",
-                    std::error::Error::source(&e).map_or(e.to_string(), |s| s.to_string())
-                ),
-            }
-        })?;
+        let mr = unsafe { self.pd.reg_mr(addr as usize, len as usize, acc) }
+            .map_err(|e| registration_error(addr, len, "ibv_reg_mr".into(), &e))?;
         Ok(VerbsMr { mr })
     }
 
@@ -187,26 +194,11 @@ impl VerbsEngine {
         remote_write: bool,
         remote_read: bool,
     ) -> Result<VerbsMr, Error> {
-        // Relaxed ordering is an optional flag (providers without it ignore it); on PCIe
-        // hosts with GPUs it is worth a large factor in bandwidth.
-        let mut acc = AccessFlags::LocalWrite | AccessFlags::RelaxedOrdering;
-        if remote_write {
-            acc |= AccessFlags::RemoteWrite;
-        }
-        if remote_read {
-            acc |= AccessFlags::RemoteRead;
-        }
+        let acc = mr_access(remote_write, remote_read);
         // SAFETY: the caller guarantees the dma-buf range outlives the MR (this fn's contract).
         let mr =
             unsafe { self.pd.reg_dmabuf_mr(offset, len as usize, iova, fd, acc) }.map_err(|e| {
-                Error::Registration {
-                    addr: iova,
-                    len,
-                    reason: format!(
-                        "ibv_reg_dmabuf_mr(fd {fd}): {}",
-                        std::error::Error::source(&e).map_or(e.to_string(), |s| s.to_string())
-                    ),
-                }
+                registration_error(iova, len, format!("ibv_reg_dmabuf_mr(fd {fd})"), &e)
             })?;
         Ok(VerbsMr { mr })
     }
@@ -283,6 +275,7 @@ impl VerbsEngine {
         if let Some(t) = t
             && t.thread().id() != std::thread::current().id()
         {
+            t.thread().unpark();
             let _ = t.join();
         }
     }
@@ -374,19 +367,56 @@ impl PendingVerbs {
             notify,
             peer,
             format!("{}#{seq} {peer}", e.dev.name),
+            Arc::clone(&e.poller.wake),
         ));
         e.adopt(&conn);
         Ok(conn)
     }
 }
 
-/// The completion thread: polls every live connection's CQs; busy-polls while there is
-/// work, then backs off (spin, yield, then sleeps up to 1 ms) when idle. Every 50 ms it
-/// queries the real QP states, so a QP that went to ERR without a WC of ours (the peer's
-/// error, an async event) still breaks its connection promptly.
+/// Access of every MR. Local write is always on: READs land in local memory, and verbs
+/// requires it with remote write. Relaxed ordering is an optional flag (providers without
+/// it ignore it); on PCIe hosts with GPUs it is worth a large factor in bandwidth.
+fn mr_access(remote_write: bool, remote_read: bool) -> AccessFlags {
+    let mut acc = AccessFlags::LocalWrite | AccessFlags::RelaxedOrdering;
+    if remote_write {
+        acc |= AccessFlags::RemoteWrite;
+    }
+    if remote_read {
+        acc |= AccessFlags::RemoteRead;
+    }
+    acc
+}
+
+/// A failed registration of `[addr, addr+len)`: the verbs call and the provider's reason.
+fn registration_error(addr: u64, len: u64, call: String, e: &dyn std::error::Error) -> Error {
+    Error::Registration {
+        addr,
+        len,
+        reason: format!(
+            "{call}: {}",
+            e.source().map_or(e.to_string(), |s| s.to_string())
+        ),
+    }
+}
+
+/// Idle rounds that only spin (`spin_loop`) before the hot loop yields the CPU every round.
+const SPIN_ROUNDS: u32 = 16;
+
+/// The completion thread: polls every live connection's CQs. It stays hot (polls, spinning
+/// a few rounds, then yielding every round so rxe's kernel work and the posters get the
+/// CPU) while any WR is outstanding and for `spin` after the last post or completion; only
+/// then does it back off to sleeps of 50 µs doubling to 1 ms, which a post cuts short
+/// ([`PollWake::kick`]). Every 50 ms it queries the real QP states, so a QP that went to
+/// ERR without a WC of ours (the peer's error, an async event) still breaks its connection
+/// promptly.
 fn completion_loop(shared: &PollerShared) {
+    let _ = shared.wake.thread.set(std::thread::current());
     let mut scratch: Vec<Wc> = Vec::with_capacity(64);
     let mut idle: u32 = 0;
+    let mut naps: u32 = 0;
+    let mut seen_posts = shared.wake.posts.load(Ordering::Acquire);
+    let mut last_active = Instant::now();
     let mut last_health = Instant::now();
     let mut conns: Vec<Arc<VerbsConn>> = Vec::new();
     while !shared.stop.load(Ordering::Acquire) {
@@ -405,25 +435,39 @@ fn completion_loop(shared: &PollerShared) {
         for c in &conns {
             work += c.poll(&mut scratch);
         }
-        if last_health.elapsed() >= Duration::from_millis(50) {
+        let now = Instant::now();
+        if now.duration_since(last_health) >= Duration::from_millis(50) {
             for c in &conns {
                 c.health_check();
             }
-            last_health = Instant::now();
+            last_health = now;
         }
-        conns.clear();
-        if work > 0 {
+        let posts = shared.wake.posts.load(Ordering::Acquire);
+        if work > 0 || posts != seen_posts {
+            seen_posts = posts;
+            last_active = now;
             idle = 0;
+            naps = 0;
+            conns.clear();
             continue;
         }
+        // Outstanding WRs (data or a held notification) keep it hot without touching
+        // `last_active`: they only retire through completions, which restart the grace.
+        let outstanding = conns.iter().any(|c| c.has_outstanding());
+        conns.clear();
         idle = idle.saturating_add(1);
-        if idle < 64 {
-            std::hint::spin_loop();
-        } else if idle < 128 {
-            std::thread::yield_now();
-        } else {
-            let step = (idle - 128).min(5);
-            std::thread::sleep(Duration::from_micros(50u64 << step).min(Duration::from_millis(1)));
+        if outstanding || now.duration_since(last_active) < shared.spin {
+            if idle < SPIN_ROUNDS {
+                std::hint::spin_loop();
+            } else {
+                std::thread::yield_now();
+            }
+            continue;
         }
+        let step = naps.min(5);
+        naps = naps.saturating_add(1);
+        std::thread::park_timeout(
+            Duration::from_micros(50u64 << step).min(Duration::from_millis(1)),
+        );
     }
 }
