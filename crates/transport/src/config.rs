@@ -24,6 +24,7 @@
 //! | `PAGEWIRE_HANDSHAKE_TIMEOUT_MS` | `handshake_timeout` | `5000` | connect + handshake deadline |
 //! | `PAGEWIRE_BATCH_TIMEOUT_MS` | `batch_timeout` | `30000` | default batch deadline |
 //! | `PAGEWIRE_IO_TIMEOUT_MS` | `io_timeout` | `10000` | TCP data-stream read/write timeout |
+//! | `PAGEWIRE_POLL_SPIN_US` | `poll_spin` | `5000` | verbs: completion thread keeps polling this long after the last post or completion (0..=10 s) |
 //!
 //! Sizes accept a plain byte count or a `K`/`M`/`G` suffix (powers of 1024).
 
@@ -123,6 +124,10 @@ pub struct EngineConfig {
     pub batch_timeout: Duration,
     /// TCP data-stream socket read/write timeout (detects half-open peers).
     pub io_timeout: Duration,
+    /// Verbs: how long the completion thread keeps polling (spinning with yields) after
+    /// the last post or completion before it backs off to sleeps. While WRs are
+    /// outstanding it always polls.
+    pub poll_spin: Duration,
 }
 
 impl Default for EngineConfig {
@@ -145,6 +150,7 @@ impl Default for EngineConfig {
             handshake_timeout: Duration::from_secs(5),
             batch_timeout: Duration::from_secs(30),
             io_timeout: Duration::from_secs(10),
+            poll_spin: Duration::from_millis(5),
         }
     }
 }
@@ -183,6 +189,13 @@ impl EngineConfig {
             range("max_mr_bytes", m, 4096, u64::MAX)?;
         }
         range("tcp_streams", self.tcp_streams.into(), 1, 64)?;
+        if self.poll_spin > Duration::from_secs(10) {
+            return Err(Error::config(
+                "poll_spin",
+                format!("{:?}", self.poll_spin),
+                "expected at most 10 s",
+            ));
+        }
         range(
             "handshake_max_bytes",
             self.handshake_max_bytes.into(),
@@ -256,6 +269,8 @@ impl EngineConfigBuilder {
         batch_timeout: Duration);
     setter!(/// TCP data-stream socket timeout.
         io_timeout: Duration);
+    setter!(/// Verbs: completion-thread polling grace period after the last activity.
+        poll_spin: Duration);
 
     /// Shared secret.
     pub fn token(mut self, t: impl Into<String>) -> Self {
@@ -348,6 +363,9 @@ impl EngineConfigBuilder {
                 *field = Duration::from_millis(parse_num(key, &v)?);
             }
         }
+        if let Some(v) = get("PAGEWIRE_POLL_SPIN_US") {
+            c.poll_spin = Duration::from_micros(parse_num("PAGEWIRE_POLL_SPIN_US", &v)?);
+        }
         Ok(self)
     }
 
@@ -400,6 +418,7 @@ mod tests {
             ("PAGEWIRE_TCP_STREAMS", "8"),
             ("PAGEWIRE_MAX_WR_BYTES", "256K"),
             ("PAGEWIRE_BATCH_TIMEOUT_MS", "1500"),
+            ("PAGEWIRE_POLL_SPIN_US", "250"),
         ]
         .into_iter()
         .collect();
@@ -413,6 +432,7 @@ mod tests {
         assert_eq!(cfg.tcp_streams, 8);
         assert_eq!(cfg.max_wr_bytes, 256 << 10);
         assert_eq!(cfg.batch_timeout, Duration::from_millis(1500));
+        assert_eq!(cfg.poll_spin, Duration::from_micros(250));
     }
 
     #[test]

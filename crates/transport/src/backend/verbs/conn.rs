@@ -155,7 +155,6 @@ impl VerbsConn {
         notify: Option<Arc<dyn TagSink>>,
         peer: PeerId,
         label: String,
-        poller: Arc<PollWake>,
     ) -> Self {
         let qps = qps
             .into_iter()
@@ -184,9 +183,16 @@ impl VerbsConn {
             graveyard: Mutex::new(Vec::new()),
             wake: Condvar::new(),
             wake_lock: Mutex::new(()),
-            poller,
+            poller: Arc::default(),
             label,
         }
+    }
+
+    /// Kicks `poller` (the engine's completion thread) on every post instead of a private
+    /// one nobody waits on.
+    pub fn with_poller(mut self, poller: Arc<PollWake>) -> Self {
+        self.poller = poller;
+        self
     }
 
     pub fn is_broken(&self) -> bool {

@@ -359,16 +359,18 @@ impl PendingVerbs {
             recv_depth: self.recv_depth,
         };
         let seq = e.conn_seq.fetch_add(1, Ordering::Relaxed);
-        let conn = Arc::new(VerbsConn::new(
-            self.qps,
-            self.send_cq,
-            self.recv_cq,
-            cfg,
-            notify,
-            peer,
-            format!("{}#{seq} {peer}", e.dev.name),
-            Arc::clone(&e.poller.wake),
-        ));
+        let conn = Arc::new(
+            VerbsConn::new(
+                self.qps,
+                self.send_cq,
+                self.recv_cq,
+                cfg,
+                notify,
+                peer,
+                format!("{}#{seq} {peer}", e.dev.name),
+            )
+            .with_poller(Arc::clone(&e.poller.wake)),
+        );
         e.adopt(&conn);
         Ok(conn)
     }

@@ -50,6 +50,7 @@ pub(crate) fn open(config: &EngineConfig) -> Result<Arc<dyn Backend>, Error> {
         signal_every: config.signal_every,
         max_wr_bytes: config.max_wr_bytes,
         max_mr_bytes: config.max_mr_bytes,
+        poll_spin: config.poll_spin,
     })?;
     Ok(Arc::new(VerbsBackend { engine }))
 }

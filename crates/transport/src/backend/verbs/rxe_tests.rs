@@ -35,6 +35,7 @@ fn opts(dev: &str, qps: usize) -> VerbsOptions {
         signal_every: 8,
         max_wr_bytes: 256 << 10,
         max_mr_bytes: None,
+        poll_spin: Duration::from_millis(5),
     }
 }
 
