@@ -13,7 +13,7 @@ use pagewire_gpudirect::{
 };
 
 mod common;
-use common::pattern;
+use common::{pattern, whole};
 
 const T: Duration = Duration::from_secs(30);
 
@@ -165,11 +165,7 @@ fn cuda_wire_error_leaves_no_notification() {
     );
     let remote = wire.remote();
     let mut p = StagedPipeline::new(copy, wire, cfg(1 << 20, 3)).unwrap();
-    let seg = [Segment {
-        local_off: 0,
-        remote_off: 0,
-        len: 8 << 20,
-    }];
+    let seg = whole(8 << 20);
     let err = p.write(src.span(), &seg, Some(1)).unwrap_err();
     assert!(
         matches!(
@@ -204,11 +200,7 @@ fn cuda_receiver_pipeline_gpu_to_gpu() {
     let mut rx = StagedReceiver::new(rx_copy, c).unwrap();
     // SAFETY: the receiver outlives the link's use in this test.
     unsafe { incoming.publish_ring(rx.ring().unwrap()) };
-    let seg = [Segment {
-        local_off: 0,
-        remote_off: 0,
-        len: len as u64,
-    }];
+    let seg = whole(len as u64);
     let sender = thread::spawn(move || {
         let mut p = StagedPipeline::new(tx, wire, c).unwrap();
         let r = p.write(src.span(), &seg, None);
@@ -271,11 +263,7 @@ fn cuda_gpu_to_gpu_push_over_loopback_engines() {
     let src = tx_copy.alloc_device(len).unwrap();
     let data = pattern(len, 3);
     tx_copy.upload(&src, 0, &data, T).unwrap();
-    let seg = [Segment {
-        local_off: 0,
-        remote_off: 0,
-        len: len as u64,
-    }];
+    let seg = whole(len as u64);
     let wire = RingPushWire::new(tx_e.clone(), peer_tx, rx.descriptor(), &credits, T).unwrap();
     let mut p = StagedPipeline::new(&tx_copy, wire, c).unwrap();
     let t0 = std::time::Instant::now();

@@ -12,7 +12,7 @@ use pagewire_gpudirect::{
 use pagewire_transport::BackendKind;
 
 mod common;
-use common::{engine, host_backend_tests, pattern};
+use common::{engine, host_backend_tests, pattern, whole};
 
 const T: Duration = Duration::from_secs(20);
 
@@ -128,11 +128,7 @@ fn receiver_copy_failure_means_no_completion_and_sender_times_out() {
     let credits = CreditBoard::new(tx_e.clone(), cfg.depth).unwrap();
     let tx_copy = HostCopyEngine::default();
     let src = tx_copy.alloc_device(len).unwrap();
-    let seg = [Segment {
-        local_off: 0,
-        remote_off: 0,
-        len: len as u64,
-    }];
+    let seg = whole(len as u64);
     let (rx_res, tx_res, completed) = thread::scope(|s| {
         let h = s.spawn(|| {
             let wire = RingPushWire::new(tx_e.clone(), peer_tx, desc, &credits, cfg.timeout)?;

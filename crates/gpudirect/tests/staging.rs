@@ -13,7 +13,7 @@ use pagewire_gpudirect::{
 use proptest::prelude::*;
 
 mod common;
-use common::pattern;
+use common::{pattern, whole};
 
 const T: Duration = Duration::from_secs(10);
 
@@ -123,17 +123,7 @@ fn write_overlaps_copy_of_next_chunk_with_wire_of_current() {
     );
     let mut p = StagedPipeline::new(copy, wire, cfg(1024, 3)).unwrap();
     p.set_trace(true);
-    let stats = p
-        .write(
-            src.span(),
-            &[Segment {
-                local_off: 0,
-                remote_off: 0,
-                len: 8 * 1024,
-            }],
-            Some(1),
-        )
-        .unwrap();
+    let stats = p.write(src.span(), &whole(8 * 1024), Some(1)).unwrap();
     let pos = |e: TraceEvent| stats.trace.iter().position(|&x| x == e).unwrap();
     for i in 0..7 {
         // The next chunk's copy was issued before this chunk left the wire.
@@ -247,17 +237,7 @@ fn copy_error_mid_pipeline_fails_batch_without_notification() {
     let wire = MemWire::new(8 * 100);
     let remote = wire.remote();
     let mut p = StagedPipeline::new(copy, wire, cfg(100, 2)).unwrap();
-    let err = p
-        .write(
-            src.span(),
-            &[Segment {
-                local_off: 0,
-                remote_off: 0,
-                len: 800,
-            }],
-            Some(1),
-        )
-        .unwrap_err();
+    let err = p.write(src.span(), &whole(800), Some(1)).unwrap_err();
     assert!(
         matches!(
             err,
@@ -496,11 +476,7 @@ fn receiver_h2d_failure_means_no_completion() {
     let mut rx = StagedReceiver::new(rx_copy, c).unwrap();
     // SAFETY: the receiver outlives the link's use.
     unsafe { incoming.publish_ring(rx.ring().unwrap()) };
-    let seg = [Segment {
-        local_off: 0,
-        remote_off: 0,
-        len: 2048,
-    }];
+    let seg = whole(2048);
     let sender = thread::spawn(move || {
         let c = StagingConfig {
             timeout: Duration::from_secs(2),

@@ -3,6 +3,7 @@
 // Each test binary uses a subset.
 #![allow(dead_code, unused_macros, unused_imports)]
 
+use pagewire_gpudirect::Segment;
 use pagewire_transport::{BackendKind, Engine, EngineConfig};
 
 /// `len` bytes that differ between seeds at every position and do not repeat within
@@ -11,6 +12,15 @@ pub fn pattern(len: usize, seed: u8) -> Vec<u8> {
     (0..len)
         .map(|i| (i as u8).wrapping_mul(29).wrapping_add(seed) ^ (i >> 9) as u8 ^ (i >> 17) as u8)
         .collect()
+}
+
+/// One segment of `len` bytes at offset 0 on both sides.
+pub fn whole(len: u64) -> [Segment; 1] {
+    [Segment {
+        local_off: 0,
+        remote_off: 0,
+        len,
+    }]
 }
 
 /// A transport engine of `kind` on localhost, or `None` with a SKIP line where the
