@@ -453,18 +453,10 @@ impl Pool {
         if self.layout.is_page_major() {
             // One pass: validate each page and write its entries (the index array is the
             // bulk of the memory traffic, so it is read once).
-            let r = self.fill_page_major_checked(indices, pages, out);
-            if r.is_err() {
-                out.clear();
-            }
-            return r;
+            return emptied_on_error(self.fill_page_major_checked(indices, pages, out), out);
         }
         out.reserve(pages.saturating_mul(self.entries_per_page()));
-        let r = self.for_each_segment(indices, |_, s| out.push(s));
-        if r.is_err() {
-            out.clear();
-        }
-        r.map(|_| ())
+        emptied_on_error(self.for_each_segment(indices, |_, s| out.push(s)), out)
     }
 
     /// SGLang's asymmetric pool floors the first slot to the page start for
@@ -566,11 +558,7 @@ impl Pool {
             return Ok(());
         }
         out.reserve(pages.len().saturating_mul(self.entries_per_page()));
-        let r = self.for_each_page_segment(pages, |_, s| out.push(s));
-        if r.is_err() {
-            out.clear();
-        }
-        r.map(|_| ())
+        emptied_on_error(self.for_each_page_segment(pages, |_, s| out.push(s)), out)
     }
 
     /// Entries per page of [`Pool::page_meta`].
@@ -887,4 +875,13 @@ impl Walk {
             }
         }
     }
+}
+
+/// `r` without its value, and `out` emptied when it is an error: the `_into` calls leave
+/// no half-filled lists behind.
+fn emptied_on_error<T>(r: Result<T>, out: &mut Segments) -> Result<()> {
+    if r.is_err() {
+        out.clear();
+    }
+    r.map(|_| ())
 }
