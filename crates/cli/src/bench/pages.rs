@@ -711,7 +711,14 @@ fn server(a: &PagesArgs, listener: std::net::TcpListener, quiet: bool) -> anyhow
             Err(e) => return Err(e),
         }
     };
+    // `timeout` bounds each of the client's batch waits, not its whole run: a slow run
+    // (many ops, a loaded machine) may last up to `iters` of them. Waiting only `timeout`
+    // here dropped the engine mid-run and the client saw "peer gone". A client that dies
+    // still shows up at once as EOF.
+    let run = u32::try_from(a.iters.saturating_add(1)).unwrap_or(u32::MAX);
+    ch.set_timeout(timeout.saturating_mul(run))?;
     ch.barrier(2)?;
+    ch.set_timeout(timeout)?;
     let mut outcome = Ok(());
     if a.verify && a.op == PageOp::Write {
         let v = verify_pool(a, g, &local.buf[..])?;
