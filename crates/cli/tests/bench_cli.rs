@@ -289,6 +289,51 @@ fn pages_cross_layout_verified() {
     }
 }
 
+/// `--timeout` bounds each wait, not the run: a run longer than it (many batches of 1024
+/// scattered ops here) must finish. The server used to give up waiting for the client's end after one
+/// `--timeout`, drop its engine, and the client failed with "peer gone".
+#[test]
+fn pages_run_may_outlast_timeout() {
+    let mut iters = 200u32;
+    loop {
+        let t0 = Instant::now();
+        let n = iters.to_string();
+        let out = run(&[
+            "bench",
+            "pages",
+            "--transport",
+            "loopback",
+            "--model",
+            "mimo-v2",
+            "--layers",
+            "2",
+            "--pages",
+            "4",
+            "--pool-pages",
+            "16",
+            "--src-layout",
+            "page_first",
+            "--dst-layout",
+            "page_head",
+            "-n",
+            &n,
+            "--timeout",
+            "1",
+            "--verify",
+        ]);
+        let stdout = String::from_utf8(out.stdout).unwrap();
+        assert!(
+            stdout.contains("verify                     : OK"),
+            "{stdout}"
+        );
+        // Grow the run until it really outlasted the timeout.
+        if t0.elapsed() > Duration::from_millis(2500) || iters >= 200 << 8 {
+            break;
+        }
+        iters *= 4;
+    }
+}
+
 #[test]
 fn bad_flags_fail_with_a_message() {
     for args in [
