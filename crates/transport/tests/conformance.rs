@@ -4,7 +4,8 @@
 //!
 //! Every transfer is verified byte for byte on the receiving side, with guard bytes
 //! around the target to catch stray writes. `PAGEWIRE_TEST_MAX_BYTES` caps the size
-//! sweep (default 64 MiB) for slow links such as rxe under TCG.
+//! sweep (default 64 MiB) for slow links such as rxe under TCG; `PAGEWIRE_TEST_MANY_OPS`
+//! sets the op count of the one-huge-batch test (default 200,000; 16,384 with SOFTROCE=1).
 
 mod common;
 
@@ -684,6 +685,88 @@ mod suite {
         Ok(())
     }
 
+    /// One batch of `many_ops()` (>= 200,000 by default) small scattered ops from a real
+    /// plan: MiMo-like asymmetric MHA in bf16 (head_dim 192, v_head_dim 32, so 384 B K and
+    /// 64 B V pieces), page_first -> page_head, every page moved to another. Far more ops
+    /// than any queue, window or gather of a backend; WRITE with a notification, then READ
+    /// back, byte-exact on the receiver with an untouched spare page as guard.
+    pub fn many_small_ops(kind: BackendKind) -> Result<()> {
+        let cfg = || config(kind).batch_timeout(Duration::from_secs(300));
+        let (a, b) = (engine_with(cfg())?, engine_with(cfg())?);
+        // 4 layers x 16 tokens x 8 heads x (K, V) = 1024 ops a page; nothing coalesces.
+        let (layers, page_size, heads) = (4u64, 16u64, 8u64);
+        let pages = many_ops().div_ceil(layers * page_size * heads * 2).max(2);
+        let geometry = PoolGeometry::builder(PoolKind::MhaSplit)
+            .layers(layers)
+            .page_size(page_size)
+            .heads(heads)
+            .head_dim(192)
+            .v_head_dim(32)
+            .dtype_bytes(2)
+            .capacity((pages + 1) * page_size) // page 0 of the destination stays spare
+            .build()?;
+        let k_bytes = geometry.buffer_bytes(pagewire_layout::Component::K);
+        let pool_bytes = (k_bytes + geometry.buffer_bytes(pagewire_layout::Component::V)) as usize;
+        let place = |layout, base: u64| Pool::new(geometry, layout, base, Some(base + k_bytes));
+        let (mut src, _) = buffer(&a, pool_bytes, Access::LOCAL_WRITE)?;
+        let (mut dst, _) = buffer(&b, pool_bytes, Access::ALL)?;
+        let (mut back, _) = buffer(&a, pool_bytes, Access::LOCAL_WRITE)?;
+        fill_pattern(&mut src, 11);
+        dst.fill(GUARD);
+        back.fill(GUARD);
+        let src_pool = place(Layout::PageFirst, src.addr())?;
+        let dst_pool = place(Layout::PageHead, dst.addr())?;
+        let src_pages: Vec<u64> = (0..pages).collect();
+        let dst_pages: Vec<u64> = (1..=pages).rev().collect();
+        let plan = pagewire_layout::plan(&src_pool, &dst_pool, &src_pages, &dst_pages)?;
+        ensure!(
+            plan.len() as u64 >= many_ops(),
+            "plan has {} ops, wanted {}",
+            plan.len(),
+            many_ops()
+        );
+        ensure!(plan.iter().all(|t| t.len == 384 || t.len == 64));
+        let (ab, ba) = connect(&a, &b)?;
+
+        let h = a.submit_plan(ab, Op::Write, &plan, Some(77))?;
+        let note = b
+            .poll_notification(secs(300))
+            .context("no notification for the batch")?;
+        ensure!(note.peer == ba && note.tag == 77, "notification {note:?}");
+        let st = h.wait(secs(300)).context("WRITE batch")?;
+        ensure!(
+            st.bytes == plan.iter().map(|t| t.len).sum::<u64>(),
+            "{st:?}"
+        );
+        let mut expect = vec![GUARD; pool_bytes];
+        for t in &plan {
+            let (s, d, n) = (t.src - src.addr(), t.dst - dst.addr(), t.len);
+            let (s, d, n) = (s as usize, d as usize, n as usize);
+            expect[d..d + n].copy_from_slice(&src[s..s + n]);
+        }
+        if dst[..] != expect[..] {
+            let first = (0..pool_bytes).find(|&i| dst[i] != expect[i]).unwrap_or(0);
+            bail!("WRITE: destination pool differs from the plan, first at byte {first}");
+        }
+
+        let back_pool = place(Layout::PageFirst, back.addr())?;
+        let pull = pagewire_layout::plan(&dst_pool, &back_pool, &dst_pages, &src_pages)?;
+        ensure!(pull.len() == plan.len(), "READ plan of {} ops", pull.len());
+        a.submit_plan(ab, Op::Read, &pull, None)?
+            .wait(secs(300))
+            .context("READ batch")?;
+        expect.fill(GUARD);
+        for t in &plan {
+            let (s, n) = ((t.src - src.addr()) as usize, t.len as usize);
+            expect[s..s + n].copy_from_slice(&src[s..s + n]);
+        }
+        if back[..] != expect[..] {
+            let first = (0..pool_bytes).find(|&i| back[i] != expect[i]).unwrap_or(0);
+            bail!("READ: pulled pool differs from the source, first at byte {first}");
+        }
+        Ok(())
+    }
+
     /// Shared tokens: a wrong token is rejected with a typed error, the right one works;
     /// engines of different backends refuse each other.
     pub fn tokens_and_mismatch(kind: BackendKind) -> Result<()> {
@@ -751,6 +834,7 @@ macro_rules! all_backends {
                 hostile_handshakes,
                 handshake_flood,
                 tokens_and_mismatch,
+                many_small_ops,
             ]);
         )*
     };

@@ -28,6 +28,21 @@ pub fn max_bytes() -> u64 {
         .unwrap_or(default)
 }
 
+/// Ops in the one-huge-batch test: `PAGEWIRE_TEST_MANY_OPS`, else 200,000, or 16,384
+/// inside the soft-RoCE guest (`SOFTROCE=1`: rxe under TCG handles small WRs slowly; the
+/// batch still dwarfs every send queue and window there).
+pub fn many_ops() -> u64 {
+    let default = if std::env::var("SOFTROCE").is_ok_and(|v| v == "1") {
+        16_384
+    } else {
+        200_000
+    };
+    std::env::var("PAGEWIRE_TEST_MANY_OPS")
+        .ok()
+        .and_then(|v| parse_size(&v))
+        .unwrap_or(default)
+}
+
 fn parse_size(v: &str) -> Option<u64> {
     let v = v.trim();
     let (n, m) = match v.chars().last()? {
