@@ -14,18 +14,13 @@ use pagewire_transport::{
     Access, BackendKind, Batch, Engine, EngineConfig, EngineConfigBuilder, Error, HostBuffer,
 };
 
+mod common;
+use common::secs;
+
+/// `RDMA_DEVICE`, or `None` after a SKIP line (a failure with `RDMA_REQUIRED=1`).
 fn device(test: &str) -> Option<String> {
-    match std::env::var("RDMA_DEVICE") {
-        Ok(d) if !d.is_empty() => Some(d),
-        _ => {
-            assert!(
-                std::env::var("RDMA_REQUIRED").as_deref() != Ok("1"),
-                "{test}: RDMA_REQUIRED=1 but RDMA_DEVICE is not set"
-            );
-            eprintln!("SKIP {test}: RDMA_DEVICE not set (run in the soft-RoCE VM)");
-            None
-        }
-    }
+    common::runnable(BackendKind::Verbs, test)
+        .then(|| std::env::var("RDMA_DEVICE").expect("runnable checked it"))
 }
 
 fn engine(dev: &str, f: impl FnOnce(EngineConfigBuilder) -> EngineConfigBuilder) -> Result<Engine> {
@@ -53,10 +48,6 @@ fn filled(n: usize, seed: u8) -> Result<HostBuffer> {
     let mut b = HostBuffer::new(n)?;
     b.copy_from_slice(&pattern(n, seed));
     Ok(b)
-}
-
-fn secs(d: u64) -> Instant {
-    Instant::now() + Duration::from_secs(d)
 }
 
 fn mib_s(bytes: usize, d: Duration) -> f64 {
