@@ -334,6 +334,28 @@ fn pages_run_may_outlast_timeout() {
     }
 }
 
+/// The same for the perftest-style tests: a `--duration` run longer than `--timeout`.
+#[test]
+fn write_run_may_outlast_timeout() {
+    for transport in ["loopback", "tcp"] {
+        let out = run(&[
+            "bench",
+            "write",
+            "--transport",
+            transport,
+            "-s",
+            "4K",
+            "--duration",
+            "2.5",
+            "--timeout",
+            "1",
+            "--verify",
+        ]);
+        let stdout = String::from_utf8(out.stdout).unwrap();
+        assert!(stdout.contains("RDMA_Write BW Test"), "{stdout}");
+    }
+}
+
 #[test]
 fn bad_flags_fail_with_a_message() {
     for args in [

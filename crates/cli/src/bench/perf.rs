@@ -399,7 +399,21 @@ impl End {
         } else {
             None
         };
+        // `timeout` bounds each of the initiator's batch waits, not its whole run; a passive
+        // side that waited only `timeout` here dropped its engine under a long run (the
+        // initiator then saw "peer gone"). A peer that dies still shows up at once as EOF.
+        let cq = u64::from(a.cq_mod(kind).max(1));
+        let waits = match a.duration {
+            Some(_) => u64::from(a.tx_depth(kind)).div_ceil(cq),
+            None => (a.iters(kind) * u64::from(a.qps)).div_ceil(cq),
+        };
+        let waits = u32::try_from(waits.saturating_add(1)).unwrap_or(u32::MAX);
+        let run = Duration::try_from_secs_f64(a.duration.unwrap_or(0.0))
+            .unwrap_or(Duration::MAX)
+            .saturating_add(self.timeout.saturating_mul(waits));
+        self.ch.set_timeout(run)?;
         self.ch.barrier(step + 1)?;
+        self.ch.set_timeout(self.timeout)?;
         let mut verdict: anyhow::Result<()> = Ok(());
         if a.verify
             && land_here
