@@ -1,7 +1,5 @@
 //! A pool = geometry + layout + base addresses; page segment lists.
 
-use std::convert::Infallible;
-
 use crate::error::{LayoutError, Result, add};
 use crate::geometry::{Component, Layout, PoolGeometry, PoolKind};
 use crate::segment::{Segment, Segments, push_coalesced};
@@ -475,36 +473,54 @@ impl Pool {
         pages: usize,
         out: &mut Segments,
     ) -> Result<()> {
-        let ps = self.geometry.page_size();
+        let g = &self.geometry;
+        let ps = g.page_size();
         let aligned_only = !self.sglang_has_meta();
         let floor = self.floors_slot();
-        let firsts = indices
-            .chunks_exact(ps as usize)
-            .enumerate()
-            .map(|(pos, chunk)| {
-                let t0 = self.page_start(pos, chunk, aligned_only)?;
-                Ok(if floor { t0 - t0 % ps } else { t0 })
-            });
-        self.fill_page_major(pages, firsts, out)
-    }
-
-    /// Page-major lists from each of `n` pages' first slot: per page, each buffer at
-    /// `base + t0 * L * row`, `L * P * row` long. Stops at the first error `firsts`
-    /// yields (`Infallible` for pre-validated slots, which compiles to plain `u64`s).
-    fn fill_page_major<E>(
-        &self,
-        n: usize,
-        firsts: impl Iterator<Item = std::result::Result<u64, E>>,
-        out: &mut Segments,
-    ) -> std::result::Result<(), E> {
-        let g = &self.geometry;
+        let chunks = indices.chunks_exact(ps as usize).enumerate();
+        let first = |pos, chunk| -> Result<u64> {
+            let t0 = self.page_start(pos, chunk, aligned_only)?;
+            Ok(if floor { t0 - t0 % ps } else { t0 })
+        };
         match *self.components() {
             [c] => {
                 let (b, step) = (self.base(c), g.layers() * g.row_bytes(c));
-                out.ptrs.resize(n, 0);
-                for (ptr, t) in out.ptrs.iter_mut().zip(firsts) {
-                    *ptr = b + t? * step;
+                out.ptrs.resize(pages, 0);
+                for ((pos, chunk), ptr) in chunks.zip(out.ptrs.iter_mut()) {
+                    *ptr = b + first(pos, chunk)? * step;
                 }
+                out.lens.resize(pages, g.page_bytes(c));
+            }
+            [k, v] => {
+                let (kb, ks) = (self.base(k), g.layers() * g.row_bytes(k));
+                let (vb, vs) = (self.base(v), g.layers() * g.row_bytes(v));
+                out.ptrs.resize(2 * pages, 0);
+                for ((pos, chunk), pair) in chunks.zip(out.ptrs.chunks_exact_mut(2)) {
+                    let t = first(pos, chunk)?;
+                    pair[0] = kb + t * ks;
+                    pair[1] = vb + t * vs;
+                }
+                out.lens.resize(2 * pages, 0);
+                let (kl, vl) = (g.page_bytes(k), g.page_bytes(v));
+                for pair in out.lens.chunks_exact_mut(2) {
+                    pair[0] = kl;
+                    pair[1] = vl;
+                }
+            }
+            _ => unreachable!("pools have one or two buffers"),
+        }
+        Ok(())
+    }
+
+    /// Page-major lists from each page's (validated) first slot: per page, each buffer at
+    /// `base + t0 * L * row`, `L * P * row` long.
+    fn fill_page_major(&self, firsts: impl ExactSizeIterator<Item = u64>, out: &mut Segments) {
+        let g = &self.geometry;
+        let n = firsts.len();
+        match *self.components() {
+            [c] => {
+                let (b, step) = (self.base(c), g.layers() * g.row_bytes(c));
+                out.ptrs.extend(firsts.map(|t| b + t * step));
                 out.lens.resize(n, g.page_bytes(c));
             }
             [k, v] => {
@@ -512,7 +528,6 @@ impl Pool {
                 let (vb, vs) = (self.base(v), g.layers() * g.row_bytes(v));
                 out.ptrs.resize(2 * n, 0);
                 for (pair, t) in out.ptrs.chunks_exact_mut(2).zip(firsts) {
-                    let t = t?;
                     pair[0] = kb + t * ks;
                     pair[1] = vb + t * vs;
                 }
@@ -525,7 +540,6 @@ impl Pool {
             }
             _ => unreachable!("pools have one or two buffers"),
         }
-        Ok(())
     }
 
     /// [`Pool::page_meta`] for page indices.
@@ -553,8 +567,7 @@ impl Pool {
                 return Err(LayoutError::PageOutOfRange { page, pages: n });
             }
             let ps = self.geometry.page_size();
-            let firsts = pages.iter().map(|&p| Ok::<_, Infallible>(p * ps));
-            let Ok(()) = self.fill_page_major(pages.len(), firsts, out);
+            self.fill_page_major(pages.iter().map(|&p| p * ps), out);
             return Ok(());
         }
         out.reserve(pages.len().saturating_mul(self.entries_per_page()));
