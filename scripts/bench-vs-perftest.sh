@@ -15,8 +15,9 @@
 #   --pages N --page-iters N pages per batch and batches of the pages runs (default 8 and 5
 #                            on verbs, 32 and 20 on TCP)
 #   --runs N                 runs of every test (default 3)
-#   --iters N                iterations per size for the bandwidth sweeps (default 20; rxe
-#                            under TCG moves ~50 MB/s, so -a with 20 iterations is ~10 s)
+#   --iters N                iterations per size for the bandwidth sweeps (default 50: with
+#                            fewer, each size is one or two batches and pagewire's fixed
+#                            per-batch cost dominates; the 3-run rdma section takes ~6 min)
 #   --lat-iters N            ping-pong iterations for the latency tests (default 1000)
 #   --device DEV             RDMA device (default: $RDMA_DEVICE, else rxe0)
 #   --tcp-size SIZE          message size of pagewire's TCP runs (default 1M)
@@ -29,7 +30,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-section="" pages_n="" page_iters="" runs=3 iters=20 lat_iters=1000 dev="${RDMA_DEVICE:-rxe0}" tcp_size=1M tcp_secs=5
+section="" pages_n="" page_iters="" runs=3 iters=50 lat_iters=1000 dev="${RDMA_DEVICE:-rxe0}" tcp_size=1M tcp_secs=5
 streams="1 4" out="" pw="target/release/pagewire"
 while (($#)); do
     case "$1" in
