@@ -3,6 +3,10 @@
 # suite inside the soft-RoCE VM. Installs what it needs first (idempotent).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Keep a copy of everything for the closing summary (libtest lines from host and guest).
+mkdir -p target
+LOG="target/test-run.log"
+exec > >(tee "$LOG") 2>&1
 bash scripts/setup.sh --vm
 export PATH="$HOME/.cargo/bin:$PATH"
 
@@ -34,3 +38,7 @@ for p in "${VM_TEST_PACKAGES[@]}"; do pkg_args+=(-p "$p"); done
 scripts/rdma-vm.sh --two-devices --cpus 2 --timeout "${PAGEWIRE_VM_TEST_TIMEOUT:-480}" \
     test "${pkg_args[@]}" --locked
 echo "== VM part took $((SECONDS - vm_t0)) s"
+
+# One closing line over every libtest binary that ran, on the host and in the guest.
+grep -aE '^test result: ' "$LOG" |
+    awk '{p += $4; f += $6} END {printf "summary: %d passed, %d failed\n", p, f}'
