@@ -85,10 +85,10 @@ pub enum Msg {
     },
     /// One side's measurement of one size (bidirectional: what it initiated).
     Bw {
-        result: BwResultWire,
+        result: BwResult,
     },
     Lat {
-        result: LatResultWire,
+        result: LatResult,
     },
     /// The receiving side's verdict on the pattern of one size.
     Verified {
@@ -99,103 +99,30 @@ pub enum Msg {
     Bye,
 }
 
-/// `BwResult` on the wire (plain fields; validated on receipt).
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct BwResultWire {
-    pub bytes: u64,
-    pub iterations: u64,
-    pub peak_bps: Option<f64>,
-    pub avg_bps: f64,
-    pub msg_rate_mpps: f64,
-}
-
-impl From<BwResult> for BwResultWire {
-    fn from(r: BwResult) -> Self {
-        BwResultWire {
-            bytes: r.bytes,
-            iterations: r.iterations,
-            peak_bps: r.peak_bps,
-            avg_bps: r.avg_bps,
-            msg_rate_mpps: r.msg_rate_mpps,
-        }
+/// A peer's bandwidth record: rejected unless every figure is finite and non-negative.
+fn checked_bw(r: BwResult) -> Result<BwResult, OobError> {
+    let ok = |x: f64| x.is_finite() && x >= 0.0;
+    if !(ok(r.avg_bps) && ok(r.msg_rate_mpps) && r.peak_bps.is_none_or(ok)) {
+        return Err(OobError::BadMessage(format!("result out of range: {r:?}")));
     }
+    Ok(r)
 }
 
-impl TryFrom<BwResultWire> for BwResult {
-    type Error = OobError;
-    fn try_from(w: BwResultWire) -> Result<Self, OobError> {
-        let ok = |x: f64| x.is_finite() && x >= 0.0;
-        if !(ok(w.avg_bps) && ok(w.msg_rate_mpps) && w.peak_bps.is_none_or(ok)) {
-            return Err(OobError::BadMessage(format!("result out of range: {w:?}")));
-        }
-        Ok(BwResult {
-            bytes: w.bytes,
-            iterations: w.iterations,
-            peak_bps: w.peak_bps,
-            avg_bps: w.avg_bps,
-            msg_rate_mpps: w.msg_rate_mpps,
-        })
+/// A peer's latency record: rejected unless every figure is finite and non-negative.
+fn checked_lat(r: LatResult) -> Result<LatResult, OobError> {
+    let all = [
+        r.t_min_us,
+        r.t_max_us,
+        r.t_typical_us,
+        r.t_avg_us,
+        r.t_stdev_us,
+        r.p99_us,
+        r.p999_us,
+    ];
+    if !all.iter().all(|x| x.is_finite() && *x >= 0.0) {
+        return Err(OobError::BadMessage(format!("latency out of range: {r:?}")));
     }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct LatResultWire {
-    pub bytes: u64,
-    pub iterations: u64,
-    pub t_min_us: f64,
-    pub t_max_us: f64,
-    pub t_typical_us: f64,
-    pub t_avg_us: f64,
-    pub t_stdev_us: f64,
-    pub p99_us: f64,
-    pub p999_us: f64,
-}
-
-impl From<LatResult> for LatResultWire {
-    fn from(r: LatResult) -> Self {
-        LatResultWire {
-            bytes: r.bytes,
-            iterations: r.iterations,
-            t_min_us: r.t_min_us,
-            t_max_us: r.t_max_us,
-            t_typical_us: r.t_typical_us,
-            t_avg_us: r.t_avg_us,
-            t_stdev_us: r.t_stdev_us,
-            p99_us: r.p99_us,
-            p999_us: r.p999_us,
-        }
-    }
-}
-
-impl TryFrom<LatResultWire> for LatResult {
-    type Error = OobError;
-    fn try_from(w: LatResultWire) -> Result<Self, OobError> {
-        let all = [
-            w.t_min_us,
-            w.t_max_us,
-            w.t_typical_us,
-            w.t_avg_us,
-            w.t_stdev_us,
-            w.p99_us,
-            w.p999_us,
-        ];
-        if !all.iter().all(|x| x.is_finite() && *x >= 0.0) {
-            return Err(OobError::BadMessage(format!("latency out of range: {w:?}")));
-        }
-        Ok(LatResult {
-            bytes: w.bytes,
-            iterations: w.iterations,
-            t_min_us: w.t_min_us,
-            t_max_us: w.t_max_us,
-            t_typical_us: w.t_typical_us,
-            t_avg_us: w.t_avg_us,
-            t_stdev_us: w.t_stdev_us,
-            p99_us: w.p99_us,
-            p999_us: w.p999_us,
-        })
-    }
+    Ok(r)
 }
 
 impl Msg {
@@ -284,7 +211,7 @@ impl Channel {
 
     pub fn recv_bw(&mut self) -> Result<BwResult, OobError> {
         match self.recv()? {
-            Msg::Bw { result } => result.try_into(),
+            Msg::Bw { result } => checked_bw(result),
             other => Err(OobError::Unexpected {
                 want: "bw result",
                 got: other.name(),
@@ -294,7 +221,7 @@ impl Channel {
 
     pub fn recv_lat(&mut self) -> Result<LatResult, OobError> {
         match self.recv()? {
-            Msg::Lat { result } => result.try_into(),
+            Msg::Lat { result } => checked_lat(result),
             other => Err(OobError::Unexpected {
                 want: "lat result",
                 got: other.name(),
@@ -376,13 +303,13 @@ mod tests {
 
     #[test]
     fn non_finite_results_are_rejected() {
-        let w = BwResultWire {
+        let w = BwResult {
             bytes: 1,
             iterations: 1,
             peak_bps: None,
             avg_bps: f64::NAN,
             msg_rate_mpps: 0.0,
         };
-        assert!(BwResult::try_from(w).is_err());
+        assert!(checked_bw(w).is_err());
     }
 }

@@ -442,7 +442,7 @@ impl End {
                 let theirs = self.ch.recv_bw()?;
                 r = r.sum(&theirs);
             }
-            self.ch.send(&Msg::Bw { result: r.into() })?;
+            self.ch.send(&Msg::Bw { result: r })?;
             Ok((r, verdict))
         } else {
             if a.verify && land_here {
@@ -453,7 +453,7 @@ impl End {
                 self.ch.send(&Msg::Verified { size, ok, detail })?;
             }
             if let Some(r) = mine_result {
-                self.ch.send(&Msg::Bw { result: r.into() })?;
+                self.ch.send(&Msg::Bw { result: r })?;
             }
             let total = self.ch.recv_bw()?;
             Ok((total, verdict))
@@ -624,7 +624,7 @@ impl End {
                 }
             }
             let r = stats::lat_result(size, iters, &posted, 2.0);
-            self.ch.send(&Msg::Lat { result: r.into() })?;
+            self.ch.send(&Msg::Lat { result: r })?;
             Ok((r, verdict))
         } else {
             if a.verify {

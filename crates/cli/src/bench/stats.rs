@@ -20,7 +20,10 @@ pub struct BwSamples {
 }
 
 /// One result row of a bandwidth test, in bytes per second.
-#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+// Deserialize: the same struct is the side-channel record, checked on receipt
+// (`oob::checked_bw` / `oob::checked_lat`).
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct BwResult {
     pub bytes: u64,
     pub iterations: u64,
@@ -136,7 +139,10 @@ pub fn trim_window(samples: &BwSamples, start_ns: u64, end_ns: u64) -> BwSamples
 }
 
 /// One result row of a latency test, microseconds.
-#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+// Deserialize: the same struct is the side-channel record, checked on receipt
+// (`oob::checked_bw` / `oob::checked_lat`).
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct LatResult {
     pub bytes: u64,
     pub iterations: u64,
