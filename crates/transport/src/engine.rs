@@ -5,7 +5,7 @@
 //! incoming handshake (capped), so a slow or half-open client never blocks others.
 //! Backends add their own (see docs/transport.md).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::fmt;
 use std::io::Read;
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
@@ -850,7 +850,6 @@ impl Inner {
         }
         let table = p.table();
         let mut pins: Vec<RegionPin> = Vec::new();
-        let mut pinned: HashSet<RegionId> = HashSet::new();
         let mut resolved = Vec::with_capacity(batch.ops.len());
         let mut bytes = 0u64;
         for o in &batch.ops {
@@ -859,8 +858,21 @@ impl Inner {
                 Op::Read => (Access::LOCAL_WRITE, Access::REMOTE_READ),
             };
             crate::memory::checked_end(o.remote, o.len)?;
-            let pin = self.registry.pin(o.local, o.len, need_local)?;
-            let region = pin.region();
+            let local_end = crate::memory::checked_end(o.local, o.len)?;
+            // A batch's ops nearly always lie in a region it pinned already (one KV pool):
+            // reuse that pin rather than a registry lookup and a pin/unpin per op.
+            let held = pins.iter().position(|p| {
+                let r = p.region();
+                r.addr <= o.local && local_end <= r.addr + r.len && r.access.contains(need_local)
+            });
+            let i = match held {
+                Some(i) => i,
+                None => {
+                    pins.push(self.registry.pin(o.local, o.len, need_local)?);
+                    pins.len() - 1
+                }
+            };
+            let region = pins[i].region();
             let mut off = 0u64;
             while off < o.len {
                 let l = o.local + off;
@@ -894,9 +906,6 @@ impl Inner {
                 off += n;
             }
             bytes += o.len;
-            if pinned.insert(region.id) {
-                pins.push(pin);
-            }
         }
         let deadline = batch
             .deadline
