@@ -18,6 +18,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::backend::{Progress, busy_poll};
 use crate::engine::PeerId;
 use crate::error::{Error, Result};
 use crate::memory::RegionPin;
@@ -210,6 +211,12 @@ pub(crate) struct BatchShared {
     finished: AtomicBool,
     phase: Mutex<Phase>,
     cv: Condvar,
+    /// Threads blocked on `cv` (changed under `phase`'s lock). std's condvar makes a
+    /// futex syscall on every notify; most batches finish with nobody blocked (the waiter
+    /// busy-polls on verbs, or has not called `wait` yet), so `finish` skips it then.
+    sleepers: AtomicUsize,
+    /// Lets `wait` and `status` reap completions on the caller's thread (verbs).
+    driver: Option<Arc<dyn Progress>>,
 }
 
 impl BatchShared {
@@ -225,8 +232,12 @@ impl BatchShared {
         }
         *p = next;
         self.finished.store(true, Ordering::Release);
+        // A waiter registers under the lock before it sleeps, and one that took the lock
+        // after us saw the outcome: reading the count after unlocking misses no one.
         drop(p);
-        self.cv.notify_all();
+        if self.sleepers.load(Ordering::Acquire) > 0 {
+            self.cv.notify_all();
+        }
         true
     }
 
@@ -259,6 +270,7 @@ pub(crate) struct BatchState {
 }
 
 impl BatchState {
+    #[allow(clippy::too_many_arguments)] // plain fields, one call site in the core
     pub(crate) fn new(
         id: u64,
         peer: PeerId,
@@ -267,6 +279,7 @@ impl BatchState {
         bytes: u64,
         deadline: Instant,
         pins: Vec<RegionPin>,
+        driver: Option<Arc<dyn Progress>>,
     ) -> Self {
         let now = Instant::now();
         BatchState {
@@ -284,6 +297,8 @@ impl BatchState {
                 finished: AtomicBool::new(false),
                 phase: Mutex::new(Phase::Pending),
                 cv: Condvar::new(),
+                sleepers: AtomicUsize::new(0),
+                driver,
             }),
             _pins: pins,
         }
@@ -380,6 +395,11 @@ impl TransferHandle {
     /// Current status (non-blocking). A pending batch whose deadline passed becomes
     /// `Failed(Timeout)` here.
     pub fn status(&self) -> BatchStatus {
+        if let Some(d) = &self.shared.driver
+            && !self.shared.finished.load(Ordering::Acquire)
+        {
+            d.poll_once();
+        }
         self.shared.status()
     }
 
@@ -392,9 +412,18 @@ impl TransferHandle {
     ///
     /// Returns the stats on success; the batch error, `Cancelled`, or
     /// `Timeout` (wait deadline passed, batch still running) otherwise.
+    ///
+    /// On verbs the calling thread first busy-polls the completion queues itself (for up
+    /// to the engine's `poll_spin` without any completion), then blocks.
     pub fn wait(&self, deadline: Instant) -> Result<BatchStats> {
         let s = &self.shared;
         let started = Instant::now();
+        if let Some(d) = &s.driver {
+            let until = deadline.min(s.deadline);
+            busy_poll(&**d, until, || {
+                s.finished.load(Ordering::Acquire).then_some(())
+            });
+        }
         let mut p = s.lock();
         loop {
             match &*p {
@@ -423,10 +452,12 @@ impl TransferHandle {
                 });
             }
             let until = deadline.min(s.deadline);
+            s.sleepers.fetch_add(1, Ordering::AcqRel);
             p =
                 s.cv.wait_timeout(p, until - now)
                     .unwrap_or_else(|e| e.into_inner())
                     .0;
+            s.sleepers.fetch_sub(1, Ordering::AcqRel);
         }
     }
 
@@ -456,6 +487,7 @@ mod tests {
             10,
             Instant::now() + deadline,
             Vec::new(),
+            None,
         )
     }
 

@@ -17,7 +17,8 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, Sender};
 
 use crate::backend::{
-    self, Backend, BackendInfo, BackendInit, BackendMr, Conn, ConnCtx, NotifySink, ResolvedOp,
+    self, Backend, BackendInfo, BackendInit, BackendMr, Conn, ConnCtx, NotifySink, Progress,
+    ResolvedOp, busy_poll,
 };
 use crate::batch::{Batch, BatchState, Op, TransferHandle, TransferOp};
 use crate::config::{BackendKind, EngineConfig};
@@ -128,6 +129,8 @@ struct Inner {
     id: u64,
     config: Arc<EngineConfig>,
     backend: Arc<dyn Backend>,
+    /// Caller-side completion reaping (verbs), for `wait`, `status` and notifications.
+    progress: Option<Arc<dyn Progress>>,
     info: BackendInfo,
     registry: Arc<Registry>,
     peers: RwLock<HashMap<PeerId, Arc<Peer>>>,
@@ -191,10 +194,12 @@ impl Engine {
             .map_err(|e| Error::io("control listener address", e))?;
         let (notify_tx, notify_rx) = crossbeam_channel::unbounded();
         let (accept_tx, accept_rx) = crossbeam_channel::unbounded();
+        let progress = backend.progress();
         let inner = Arc::new(Inner {
             id,
             config,
             backend,
+            progress,
             info,
             registry,
             peers: RwLock::new(HashMap::new()),
@@ -479,14 +484,30 @@ impl Engine {
         self.submit(peer, b)
     }
 
-    /// Waits for the next remote notification until `deadline`.
+    /// Waits for the next remote notification until `deadline`. On verbs the calling
+    /// thread first busy-polls the completion queues itself (for up to the engine's
+    /// `poll_spin` without any completion), then blocks.
     pub fn poll_notification(&self, deadline: Instant) -> Option<Notification> {
-        self.inner.notify_rx.recv_deadline(deadline).ok()
+        let rx = &self.inner.notify_rx;
+        if let Some(p) = &self.inner.progress
+            && let Some(n) = busy_poll(&**p, deadline, || rx.try_recv().ok())
+        {
+            return Some(n);
+        }
+        rx.recv_deadline(deadline).ok()
     }
 
-    /// The next remote notification, if one is queued.
+    /// The next remote notification, if one is queued (on verbs, after reaping the
+    /// completion queues once on this thread).
     pub fn try_notification(&self) -> Option<Notification> {
-        self.inner.notify_rx.try_recv().ok()
+        let rx = &self.inner.notify_rx;
+        if let Ok(n) = rx.try_recv() {
+            return Some(n);
+        }
+        if let Some(p) = &self.inner.progress {
+            p.poll_once();
+        }
+        rx.try_recv().ok()
     }
 
     /// The notification queue itself (for `select!` with other channels). Every clone
@@ -919,6 +940,7 @@ impl Inner {
             bytes,
             deadline,
             pins,
+            self.progress.clone(),
         ));
         let handle = state.handle();
         p.conn.post(state, resolved, batch.notify)?;

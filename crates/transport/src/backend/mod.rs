@@ -13,6 +13,7 @@
 use std::any::Any;
 use std::fmt;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use crossbeam_channel::Sender;
 
@@ -194,7 +195,75 @@ pub(crate) trait Backend: Send + Sync + 'static {
     fn prepare(&self) -> Result<(Box<dyn PendingConn>, EndpointInfo), Error>;
     /// Stops background threads; called once when the engine shuts down.
     fn shutdown(&self) {}
+    /// The handle through which a waiting thread reaps completions itself, for backends
+    /// with a completion queue to poll (verbs).
+    fn progress(&self) -> Option<Arc<dyn Progress>> {
+        None
+    }
 }
+
+/// Completions a waiting thread can reap itself. A caller that busy-polls through this
+/// sees its completion or notification without a hand-off from the backend's completion
+/// thread (a futex wake-up per batch), and that thread steps aside meanwhile, so one
+/// core, not two, spins per waiter: what a perftest-style loop does.
+pub(crate) trait Progress: Send + Sync + fmt::Debug {
+    /// Reaps completions once on the calling thread; returns how many were handled (0 also
+    /// when another thread is reaping at this moment).
+    fn poll_once(&self) -> usize;
+    /// A caller starts (`true`) or stops (`false`) busy-polling.
+    fn set_waiting(&self, on: bool);
+    /// How long a waiter busy-polls while nothing completes before it blocks instead.
+    fn spin_budget(&self) -> Duration;
+}
+
+/// Busy-polls `p` until `ready` yields a value, `deadline` passes, or nothing completed
+/// for [`Progress::spin_budget`]; `None` in the last two cases (the caller then blocks).
+pub(crate) fn busy_poll<T>(
+    p: &dyn Progress,
+    deadline: Instant,
+    mut ready: impl FnMut() -> Option<T>,
+) -> Option<T> {
+    struct Waiting<'a>(&'a dyn Progress);
+    impl Drop for Waiting<'_> {
+        fn drop(&mut self) {
+            self.0.set_waiting(false);
+        }
+    }
+    if let Some(v) = ready() {
+        return Some(v);
+    }
+    p.set_waiting(true);
+    let _waiting = Waiting(p);
+    let budget = p.spin_budget();
+    let mut last = Instant::now();
+    let mut idle: u32 = 0;
+    loop {
+        let n = p.poll_once();
+        if let Some(v) = ready() {
+            return Some(v);
+        }
+        if n > 0 {
+            idle = 0;
+            last = Instant::now();
+            continue;
+        }
+        idle = idle.wrapping_add(1);
+        // Spin, but give the CPU away now and then: on small hosts the kernel work that
+        // completes our WRs (soft-RoCE) needs it.
+        if idle.is_multiple_of(BUSY_YIELD_EVERY) {
+            std::thread::yield_now();
+            let now = Instant::now();
+            if now >= deadline || now.duration_since(last) >= budget {
+                return None;
+            }
+        } else {
+            std::hint::spin_loop();
+        }
+    }
+}
+
+/// Idle busy-poll rounds between two `yield_now` (and clock checks).
+const BUSY_YIELD_EVERY: u32 = 32;
 
 /// A connection waiting for the peer's half.
 pub(crate) trait PendingConn: Send {

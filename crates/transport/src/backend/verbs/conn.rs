@@ -3,7 +3,7 @@
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use sideway::ibverbs::completion::BasicCompletionQueue;
@@ -14,7 +14,9 @@ use super::plan::{
     Dir, Group, InFlight, PlanOp, PlannedWr, SEQ_MASK, WrKind, decode_wr_id, encode_wr_id,
     is_signaled, plan_wrs, stripe,
 };
-use super::qp::{RcQp, WC_RECV_RDMA_WITH_IMM, WC_SUCCESS, Wc, WrSpec, poll_cq, wc_status_name};
+use super::qp::{
+    POLL_BATCH, RcQp, WC_RECV_RDMA_WITH_IMM, WC_SUCCESS, Wc, WrSpec, poll_cq, wc_status_name,
+};
 use crate::backend::{BatchState, NotifySink, lock};
 use crate::engine::PeerId;
 use crate::error::Error;
@@ -127,8 +129,9 @@ pub(crate) struct VerbsConn {
     /// Batches failed by a broken connection while WRs of theirs may still sit in a send
     /// queue: kept (with the regions they pin) until the QPs are destroyed with `self`.
     graveyard: Mutex<Vec<Arc<BatchCtl>>>,
-    wake: Condvar,
-    wake_lock: Mutex<()>,
+    /// Held by whoever reaps this connection's CQs (the completion thread or a waiting
+    /// caller); the others skip, so completions are handled in CQ order by one thread.
+    reaping: Mutex<()>,
     /// The engine's completion thread: kicked on every post so it polls at once.
     poller: Arc<PollWake>,
     label: String,
@@ -181,8 +184,7 @@ impl VerbsConn {
             peer,
             deferred: Mutex::new(VecDeque::new()),
             graveyard: Mutex::new(Vec::new()),
-            wake: Condvar::new(),
-            wake_lock: Mutex::new(()),
+            reaping: Mutex::new(()),
             poller: Arc::default(),
             label,
         }
@@ -281,9 +283,13 @@ impl VerbsConn {
                     ctl.fail(e.clone());
                     return Err(e);
                 }
-                let g = lock(&self.wake_lock);
-                let wait = (deadline - now).min(Duration::from_millis(2));
-                let _ = self.wake.wait_timeout(g, wait);
+                // Every window is full: reap completions on this thread rather than
+                // sleep until the completion thread does (it backs off while callers
+                // poll), as perftest's posting loop does.
+                self.poller.caller_polled();
+                if self.poll() == 0 {
+                    std::thread::yield_now();
+                }
             }
         }
         self.release(&ctl, 1);
@@ -324,9 +330,9 @@ impl VerbsConn {
             }
             (first, n)
         };
-        let batch: Vec<PlannedWr> = q.drain(..n).collect();
-        let specs: Vec<WrSpec<'_>> = batch
+        let specs: Vec<WrSpec<'_>> = q
             .iter()
+            .take(n)
             .enumerate()
             .map(|(k, w)| WrSpec {
                 wr_id: encode_wr_id(WrKind::Data, i, (first + k as u64) & SEQ_MASK),
@@ -342,6 +348,8 @@ impl VerbsConn {
         // registration, and the core keeps that region registered (deregistration of a
         // region with in-flight batches is refused) until the batch is finished.
         unsafe { qp.post_chain(&specs) }?;
+        drop(specs);
+        q.drain(..n);
         *lock(&slot.last_progress) = Instant::now();
         Ok(n)
     }
@@ -451,7 +459,6 @@ impl VerbsConn {
                 q.move_to_error();
             }
         }
-        self.wake.notify_all();
     }
 
     /// Moves every QP to ERR (so the peer notices) and fails what is in flight with `err`.
@@ -462,33 +469,37 @@ impl VerbsConn {
         }
     }
 
-    /// Polls both CQs once; returns how many completions were handled.
-    pub fn poll(&self, scratch: &mut Vec<Wc>) -> usize {
+    /// Polls both CQs once and handles what they held; returns how many completions that
+    /// was. Returns 0 at once if another thread is reaping this connection right now.
+    pub fn poll(&self) -> usize {
+        let Ok(_reaping) = self.reaping.try_lock() else {
+            return 0;
+        };
+        let mut wcs = [Wc::default(); POLL_BATCH];
         let mut handled = 0;
-        scratch.clear();
-        if let Err(e) = poll_cq(&self.send_cq, scratch, 64) {
-            self.break_conn(e);
-        }
-        handled += scratch.len();
         let mut retired = false;
-        for wc in scratch.iter() {
-            retired |= self.on_send_wc(wc);
+        match poll_cq(&self.send_cq, &mut wcs) {
+            Ok(n) => {
+                handled += n;
+                for wc in &wcs[..n] {
+                    retired |= self.on_send_wc(wc);
+                }
+            }
+            Err(e) => self.break_conn(e),
         }
-        scratch.clear();
-        if let Err(e) = poll_cq(&self.recv_cq, scratch, 64) {
-            self.break_conn(e);
-        }
-        handled += scratch.len();
-        for wc in scratch.iter() {
-            self.on_recv_wc(wc);
+        match poll_cq(&self.recv_cq, &mut wcs) {
+            Ok(n) => {
+                handled += n;
+                for wc in &wcs[..n] {
+                    self.on_recv_wc(wc);
+                }
+            }
+            Err(e) => self.break_conn(e),
         }
         if !self.is_broken() {
             self.replenish_recvs();
         }
-        if retired {
-            self.post_deferred();
-            self.wake.notify_all();
-        } else if !lock(&self.deferred).is_empty() {
+        if retired || !lock(&self.deferred).is_empty() {
             self.post_deferred();
         }
         handled
@@ -551,12 +562,15 @@ impl VerbsConn {
         self.qps[qi].recv_owed.fetch_add(1, Ordering::AcqRel);
     }
 
-    /// Reposts consumed RECVs on QPs whose post lock is free. A poster may hold a QP for
-    /// the whole transfer (rxe posts synchronously), and the completion thread must not
-    /// stall behind it; the owed RECVs go in on a later round.
+    /// Reposts consumed RECVs (once a quarter of the ring is owed) on QPs whose post lock
+    /// is free. A poster may hold a QP for the whole transfer (rxe posts synchronously),
+    /// and the completion thread must not stall behind it; the owed RECVs go in on a later
+    /// round.
     fn replenish_recvs(&self) {
         for (qi, slot) in self.qps.iter().enumerate() {
-            if slot.recv_owed.load(Ordering::Acquire) == 0 {
+            // In batches of a quarter of the ring: a repost per notification would sit on
+            // the receiver's critical path, and three quarters stay posted meanwhile.
+            if slot.recv_owed.load(Ordering::Acquire) < u64::from(self.cfg.recv_depth.div_ceil(4)) {
                 continue;
             }
             let Ok(mut qp) = slot.qp.try_lock() else {

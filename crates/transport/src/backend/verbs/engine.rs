@@ -1,7 +1,7 @@
 //! The per-engine verbs state: device, PD, registrations, the completion thread, and
 //! connection setup (prepare -> exchange -> complete).
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -14,7 +14,8 @@ use sideway::ibverbs::protection_domain::ProtectionDomain;
 use super::conn::{ConnCfg, TagSink, VerbsConn, recv_wr_id};
 use super::device::{OpenDevice, open, verbs_err};
 use super::plan::MAX_QPS;
-use super::qp::{LocalPath, RcQp, RemoteQp, Wc};
+use super::qp::{LocalPath, RcQp, RemoteQp};
+use crate::backend::Progress;
 use crate::engine::PeerId;
 use crate::error::Error;
 
@@ -68,29 +69,89 @@ pub(crate) struct VerbsEndpoint {
     pub qps: Vec<(u32, u32)>,
 }
 
-struct PollerShared {
+/// What the completion thread and callers that reap completions themselves share: the
+/// engine's connections, and the engine-wide [`Progress`] handle batches and the
+/// notification queue use.
+pub(crate) struct PollerShared {
     conns: Mutex<Vec<Weak<VerbsConn>>>,
     stop: AtomicBool,
     wake: Arc<PollWake>,
     spin: Duration,
 }
 
-/// Lets a poster wake the completion thread at once instead of at the end of its sleep.
+impl std::fmt::Debug for PollerShared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PollerShared")
+            .field("wake", &self.wake)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Progress for PollerShared {
+    fn poll_once(&self) -> usize {
+        self.wake.caller_polled();
+        // Another caller (or the completion thread taking its snapshot) holds the list:
+        // it is reaping, nothing to add.
+        let Ok(list) = self.conns.try_lock() else {
+            return 0;
+        };
+        list.iter()
+            .filter_map(Weak::upgrade)
+            .map(|c| c.poll())
+            .sum()
+    }
+
+    fn set_waiting(&self, on: bool) {
+        if on {
+            self.wake.waiters.fetch_add(1, Ordering::AcqRel);
+        } else {
+            self.wake.waiters.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+
+    fn spin_budget(&self) -> Duration {
+        self.spin
+    }
+}
+
+/// The completion thread is polling.
+const THREAD_HOT: u8 = 0;
+/// The completion thread naps because nothing is outstanding; a post wakes it.
+const THREAD_IDLE: u8 = 1;
+/// The completion thread naps because callers reap completions themselves.
+const THREAD_YIELDING: u8 = 2;
+
+/// Coordinates posters and reaping callers with the completion thread.
 #[derive(Debug, Default)]
 pub(crate) struct PollWake {
     /// Bumped by every post; a change counts as activity and restarts the grace period.
     posts: AtomicU64,
+    /// Bumped by every caller-side reap ([`Progress::poll_once`], a poster waiting for
+    /// window room); a change makes the completion thread step aside for a nap.
+    callers: AtomicU64,
+    /// Callers busy-polling in a wait right now.
+    waiters: AtomicUsize,
+    /// THREAD_HOT, THREAD_IDLE or THREAD_YIELDING.
+    state: AtomicU8,
     thread: OnceLock<std::thread::Thread>,
 }
 
 impl PollWake {
-    /// Called by a poster before it posts: the completion thread goes back to polling.
+    /// Called by a poster before it posts: an idle completion thread goes back to polling.
+    /// One that stepped aside for reaping callers is left alone (they reap this post's
+    /// completions, and it checks again within [`CALLER_NAP`]).
     pub fn kick(&self) {
         self.posts.fetch_add(1, Ordering::Release);
-        // Cheap unless the thread is parked (one atomic swap).
-        if let Some(t) = self.thread.get() {
+        if self.state.load(Ordering::Acquire) == THREAD_IDLE
+            && let Some(t) = self.thread.get()
+        {
             t.unpark();
         }
+    }
+
+    /// A caller reaped (or is about to reap) completions on its own thread.
+    pub fn caller_polled(&self) {
+        self.callers.fetch_add(1, Ordering::Relaxed);
     }
 }
 
@@ -154,6 +215,11 @@ impl VerbsEngine {
             thread: Mutex::new(Some(thread)),
             conn_seq: AtomicU64::new(0),
         }))
+    }
+
+    /// The handle callers reap this engine's completions through.
+    pub fn progress(&self) -> Arc<PollerShared> {
+        Arc::clone(&self.poller)
     }
 
     /// Largest single MR: the config cap, else the device's `max_mr_size`.
@@ -405,19 +471,26 @@ fn registration_error(addr: u64, len: u64, call: String, e: &dyn std::error::Err
 /// Idle rounds that only spin (`spin_loop`) before the hot loop yields the CPU every round.
 const SPIN_ROUNDS: u32 = 16;
 
-/// The completion thread: polls every live connection's CQs. It stays hot (polls, spinning
-/// a few rounds, then yielding every round so rxe's kernel work and the posters get the
-/// CPU) while any WR is outstanding and for `spin` after the last post or completion; only
-/// then does it back off to sleeps of 50 µs doubling to 1 ms, which a post cuts short
-/// ([`PollWake::kick`]). Every 50 ms it queries the real QP states, so a QP that went to
-/// ERR without a WC of ours (the peer's error, an async event) still breaks its connection
-/// promptly.
+/// How long the completion thread naps while callers reap completions themselves.
+pub(crate) const CALLER_NAP: Duration = Duration::from_millis(1);
+
+/// The completion thread. While a caller reaps completions itself (busy-polling in
+/// `TransferHandle::wait` or `Engine::poll_notification`, or through `status()` and the
+/// like since the last round), it steps aside and only naps for [`CALLER_NAP`] at a time:
+/// two threads spinning per process cost perftest's latency on small hosts. Otherwise it
+/// polls every live connection's CQs and stays hot (spinning a few rounds, then yielding
+/// every round so rxe's kernel work and the posters get the CPU) while any WR is
+/// outstanding and for `spin` after the last post or completion; only then does it back
+/// off to sleeps of 50 µs doubling to 1 ms, which a post cuts short ([`PollWake::kick`]).
+/// Every 50 ms it queries the real QP states, so a QP that went to ERR without a WC of
+/// ours (the peer's error, an async event) still breaks its connection promptly.
 fn completion_loop(shared: &PollerShared) {
-    let _ = shared.wake.thread.set(std::thread::current());
-    let mut scratch: Vec<Wc> = Vec::with_capacity(64);
+    let wake = &shared.wake;
+    let _ = wake.thread.set(std::thread::current());
     let mut idle: u32 = 0;
     let mut naps: u32 = 0;
-    let mut seen_posts = shared.wake.posts.load(Ordering::Acquire);
+    let mut seen_posts = wake.posts.load(Ordering::Acquire);
+    let mut seen_callers = wake.callers.load(Ordering::Acquire);
     let mut last_active = Instant::now();
     let mut last_health = Instant::now();
     let mut conns: Vec<Arc<VerbsConn>> = Vec::new();
@@ -433,10 +506,6 @@ fn completion_loop(shared: &PollerShared) {
                 None => false,
             });
         }
-        let mut work = 0;
-        for c in &conns {
-            work += c.poll(&mut scratch);
-        }
         let now = Instant::now();
         if now.duration_since(last_health) >= Duration::from_millis(50) {
             for c in &conns {
@@ -444,7 +513,24 @@ fn completion_loop(shared: &PollerShared) {
             }
             last_health = now;
         }
-        let posts = shared.wake.posts.load(Ordering::Acquire);
+        let callers = wake.callers.load(Ordering::Acquire);
+        if wake.waiters.load(Ordering::Acquire) > 0 || callers != seen_callers {
+            seen_callers = callers;
+            conns.clear();
+            wake.state.store(THREAD_YIELDING, Ordering::Release);
+            std::thread::park_timeout(CALLER_NAP);
+            wake.state.store(THREAD_HOT, Ordering::Release);
+            // Callers may have stopped with work outstanding: the next rounds are hot.
+            last_active = Instant::now();
+            idle = 0;
+            naps = 0;
+            continue;
+        }
+        let mut work = 0;
+        for c in &conns {
+            work += c.poll();
+        }
+        let posts = wake.posts.load(Ordering::Acquire);
         if work > 0 || posts != seen_posts {
             seen_posts = posts;
             last_active = now;
@@ -468,8 +554,14 @@ fn completion_loop(shared: &PollerShared) {
         }
         let step = naps.min(5);
         naps = naps.saturating_add(1);
-        std::thread::park_timeout(
-            Duration::from_micros(50u64 << step).min(Duration::from_millis(1)),
-        );
+        wake.state.store(THREAD_IDLE, Ordering::Release);
+        // A post between the last check and the store above would be missed until the
+        // nap ends; re-check it now that kickers can see the idle state.
+        if wake.posts.load(Ordering::Acquire) == seen_posts {
+            std::thread::park_timeout(
+                Duration::from_micros(50u64 << step).min(Duration::from_millis(1)),
+            );
+        }
+        wake.state.store(THREAD_HOT, Ordering::Release);
     }
 }

@@ -28,8 +28,8 @@ use self::conn::{TagSink, VerbsConn};
 use self::engine::{PendingVerbs, VerbsEndpoint, VerbsEngine, VerbsMr, VerbsOptions};
 use self::plan::{Dir, PlanOp};
 use super::{
-    Backend, BackendInfo, BackendMr, BatchState, Conn, ConnCtx, EndpointInfo, PendingConn, QpInfo,
-    ResolvedOp,
+    Backend, BackendInfo, BackendMr, BatchState, Conn, ConnCtx, EndpointInfo, PendingConn,
+    Progress, QpInfo, ResolvedOp,
 };
 use crate::batch::Op;
 use crate::config::{BackendKind, EngineConfig};
@@ -155,6 +155,10 @@ impl Backend for VerbsBackend {
                 .collect(),
         };
         Ok((Box::new(Pending(pending)), info))
+    }
+
+    fn progress(&self) -> Option<Arc<dyn Progress>> {
+        Some(self.engine.progress())
     }
 
     fn shutdown(&self) {

@@ -3,10 +3,10 @@
 
 use std::sync::Arc;
 
-use rdma_mummy_sys::ibv_sge;
+use rdma_mummy_sys::{ibv_sge, ibv_wc};
 use sideway::ibverbs::AccessFlags;
 use sideway::ibverbs::address::{AddressHandleAttribute, Gid};
-use sideway::ibverbs::completion::{BasicCompletionQueue, PollCompletionQueueError};
+use sideway::ibverbs::completion::{BasicCompletionQueue, CompletionQueue as _};
 use sideway::ibverbs::protection_domain::ProtectionDomain;
 use sideway::ibverbs::queue_pair::{
     ExtendedQueuePair, PostSendGuard as _, QueuePair as _, QueuePairAttribute,
@@ -248,7 +248,7 @@ pub(crate) struct WrSpec<'a> {
 }
 
 /// A polled work completion (copied out of the CQ).
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct Wc {
     pub wr_id: u64,
     pub status: u32,
@@ -258,30 +258,47 @@ pub(crate) struct Wc {
     pub vendor_err: u32,
 }
 
-/// Drains up to `max` completions from a basic CQ (`ibv_poll_cq`). Basic, never extended:
-/// draining an extended CQ with sideway's iterator corrupts it on rdma-core 44 (hazard 1).
+/// Completions taken from a CQ per `ibv_poll_cq` call.
+pub(crate) const POLL_BATCH: usize = 16;
+
+/// Polls up to [`POLL_BATCH`] completions from a basic CQ into `out` with one
+/// `ibv_poll_cq` and no allocation (sideway's `start_poll` allocates a vector per call,
+/// and callers now poll on every spin of a wait). Basic, never extended: draining an
+/// extended CQ with sideway's iterator corrupts it on rdma-core 44 (hazard 1).
 pub(crate) fn poll_cq(
     cq: &BasicCompletionQueue,
-    out: &mut Vec<Wc>,
-    max: usize,
-) -> Result<(), Error> {
-    match cq.start_poll() {
-        Ok(poller) => {
-            for wc in poller.take(max) {
-                out.push(Wc {
-                    wr_id: wc.wr_id(),
-                    status: wc.status(),
-                    opcode: wc.opcode(),
-                    byte_len: wc.byte_len(),
-                    imm: wc.imm_data(),
-                    vendor_err: wc.vendor_err(),
-                });
-            }
-            Ok(())
-        }
-        Err(PollCompletionQueueError::CompletionQueueEmpty) => Ok(()),
-        Err(e) => Err(verr("ibv_poll_cq", e)),
+    out: &mut [Wc; POLL_BATCH],
+) -> Result<usize, Error> {
+    let mut raw = [std::mem::MaybeUninit::<ibv_wc>::uninit(); POLL_BATCH];
+    // SAFETY: `cq.cq()` is the live `ibv_cq` owned by `cq`, which is borrowed for the whole
+    // call; `raw` has room for POLL_BATCH entries and the provider writes at most
+    // `num_entries` of them. ibv_poll_cq is thread-safe per CQ (the provider locks it).
+    let n = unsafe {
+        rdma_mummy_sys::ibv_poll_cq(
+            cq.cq().as_ptr(),
+            POLL_BATCH as i32,
+            raw.as_mut_ptr().cast::<ibv_wc>(),
+        )
+    };
+    if n < 0 {
+        return Err(verr("ibv_poll_cq", std::io::Error::from_raw_os_error(-n)));
     }
+    let n = (n as usize).min(POLL_BATCH);
+    for (o, r) in out.iter_mut().zip(&raw[..n]) {
+        // SAFETY: the provider initialised the first `n` entries (its return value).
+        let w = unsafe { r.assume_init_ref() };
+        *o = Wc {
+            wr_id: w.wr_id,
+            status: w.status,
+            opcode: w.opcode,
+            byte_len: w.byte_len,
+            // SAFETY: every bit pattern of the union is a valid u32; the value only
+            // means something for WITH_IMM completions, which is where it is read.
+            imm: unsafe { w.imm_data_invalidated_rkey_union.imm_data },
+            vendor_err: w.vendor_err,
+        };
+    }
+    Ok(n)
 }
 
 /// `IBV_WC_*` status names, as perftest and the kernel print them.
