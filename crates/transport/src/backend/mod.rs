@@ -247,23 +247,28 @@ pub(crate) fn busy_poll<T>(
             last = Instant::now();
             continue;
         }
-        idle = idle.wrapping_add(1);
-        // Spin, but give the CPU away now and then: on small hosts the kernel work that
-        // completes our WRs (soft-RoCE) needs it.
-        if idle.is_multiple_of(BUSY_YIELD_EVERY) {
-            std::thread::yield_now();
+        idle = idle.saturating_add(1);
+        // Spin a few rounds, then give the CPU away every round: the kernel work that
+        // completes our WRs (soft-RoCE's tasklets and softirqs) may need this very CPU,
+        // and a spinner that never yields halves large-message bandwidth on small hosts.
+        if idle < BUSY_SPIN_ROUNDS {
+            std::hint::spin_loop();
+            continue;
+        }
+        std::thread::yield_now();
+        if idle.is_multiple_of(BUSY_CLOCK_EVERY) {
             let now = Instant::now();
             if now >= deadline || now.duration_since(last) >= budget {
                 return None;
             }
-        } else {
-            std::hint::spin_loop();
         }
     }
 }
 
-/// Idle busy-poll rounds between two `yield_now` (and clock checks).
-const BUSY_YIELD_EVERY: u32 = 32;
+/// Idle busy-poll rounds that only spin before each round yields the CPU.
+const BUSY_SPIN_ROUNDS: u32 = 16;
+/// Idle rounds between two clock reads (deadline and spin budget checks).
+const BUSY_CLOCK_EVERY: u32 = 8;
 
 /// A connection waiting for the peer's half.
 pub(crate) trait PendingConn: Send {
@@ -329,4 +334,90 @@ fn open_verbs(_config: &EngineConfig) -> Result<Arc<dyn Backend>> {
         backend: BackendKind::Verbs,
         reason: "built without the `verbs` feature".into(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicIsize, AtomicUsize, Ordering};
+
+    /// Completes "work" after `after` polls; records the waiting balance.
+    #[derive(Debug, Default)]
+    struct Fake {
+        polls: AtomicUsize,
+        after: usize,
+        waiting: AtomicIsize,
+        max_waiting: AtomicIsize,
+        budget_ms: u64,
+    }
+
+    impl Progress for Fake {
+        fn poll_once(&self) -> usize {
+            let n = self.polls.fetch_add(1, Ordering::SeqCst) + 1;
+            usize::from(n == self.after)
+        }
+        fn set_waiting(&self, on: bool) {
+            let w = self
+                .waiting
+                .fetch_add(if on { 1 } else { -1 }, Ordering::SeqCst);
+            if on {
+                self.max_waiting.fetch_max(w + 1, Ordering::SeqCst);
+            }
+        }
+        fn spin_budget(&self) -> Duration {
+            Duration::from_millis(self.budget_ms)
+        }
+    }
+
+    #[test]
+    fn busy_poll_returns_once_ready_and_balances_waiting() {
+        let f = Fake {
+            after: 100,
+            budget_ms: 1000,
+            ..Fake::default()
+        };
+        let got = busy_poll(&f, Instant::now() + Duration::from_secs(5), || {
+            (f.polls.load(Ordering::SeqCst) >= f.after).then_some(7)
+        });
+        assert_eq!(got, Some(7));
+        assert_eq!(f.polls.load(Ordering::SeqCst), 100);
+        assert_eq!(f.waiting.load(Ordering::SeqCst), 0);
+        assert_eq!(f.max_waiting.load(Ordering::SeqCst), 1);
+    }
+
+    #[test]
+    fn busy_poll_ready_at_once_does_not_poll() {
+        let f = Fake::default();
+        assert_eq!(busy_poll(&f, Instant::now(), || Some(1)), Some(1));
+        assert_eq!(f.polls.load(Ordering::SeqCst), 0);
+        assert_eq!(f.max_waiting.load(Ordering::SeqCst), 0);
+    }
+
+    #[test]
+    fn busy_poll_gives_up_at_the_deadline_or_after_the_idle_budget() {
+        // Nothing ever completes: the deadline ends it.
+        let f = Fake {
+            after: usize::MAX,
+            budget_ms: 60_000,
+            ..Fake::default()
+        };
+        let t = Instant::now();
+        let got: Option<()> = busy_poll(&f, t + Duration::from_millis(30), || None);
+        assert!(got.is_none());
+        assert!(t.elapsed() >= Duration::from_millis(30));
+        assert!(t.elapsed() < Duration::from_secs(10));
+        assert_eq!(f.waiting.load(Ordering::SeqCst), 0);
+        // A far deadline: the idle budget ends it (the caller then blocks instead).
+        let f = Fake {
+            after: usize::MAX,
+            budget_ms: 20,
+            ..Fake::default()
+        };
+        let t = Instant::now();
+        let got: Option<()> = busy_poll(&f, t + Duration::from_secs(60), || None);
+        assert!(got.is_none());
+        assert!(t.elapsed() >= Duration::from_millis(20));
+        assert!(t.elapsed() < Duration::from_secs(10));
+        assert_eq!(f.waiting.load(Ordering::SeqCst), 0);
+    }
 }

@@ -475,8 +475,8 @@ const SPIN_ROUNDS: u32 = 16;
 pub(crate) const CALLER_NAP: Duration = Duration::from_millis(1);
 
 /// The completion thread. While a caller reaps completions itself (busy-polling in
-/// `TransferHandle::wait` or `Engine::poll_notification`, or through `status()` and the
-/// like since the last round), it steps aside and only naps for [`CALLER_NAP`] at a time:
+/// `TransferHandle::wait` or `Engine::poll_notification`, or since the last round through
+/// `try_notification` or a poster waiting for window room), it steps aside and only naps for [`CALLER_NAP`] at a time:
 /// two threads spinning per process cost perftest's latency on small hosts. Otherwise it
 /// polls every live connection's CQs and stays hot (spinning a few rounds, then yielding
 /// every round so rxe's kernel work and the posters get the CPU) while any WR is
