@@ -577,9 +577,9 @@ impl End {
                 .submit(self.peer, b)
                 .context("submitting a ping")?;
             posted.push(t.duration_since(start).as_nanos() as u64);
-            // As ib_write_lat polls its send CQ after each post: the check reaps this
-            // ping's completion (on verbs, on this thread) before the next post needs its
-            // window slot, and off the critical path, while the peer is still detecting it.
+            // Checked right after the post, off the critical path (the peer is detecting
+            // the ping meanwhile); the engine reaps the completion before the next post
+            // needs the window slot.
             if let BatchStatus::Failed(e) = h.status() {
                 bail!("ping {i} failed: {e}");
             }
