@@ -24,7 +24,7 @@
 //! | `PAGEWIRE_HANDSHAKE_TIMEOUT_MS` | `handshake_timeout` | `5000` | connect + handshake deadline |
 //! | `PAGEWIRE_BATCH_TIMEOUT_MS` | `batch_timeout` | `30000` | default batch deadline |
 //! | `PAGEWIRE_IO_TIMEOUT_MS` | `io_timeout` | `10000` | TCP data-stream read/write timeout |
-//! | `PAGEWIRE_POLL_SPIN_US` | `poll_spin` | `5000` | verbs: completion thread keeps polling this long after the last post or completion (0..=10 s) |
+//! | `PAGEWIRE_POLL_SPIN_US` | `poll_spin` | `5000` | verbs: completion thread keeps polling this long after the last post or completion; a waiting caller busy-polls this long without a completion before it blocks (0..=10 s) |
 //!
 //! Sizes accept a plain byte count or a `K`/`M`/`G` suffix (powers of 1024).
 
@@ -125,8 +125,9 @@ pub struct EngineConfig {
     /// TCP data-stream socket read/write timeout (detects half-open peers).
     pub io_timeout: Duration,
     /// Verbs: how long the completion thread keeps polling (spinning with yields) after
-    /// the last post or completion before it backs off to sleeps. While WRs are
-    /// outstanding it always polls.
+    /// the last post or completion before it backs off to sleeps (while WRs are
+    /// outstanding it always polls); also how long a caller in `wait` or
+    /// `poll_notification` busy-polls without any completion before it blocks.
     pub poll_spin: Duration,
 }
 
