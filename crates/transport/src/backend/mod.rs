@@ -395,29 +395,20 @@ mod tests {
 
     #[test]
     fn busy_poll_gives_up_at_the_deadline_or_after_the_idle_budget() {
-        // Nothing ever completes: the deadline ends it.
-        let f = Fake {
-            after: usize::MAX,
-            budget_ms: 60_000,
-            ..Fake::default()
-        };
-        let t = Instant::now();
-        let got: Option<()> = busy_poll(&f, t + Duration::from_millis(30), || None);
-        assert!(got.is_none());
-        assert!(t.elapsed() >= Duration::from_millis(30));
-        assert!(t.elapsed() < Duration::from_secs(10));
-        assert_eq!(f.waiting.load(Ordering::SeqCst), 0);
-        // A far deadline: the idle budget ends it (the caller then blocks instead).
-        let f = Fake {
-            after: usize::MAX,
-            budget_ms: 20,
-            ..Fake::default()
-        };
-        let t = Instant::now();
-        let got: Option<()> = busy_poll(&f, t + Duration::from_secs(60), || None);
-        assert!(got.is_none());
-        assert!(t.elapsed() >= Duration::from_millis(20));
-        assert!(t.elapsed() < Duration::from_secs(10));
-        assert_eq!(f.waiting.load(Ordering::SeqCst), 0);
+        // Nothing ever completes. (deadline, idle budget, what ends it): the deadline, or,
+        // with a far deadline, the idle budget (the caller then blocks instead).
+        for (deadline_ms, budget_ms, ends_ms) in [(30, 60_000, 30), (60_000, 20, 20)] {
+            let f = Fake {
+                after: usize::MAX,
+                budget_ms,
+                ..Fake::default()
+            };
+            let t = Instant::now();
+            let got: Option<()> = busy_poll(&f, t + Duration::from_millis(deadline_ms), || None);
+            assert!(got.is_none());
+            assert!(t.elapsed() >= Duration::from_millis(ends_ms));
+            assert!(t.elapsed() < Duration::from_secs(10));
+            assert_eq!(f.waiting.load(Ordering::SeqCst), 0);
+        }
     }
 }
