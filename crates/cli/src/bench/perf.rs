@@ -577,10 +577,15 @@ impl End {
                 .submit(self.peer, b)
                 .context("submitting a ping")?;
             posted.push(t.duration_since(start).as_nanos() as u64);
-            // Checked right after the post, off the critical path (the peer is detecting
-            // the ping meanwhile); the engine reaps the completion before the next post
-            // needs the window slot.
-            if let BatchStatus::Failed(e) = h.status() {
+            // Right after the post and off the critical path (the peer is detecting the
+            // ping meanwhile). With --poll-memory, wait for the ping's own completion as
+            // ib_write_lat polls its send CQ: the waiter reaps it on this thread, and the
+            // engine's completion thread stays out of the way of the two spinning
+            // processes. With notifications the wait for the pong reaps it anyway.
+            if poll {
+                h.wait(Instant::now() + self.timeout)
+                    .with_context(|| format!("ping {i}"))?;
+            } else if let BatchStatus::Failed(e) = h.status() {
                 bail!("ping {i} failed: {e}");
             }
             last = Some(h);
