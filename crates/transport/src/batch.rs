@@ -18,7 +18,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::backend::{Progress, busy_poll};
+use crate::backend::{Progress, Yield, busy_poll};
 use crate::engine::PeerId;
 use crate::error::{Error, Result};
 use crate::memory::RegionPin;
@@ -417,7 +417,7 @@ impl TransferHandle {
         let started = Instant::now();
         if let Some(d) = &s.driver {
             let until = deadline.min(s.deadline);
-            busy_poll(&**d, until, || {
+            busy_poll(&**d, until, Yield::Often, || {
                 s.finished.load(Ordering::Acquire).then_some(())
             });
         }

@@ -18,7 +18,7 @@ use crossbeam_channel::{Receiver, Sender};
 
 use crate::backend::{
     self, Backend, BackendInfo, BackendInit, BackendMr, Conn, ConnCtx, NotifySink, Progress,
-    ResolvedOp, busy_poll,
+    ResolvedOp, Yield, busy_poll,
 };
 use crate::batch::{Batch, BatchState, Op, TransferHandle, TransferOp};
 use crate::config::{BackendKind, EngineConfig};
@@ -490,7 +490,7 @@ impl Engine {
     pub fn poll_notification(&self, deadline: Instant) -> Option<Notification> {
         let rx = &self.inner.notify_rx;
         if let Some(p) = &self.inner.progress
-            && let Some(n) = busy_poll(&**p, deadline, || rx.try_recv().ok())
+            && let Some(n) = busy_poll(&**p, deadline, Yield::Rarely, || rx.try_recv().ok())
         {
             return Some(n);
         }

@@ -216,11 +216,26 @@ pub(crate) trait Progress: Send + Sync + fmt::Debug {
     fn spin_budget(&self) -> Duration;
 }
 
+/// How often an idle busy-poll gives the CPU away.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Yield {
+    /// Every idle round after the first few: for waits on our own WRs, whose completion
+    /// is kernel work (soft-RoCE's tasklets and softirqs) that may need this very CPU; a
+    /// spinner that yields rarely halves large-message bandwidth on small hosts.
+    Often,
+    /// Every [`BUSY_YIELD_RARELY`] idle rounds: for waits on the peer (a notification).
+    /// Each `sched_yield` may switch tasks, which costs tens of microseconds on small
+    /// virtual machines; a receiver spins like perftest's memory poll, and the kernel still
+    /// preempts it when another task must run.
+    Rarely,
+}
+
 /// Busy-polls `p` until `ready` yields a value, `deadline` passes, or nothing completed
 /// for [`Progress::spin_budget`]; `None` in the last two cases (the caller then blocks).
 pub(crate) fn busy_poll<T>(
     p: &dyn Progress,
     deadline: Instant,
+    policy: Yield,
     mut ready: impl FnMut() -> Option<T>,
 ) -> Option<T> {
     struct Waiting<'a>(&'a dyn Progress);
@@ -248,14 +263,16 @@ pub(crate) fn busy_poll<T>(
             continue;
         }
         idle = idle.saturating_add(1);
-        // Spin a few rounds, then give the CPU away every round: the kernel work that
-        // completes our WRs (soft-RoCE's tasklets and softirqs) may need this very CPU,
-        // and a spinner that never yields halves large-message bandwidth on small hosts.
-        if idle < BUSY_SPIN_ROUNDS {
+        let give_away = idle >= BUSY_SPIN_ROUNDS
+            && match policy {
+                Yield::Often => true,
+                Yield::Rarely => idle.is_multiple_of(BUSY_YIELD_RARELY),
+            };
+        if give_away {
+            std::thread::yield_now();
+        } else {
             std::hint::spin_loop();
-            continue;
         }
-        std::thread::yield_now();
         if idle.is_multiple_of(BUSY_CLOCK_EVERY) {
             let now = Instant::now();
             if now >= deadline || now.duration_since(last) >= budget {
@@ -265,8 +282,10 @@ pub(crate) fn busy_poll<T>(
     }
 }
 
-/// Idle busy-poll rounds that only spin before each round yields the CPU.
+/// Idle busy-poll rounds that only spin before yielding starts.
 const BUSY_SPIN_ROUNDS: u32 = 16;
+/// Idle rounds between two yields under [`Yield::Rarely`].
+const BUSY_YIELD_RARELY: u32 = 128;
 /// Idle rounds between two clock reads (deadline and spin budget checks).
 const BUSY_CLOCK_EVERY: u32 = 8;
 
@@ -376,9 +395,12 @@ mod tests {
             budget_ms: 1000,
             ..Fake::default()
         };
-        let got = busy_poll(&f, Instant::now() + Duration::from_secs(5), || {
-            (f.polls.load(Ordering::SeqCst) >= f.after).then_some(7)
-        });
+        let got = busy_poll(
+            &f,
+            Instant::now() + Duration::from_secs(5),
+            Yield::Often,
+            || (f.polls.load(Ordering::SeqCst) >= f.after).then_some(7),
+        );
         assert_eq!(got, Some(7));
         assert_eq!(f.polls.load(Ordering::SeqCst), 100);
         assert_eq!(f.waiting.load(Ordering::SeqCst), 0);
@@ -388,7 +410,10 @@ mod tests {
     #[test]
     fn busy_poll_ready_at_once_does_not_poll() {
         let f = Fake::default();
-        assert_eq!(busy_poll(&f, Instant::now(), || Some(1)), Some(1));
+        assert_eq!(
+            busy_poll(&f, Instant::now(), Yield::Rarely, || Some(1)),
+            Some(1)
+        );
         assert_eq!(f.polls.load(Ordering::SeqCst), 0);
         assert_eq!(f.max_waiting.load(Ordering::SeqCst), 0);
     }
@@ -404,7 +429,12 @@ mod tests {
                 ..Fake::default()
             };
             let t = Instant::now();
-            let got: Option<()> = busy_poll(&f, t + Duration::from_millis(deadline_ms), || None);
+            let got: Option<()> = busy_poll(
+                &f,
+                t + Duration::from_millis(deadline_ms),
+                Yield::Rarely,
+                || None,
+            );
             assert!(got.is_none());
             assert!(t.elapsed() >= Duration::from_millis(ends_ms));
             assert!(t.elapsed() < Duration::from_secs(10));

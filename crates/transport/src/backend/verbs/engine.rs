@@ -472,7 +472,10 @@ fn registration_error(addr: u64, len: u64, call: String, e: &dyn std::error::Err
 const SPIN_ROUNDS: u32 = 16;
 
 /// How long the completion thread naps while callers reap completions themselves.
-pub(crate) const CALLER_NAP: Duration = Duration::from_millis(1);
+pub(crate) const CALLER_NAP: Duration = Duration::from_millis(2);
+
+/// How often the completion thread queries the real QP states.
+const HEALTH_EVERY: Duration = Duration::from_millis(50);
 
 /// The completion thread. While a caller reaps completions itself (busy-polling in
 /// `TransferHandle::wait` or `Engine::poll_notification`, or since the last round through
@@ -494,29 +497,33 @@ fn completion_loop(shared: &PollerShared) {
     let mut last_active = Instant::now();
     let mut last_health = Instant::now();
     let mut conns: Vec<Arc<VerbsConn>> = Vec::new();
-    while !shared.stop.load(Ordering::Acquire) {
+    let snapshot = |conns: &mut Vec<Arc<VerbsConn>>| {
         conns.clear();
-        {
-            let mut list = shared.conns.lock().unwrap_or_else(|p| p.into_inner());
-            list.retain(|w| match w.upgrade() {
-                Some(c) => {
-                    conns.push(c);
-                    true
-                }
-                None => false,
-            });
-        }
-        let now = Instant::now();
-        if now.duration_since(last_health) >= Duration::from_millis(50) {
-            for c in &conns {
-                c.health_check();
+        let mut list = shared.conns.lock().unwrap_or_else(|p| p.into_inner());
+        list.retain(|w| match w.upgrade() {
+            Some(c) => {
+                conns.push(c);
+                true
             }
-            last_health = now;
-        }
+            None => false,
+        });
+    };
+    while !shared.stop.load(Ordering::Acquire) {
+        let now = Instant::now();
+        let health_due = now.duration_since(last_health) >= HEALTH_EVERY;
         let callers = wake.callers.load(Ordering::Acquire);
         if wake.waiters.load(Ordering::Acquire) > 0 || callers != seen_callers {
+            // Callers reap: touch nothing they use (the connection list, the CQs) except
+            // for the periodic health check.
             seen_callers = callers;
-            conns.clear();
+            if health_due {
+                snapshot(&mut conns);
+                for c in &conns {
+                    c.health_check();
+                }
+                conns.clear();
+                last_health = now;
+            }
             wake.state.store(THREAD_YIELDING, Ordering::Release);
             std::thread::park_timeout(CALLER_NAP);
             wake.state.store(THREAD_HOT, Ordering::Release);
@@ -525,6 +532,13 @@ fn completion_loop(shared: &PollerShared) {
             idle = 0;
             naps = 0;
             continue;
+        }
+        snapshot(&mut conns);
+        if health_due {
+            for c in &conns {
+                c.health_check();
+            }
+            last_health = now;
         }
         let mut work = 0;
         for c in &conns {
