@@ -479,8 +479,9 @@ const HEALTH_EVERY: Duration = Duration::from_millis(50);
 
 /// The completion thread. While a caller reaps completions itself (busy-polling in
 /// `TransferHandle::wait` or `Engine::poll_notification`, or since the last round through
-/// `try_notification` or a poster waiting for window room), it steps aside and only naps for [`CALLER_NAP`] at a time:
-/// two threads spinning per process cost perftest's latency on small hosts. Otherwise it
+/// `try_notification` or a poster waiting for window room), it steps aside: it naps for
+/// [`CALLER_NAP`] at a time and touches the connections only for the health check (two
+/// threads spinning per process cost perftest's latency on small hosts). Otherwise it
 /// polls every live connection's CQs and stays hot (spinning a few rounds, then yielding
 /// every round so rxe's kernel work and the posters get the CPU) while any WR is
 /// outstanding and for `spin` after the last post or completion; only then does it back
