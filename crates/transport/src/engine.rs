@@ -675,6 +675,12 @@ impl Inner {
         }
         let id = PeerId(self.next_peer.fetch_add(1, Ordering::Relaxed));
         let conn = pending.complete(&w.endpoint, self.new_ctx(id, addr.ip()))?;
+        // The acceptor's QPs are ready (it completed before its Welcome): prove the path
+        // before telling it we are.
+        if let Err(e) = conn.probe(deadline) {
+            conn.close();
+            return Err(e);
+        }
         if let Err(e) = wire::write_frame(&mut s, &Frame::Ready) {
             conn.close();
             return Err(e.into());
@@ -790,7 +796,14 @@ impl Inner {
             .and_then(|()| set_timeouts(&s, deadline).map_err(HandshakeError::from))
             .and_then(|()| wire::read_frame(&mut s, self.config.handshake_max_bytes));
         match ready {
-            Ok(Frame::Ready) => {}
+            Ok(Frame::Ready) => {
+                if let Err(e) = conn.probe(deadline) {
+                    conn.close();
+                    return Err(HandshakeError::Probe {
+                        reason: e.to_string(),
+                    });
+                }
+            }
             Ok(other) => {
                 conn.close();
                 return Err(HandshakeError::UnexpectedFrame {

@@ -311,6 +311,13 @@ pub enum HandshakeError {
         /// The peer's reason.
         reason: String,
     },
+    /// Both ends were connected, but the data path did not carry the probe (verbs: a
+    /// zero-length RDMA WRITE per QP); the connection was closed.
+    #[error("data-path probe failed: {reason}")]
+    Probe {
+        /// What the backend reported.
+        reason: String,
+    },
     /// The socket failed or timed out mid-handshake (includes half-open peers).
     #[error("i/o during handshake: {kind:?}: {msg}")]
     Io {

@@ -314,6 +314,11 @@ pub(crate) trait Conn: Send + Sync {
     fn is_broken(&self) -> bool;
     /// Tears the connection down; pending batches fail with `PeerGone`.
     fn close(&self);
+    /// Proves the data path once both ends are connected (verbs: a zero-length RDMA
+    /// WRITE per QP), before the connection is published; never past `deadline`.
+    fn probe(&self, _deadline: Instant) -> Result<(), Error> {
+        Ok(())
+    }
 }
 
 /// Opens the configured backend; returns it with the reason for the choice.

@@ -286,14 +286,83 @@ impl VerbsConn {
                 // Every window is full: reap completions on this thread rather than
                 // sleep until the completion thread does (it backs off while callers
                 // poll), as perftest's posting loop does.
-                self.poller.caller_polled();
-                if self.poll() == 0 {
+                if self.poll_now() == 0 {
                     std::thread::yield_now();
                 }
             }
         }
         self.release(&ctl, 1);
         Ok(())
+    }
+
+    /// Proves the data path before the connection is handed out: one signalled
+    /// zero-length RDMA WRITE per QP (no local SGE; a zero-length WRITE carries no
+    /// memory access, so the responder checks no rkey), reaped on this thread, until
+    /// `deadline`. A path that cannot carry traffic (a wrong GID or QP number, a peer
+    /// that died during the handshake) fails here, at connect time, instead of in the
+    /// first transfer.
+    pub fn probe(&self, deadline: Instant) -> Result<(), Error> {
+        let done = Arc::new(ProbeSink::default());
+        let n = self.qps.len();
+        let ctl = Arc::new(BatchCtl {
+            sink: Arc::clone(&done) as Arc<dyn BatchSink>,
+            pending: AtomicU64::new(n as u64 + 1),
+            held: Mutex::new(None),
+            tag: None,
+            done: AtomicBool::new(false),
+        });
+        for i in 0..n {
+            let mut q = VecDeque::from([PlannedWr {
+                dir: Dir::Write,
+                remote: 0,
+                rkey: 0,
+                sges: Vec::new(),
+            }]);
+            loop {
+                if self.is_broken() {
+                    let e = self.broken_err();
+                    ctl.fail(e.clone());
+                    return Err(e);
+                }
+                match self.post_some(i, &mut q, &ctl) {
+                    Ok(_) if q.is_empty() => break,
+                    Ok(_) => {}
+                    Err(e) => {
+                        self.break_conn(e.clone());
+                        ctl.fail(e.clone());
+                        return Err(e);
+                    }
+                }
+                if Instant::now() >= deadline {
+                    ctl.fail(Error::Timeout {
+                        after: Duration::ZERO,
+                    });
+                    return Err(probe_timeout());
+                }
+                self.poll_now();
+                std::thread::yield_now();
+            }
+        }
+        self.release(&ctl, 1);
+        loop {
+            if let Some(r) = done.outcome() {
+                return r;
+            }
+            if Instant::now() >= deadline {
+                ctl.fail(Error::Timeout {
+                    after: Duration::ZERO,
+                });
+                return Err(probe_timeout());
+            }
+            self.poll_now();
+            std::thread::yield_now();
+        }
+    }
+
+    /// Reaps on this thread, telling the completion thread a caller is reaping.
+    fn poll_now(&self) -> usize {
+        self.poller.caller_polled();
+        self.poll()
     }
 
     /// Posts as many WRs from `q` on QP `i` as its window allows, as one chain.
@@ -631,6 +700,36 @@ impl VerbsConn {
     #[cfg(test)]
     pub fn outstanding(&self) -> u32 {
         self.qps.iter().map(|s| lock(&s.track).outstanding()).sum()
+    }
+}
+
+/// Records the outcome of a [`VerbsConn::probe`].
+#[derive(Default)]
+struct ProbeSink {
+    outcome: Mutex<Option<Result<(), Error>>>,
+}
+
+impl ProbeSink {
+    fn outcome(&self) -> Option<Result<(), Error>> {
+        lock(&self.outcome).clone()
+    }
+}
+
+impl BatchSink for ProbeSink {
+    fn progress(&self, _wrs: usize, _bytes: u64) {}
+    fn fail(&self, err: Error) {
+        lock(&self.outcome).get_or_insert(Err(err));
+    }
+    fn complete(&self) {
+        lock(&self.outcome).get_or_insert(Ok(()));
+    }
+}
+
+fn probe_timeout() -> Error {
+    Error::Verbs {
+        call: "connect",
+        reason: "the data-path probe (a zero-length RDMA WRITE per QP) did not complete before the handshake deadline"
+            .into(),
     }
 }
 

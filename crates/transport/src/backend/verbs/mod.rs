@@ -237,6 +237,10 @@ impl Conn for VerbsPeerConn {
         self.conn.is_broken()
     }
 
+    fn probe(&self, deadline: std::time::Instant) -> Result<(), Error> {
+        self.conn.probe(deadline)
+    }
+
     fn close(&self) {
         self.conn.close(Error::PeerGone {
             peer: self.peer,

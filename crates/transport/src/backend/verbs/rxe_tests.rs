@@ -362,3 +362,25 @@ fn rxe_peer_destroyed_qps_fail_the_batch() {
     assert!(ab.is_broken());
     drop((ms, md, a, b));
 }
+
+#[test]
+fn rxe_probe_proves_each_qp_and_fails_on_a_closed_connection() {
+    let Some(dev) = device("rxe_probe_proves_each_qp_and_fails_on_a_closed_connection") else {
+        return;
+    };
+    let p = pair(&dev, 3);
+    let deadline = || Instant::now() + Duration::from_secs(10);
+    // Both directions, every QP; the probe leaves nothing outstanding and raises no
+    // notification on the peer (a plain zero-length WRITE consumes no RECV).
+    p.ab.probe(deadline()).expect("probe a -> b");
+    p.ba.probe(deadline()).expect("probe b -> a");
+    assert_eq!(p.ab.outstanding(), 0);
+    assert_eq!(p.ba.outstanding(), 0);
+    assert!(p.tags_b.0.lock().unwrap().is_empty());
+    // A closed connection fails the probe at once, with its reason.
+    p.ab.close(Error::Shutdown);
+    let t0 = Instant::now();
+    let err = p.ab.probe(deadline()).expect_err("closed connection");
+    assert!(matches!(err, Error::Shutdown), "{err}");
+    assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
+}
