@@ -311,6 +311,18 @@ impl VerbsConn {
             tag: None,
             done: AtomicBool::new(false),
         });
+        // Past the deadline the probe fails; otherwise reap once on this thread.
+        let tick = || -> Result<(), Error> {
+            if Instant::now() >= deadline {
+                ctl.fail(Error::Timeout {
+                    after: Duration::ZERO,
+                });
+                return Err(probe_timeout());
+            }
+            self.poll_now();
+            std::thread::yield_now();
+            Ok(())
+        };
         for i in 0..n {
             let mut q = VecDeque::from([PlannedWr {
                 dir: Dir::Write,
@@ -333,14 +345,7 @@ impl VerbsConn {
                         return Err(e);
                     }
                 }
-                if Instant::now() >= deadline {
-                    ctl.fail(Error::Timeout {
-                        after: Duration::ZERO,
-                    });
-                    return Err(probe_timeout());
-                }
-                self.poll_now();
-                std::thread::yield_now();
+                tick()?;
             }
         }
         self.release(&ctl, 1);
@@ -348,14 +353,7 @@ impl VerbsConn {
             if let Some(r) = done.outcome() {
                 return r;
             }
-            if Instant::now() >= deadline {
-                ctl.fail(Error::Timeout {
-                    after: Duration::ZERO,
-                });
-                return Err(probe_timeout());
-            }
-            self.poll_now();
-            std::thread::yield_now();
+            tick()?;
         }
     }
 
