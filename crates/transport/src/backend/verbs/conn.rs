@@ -229,12 +229,7 @@ impl VerbsConn {
         let held = notify.map(|_| match wrs.last() {
             Some(w) if w.dir == Dir::Write => wrs.pop().expect("checked non-empty"),
             // Reads (or nothing) before the notification: a zero-length WRITE_WITH_IMM.
-            _ => PlannedWr {
-                dir: Dir::Write,
-                remote: 0,
-                rkey: 0,
-                sges: Vec::new(),
-            },
+            _ => PlannedWr::zero_length_write(),
         });
         let ctl = Arc::new(BatchCtl {
             sink,
@@ -244,6 +239,23 @@ impl VerbsConn {
             done: AtomicBool::new(false),
         });
         let mut per_qp = stripe(wrs, self.qps.len());
+        if self.post_queues(&ctl, &mut per_qp, started, deadline)? {
+            self.release(&ctl, 1);
+        }
+        Ok(())
+    }
+
+    /// Posts every per-QP queue of `ctl`'s WRs within the windows, reaping on this thread
+    /// while they are full. `Ok(false)`: the sink asked to stop (cancelled or past its
+    /// deadline; what was posted completes or flushes on its own). Errors fail `ctl`; a
+    /// post error also breaks the connection; `Timeout` when `deadline` passes.
+    fn post_queues(
+        &self,
+        ctl: &Arc<BatchCtl>,
+        per_qp: &mut [VecDeque<PlannedWr>],
+        started: Instant,
+        deadline: Instant,
+    ) -> Result<bool, Error> {
         loop {
             if self.is_broken() {
                 let e = self.broken_err();
@@ -251,9 +263,7 @@ impl VerbsConn {
                 return Err(e);
             }
             if ctl.sink.should_stop() {
-                // Cancelled or past its deadline: the core already decided the outcome;
-                // what was posted completes (or flushes) on its own.
-                return Ok(());
+                return Ok(false);
             }
             let mut progressed = false;
             let mut left = false;
@@ -261,7 +271,7 @@ impl VerbsConn {
                 if q.is_empty() {
                     continue;
                 }
-                match self.post_some(i, q, &ctl) {
+                match self.post_some(i, q, ctl) {
                     Ok(n) => progressed |= n > 0,
                     Err(e) => {
                         self.break_conn(e.clone());
@@ -272,7 +282,7 @@ impl VerbsConn {
                 left |= !q.is_empty();
             }
             if !left {
-                break;
+                return Ok(true);
             }
             if !progressed {
                 let now = Instant::now();
@@ -291,8 +301,6 @@ impl VerbsConn {
                 }
             }
         }
-        self.release(&ctl, 1);
-        Ok(())
     }
 
     /// Proves the data path before the connection is handed out: one signalled
@@ -302,6 +310,7 @@ impl VerbsConn {
     /// that died during the handshake) fails here, at connect time, instead of in the
     /// first transfer.
     pub fn probe(&self, deadline: Instant) -> Result<(), Error> {
+        let started = Instant::now();
         let done = Arc::new(ProbeSink::default());
         let n = self.qps.len();
         let ctl = Arc::new(BatchCtl {
@@ -311,49 +320,27 @@ impl VerbsConn {
             tag: None,
             done: AtomicBool::new(false),
         });
-        // Past the deadline the probe fails; otherwise reap once on this thread.
-        let tick = || -> Result<(), Error> {
-            if Instant::now() >= deadline {
-                ctl.fail(Error::Timeout {
-                    after: Duration::ZERO,
-                });
-                return Err(probe_timeout());
-            }
-            self.poll_now();
-            std::thread::yield_now();
-            Ok(())
-        };
-        for i in 0..n {
-            let mut q = VecDeque::from([PlannedWr {
-                dir: Dir::Write,
-                remote: 0,
-                rkey: 0,
-                sges: Vec::new(),
-            }]);
-            loop {
-                if self.is_broken() {
-                    let e = self.broken_err();
-                    ctl.fail(e.clone());
-                    return Err(e);
-                }
-                match self.post_some(i, &mut q, &ctl) {
-                    Ok(_) if q.is_empty() => break,
-                    Ok(_) => {}
-                    Err(e) => {
-                        self.break_conn(e.clone());
-                        ctl.fail(e.clone());
-                        return Err(e);
-                    }
-                }
-                tick()?;
-            }
+        let mut per_qp: Vec<VecDeque<PlannedWr>> = (0..n)
+            .map(|_| VecDeque::from([PlannedWr::zero_length_write()]))
+            .collect();
+        match self.post_queues(&ctl, &mut per_qp, started, deadline) {
+            Ok(_) => {}
+            Err(Error::Timeout { .. }) => return Err(probe_timeout()),
+            Err(e) => return Err(e),
         }
         self.release(&ctl, 1);
         loop {
             if let Some(r) = done.outcome() {
                 return r;
             }
-            tick()?;
+            if Instant::now() >= deadline {
+                ctl.fail(Error::Timeout {
+                    after: started.elapsed(),
+                });
+                return Err(probe_timeout());
+            }
+            self.poll_now();
+            std::thread::yield_now();
         }
     }
 

@@ -42,6 +42,17 @@ pub(crate) struct PlannedWr {
 }
 
 impl PlannedWr {
+    /// A WRITE of no bytes: no local SGE, no remote memory touched (so no rkey is
+    /// checked). Carries a notification's immediate, or probes a path.
+    pub fn zero_length_write() -> Self {
+        PlannedWr {
+            dir: Dir::Write,
+            remote: 0,
+            rkey: 0,
+            sges: Vec::new(),
+        }
+    }
+
     pub fn len(&self) -> u64 {
         self.sges.iter().map(|s| u64::from(s.len)).sum()
     }
