@@ -215,7 +215,7 @@ pub(crate) struct BatchShared {
     /// futex syscall on every notify; most batches finish with nobody blocked (the waiter
     /// busy-polls on verbs, or has not called `wait` yet), so `finish` skips it then.
     sleepers: AtomicUsize,
-    /// Lets `wait` and `status` reap completions on the caller's thread (verbs).
+    /// Lets `wait` reap completions on the caller's thread (verbs).
     driver: Option<Arc<dyn Progress>>,
 }
 

@@ -129,7 +129,7 @@ struct Inner {
     id: u64,
     config: Arc<EngineConfig>,
     backend: Arc<dyn Backend>,
-    /// Caller-side completion reaping (verbs), for `wait`, `status` and notifications.
+    /// Caller-side completion reaping (verbs), for batch waits and notifications.
     progress: Option<Arc<dyn Progress>>,
     info: BackendInfo,
     registry: Arc<Registry>,
