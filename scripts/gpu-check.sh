@@ -39,6 +39,9 @@ build_binaries() {
     # The example lives in the examples package; without `verbs` it needs no cmake/libclang.
     local ex_flags=("${CARGO_FLAGS[@]/pagewire-gpudirect/pagewire-examples}")
     cargo build "${ex_flags[@]}" --example gpu_staged_bench >&2
+    # The CLI's `devices` command, CUDA on and verbs off (no libibverbs needed there).
+    cargo build --release -p pagewire-cli --no-default-features --features cuda \
+        $([[ "${CARGO_OFFLINE:-0}" == 1 ]] && echo --offline) >&2
     cargo test "${CARGO_FLAGS[@]}" --no-run --message-format=json |
         python3 -c '
 import json, sys
@@ -51,6 +54,7 @@ for line in sys.stdin:
         print(m["executable"])
 '
     echo "target/release/examples/gpu_staged_bench"
+    echo "target/release/pagewire"
 }
 
 if [[ "$MODE" == package ]]; then
@@ -58,12 +62,12 @@ if [[ "$MODE" == package ]]; then
     mkdir -p "$DIR/tests"
     while read -r bin; do
         case "$bin" in
-            */examples/*) cp "$bin" "$DIR/" ;;
+            */examples/* | */release/pagewire) cp "$bin" "$DIR/" ;;
             *) cp "$bin" "$DIR/tests/" ;;
         esac
     done < <(build_binaries)
     # Debug info would push the set past what a device run can carry (64 MiB).
-    if command -v strip >/dev/null; then strip --strip-debug "$DIR"/gpu_staged_bench "$DIR"/tests/*; fi
+    if command -v strip >/dev/null; then strip --strip-debug "$DIR"/gpu_staged_bench "$DIR"/pagewire "$DIR"/tests/*; fi
     ls -l "$DIR" "$DIR/tests"
     echo "packaged; on the GPU machine run: scripts/gpu-check.sh --prebuilt $DIR"
     exit 0
@@ -84,14 +88,22 @@ TESTS=()
 if [[ "$MODE" == build ]]; then
     step "build (release, features: cuda)"
     mapfile -t BINS < <(build_binaries)
-    for b in "${BINS[@]}"; do [[ "$b" == */examples/* ]] && BENCH="$b" || TESTS+=("$b"); done
+    for b in "${BINS[@]}"; do
+        case "$b" in
+            */examples/*) BENCH="$b" ;;
+            */release/pagewire) CLI="$b" ;;
+            *) TESTS+=("$b") ;;
+        esac
+    done
 else
     [[ -d "$DIR/tests" ]] || { echo "FAIL: $DIR/tests missing (make it with --package)" >&2; exit 1; }
     for b in "$DIR"/tests/*; do TESTS+=("$b"); done
     BENCH="$DIR/gpu_staged_bench"
+    CLI="$DIR/pagewire"
 fi
 ((${#TESTS[@]})) || { echo "FAIL: no test binaries found" >&2; exit 1; }
 [[ -x "$BENCH" ]] || { echo "FAIL: bench binary $BENCH missing" >&2; exit 1; }
+[[ -x "$CLI" ]] || { echo "FAIL: CLI binary $CLI missing" >&2; exit 1; }
 echo "build done at t=$((SECONDS - START))s: ${#TESTS[@]} test binaries, bench $BENCH"
 
 step "tests (PAGEWIRE_GPU_REQUIRED=1: a missing GPU fails them)"
@@ -101,6 +113,15 @@ for t in "${TESTS[@]}"; do
         fail "tests in $(basename "$t")"
     fi
 done
+
+step "pagewire devices (the CLI must list GPU $GPU and its path)"
+if DEV_OUT="$(timeout 30 "$CLI" devices 2>&1)"; then
+    echo "$DEV_OUT"
+    grep -q "^  GPU $GPU: " <<<"$DEV_OUT" || fail "pagewire devices lists no GPU $GPU"
+else
+    echo "$DEV_OUT"; fail "pagewire devices"
+fi
+timeout 30 "$CLI" devices --json || fail "pagewire devices --json"
 
 step "staged-mode benchmark ($BYTES per transfer, GPU $GPU)"
 bench() {

@@ -190,6 +190,12 @@ mod tests {
         assert_eq!(r.engine, "host");
         let text = r.to_string();
         assert!(text.contains("staged write GPU -> remote"), "{text}");
+        // The wire's own rate is printed beside the end-to-end rows.
+        assert!(
+            text.contains("loopback write host -> remote (ref)"),
+            "{text}"
+        );
+        assert!(r.wire_write.gb_per_s() > 0.0 && r.wire_read.gb_per_s() > 0.0);
         assert!(matches!(
             run_staged_bench(&StagedBenchOptions {
                 require_gpu: true,
@@ -322,6 +328,11 @@ pub struct StagedBenchReport {
     pub staged_d2h: Rate,
     /// Staged host-to-device through the ring (wire reads free).
     pub staged_h2d: Rate,
+    /// Host → remote host write over the same engines, one batch, no GPU: the
+    /// wire's own ceiling, which the staged end-to-end write cannot beat.
+    pub wire_write: Rate,
+    /// Remote host → host read over the same engines, one batch, no GPU.
+    pub wire_read: Rate,
     /// Staged write GPU → remote host memory over the transport.
     pub e2e_write: Rate,
     /// Staged read remote host memory → GPU over the transport.
@@ -347,7 +358,7 @@ impl std::fmt::Display for StagedBenchReport {
         writeln!(
             f,
             "{:<34} {:>12} {:>12} {:>12}",
-            "path", "GB/s mean", "GB/s best", "vs memcpy"
+            "path", "GB/s mean", "GB/s best", "vs ref"
         )?;
         let row =
             |f: &mut std::fmt::Formatter<'_>, name: &str, r: &Rate, reference: Option<&Rate>| {
@@ -377,17 +388,32 @@ impl std::fmt::Display for StagedBenchReport {
             &self.staged_h2d,
             Some(&self.plain_h2d),
         )?;
+        // The end-to-end rows are bounded by the slower of the copy and the wire;
+        // over loopback and TCP that is the wire, so they are compared with it.
+        let wire = o.backend.as_str();
+        row(
+            f,
+            &format!("{wire} write host -> remote (ref)"),
+            &self.wire_write,
+            None,
+        )?;
         row(
             f,
             "staged write GPU -> remote (e2e)",
             &self.e2e_write,
-            Some(&self.plain_d2h),
+            Some(&self.wire_write),
+        )?;
+        row(
+            f,
+            &format!("{wire} read remote -> host (ref)"),
+            &self.wire_read,
+            None,
         )?;
         row(
             f,
             "staged read remote -> GPU (e2e)",
             &self.e2e_read,
-            Some(&self.plain_h2d),
+            Some(&self.wire_read),
         )?;
         write!(
             f,
@@ -469,6 +495,26 @@ pub fn run_staged_bench(o: &StagedBenchOptions) -> Result<StagedBenchReport> {
         )
         .map_err(terr)?;
     let peer = local.connect(remote.local_addr()).map_err(terr)?;
+
+    // The wire alone: the same bytes host to host in one batch, same engines.
+    let src = HostBuffer::new(o.bytes).map_err(terr)?;
+    local.register(&src, Access::LOCAL_WRITE).map_err(terr)?;
+    let one_batch = |write: bool| {
+        let len = o.bytes as u64;
+        let b = pagewire_transport::Batch::new().timeout(timeout);
+        let b = if write {
+            b.write(src.addr(), pool.addr(), len)
+        } else {
+            b.read(src.addr(), pool.addr(), len)
+        };
+        local
+            .submit(peer, b)
+            .and_then(|h| h.wait(std::time::Instant::now() + timeout))
+            .map_err(terr)
+    };
+    one_batch(true)?; // warm-up: first touches of both buffers
+    let wire_write = repeat(o.bytes as u64, o.iters, || one_batch(true))?;
+    let wire_read = repeat(o.bytes as u64, o.iters, || one_batch(false))?;
     let seg = [Segment {
         local_off: 0,
         remote_off: 0,
@@ -495,6 +541,8 @@ pub fn run_staged_bench(o: &StagedBenchOptions) -> Result<StagedBenchReport> {
         plain_h2d,
         staged_d2h,
         staged_h2d,
+        wire_write,
+        wire_read,
         e2e_write,
         e2e_read,
         verified,
