@@ -250,7 +250,9 @@ pub(crate) fn busy_poll<T>(
     p.set_waiting(true);
     let _waiting = Waiting(p);
     let budget = p.spin_budget();
-    let mut last = Instant::now();
+    // When the idle stretch began, read at its first clock check rather than at every
+    // completion: a wait that ends within a few rounds reads no clock at all.
+    let mut last: Option<Instant> = None;
     let mut idle: u32 = 0;
     loop {
         let n = p.poll_once();
@@ -259,7 +261,7 @@ pub(crate) fn busy_poll<T>(
         }
         if n > 0 {
             idle = 0;
-            last = Instant::now();
+            last = None;
             continue;
         }
         idle = idle.saturating_add(1);
@@ -275,7 +277,8 @@ pub(crate) fn busy_poll<T>(
         }
         if idle.is_multiple_of(BUSY_CLOCK_EVERY) {
             let now = Instant::now();
-            if now >= deadline || now.duration_since(last) >= budget {
+            let since = *last.get_or_insert(now);
+            if now >= deadline || now.duration_since(since) >= budget {
                 return None;
             }
         }

@@ -105,8 +105,28 @@ struct QpSlot {
     recv_seq: AtomicU64,
     /// RECVs consumed but not yet reposted (reposting waits if a poster holds the QP).
     recv_owed: AtomicU64,
-    /// Last time this QP's send queue made progress (a post returned, a CQE retired WRs).
-    last_progress: Mutex<Instant>,
+    /// Bumped whenever this QP's send queue makes progress (a post returned, a CQE retired
+    /// WRs): one atomic add on the data path instead of a clock read under a lock.
+    progress: AtomicU64,
+    /// The health check's view of `progress`: the value it last saw, and when it saw it
+    /// change.
+    watch: Mutex<(u64, Instant)>,
+}
+
+impl QpSlot {
+    fn progressed(&self) {
+        self.progress.fetch_add(1, Ordering::Release);
+    }
+
+    /// How long `progress` has not moved, as far as the health check has seen.
+    fn idle(&self) -> Duration {
+        let seen = self.progress.load(Ordering::Acquire);
+        let mut w = lock(&self.watch);
+        if w.0 != seen {
+            *w = (seen, Instant::now());
+        }
+        w.1.elapsed()
+    }
 }
 
 /// A QP with WRs outstanding and no progress for this long counts as a dead peer.
@@ -131,7 +151,8 @@ pub(crate) struct VerbsConn {
     graveyard: Mutex<Vec<Arc<BatchCtl>>>,
     /// Held by whoever reaps this connection's CQs (the completion thread or a waiting
     /// caller); the others skip, so completions are handled in CQ order by one thread.
-    reaping: Mutex<()>,
+    /// Holds the reaper's buffer of retired groups, reused so reaping allocates nothing.
+    reaping: Mutex<Vec<Group<Arc<BatchCtl>>>>,
     /// The engine's completion thread: kicked on every post so it polls at once.
     poller: Arc<PollWake>,
     label: String,
@@ -169,7 +190,8 @@ impl VerbsConn {
                     qp: Mutex::new(q),
                     recv_seq: AtomicU64::new(u64::from(cfg.recv_depth)),
                     recv_owed: AtomicU64::new(0),
-                    last_progress: Mutex::new(Instant::now()),
+                    progress: AtomicU64::new(0),
+                    watch: Mutex::new((0, Instant::now())),
                 }
             })
             .collect();
@@ -184,7 +206,7 @@ impl VerbsConn {
             peer,
             deferred: Mutex::new(VecDeque::new()),
             graveyard: Mutex::new(Vec::new()),
-            reaping: Mutex::new(()),
+            reaping: Mutex::new(Vec::new()),
             poller: Arc::default(),
             label,
         }
@@ -213,14 +235,17 @@ impl VerbsConn {
     /// Posts one batch: plan, stripe, post WR chains per QP within each QP's window. Blocks
     /// only while windows are full, and never past `deadline`. Completion is reported to
     /// `sink` from the completion thread.
-    pub fn post(
+    pub fn post<I>(
         &self,
         sink: Arc<dyn BatchSink>,
-        ops: &[PlanOp],
+        ops: I,
         notify: Option<u32>,
         deadline: Instant,
-    ) -> Result<(), Error> {
-        let started = Instant::now();
+    ) -> Result<(), Error>
+    where
+        I: IntoIterator,
+        I::Item: std::borrow::Borrow<PlanOp>,
+    {
         if self.is_broken() {
             return Err(self.broken_err());
         }
@@ -238,10 +263,15 @@ impl VerbsConn {
             tag: notify,
             done: AtomicBool::new(false),
         });
-        let mut per_qp = stripe(wrs, self.qps.len());
-        if self.post_queues(&ctl, &mut per_qp, started, deadline)? {
-            self.release(&ctl, 1);
+        // A lone WRITE with a notification leaves nothing before the held WR.
+        if !wrs.is_empty() {
+            let started = Instant::now();
+            let mut per_qp = stripe(wrs, self.qps.len());
+            if !self.post_queues(&ctl, &mut per_qp, started, deadline)? {
+                return Ok(());
+            }
         }
+        self.release(&ctl, 1);
         Ok(())
     }
 
@@ -384,27 +414,21 @@ impl VerbsConn {
             }
             (first, n)
         };
-        let specs: Vec<WrSpec<'_>> = q
-            .iter()
-            .take(n)
-            .enumerate()
-            .map(|(k, w)| WrSpec {
-                wr_id: encode_wr_id(WrKind::Data, i, (first + k as u64) & SEQ_MASK),
-                signaled: is_signaled(k, n, self.cfg.signal_every as usize),
-                dir: w.dir,
-                remote: w.remote,
-                rkey: w.rkey,
-                sges: &w.sges,
-                imm: None,
-            })
-            .collect();
+        let specs = q.iter().take(n).enumerate().map(|(k, w)| WrSpec {
+            wr_id: encode_wr_id(WrKind::Data, i, (first + k as u64) & SEQ_MASK),
+            signaled: is_signaled(k, n, self.cfg.signal_every as usize),
+            dir: w.dir,
+            remote: w.remote,
+            rkey: w.rkey,
+            sges: &w.sges,
+            imm: None,
+        });
         // SAFETY: every SGE comes from an op the engine core validated against a live
         // registration, and the core keeps that region registered (deregistration of a
         // region with in-flight batches is refused) until the batch is finished.
-        unsafe { qp.post_chain(&specs) }?;
-        drop(specs);
+        unsafe { qp.post_chain(specs) }?;
         q.drain(..n);
-        *lock(&slot.last_progress) = Instant::now();
+        slot.progressed();
         Ok(n)
     }
 
@@ -480,13 +504,13 @@ impl VerbsConn {
             };
             // SAFETY: as in `post_some`: the SGEs are from validated ops whose regions stay
             // registered until the batch finishes; an empty list is a zero-length write.
-            if let Err(e) = unsafe { qp.post_chain(std::slice::from_ref(&spec)) } {
+            if let Err(e) = unsafe { qp.post_chain([spec]) } {
                 drop(qp);
                 self.break_conn(e.clone());
                 ctl.fail(e);
                 return;
             }
-            *lock(&slot.last_progress) = Instant::now();
+            slot.progressed();
         }
     }
 
@@ -526,7 +550,7 @@ impl VerbsConn {
     /// Polls both CQs once and handles what they held; returns how many completions that
     /// was. Returns 0 at once if another thread is reaping this connection right now.
     pub fn poll(&self) -> usize {
-        let Ok(_reaping) = self.reaping.try_lock() else {
+        let Ok(mut retired_buf) = self.reaping.try_lock() else {
             return 0;
         };
         let mut wcs = [Wc::default(); POLL_BATCH];
@@ -536,7 +560,7 @@ impl VerbsConn {
             Ok(n) => {
                 handled += n;
                 for wc in &wcs[..n] {
-                    retired |= self.on_send_wc(wc);
+                    retired |= self.on_send_wc(wc, &mut retired_buf);
                 }
             }
             Err(e) => self.break_conn(e),
@@ -570,7 +594,7 @@ impl VerbsConn {
         }
     }
 
-    fn on_send_wc(&self, wc: &Wc) -> bool {
+    fn on_send_wc(&self, wc: &Wc, buf: &mut Vec<Group<Arc<BatchCtl>>>) -> bool {
         let Some((kind, qi, seq)) = decode_wr_id(wc.wr_id) else {
             return false;
         };
@@ -581,17 +605,17 @@ impl VerbsConn {
             self.break_conn(self.completion_error(wc, qi));
             return true;
         }
-        let groups = lock(&self.qps[qi].track).retire_through(seq);
-        if !groups.is_empty() {
-            *lock(&self.qps[qi].last_progress) = Instant::now();
+        let n = lock(&self.qps[qi].track).retire_through(seq, buf);
+        if n > 0 {
+            self.qps[qi].progressed();
         }
-        for g in &groups {
+        for g in buf.drain(..) {
             if !g.owner.done.load(Ordering::Acquire) {
                 g.owner.sink.progress(g.wrs as usize, g.bytes);
             }
             self.release(&g.owner, u64::from(g.wrs));
         }
-        !groups.is_empty()
+        n > 0
     }
 
     fn on_recv_wc(&self, wc: &Wc) {
@@ -659,7 +683,7 @@ impl VerbsConn {
                 return;
             }
             let outstanding = lock(&slot.track).outstanding();
-            let idle = lock(&slot.last_progress).elapsed();
+            let idle = slot.idle();
             if outstanding > 0 && idle > STALL_TIMEOUT {
                 drop(qp);
                 self.break_conn(Error::PeerGone {

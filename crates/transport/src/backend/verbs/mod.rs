@@ -207,23 +207,20 @@ impl Conn for VerbsPeerConn {
         ops: Vec<ResolvedOp>,
         notify: Option<u32>,
     ) -> Result<(), Error> {
-        let plan: Vec<PlanOp> = ops
-            .iter()
-            .map(|o| PlanOp {
-                dir: match o.op {
-                    Op::Write => Dir::Write,
-                    Op::Read => Dir::Read,
-                },
-                local: o.local,
-                lkey: o.lkey,
-                remote: o.remote,
-                rkey: o.rkey,
-                len: o.len,
-            })
-            .collect();
+        let plan = ops.iter().map(|o| PlanOp {
+            dir: match o.op {
+                Op::Write => Dir::Write,
+                Op::Read => Dir::Read,
+            },
+            local: o.local,
+            lkey: o.lkey,
+            remote: o.remote,
+            rkey: o.rkey,
+            len: o.len,
+        });
         let deadline = batch.deadline();
         self.conn
-            .post(batch, &plan, notify, deadline)
+            .post(batch, plan, notify, deadline)
             .map_err(|e| match e {
                 Error::Shutdown => Error::PeerGone {
                     peer: self.peer,

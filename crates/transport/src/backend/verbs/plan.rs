@@ -2,7 +2,9 @@
 //! selective-signalling groups and the per-QP in-flight window. No FFI here, so all of it is
 //! unit-tested on the host.
 
+use std::borrow::Borrow;
 use std::collections::VecDeque;
+use std::ops::{Deref, DerefMut};
 
 /// Direction of a one-sided op, seen from the local side.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -38,7 +40,51 @@ pub(crate) struct PlannedWr {
     pub dir: Dir,
     pub remote: u64,
     pub rkey: u32,
-    pub sges: Vec<Sge>,
+    pub sges: SgeList,
+}
+
+/// A WR's local SGEs. Nearly every WR has exactly one, kept inline so that planning a
+/// WR allocates nothing; a zero-length WRITE has none; only merged equal-length pieces
+/// make a list.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum SgeList {
+    Empty,
+    One(Sge),
+    Many(Vec<Sge>),
+}
+
+impl SgeList {
+    pub fn push(&mut self, s: Sge) {
+        *self = match std::mem::replace(self, SgeList::Empty) {
+            SgeList::Empty => SgeList::One(s),
+            SgeList::One(a) => SgeList::Many(vec![a, s]),
+            SgeList::Many(mut v) => {
+                v.push(s);
+                SgeList::Many(v)
+            }
+        };
+    }
+}
+
+impl Deref for SgeList {
+    type Target = [Sge];
+    fn deref(&self) -> &[Sge] {
+        match self {
+            SgeList::Empty => &[],
+            SgeList::One(s) => std::slice::from_ref(s),
+            SgeList::Many(v) => v,
+        }
+    }
+}
+
+impl DerefMut for SgeList {
+    fn deref_mut(&mut self) -> &mut [Sge] {
+        match self {
+            SgeList::Empty => &mut [],
+            SgeList::One(s) => std::slice::from_mut(s),
+            SgeList::Many(v) => v,
+        }
+    }
 }
 
 impl PlannedWr {
@@ -49,7 +95,7 @@ impl PlannedWr {
             dir: Dir::Write,
             remote: 0,
             rkey: 0,
-            sges: Vec::new(),
+            sges: SgeList::Empty,
         }
     }
 
@@ -70,11 +116,17 @@ pub(crate) const MAX_WR_BYTES_CAP: u64 = 1 << 30;
 /// * SGE lists only ever hold entries of **equal length**: rdma-core 44's rxe provider computes
 ///   the total of an SGE list as `n * sge[0].length` (hazard 2 in docs/transport.md), so a list
 ///   with unequal entries would be truncated or fail. Unequal pieces go into separate WRs.
-pub(crate) fn plan_wrs(ops: &[PlanOp], max_wr_bytes: u64, max_sge: usize) -> Vec<PlannedWr> {
+pub(crate) fn plan_wrs<I>(ops: I, max_wr_bytes: u64, max_sge: usize) -> Vec<PlannedWr>
+where
+    I: IntoIterator,
+    I::Item: Borrow<PlanOp>,
+{
     let max_wr = max_wr_bytes.clamp(1, MAX_WR_BYTES_CAP);
     let max_sge = max_sge.max(1);
-    let mut out: Vec<PlannedWr> = Vec::new();
+    let ops = ops.into_iter();
+    let mut out: Vec<PlannedWr> = Vec::with_capacity(ops.size_hint().0);
     for op in ops {
+        let op = op.borrow();
         let mut off = 0u64;
         while off < op.len {
             let n = (op.len - off).min(max_wr);
@@ -94,7 +146,7 @@ pub(crate) fn plan_wrs(ops: &[PlanOp], max_wr_bytes: u64, max_sge: usize) -> Vec
                 dir: op.dir,
                 remote,
                 rkey: op.rkey,
-                sges: vec![piece],
+                sges: SgeList::One(piece),
             });
         }
     }
@@ -134,7 +186,14 @@ fn try_merge(
 /// Round-robin striping: WR `i` goes to QP `i % nqps`. Returns one list per QP, each in order.
 pub(crate) fn stripe<T>(wrs: Vec<T>, nqps: usize) -> Vec<VecDeque<T>> {
     let nqps = nqps.max(1);
-    let mut per: Vec<VecDeque<T>> = (0..nqps).map(|_| VecDeque::new()).collect();
+    let mut per: Vec<VecDeque<T>> = Vec::with_capacity(nqps);
+    if nqps == 1 || wrs.len() <= 1 {
+        // Everything on QP 0: the list becomes its queue without a copy or allocation.
+        per.push(VecDeque::from(wrs));
+        per.resize_with(nqps, VecDeque::new);
+        return per;
+    }
+    per.resize_with(nqps, VecDeque::new);
     for (i, w) in wrs.into_iter().enumerate() {
         per[i % nqps].push_back(w);
     }
@@ -242,15 +301,18 @@ impl<T> InFlight<T> {
     }
 
     /// A successful completion of WR `seq`: retires every group up to the one it ends.
-    /// Stale or unknown sequence numbers retire nothing.
-    pub fn retire_through(&mut self, seq: u64) -> Vec<Group<T>> {
+    /// Stale or unknown sequence numbers retire nothing. The retired groups are appended
+    /// to `out` (a buffer the reaper reuses, so retiring allocates nothing); returns how
+    /// many there were.
+    pub fn retire_through(&mut self, seq: u64, out: &mut Vec<Group<T>>) -> usize {
         let Some(pos) = self.groups.iter().position(|g| g.last_seq == seq) else {
-            return Vec::new();
+            return 0;
         };
-        let done: Vec<Group<T>> = self.groups.drain(..=pos).collect();
-        let wrs: u32 = done.iter().map(|g| g.wrs).sum();
+        let before = out.len();
+        out.extend(self.groups.drain(..=pos));
+        let wrs: u32 = out[before..].iter().map(|g| g.wrs).sum();
         self.outstanding -= wrs.min(self.outstanding);
-        done
+        out.len() - before
     }
 
     /// The QP failed: everything in flight is lost. Returns all groups.
@@ -283,7 +345,7 @@ mod tests {
 
     #[test]
     fn slices_large_ops() {
-        let wrs = plan_wrs(&[w(0, 1000, 10)], 4, 4);
+        let wrs = plan_wrs([w(0, 1000, 10)], 4, 4);
         let lens: Vec<u64> = wrs.iter().map(PlannedWr::len).collect();
         assert_eq!(lens, vec![4, 4, 2]);
         assert_eq!(wrs[1].remote, 1004);
@@ -293,7 +355,7 @@ mod tests {
     #[test]
     fn merges_scattered_local_into_sge_list_when_remote_contiguous() {
         let ops = [w(0, 100, 8), w(64, 108, 8), w(32, 116, 8)];
-        let wrs = plan_wrs(&ops, 1 << 20, 4);
+        let wrs = plan_wrs(ops, 1 << 20, 4);
         assert_eq!(wrs.len(), 1);
         assert_eq!(wrs[0].sges.len(), 3);
         assert_eq!(wrs[0].remote, 100);
@@ -303,14 +365,14 @@ mod tests {
     #[test]
     fn never_builds_unequal_sge_lists() {
         let ops = [w(0, 100, 8), w(64, 108, 4)];
-        let wrs = plan_wrs(&ops, 1 << 20, 4);
+        let wrs = plan_wrs(ops, 1 << 20, 4);
         assert_eq!(wrs.len(), 2);
     }
 
     #[test]
     fn respects_max_sge() {
         let ops: Vec<PlanOp> = (0..5).map(|i| w(i * 100, 1000 + i * 8, 8)).collect();
-        let wrs = plan_wrs(&ops, 1 << 20, 2);
+        let wrs = plan_wrs(ops, 1 << 20, 2);
         let n: Vec<usize> = wrs.iter().map(|w| w.sges.len()).collect();
         assert_eq!(n, vec![2, 2, 1]);
     }
@@ -318,11 +380,11 @@ mod tests {
     #[test]
     fn coalesces_fully_contiguous() {
         let ops = [w(0, 100, 8), w(8, 108, 8)];
-        let wrs = plan_wrs(&ops, 1 << 20, 1);
+        let wrs = plan_wrs(ops, 1 << 20, 1);
         assert_eq!(wrs.len(), 1);
         assert_eq!(
-            wrs[0].sges,
-            vec![Sge {
+            wrs[0].sges[..],
+            [Sge {
                 addr: 0,
                 len: 16,
                 lkey: 1
@@ -334,10 +396,10 @@ mod tests {
     fn does_not_merge_across_keys_or_directions() {
         let mut b = w(8, 108, 8);
         b.rkey = 3;
-        assert_eq!(plan_wrs(&[w(0, 100, 8), b], 1 << 20, 4).len(), 2);
+        assert_eq!(plan_wrs([w(0, 100, 8), b], 1 << 20, 4).len(), 2);
         let mut r = w(8, 108, 8);
         r.dir = Dir::Read;
-        assert_eq!(plan_wrs(&[w(0, 100, 8), r], 1 << 20, 4).len(), 2);
+        assert_eq!(plan_wrs([w(0, 100, 8), r], 1 << 20, 4).len(), 2);
     }
 
     #[test]
@@ -346,6 +408,31 @@ mod tests {
         assert_eq!(per[0], VecDeque::from(vec![0, 3, 6]));
         assert_eq!(per[1], VecDeque::from(vec![1, 4]));
         assert_eq!(per[2], VecDeque::from(vec![2, 5]));
+        // One QP, or at most one WR: all on QP 0, the others empty.
+        assert_eq!(stripe(vec![1, 2, 3], 1), [VecDeque::from(vec![1, 2, 3])]);
+        let per = stripe(vec![9], 3);
+        assert_eq!(per.len(), 3);
+        assert_eq!(per[0], VecDeque::from(vec![9]));
+        assert!(per[1].is_empty() && per[2].is_empty());
+        assert!(stripe(Vec::<u8>::new(), 2).iter().all(VecDeque::is_empty));
+    }
+
+    #[test]
+    fn sge_list_grows_from_none_to_inline_to_list() {
+        let s = |addr| Sge {
+            addr,
+            len: 8,
+            lkey: 1,
+        };
+        let mut l = SgeList::Empty;
+        assert!(l.is_empty());
+        l.push(s(0));
+        assert_eq!(l, SgeList::One(s(0)));
+        l.push(s(8));
+        l.push(s(16));
+        assert_eq!(l[..], [s(0), s(8), s(16)]);
+        l[0].len = 4;
+        assert_eq!(l[0].len, 4);
     }
 
     #[test]
@@ -388,11 +475,13 @@ mod tests {
             owner: 2,
         });
         assert_eq!(f.available(), 1);
-        assert!(
-            f.retire_through(7).is_empty(),
+        let mut done = Vec::new();
+        assert_eq!(
+            f.retire_through(7, &mut done),
+            0,
             "unknown seq retires nothing"
         );
-        let done = f.retire_through(2);
+        assert_eq!(f.retire_through(2, &mut done), 2);
         assert_eq!(done.len(), 2);
         assert_eq!(f.available(), 4);
         assert!(f.is_empty());
@@ -437,7 +526,7 @@ mod tests {
                     prop_assert!(wr.sges.iter().all(|s| s.len == wr.sges[0].len));
                 }
                 let mut r = wr.remote;
-                for s in &wr.sges { for b in 0..u64::from(s.len) { got.push((s.addr + b, r)); r += 1; } }
+                for s in wr.sges.iter() { for b in 0..u64::from(s.len) { got.push((s.addr + b, r)); r += 1; } }
             }
             prop_assert_eq!(got, want);
         }

@@ -184,7 +184,11 @@ impl RcQp {
     /// # Safety
     /// Every SGE must point into memory registered with its lkey that stays valid (and, for
     /// READs, unaliased) until the WR's completion has been polled or the QP is destroyed.
-    pub unsafe fn post_chain(&mut self, wrs: &[WrSpec<'_>]) -> Result<(), Error> {
+    /// `wrs` is an iterator so that callers build no list of WRs per post.
+    pub unsafe fn post_chain<'a>(
+        &mut self,
+        wrs: impl IntoIterator<Item = WrSpec<'a>>,
+    ) -> Result<(), Error> {
         let mut sges: Vec<ibv_sge> = Vec::new();
         let mut g = self.qp.start_post_send();
         for w in wrs {

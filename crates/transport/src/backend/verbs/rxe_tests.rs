@@ -214,7 +214,7 @@ fn rxe_read_back_and_zero_length_notify() {
     let sink = Arc::new(Sink::default());
     p.ab.post(
         sink.clone(),
-        &ops,
+        ops.iter(),
         Some(42),
         Instant::now() + Duration::from_secs(30),
     )
@@ -230,7 +230,7 @@ fn rxe_read_back_and_zero_length_notify() {
     let sink = Arc::new(Sink::default());
     p.ab.post(
         sink.clone(),
-        &[],
+        std::iter::empty::<PlanOp>(),
         Some(43),
         Instant::now() + Duration::from_secs(10),
     )
@@ -268,7 +268,7 @@ fn rxe_bad_rkey_fails_promptly_then_reconnect() {
     let t0 = Instant::now();
     let _ = p.ab.post(
         sink.clone(),
-        &[op(md.rkey() ^ 0xff)],
+        [op(md.rkey() ^ 0xff)],
         None,
         Instant::now() + Duration::from_secs(30),
     );
@@ -286,7 +286,7 @@ fn rxe_bad_rkey_fails_promptly_then_reconnect() {
     assert!(
         p.ab.post(
             sink2,
-            &[op(md.rkey())],
+            [op(md.rkey())],
             None,
             Instant::now() + Duration::from_secs(5)
         )
@@ -304,7 +304,7 @@ fn rxe_bad_rkey_fails_promptly_then_reconnect() {
     let sink = Arc::new(Sink::default());
     q.ab.post(
         sink.clone(),
-        &[op(md.rkey())],
+        [op(md.rkey())],
         None,
         Instant::now() + Duration::from_secs(30),
     )
@@ -341,7 +341,7 @@ fn rxe_peer_destroyed_qps_fail_the_batch() {
     let t0 = Instant::now();
     let r = ab.post(
         sink.clone(),
-        &[op],
+        [op],
         None,
         Instant::now() + Duration::from_secs(30),
     );
