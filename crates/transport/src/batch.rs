@@ -18,6 +18,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
+use smallvec::SmallVec;
+
 use crate::backend::{Progress, Yield, busy_poll};
 use crate::engine::PeerId;
 use crate::error::{Error, Result};
@@ -49,7 +51,8 @@ pub struct TransferOp {
 #[derive(Debug, Clone, Default)]
 #[must_use = "a batch does nothing until submitted with Engine::submit"]
 pub struct Batch {
-    pub(crate) ops: Vec<TransferOp>,
+    /// One op inline: a single-op batch (a ping, a notification) allocates nothing.
+    pub(crate) ops: SmallVec<[TransferOp; 1]>,
     pub(crate) notify: Option<u32>,
     pub(crate) deadline: Option<Instant>,
 }
@@ -63,7 +66,7 @@ impl Batch {
     /// An empty batch with room for `n` ops.
     pub fn with_capacity(n: usize) -> Self {
         Batch {
-            ops: Vec::with_capacity(n),
+            ops: SmallVec::with_capacity(n),
             ..Self::default()
         }
     }
@@ -266,8 +269,11 @@ impl BatchShared {
 #[derive(Debug)]
 pub(crate) struct BatchState {
     shared: Arc<BatchShared>,
-    _pins: Vec<RegionPin>,
+    _pins: Pins,
 }
+
+/// The regions a batch pins: nearly always one (a KV pool), kept inline.
+pub(crate) type Pins = SmallVec<[RegionPin; 1]>;
 
 impl BatchState {
     #[allow(clippy::too_many_arguments)] // plain fields, one call site in the core
@@ -278,7 +284,7 @@ impl BatchState {
         slices: usize,
         bytes: u64,
         deadline: Instant,
-        pins: Vec<RegionPin>,
+        pins: Pins,
         driver: Option<Arc<dyn Progress>>,
     ) -> Self {
         let now = Instant::now();
@@ -483,7 +489,7 @@ mod tests {
             1,
             10,
             Instant::now() + deadline,
-            Vec::new(),
+            Pins::new(),
             None,
         )
     }

@@ -17,7 +17,7 @@ use crossbeam_channel::Sender;
 
 use super::{
     Backend, BackendInfo, BackendInit, BackendMr, BatchState, Conn, ConnCtx, EndpointInfo,
-    NotifySink, PendingConn, ResolvedOp, lock,
+    NotifySink, PendingConn, ResolvedOp, ResolvedOps, lock,
 };
 use crate::batch::Op;
 use crate::config::{BackendKind, EngineConfig};
@@ -149,7 +149,7 @@ impl PendingConn for Pending {
 
 struct Job {
     batch: Arc<BatchState>,
-    ops: Vec<ResolvedOp>,
+    ops: ResolvedOps,
     notify: Option<u32>,
 }
 
@@ -268,12 +268,8 @@ struct LoopConn {
 }
 
 impl Conn for LoopConn {
-    fn post(
-        &self,
-        batch: Arc<BatchState>,
-        ops: Vec<ResolvedOp>,
-        notify: Option<u32>,
-    ) -> Result<()> {
+    fn post(&self, batch: BatchState, ops: ResolvedOps, notify: Option<u32>) -> Result<()> {
+        let batch = Arc::new(batch);
         let tx = lock(&self.tx);
         let Some(tx) = tx.as_ref().filter(|_| !self.is_broken()) else {
             return Err(Error::PeerGone {

@@ -103,6 +103,9 @@ impl fmt::Debug for BackendMr {
     }
 }
 
+/// A batch's resolved ops; up to two inline, so a small batch allocates no list.
+pub(crate) type ResolvedOps = smallvec::SmallVec<[ResolvedOp; 2]>;
+
 /// One validated, key-resolved piece of a batch. The local range is inside one local MR
 /// chunk, the remote range inside one chunk the peer exposed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -307,12 +310,7 @@ pub(crate) trait Conn: Send + Sync {
     /// Posts one batch. `ops` are validated and resolved; the backend reports through
     /// `batch` (progress, success, first error) and never blocks past its deadline.
     /// With `notify`, the peer must surface the tag only after every byte landed.
-    fn post(
-        &self,
-        batch: Arc<BatchState>,
-        ops: Vec<ResolvedOp>,
-        notify: Option<u32>,
-    ) -> Result<(), Error>;
+    fn post(&self, batch: BatchState, ops: ResolvedOps, notify: Option<u32>) -> Result<(), Error>;
     /// Whether the connection failed (peer gone, QP in error).
     fn is_broken(&self) -> bool;
     /// Tears the connection down; pending batches fail with `PeerGone`.

@@ -35,7 +35,7 @@ use crossbeam_channel::{Receiver, Sender};
 
 use super::{
     Backend, BackendInfo, BackendInit, BackendMr, BatchState, Conn, ConnCtx, EndpointInfo,
-    NotifySink, PendingConn, ResolvedOp, lock,
+    NotifySink, PendingConn, ResolvedOps, lock,
 };
 use crate::batch::Op;
 use crate::config::{BackendKind, EngineConfig};
@@ -612,12 +612,8 @@ struct TcpConn {
 }
 
 impl Conn for TcpConn {
-    fn post(
-        &self,
-        batch: Arc<BatchState>,
-        ops: Vec<ResolvedOp>,
-        notify: Option<u32>,
-    ) -> Result<()> {
+    fn post(&self, batch: BatchState, ops: ResolvedOps, notify: Option<u32>) -> Result<()> {
+        let batch = Arc::new(batch);
         let c = &self.conn;
         if c.broken.load(Ordering::Acquire) {
             return Err(c.gone());

@@ -11,7 +11,7 @@ use sideway::ibverbs::queue_pair::QueuePairState;
 
 use super::engine::PollWake;
 use super::plan::{
-    Dir, Group, InFlight, PlanOp, PlannedWr, SEQ_MASK, WrKind, decode_wr_id, encode_wr_id,
+    Dir, Group, InFlight, PlanOp, PlannedWr, SEQ_MASK, WrKind, WrQueue, decode_wr_id, encode_wr_id,
     is_signaled, plan_wrs, stripe,
 };
 use super::qp::{
@@ -77,8 +77,37 @@ pub(crate) struct ConnCfg {
     pub recv_depth: u32,
 }
 
+/// Where a batch reports. The engine core's [`BatchState`] is held by value, so a batch
+/// costs one allocation here (its [`BatchCtl`]) rather than two.
+pub(crate) enum CtlSink {
+    Core(BatchState),
+    Other(Arc<dyn BatchSink>),
+}
+
+impl std::ops::Deref for CtlSink {
+    type Target = dyn BatchSink;
+    fn deref(&self) -> &(dyn BatchSink + 'static) {
+        match self {
+            CtlSink::Core(b) => b,
+            CtlSink::Other(s) => &**s,
+        }
+    }
+}
+
+impl From<BatchState> for CtlSink {
+    fn from(b: BatchState) -> Self {
+        CtlSink::Core(b)
+    }
+}
+
+impl<T: BatchSink + 'static> From<Arc<T>> for CtlSink {
+    fn from(s: Arc<T>) -> Self {
+        CtlSink::Other(s)
+    }
+}
+
 struct BatchCtl {
-    sink: Arc<dyn BatchSink>,
+    sink: CtlSink,
     /// Data WRs not yet completed, plus one while the poster still holds the batch; when it
     /// reaches zero the held notification WR (if any) is posted, then the batch completes.
     pending: AtomicU64,
@@ -237,7 +266,7 @@ impl VerbsConn {
     /// `sink` from the completion thread.
     pub fn post<I>(
         &self,
-        sink: Arc<dyn BatchSink>,
+        sink: impl Into<CtlSink>,
         ops: I,
         notify: Option<u32>,
         deadline: Instant,
@@ -257,7 +286,7 @@ impl VerbsConn {
             _ => PlannedWr::zero_length_write(),
         });
         let ctl = Arc::new(BatchCtl {
-            sink,
+            sink: sink.into(),
             pending: AtomicU64::new(wrs.len() as u64 + 1),
             held: Mutex::new(held),
             tag: notify,
@@ -282,7 +311,7 @@ impl VerbsConn {
     fn post_queues(
         &self,
         ctl: &Arc<BatchCtl>,
-        per_qp: &mut [VecDeque<PlannedWr>],
+        per_qp: &mut [WrQueue<PlannedWr>],
         started: Instant,
         deadline: Instant,
     ) -> Result<bool, Error> {
@@ -344,14 +373,14 @@ impl VerbsConn {
         let done = Arc::new(ProbeSink::default());
         let n = self.qps.len();
         let ctl = Arc::new(BatchCtl {
-            sink: Arc::clone(&done) as Arc<dyn BatchSink>,
+            sink: CtlSink::from(Arc::clone(&done)),
             pending: AtomicU64::new(n as u64 + 1),
             held: Mutex::new(None),
             tag: None,
             done: AtomicBool::new(false),
         });
-        let mut per_qp: Vec<VecDeque<PlannedWr>> = (0..n)
-            .map(|_| VecDeque::from([PlannedWr::zero_length_write()]))
+        let mut per_qp: Vec<WrQueue<PlannedWr>> = (0..n)
+            .map(|_| WrQueue::new(smallvec::smallvec![PlannedWr::zero_length_write()]))
             .collect();
         match self.post_queues(&ctl, &mut per_qp, started, deadline) {
             Ok(_) => {}
@@ -384,7 +413,7 @@ impl VerbsConn {
     fn post_some(
         &self,
         i: usize,
-        q: &mut VecDeque<PlannedWr>,
+        q: &mut WrQueue<PlannedWr>,
         ctl: &Arc<BatchCtl>,
     ) -> Result<usize, Error> {
         let slot = &self.qps[i];
@@ -399,7 +428,7 @@ impl VerbsConn {
             }
             let first = t.reserve(n as u32);
             let (mut wrs, mut bytes) = (0u32, 0u64);
-            for (k, w) in q.iter().take(n).enumerate() {
+            for (k, w) in q.pending()[..n].iter().enumerate() {
                 wrs += 1;
                 bytes += w.len();
                 if is_signaled(k, n, self.cfg.signal_every as usize) {
@@ -414,7 +443,7 @@ impl VerbsConn {
             }
             (first, n)
         };
-        let specs = q.iter().take(n).enumerate().map(|(k, w)| WrSpec {
+        let specs = q.pending()[..n].iter().enumerate().map(|(k, w)| WrSpec {
             wr_id: encode_wr_id(WrKind::Data, i, (first + k as u64) & SEQ_MASK),
             signaled: is_signaled(k, n, self.cfg.signal_every as usize),
             dir: w.dir,
@@ -427,7 +456,7 @@ impl VerbsConn {
         // registration, and the core keeps that region registered (deregistration of a
         // region with in-flight batches is refused) until the batch is finished.
         unsafe { qp.post_chain(specs) }?;
-        q.drain(..n);
+        q.advance(n);
         slot.progressed();
         Ok(n)
     }

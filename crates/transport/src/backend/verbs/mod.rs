@@ -29,7 +29,7 @@ use self::engine::{PendingVerbs, VerbsEndpoint, VerbsEngine, VerbsMr, VerbsOptio
 use self::plan::{Dir, PlanOp};
 use super::{
     Backend, BackendInfo, BackendMr, BatchState, Conn, ConnCtx, EndpointInfo, PendingConn,
-    Progress, QpInfo, ResolvedOp,
+    Progress, QpInfo, ResolvedOps,
 };
 use crate::batch::Op;
 use crate::config::{BackendKind, EngineConfig};
@@ -201,12 +201,7 @@ struct VerbsPeerConn {
 }
 
 impl Conn for VerbsPeerConn {
-    fn post(
-        &self,
-        batch: Arc<BatchState>,
-        ops: Vec<ResolvedOp>,
-        notify: Option<u32>,
-    ) -> Result<(), Error> {
+    fn post(&self, batch: BatchState, ops: ResolvedOps, notify: Option<u32>) -> Result<(), Error> {
         let plan = ops.iter().map(|o| PlanOp {
             dir: match o.op {
                 Op::Write => Dir::Write,

@@ -6,6 +6,8 @@ use std::borrow::Borrow;
 use std::collections::VecDeque;
 use std::ops::{Deref, DerefMut};
 
+use smallvec::SmallVec;
+
 /// Direction of a one-sided op, seen from the local side.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Dir {
@@ -116,7 +118,7 @@ pub(crate) const MAX_WR_BYTES_CAP: u64 = 1 << 30;
 /// * SGE lists only ever hold entries of **equal length**: rdma-core 44's rxe provider computes
 ///   the total of an SGE list as `n * sge[0].length` (hazard 2 in docs/transport.md), so a list
 ///   with unequal entries would be truncated or fail. Unequal pieces go into separate WRs.
-pub(crate) fn plan_wrs<I>(ops: I, max_wr_bytes: u64, max_sge: usize) -> Vec<PlannedWr>
+pub(crate) fn plan_wrs<I>(ops: I, max_wr_bytes: u64, max_sge: usize) -> Wrs
 where
     I: IntoIterator,
     I::Item: Borrow<PlanOp>,
@@ -124,7 +126,7 @@ where
     let max_wr = max_wr_bytes.clamp(1, MAX_WR_BYTES_CAP);
     let max_sge = max_sge.max(1);
     let ops = ops.into_iter();
-    let mut out: Vec<PlannedWr> = Vec::with_capacity(ops.size_hint().0);
+    let mut out = Wrs::with_capacity(ops.size_hint().0);
     for op in ops {
         let op = op.borrow();
         let mut off = 0u64;
@@ -183,19 +185,58 @@ fn try_merge(
     false
 }
 
-/// Round-robin striping: WR `i` goes to QP `i % nqps`. Returns one list per QP, each in order.
-pub(crate) fn stripe<T>(wrs: Vec<T>, nqps: usize) -> Vec<VecDeque<T>> {
+/// A batch's planned WRs; two inline, so a small batch allocates no list.
+pub(crate) type Wrs = SmallVec<[PlannedWr; 2]>;
+
+/// One QP's share of a batch, in posting order, with a cursor past the WRs already
+/// posted (posted WRs are only read, so they stay until the batch's post returns).
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) struct WrQueue<T> {
+    items: SmallVec<[T; 2]>,
+    head: usize,
+}
+
+impl<T> WrQueue<T> {
+    pub fn new(items: SmallVec<[T; 2]>) -> Self {
+        WrQueue { items, head: 0 }
+    }
+
+    fn empty() -> Self {
+        Self::new(SmallVec::new())
+    }
+
+    /// The WRs not posted yet.
+    pub fn pending(&self) -> &[T] {
+        &self.items[self.head..]
+    }
+
+    pub fn len(&self) -> usize {
+        self.items.len() - self.head
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Marks the next `n` WRs posted.
+    pub fn advance(&mut self, n: usize) {
+        self.head = (self.head + n).min(self.items.len());
+    }
+}
+
+/// Round-robin striping: WR `i` goes to QP `i % nqps`. Returns one queue per QP, each in
+/// order. With one QP, or at most one WR, the list itself becomes QP 0's queue.
+pub(crate) fn stripe<T>(wrs: SmallVec<[T; 2]>, nqps: usize) -> SmallVec<[WrQueue<T>; 4]> {
     let nqps = nqps.max(1);
-    let mut per: Vec<VecDeque<T>> = Vec::with_capacity(nqps);
+    let mut per: SmallVec<[WrQueue<T>; 4]> = SmallVec::with_capacity(nqps);
     if nqps == 1 || wrs.len() <= 1 {
-        // Everything on QP 0: the list becomes its queue without a copy or allocation.
-        per.push(VecDeque::from(wrs));
-        per.resize_with(nqps, VecDeque::new);
+        per.push(WrQueue::new(wrs));
+        per.resize_with(nqps, WrQueue::empty);
         return per;
     }
-    per.resize_with(nqps, VecDeque::new);
+    per.resize_with(nqps, WrQueue::empty);
     for (i, w) in wrs.into_iter().enumerate() {
-        per[i % nqps].push_back(w);
+        per[i % nqps].items.push(w);
     }
     per
 }
@@ -404,17 +445,34 @@ mod tests {
 
     #[test]
     fn stripes_round_robin() {
-        let per = stripe((0..7).collect::<Vec<_>>(), 3);
-        assert_eq!(per[0], VecDeque::from(vec![0, 3, 6]));
-        assert_eq!(per[1], VecDeque::from(vec![1, 4]));
-        assert_eq!(per[2], VecDeque::from(vec![2, 5]));
+        let per = stripe((0..7).collect(), 3);
+        assert_eq!(per[0].pending(), [0, 3, 6]);
+        assert_eq!(per[1].pending(), [1, 4]);
+        assert_eq!(per[2].pending(), [2, 5]);
         // One QP, or at most one WR: all on QP 0, the others empty.
-        assert_eq!(stripe(vec![1, 2, 3], 1), [VecDeque::from(vec![1, 2, 3])]);
-        let per = stripe(vec![9], 3);
+        let per = stripe(SmallVec::from_vec(vec![1, 2, 3]), 1);
+        assert_eq!(per.len(), 1);
+        assert_eq!(per[0].pending(), [1, 2, 3]);
+        let per = stripe(SmallVec::from_elem(9, 1), 3);
         assert_eq!(per.len(), 3);
-        assert_eq!(per[0], VecDeque::from(vec![9]));
+        assert_eq!(per[0].pending(), [9]);
         assert!(per[1].is_empty() && per[2].is_empty());
-        assert!(stripe(Vec::<u8>::new(), 2).iter().all(VecDeque::is_empty));
+        assert!(
+            stripe(SmallVec::<[u8; 2]>::new(), 2)
+                .iter()
+                .all(WrQueue::is_empty)
+        );
+    }
+
+    #[test]
+    fn wr_queue_cursor() {
+        let mut q = WrQueue::new(SmallVec::from_vec(vec![1, 2, 3]));
+        assert_eq!(q.len(), 3);
+        q.advance(2);
+        assert_eq!(q.pending(), [3]);
+        q.advance(5);
+        assert!(q.is_empty());
+        assert_eq!(q.pending(), [] as [i32; 0]);
     }
 
     #[test]
