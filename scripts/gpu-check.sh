@@ -39,9 +39,10 @@ build_binaries() {
     # The example lives in the examples package; without `verbs` it needs no cmake/libclang.
     local ex_flags=("${CARGO_FLAGS[@]/pagewire-gpudirect/pagewire-examples}")
     cargo build "${ex_flags[@]}" --example gpu_staged_bench >&2
-    # The CLI's `devices` command, CUDA on and verbs off (no libibverbs needed there).
+    # The CLI's `devices` command, CUDA on and verbs off (no libibverbs needed there). Its
+    # own target dir, so the usual target/release/pagewire (verbs on) is left alone.
     cargo build --release -p pagewire-cli --no-default-features --features cuda \
-        $([[ "${CARGO_OFFLINE:-0}" == 1 ]] && echo --offline) >&2
+        --target-dir target/gpu-check $([[ "${CARGO_OFFLINE:-0}" == 1 ]] && echo --offline) >&2
     cargo test "${CARGO_FLAGS[@]}" --no-run --message-format=json |
         python3 -c '
 import json, sys
@@ -54,7 +55,7 @@ for line in sys.stdin:
         print(m["executable"])
 '
     echo "target/release/examples/gpu_staged_bench"
-    echo "target/release/pagewire"
+    echo "target/gpu-check/release/pagewire"
 }
 
 if [[ "$MODE" == package ]]; then
