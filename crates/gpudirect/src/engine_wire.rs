@@ -20,7 +20,6 @@ pub struct EngineWire {
     ring: Option<(u64, RegionId)>,
     inflight: HashMap<u64, pagewire_transport::TransferHandle>,
     next: u64,
-    last_write: Option<WireOp>,
     timeout: Duration,
 }
 
@@ -45,7 +44,6 @@ impl EngineWire {
             ring: None,
             inflight: HashMap::new(),
             next: 1,
-            last_write: None,
             timeout: Duration::from_secs(30),
         }
     }
@@ -112,11 +110,7 @@ impl Wire for EngineWire {
 
     fn write(&mut self, ops: &[WireOp]) -> Result<WireTicket> {
         let b = self.batch(ops, true)?;
-        let t = self.post(b)?;
-        if let Some(&last) = ops.last() {
-            self.last_write = Some(last);
-        }
-        Ok(t)
+        self.post(b)
     }
 
     fn read(&mut self, ops: &[WireOp]) -> Result<WireTicket> {
@@ -146,20 +140,10 @@ impl Wire for EngineWire {
         }
     }
 
-    /// The transport carries a tag only on a non-empty batch, and surfaces it once
-    /// that batch's bytes landed. Every data write has completed when the pipeline
-    /// calls this, so re-writing the last byte already written (same value, same
-    /// place) with the tag gives a notification ordered after all the data.
+    /// Every data write has completed when the pipeline calls this, so the tag, sent
+    /// alone, reaches the peer after all the data.
     fn notify(&mut self, tag: u32) -> Result<()> {
-        let last = self.last_write.ok_or_else(|| {
-            GpuError::Wire("nothing was written, so there is nothing to notify".into())
-        })?;
-        let one = WireOp {
-            ring_off: last.ring_off + last.len - 1,
-            remote_off: last.remote_off + last.len as u64 - 1,
-            len: 1,
-        };
-        let b = self.batch(&[one], true)?.notify(tag);
+        let b = Batch::new().timeout(self.timeout).notify(tag);
         let h = self
             .engine
             .submit(self.peer, b)

@@ -102,6 +102,10 @@ impl Batch {
     /// Asks for a remote notification: once every byte of this batch is in the peer's
     /// memory, the peer's engine surfaces `(our PeerId there, tag)`. Only meaningful
     /// for batches of WRITEs (a READ-only batch is notified after its last read).
+    ///
+    /// A batch with no ops and a notification sends the tag alone (a control message:
+    /// "request done", "abort"). It is ordered only against itself: to tell the peer
+    /// that earlier batches landed, submit it once they have completed.
     pub fn notify(mut self, tag: u32) -> Self {
         self.notify = Some(tag);
         self

@@ -894,7 +894,8 @@ impl Inner {
 
     fn submit(&self, peer: PeerId, batch: Batch) -> Result<TransferHandle> {
         self.check_open()?;
-        if batch.ops.is_empty() {
+        // No ops is fine with a notification: the tag travels alone.
+        if batch.ops.is_empty() && batch.notify.is_none() {
             return Err(Error::EmptyBatch);
         }
         let p = self.peer(peer)?;

@@ -142,8 +142,8 @@ pub enum Error {
         /// The access that is missing.
         needed: Access,
     },
-    /// A batch with no operations was submitted.
-    #[error("empty batch")]
+    /// A batch with no operations and no notification was submitted.
+    #[error("empty batch (no operations and no notification)")]
     EmptyBatch,
     /// The control-plane handshake failed (ours or the peer's bytes).
     #[error("handshake: {0}")]

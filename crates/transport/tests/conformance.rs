@@ -147,6 +147,38 @@ mod suite {
 
     /// Many batches in flight to one peer, and three peers writing into one engine at once;
     /// every (peer, tag) notification arrives exactly once and all bytes are exact.
+    /// A notification with no data: the tag arrives alone, the batch completes, and a tag
+    /// sent after a completed write finds that write's bytes in place. An empty batch
+    /// without a notification stays an error (in `permissions`).
+    pub fn notify_only(kind: BackendKind) -> Result<()> {
+        let (a, b) = (engine(kind)?, engine(kind)?);
+        let (mut src, _) = buffer(&a, 1 << 16, Access::LOCAL_WRITE)?;
+        let (dst, _) = buffer(&b, 1 << 16, Access::ALL)?;
+        fill_pattern(&mut src, 3);
+        let (ab, _ba) = connect(&a, &b)?;
+        for tag in [7u32, 8, 9] {
+            let stats = a.submit(ab, Batch::new().notify(tag))?.wait(secs(30))?;
+            ensure!(stats.bytes == 0, "a tag alone moved {} bytes", stats.bytes);
+            let n = b
+                .poll_notification(secs(10))
+                .context("notification alone")?;
+            ensure!(n.tag == tag, "got tag {}, expected {tag}", n.tag);
+        }
+        a.submit(ab, Batch::new().write(src.addr(), dst.addr(), 1 << 16))?
+            .wait(secs(30))?;
+        a.submit(ab, Batch::new().notify(10))?.wait(secs(30))?;
+        let n = b
+            .poll_notification(secs(10))
+            .context("notification after a write")?;
+        ensure!(n.tag == 10);
+        ensure!(
+            dst[..] == src[..],
+            "the write's bytes were not in place at its tag"
+        );
+        ensure!(b.try_notification().is_none(), "an extra notification");
+        Ok(())
+    }
+
     pub fn concurrency(kind: BackendKind) -> Result<()> {
         let b = engine(kind)?;
         const SENDERS: usize = 3;
@@ -824,6 +856,7 @@ macro_rules! all_backends {
             backend_suite!($name, $kind, [
                 write_read_sizes,
                 layout_plan_pages,
+                notify_only,
                 concurrency,
                 cancellation,
                 deadlines,

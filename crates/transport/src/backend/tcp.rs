@@ -623,6 +623,24 @@ impl Conn for TcpConn {
             remaining: AtomicUsize::new(chunks),
             notify,
         });
+        if chunks == 0 {
+            // A notification alone (the core refuses an empty batch without one): no data
+            // to wait for, so the notify request goes out at once.
+            let Some(tag) = notify else {
+                batch.succeed();
+                return Ok(());
+            };
+            return c.enqueue(Job {
+                batch,
+                tracker,
+                kind: Kind::Notify(tag),
+                local: 0,
+                remote: 0,
+                rkey: 0,
+                len: 0,
+                seq: c.seq.fetch_add(1, Ordering::Relaxed),
+            });
+        }
         for o in &ops {
             let mut off = 0;
             while off < o.len {
