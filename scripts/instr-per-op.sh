@@ -95,25 +95,31 @@ echo "vary much less (Engine::submit: within about 20%), since only some branche
 echo
 echo "| client | instructions per operation | of which, inside |"
 echo "| --- | ---: | --- |"
+# perftest's client and server for TOOL with FLAGS.
+ib_row() { # label name N1 N2 tool flags
+    row "$1" "$2" "$3" "$4" "$5 -d $DEV $6 -F" "$5 -d $DEV $6 -F 127.0.0.1"
+}
+
+# pagewire's `bench SUB` with FLAGS over verbs, then the functions to break out.
+pw_row() { # label name N1 N2 sub flags fn...
+    local label="$1" name="$2" n1="$3" n2="$4" sub="$5" flags="$6"
+    shift 6
+    row "$label" "$name" "$n1" "$n2" \
+        "$BIN bench $sub --server -d $DEV --transport verbs $flags" \
+        "$BIN bench $sub 127.0.0.1 -d $DEV --transport verbs $flags" "$@"
+}
+
+E=pagewire_transport::engine::Engine
 FAILED=0
 LAT="-s 2 -n %n"
-row "ib_write_lat, 2 B round trip" ib_write_lat 400 1400 \
-    "ib_write_lat -d $DEV $LAT -F" "ib_write_lat -d $DEV $LAT -F 127.0.0.1" || FAILED=1
-row "pagewire bench lat, 2 B round trip" pw_lat 400 1400 \
-    "$BIN bench lat --server -d $DEV --transport verbs $LAT" \
-    "$BIN bench lat 127.0.0.1 -d $DEV --transport verbs $LAT" \
-    "pagewire_transport::engine::Engine::submit" "pagewire_transport::engine::Engine::poll_notification" || FAILED=1
-row "pagewire bench lat --poll-memory, 2 B round trip" pw_lat_poll 400 1400 \
-    "$BIN bench lat --server -d $DEV --transport verbs $LAT --poll-memory" \
-    "$BIN bench lat 127.0.0.1 -d $DEV --transport verbs $LAT --poll-memory" \
-    "pagewire_transport::engine::Engine::submit" "pagewire_transport::batch::TransferHandle::wait" || FAILED=1
+ib_row "ib_write_lat, 2 B round trip" ib_write_lat 400 1400 ib_write_lat "$LAT" || FAILED=1
+pw_row "pagewire bench lat, 2 B round trip" pw_lat 400 1400 lat "$LAT" \
+    "$E::submit" "$E::poll_notification" || FAILED=1
+pw_row "pagewire bench lat --poll-memory, 2 B round trip" pw_lat_poll 400 1400 lat \
+    "$LAT --poll-memory" "$E::submit" "pagewire_transport::batch::TransferHandle::wait" || FAILED=1
 BW="-s 8 -n %n"
-row "ib_write_bw, one 8 B WRITE" ib_write_bw 1000 5000 \
-    "ib_write_bw -d $DEV $BW -F" "ib_write_bw -d $DEV $BW -F 127.0.0.1" || FAILED=1
-row "pagewire bench write, one 8 B WRITE" pw_write 1000 5000 \
-    "$BIN bench write --server -d $DEV --transport verbs $BW" \
-    "$BIN bench write 127.0.0.1 -d $DEV --transport verbs $BW" \
-    "pagewire_transport::engine::Engine::submit" || FAILED=1
+ib_row "ib_write_bw, one 8 B WRITE" ib_write_bw 1000 5000 ib_write_bw "$BW" || FAILED=1
+pw_row "pagewire bench write, one 8 B WRITE" pw_write 1000 5000 write "$BW" "$E::submit" || FAILED=1
 echo
 echo "raw outputs: $OUT"
 exit "$FAILED"
