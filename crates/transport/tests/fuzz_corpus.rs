@@ -1,0 +1,46 @@
+//! Replays the minimized `cargo fuzz` corpus of the handshake decoder through the fuzz
+//! target's own entry points, on stable Rust, so every test run (CI included) checks the
+//! inputs that fuzzing found to reach new code. Fuzzing itself needs nightly and is run by
+//! hand (docs/transport.md, "Fuzzing"); this keeps what it found.
+
+use pagewire_transport::fuzzing;
+
+const CORPUS: &str = include_str!("data/handshake_decode.corpus");
+
+fn unhex(s: &str) -> Option<Vec<u8>> {
+    if s == "-" {
+        return Some(Vec::new()); // the empty input
+    }
+    if !s.len().is_multiple_of(2) {
+        return None;
+    }
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(s.get(i..i + 2)?, 16).ok())
+        .collect()
+}
+
+#[test]
+fn handshake_corpus_decodes_without_panicking() {
+    let mut inputs = 0;
+    for (i, line) in CORPUS.lines().enumerate() {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let bytes = unhex(line).unwrap_or_else(|| panic!("corpus line {}: not hex", i + 1));
+        // What the fuzz target does with each input: a whole frame, then every body kind.
+        let _ = fuzzing::decode_handshake(&bytes);
+        fuzzing::decode_bodies(&bytes);
+        inputs += 1;
+    }
+    assert!(inputs >= 100, "only {inputs} corpus inputs");
+}
+
+#[test]
+fn unhex_reads_the_corpus_format() {
+    assert_eq!(unhex("00ff10"), Some(vec![0, 255, 16]));
+    assert_eq!(unhex("-"), Some(vec![]));
+    assert_eq!(unhex("abc"), None);
+    assert_eq!(unhex("zz"), None);
+}
