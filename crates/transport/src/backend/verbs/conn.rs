@@ -165,6 +165,10 @@ impl QpSlot {
 /// batch.
 pub(crate) const STALL_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// QP 0 of a connection idle this long gets a heartbeat (a zero-length WRITE): RC has no
+/// keepalive, so without one a side that only receives never learns that its peer died.
+pub(crate) const HEARTBEAT_IDLE: Duration = Duration::from_secs(2);
+
 pub(crate) struct VerbsConn {
     qps: Vec<QpSlot>,
     send_cq: Arc<BasicCompletionQueue>,
@@ -696,13 +700,17 @@ impl VerbsConn {
     /// Queries each QP's real state (the cached one misses async errors); a QP in ERR breaks
     /// the connection, and so does a QP whose outstanding WRs made no progress for
     /// [`STALL_TIMEOUT`]. QPs busy posting are skipped this round (a post in progress is
-    /// progress: rxe moves the data inside the post call).
+    /// progress: rxe moves the data inside the post call). A connection whose QP 0 has
+    /// been idle for [`HEARTBEAT_IDLE`] gets a heartbeat there, so a side that only
+    /// receives still learns that its peer died.
     pub fn health_check(&self) {
         if self.is_broken() {
             return;
         }
-        for slot in &self.qps {
-            let Ok(qp) = slot.qp.try_lock() else { continue };
+        for (qi, slot) in self.qps.iter().enumerate() {
+            let Ok(mut qp) = slot.qp.try_lock() else {
+                continue;
+            };
             if qp.query_state() == Some(QueuePairState::Error) {
                 drop(qp);
                 self.break_conn(Error::PeerGone {
@@ -724,7 +732,60 @@ impl VerbsConn {
                 });
                 return;
             }
+            if qi == 0
+                && outstanding == 0
+                && idle >= HEARTBEAT_IDLE
+                && lock(&self.deferred).is_empty()
+                && let Err(e) = self.post_heartbeat(slot, &mut qp)
+            {
+                drop(qp);
+                self.break_conn(e);
+                return;
+            }
         }
+    }
+
+    /// Posts one signalled zero-length WRITE on `slot` (whose post lock the caller holds as
+    /// `qp`). It touches no memory on either side. A live peer acknowledges it; a dead one
+    /// makes it fail (hardware: RETRY_EXC_ERR) or stall (rxe), and the watchdog then
+    /// breaks the connection, as it would for data.
+    fn post_heartbeat(&self, slot: &QpSlot, qp: &mut RcQp) -> Result<(), Error> {
+        let ctl = Arc::new(BatchCtl {
+            sink: CtlSink::from(Arc::new(Heartbeat)),
+            pending: AtomicU64::new(1),
+            held: Mutex::new(None),
+            tag: None,
+            done: AtomicBool::new(false),
+        });
+        let seq = {
+            let mut t = lock(&slot.track);
+            if t.available() == 0 {
+                return Ok(());
+            }
+            let seq = t.reserve(1);
+            t.push(Group {
+                last_seq: seq,
+                wrs: 1,
+                bytes: 0,
+                owner: ctl,
+            });
+            seq
+        };
+        let w = PlannedWr::zero_length_write();
+        let spec = WrSpec {
+            wr_id: encode_wr_id(WrKind::Data, 0, seq),
+            signaled: true,
+            dir: Dir::Write,
+            remote: w.remote,
+            rkey: w.rkey,
+            sges: &w.sges,
+            imm: None,
+        };
+        // SAFETY: a zero-length WRITE has no SGE: no local memory is read, and the
+        // responder checks no rkey and writes nothing.
+        unsafe { qp.post_chain([spec]) }?;
+        slot.progressed();
+        Ok(())
     }
 
     /// Whether any WR (data or notification) is in flight or a notification waits for
@@ -739,6 +800,16 @@ impl VerbsConn {
     pub fn outstanding(&self) -> u32 {
         self.qps.iter().map(|s| lock(&s.track).outstanding()).sum()
     }
+}
+
+/// The owner of a heartbeat WR: its outcome matters only through the connection (an
+/// error completion or the watchdog breaks it), so it records nothing.
+struct Heartbeat;
+
+impl BatchSink for Heartbeat {
+    fn progress(&self, _wrs: usize, _bytes: u64) {}
+    fn fail(&self, _err: Error) {}
+    fn complete(&self) {}
 }
 
 /// Records the outcome of a [`VerbsConn::probe`].

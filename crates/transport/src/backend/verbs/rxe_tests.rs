@@ -384,3 +384,34 @@ fn rxe_probe_proves_each_qp_and_fails_on_a_closed_connection() {
     assert!(matches!(err, Error::Shutdown), "{err}");
     assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
 }
+
+#[test]
+fn rxe_receive_only_side_learns_of_peer_death() {
+    let Some(dev) = device("rxe_receive_only_side_learns_of_peer_death") else {
+        return;
+    };
+    let p = pair(&dev, 2);
+    let Pair { a, b, ab, ba, .. } = p;
+    // `a` never posts anything of its own. Its peer goes away: QPs to ERR, destroyed.
+    ba.close(Error::Shutdown);
+    drop(ba);
+    let t0 = Instant::now();
+    let limit = super::conn::HEARTBEAT_IDLE + super::conn::STALL_TIMEOUT + Duration::from_secs(3);
+    while !ab.is_broken() {
+        assert!(
+            t0.elapsed() < limit,
+            "a receive-only side did not notice its dead peer within {limit:?}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    eprintln!(
+        "receive-only side saw its dead peer after {:?}: {:?}",
+        t0.elapsed(),
+        ab.broken_reason()
+    );
+    assert!(matches!(
+        ab.broken_reason(),
+        Some(Error::PeerGone { .. } | Error::Completion { .. })
+    ));
+    drop((a, b));
+}
