@@ -507,44 +507,70 @@ impl VerbsConn {
             let Some((ctl, w)) = lock(&self.deferred).pop_front() else {
                 return;
             };
-            let seq = {
-                let mut t = lock(&slot.track);
-                if t.available() == 0 {
-                    drop(t);
+            // sideway passes the immediate through as raw `__be32`; send network order so
+            // C peers reading it with ntohl agree.
+            let imm = ctl.tag.unwrap_or(0).to_be();
+            // SAFETY: as in `post_some`: the SGEs are from validated ops whose regions stay
+            // registered until the batch finishes; an empty list is a zero-length write.
+            match unsafe { self.post_one_on_qp0(&mut qp, &ctl, &w, WrKind::Notify, Some(imm)) } {
+                Ok(true) => {}
+                Ok(false) => {
                     lock(&self.deferred).push_front((ctl, w));
                     return;
                 }
-                let seq = t.reserve(1);
-                t.push(Group {
-                    last_seq: seq,
-                    wrs: 1,
-                    bytes: w.len(),
-                    owner: Arc::clone(&ctl),
-                });
-                seq
-            };
-            let tag = ctl.tag.unwrap_or(0);
-            let spec = WrSpec {
-                wr_id: encode_wr_id(WrKind::Notify, 0, seq),
-                signaled: true,
-                dir: Dir::Write,
-                remote: w.remote,
-                rkey: w.rkey,
-                sges: &w.sges,
-                // sideway passes the immediate through as raw `__be32`; send network order
-                // so C peers reading it with ntohl agree.
-                imm: Some(tag.to_be()),
-            };
-            // SAFETY: as in `post_some`: the SGEs are from validated ops whose regions stay
-            // registered until the batch finishes; an empty list is a zero-length write.
-            if let Err(e) = unsafe { qp.post_chain([spec]) } {
-                drop(qp);
-                self.break_conn(e.clone());
-                ctl.fail(e);
-                return;
+                Err(e) => {
+                    drop(qp);
+                    self.break_conn(e.clone());
+                    ctl.fail(e);
+                    return;
+                }
             }
-            slot.progressed();
         }
+    }
+
+    /// Posts `w` on QP 0 (whose post lock the caller holds as `qp`) as one signalled WR
+    /// owned by `ctl`, with `imm` if given. `Ok(false)`: the window is full, nothing posted.
+    ///
+    /// # Safety
+    /// `w`'s SGEs point into memory registered under their lkeys that stays valid until
+    /// the WR's completion has been polled or the QP is destroyed (none for a zero-length
+    /// WRITE).
+    unsafe fn post_one_on_qp0(
+        &self,
+        qp: &mut RcQp,
+        ctl: &Arc<BatchCtl>,
+        w: &PlannedWr,
+        kind: WrKind,
+        imm: Option<u32>,
+    ) -> Result<bool, Error> {
+        let slot = &self.qps[0];
+        let seq = {
+            let mut t = lock(&slot.track);
+            if t.available() == 0 {
+                return Ok(false);
+            }
+            let seq = t.reserve(1);
+            t.push(Group {
+                last_seq: seq,
+                wrs: 1,
+                bytes: w.len(),
+                owner: Arc::clone(ctl),
+            });
+            seq
+        };
+        let spec = WrSpec {
+            wr_id: encode_wr_id(kind, 0, seq),
+            signaled: true,
+            dir: w.dir,
+            remote: w.remote,
+            rkey: w.rkey,
+            sges: &w.sges,
+            imm,
+        };
+        // SAFETY: forwarded from this fn's contract.
+        unsafe { qp.post_chain([spec]) }?;
+        slot.progressed();
+        Ok(true)
     }
 
     /// Marks the connection broken (first reason wins) and fails every batch with WRs on it.
@@ -736,7 +762,7 @@ impl VerbsConn {
                 && outstanding == 0
                 && idle >= HEARTBEAT_IDLE
                 && lock(&self.deferred).is_empty()
-                && let Err(e) = self.post_heartbeat(slot, &mut qp)
+                && let Err(e) = self.post_heartbeat(&mut qp)
             {
                 drop(qp);
                 self.break_conn(e);
@@ -745,11 +771,11 @@ impl VerbsConn {
         }
     }
 
-    /// Posts one signalled zero-length WRITE on `slot` (whose post lock the caller holds as
+    /// Posts one signalled zero-length WRITE on QP 0 (whose post lock the caller holds as
     /// `qp`). It touches no memory on either side. A live peer acknowledges it; a dead one
     /// makes it fail (hardware: RETRY_EXC_ERR) or stall (rxe), and the watchdog then
     /// breaks the connection, as it would for data.
-    fn post_heartbeat(&self, slot: &QpSlot, qp: &mut RcQp) -> Result<(), Error> {
+    fn post_heartbeat(&self, qp: &mut RcQp) -> Result<(), Error> {
         let ctl = Arc::new(BatchCtl {
             sink: CtlSink::from(Arc::new(Heartbeat)),
             pending: AtomicU64::new(1),
@@ -757,35 +783,10 @@ impl VerbsConn {
             tag: None,
             done: AtomicBool::new(false),
         });
-        let seq = {
-            let mut t = lock(&slot.track);
-            if t.available() == 0 {
-                return Ok(());
-            }
-            let seq = t.reserve(1);
-            t.push(Group {
-                last_seq: seq,
-                wrs: 1,
-                bytes: 0,
-                owner: ctl,
-            });
-            seq
-        };
         let w = PlannedWr::zero_length_write();
-        let spec = WrSpec {
-            wr_id: encode_wr_id(WrKind::Data, 0, seq),
-            signaled: true,
-            dir: Dir::Write,
-            remote: w.remote,
-            rkey: w.rkey,
-            sges: &w.sges,
-            imm: None,
-        };
         // SAFETY: a zero-length WRITE has no SGE: no local memory is read, and the
-        // responder checks no rkey and writes nothing.
-        unsafe { qp.post_chain([spec]) }?;
-        slot.progressed();
-        Ok(())
+        // responder checks no rkey and writes nothing. A full window skips this round.
+        unsafe { self.post_one_on_qp0(qp, &ctl, &w, WrKind::Data, None) }.map(drop)
     }
 
     /// Whether any WR (data or notification) is in flight or a notification waits for
