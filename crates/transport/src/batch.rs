@@ -24,6 +24,7 @@ use crate::backend::{Progress, Yield, busy_poll};
 use crate::engine::PeerId;
 use crate::error::{Error, Result};
 use crate::memory::RegionPin;
+use crate::prepared::RunCell;
 
 /// Direction of a one-sided operation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -54,7 +55,25 @@ pub struct Batch {
     /// One op inline: a single-op batch (a ping, a notification) allocates nothing.
     pub(crate) ops: SmallVec<[TransferOp; 1]>,
     pub(crate) notify: Option<u32>,
-    pub(crate) deadline: Option<Instant>,
+    pub(crate) deadline: Option<Deadline>,
+}
+
+/// A batch's own deadline: absolute, or relative to its submission (resolved with the
+/// clock read that stamps the submission, so a relative one costs no extra read).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Deadline {
+    At(Instant),
+    After(Duration),
+}
+
+impl Deadline {
+    /// The absolute deadline of a batch submitted at `now`.
+    pub(crate) fn resolve(self, now: Instant) -> Instant {
+        match self {
+            Deadline::At(t) => t,
+            Deadline::After(d) => now + d,
+        }
+    }
 }
 
 impl Batch {
@@ -113,13 +132,14 @@ impl Batch {
 
     /// Absolute deadline for the whole batch.
     pub fn deadline(mut self, at: Instant) -> Self {
-        self.deadline = Some(at);
+        self.deadline = Some(Deadline::At(at));
         self
     }
 
-    /// Deadline relative to now.
-    pub fn timeout(self, d: Duration) -> Self {
-        self.deadline(Instant::now() + d)
+    /// Deadline relative to the moment the batch is submitted.
+    pub fn timeout(mut self, d: Duration) -> Self {
+        self.deadline = Some(Deadline::After(d));
+        self
     }
 
     /// The ops.
@@ -274,6 +294,8 @@ impl BatchShared {
 pub(crate) struct BatchState {
     shared: Arc<BatchShared>,
     _pins: Pins,
+    /// A prepared batch's pins, shared by its runs.
+    _keep: Option<Arc<RunCell>>,
 }
 
 /// The regions a batch pins: nearly always one (a KV pool), kept inline.
@@ -287,11 +309,11 @@ impl BatchState {
         ops: usize,
         slices: usize,
         bytes: u64,
+        submitted: Instant,
         deadline: Instant,
         pins: Pins,
         driver: Option<Arc<dyn Progress>>,
     ) -> Self {
-        let now = Instant::now();
         BatchState {
             shared: Arc::new(BatchShared {
                 id,
@@ -299,7 +321,7 @@ impl BatchState {
                 ops,
                 slices,
                 bytes,
-                submitted: now,
+                submitted,
                 deadline,
                 done_bytes: AtomicU64::new(0),
                 done_slices: AtomicUsize::new(0),
@@ -311,7 +333,14 @@ impl BatchState {
                 driver,
             }),
             _pins: pins,
+            _keep: None,
         }
+    }
+
+    /// Also keeps `cell` (a prepared batch's pins) alive until the backend lets go.
+    pub(crate) fn keeping(mut self, cell: Arc<RunCell>) -> Self {
+        self._keep = Some(cell);
+        self
     }
 
     pub(crate) fn handle(&self) -> TransferHandle {
@@ -486,13 +515,15 @@ mod tests {
     use super::*;
 
     fn state(deadline: Duration) -> BatchState {
+        let now = Instant::now();
         BatchState::new(
             1,
             PeerId(1),
             1,
             1,
             10,
-            Instant::now() + deadline,
+            now,
+            now + deadline,
             Pins::new(),
             None,
         )

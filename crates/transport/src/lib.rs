@@ -5,7 +5,8 @@
 //! handshake on a TCP control port, and runs batches of one-sided WRITE/READ ops whose
 //! ranges are checked against registered (local) and exposed (remote) memory before
 //! anything is posted. A batch can carry a tag that the receiving engine surfaces as a
-//! [`Notification`] once every byte is in its memory.
+//! [`Notification`] once every byte is in its memory. A batch sent over and over can be
+//! checked and planned once, then started any number of times ([`PreparedBatch`]).
 //!
 //! ```
 //! use std::time::{Duration, Instant};
@@ -45,6 +46,7 @@ mod backend;
 mod batch;
 mod engine;
 mod memory;
+pub mod prepared;
 mod wire;
 
 pub use backend::BackendInfo;
@@ -53,6 +55,7 @@ pub use config::{BackendKind, EngineConfig, EngineConfigBuilder};
 pub use engine::{Engine, Notification, PeerId, PeerInfo, PlanEntry};
 pub use error::{Error, HandshakeError, Result};
 pub use memory::{Access, HostBuffer, RegionId, RegionInfo, RemoteRegion};
+pub use prepared::PreparedBatch;
 pub use wire::{EndpointInfo, QpInfo};
 
 /// RDMA device inspection (for `pagewire devices`), from the verbs backend.

@@ -160,12 +160,15 @@ impl RemoteRegion {
 }
 
 /// `addr + len` without overflow, and `len > 0`.
+// A lazy error: an eager one is also dropped on success, a match over every variant of
+// `Error`, on the submit path (twice per op).
+#[allow(clippy::unnecessary_lazy_evaluations)]
 pub(crate) fn checked_end(addr: u64, len: u64) -> Result<u64> {
     if len == 0 {
         return Err(Error::InvalidRange { addr, len });
     }
     addr.checked_add(len)
-        .ok_or(Error::InvalidRange { addr, len })
+        .ok_or_else(|| Error::InvalidRange { addr, len })
 }
 
 // ---------------------------------------------------------------------------------
@@ -476,10 +479,12 @@ impl Registry {
     /// Pins the region containing `[addr, addr+len)` after checking it has `needed`.
     /// The pin is taken under the lock, so a concurrent `remove` either sees it or
     /// removed the region before we looked.
+    #[allow(clippy::unnecessary_lazy_evaluations)] // see `checked_end`
     pub fn pin(&self, addr: u64, len: u64, needed: Access) -> Result<RegionPin> {
         let end = checked_end(addr, len)?;
         let inner = self.read();
-        let r = Self::containing(&inner, addr, end).ok_or(Error::Unregistered { addr, len })?;
+        let r =
+            Self::containing(&inner, addr, end).ok_or_else(|| Error::Unregistered { addr, len })?;
         if !r.access.contains(needed) {
             return Err(Error::PermissionDenied { addr, len, needed });
         }

@@ -179,6 +179,147 @@ mod suite {
         Ok(())
     }
 
+    /// Prepared batches: validated once, started many times. Every run sends what the
+    /// source memory holds at that moment (zero copy), its notification carries the run's
+    /// tag and finds the bytes in place; one run at a time; the local region stays pinned
+    /// while the prepared batch lives; bad ranges fail at prepare; READs, READs with a
+    /// notification and batches too large for one chain work through the ordinary path.
+    pub fn prepared(kind: BackendKind) -> Result<()> {
+        let (a, b) = (engine(kind)?, engine(kind)?);
+        const N: usize = 64 << 10;
+        let (mut src, src_id) = buffer(&a, N, Access::LOCAL_WRITE)?;
+        let (back, _) = buffer(&a, N, Access::LOCAL_WRITE)?;
+        let (mut dst, _) = buffer(&b, N + 8192, Access::ALL)?;
+        let (ab, _ba) = connect(&a, &b)?;
+        dst.fill(GUARD);
+        let (s0, d0) = (src.addr(), dst.addr() + 4096);
+        // Two ops, the second landing right after the first: one WR once coalesced.
+        let mut p = a.prepare(
+            ab,
+            Batch::new()
+                .write(s0, d0, 4096)
+                .write(s0 + 4096, d0 + 4096, 4096)
+                .notify(1)
+                .timeout(Duration::from_secs(30)),
+        )?;
+        ensure!(p.bytes() == 8192);
+        ensure!(
+            p.is_fast_lane() == (kind == BackendKind::Verbs),
+            "fast lane {} on {kind:?}",
+            p.is_fast_lane()
+        );
+        for run in 0..20u32 {
+            fill_pattern(&mut src[..8192], 500 + u64::from(run));
+            if run % 2 == 0 {
+                p.start_tagged(100 + run)?;
+            } else {
+                p.start()?;
+            }
+            let again = p.start();
+            ensure!(
+                matches!(again, Err(Error::Unsupported { .. })),
+                "a second start during a run: {again:?}"
+            );
+            p.wait(secs(30))
+                .with_context(|| format!("prepared run {run}"))?;
+            let n = b
+                .poll_notification(secs(10))
+                .with_context(|| format!("notification of run {run}"))?;
+            let want = if run % 2 == 0 { 100 + run } else { 1 };
+            ensure!(n.tag == want, "run {run}: tag {}, expected {want}", n.tag);
+            check_landed(&dst, 4096, &src, 0, 8192)
+                .with_context(|| format!("bytes of run {run} at its notification"))?;
+        }
+        ensure!(all_eq(&dst[..4096], GUARD) && all_eq(&dst[4096 + 8192..], GUARD));
+        ensure!(b.try_notification().is_none(), "an extra notification");
+        // try_wait, and waiting with no run in flight.
+        p.start()?;
+        let t0 = Instant::now();
+        let r = loop {
+            if let Some(r) = p.try_wait() {
+                break r;
+            }
+            ensure!(
+                t0.elapsed() < Duration::from_secs(30),
+                "try_wait never finished"
+            );
+            std::thread::yield_now();
+        };
+        r?;
+        b.poll_notification(secs(10))
+            .context("try_wait run's tag")?;
+        p.wait(Instant::now())?;
+        // The source region is pinned while the prepared batch lives.
+        let busy = a.deregister(src_id);
+        ensure!(
+            matches!(busy, Err(Error::RegionBusy { .. })),
+            "deregistering a prepared batch's region: {busy:?}"
+        );
+        // A prepared READ (no notification), re-run after the remote side changed.
+        let mut r = a.prepare(ab, Batch::new().read(back.addr(), d0, 8192))?;
+        for run in 0..3u64 {
+            fill_pattern(&mut dst[4096..4096 + 8192], 900 + run);
+            r.start()?;
+            r.wait(secs(30))?;
+            ensure!(
+                back[..8192] == dst[4096..4096 + 8192],
+                "read run {run}: wrong bytes"
+            );
+        }
+        // A READ then a notification: never one chain on verbs (RC does not order the tag
+        // after the read responses), and still correct.
+        let mut rn = a.prepare(ab, Batch::new().read(back.addr(), d0, 4096).notify(7))?;
+        ensure!(
+            !rn.is_fast_lane(),
+            "READ + notification took the one-chain lane"
+        );
+        rn.start()?;
+        rn.wait(secs(30))?;
+        ensure!(b.poll_notification(secs(10)).context("READ's tag")?.tag == 7);
+        // Too many WRs for one chain: 200 scattered 32 B writes (nothing coalesces).
+        let mut big = Batch::with_capacity(200);
+        for i in 0..200u64 {
+            big.push(TransferOp {
+                op: Op::Write,
+                local: src.addr() + i * 128,
+                remote: d0 + i * 40,
+                len: 32,
+            });
+        }
+        fill_pattern(&mut src, 77);
+        let mut bp = a.prepare(ab, big)?;
+        ensure!(!bp.is_fast_lane(), "200 WRs took the one-chain lane");
+        bp.start()?;
+        bp.wait(secs(30))?;
+        for i in 0..200usize {
+            let (d, s) = (4096 + i * 40, i * 128);
+            ensure!(
+                dst[d..d + 32] == src[s..s + 32],
+                "scattered write {i}: wrong bytes"
+            );
+        }
+        // Validation happens at prepare.
+        let oob = a.prepare(
+            ab,
+            Batch::new().write(s0, dst.addr() + (N + 8192) as u64, 8),
+        );
+        ensure!(
+            matches!(oob, Err(Error::RemoteOutOfBounds { .. })),
+            "out-of-bounds remote: {oob:?}"
+        );
+        let abs = a.prepare(ab, Batch::new().write(s0, d0, 8).deadline(secs(5)));
+        ensure!(
+            matches!(abs, Err(Error::Unsupported { .. })),
+            "absolute deadline: {abs:?}"
+        );
+        // Dropping the prepared batches unpins the source region.
+        drop((p, r, rn, bp));
+        // (A backend may still hold the last run's state for a moment.)
+        a.deregister_wait(src_id, secs(10))
+            .context("deregister after the prepared batches are gone")?;
+        Ok(())
+    }
+
     pub fn concurrency(kind: BackendKind) -> Result<()> {
         let b = engine(kind)?;
         const SENDERS: usize = 3;
@@ -857,6 +998,7 @@ macro_rules! all_backends {
                 write_read_sizes,
                 layout_plan_pages,
                 notify_only,
+                prepared,
                 concurrency,
                 cancellation,
                 deadlines,

@@ -239,8 +239,19 @@ pub(crate) fn busy_poll<T>(
     p: &dyn Progress,
     deadline: Instant,
     policy: Yield,
-    mut ready: impl FnMut() -> Option<T>,
+    ready: impl FnMut() -> Option<T>,
 ) -> Option<T> {
+    busy_poll_since(p, deadline, policy, ready).ok()
+}
+
+/// [`busy_poll`], telling on `Err` when it first read the clock (a few idle rounds after
+/// it began; `None` if it never did), for callers that report how long they waited.
+pub(crate) fn busy_poll_since<T>(
+    p: &dyn Progress,
+    deadline: Instant,
+    policy: Yield,
+    mut ready: impl FnMut() -> Option<T>,
+) -> std::result::Result<T, Option<Instant>> {
     struct Waiting<'a>(&'a dyn Progress);
     impl Drop for Waiting<'_> {
         fn drop(&mut self) {
@@ -248,7 +259,7 @@ pub(crate) fn busy_poll<T>(
         }
     }
     if let Some(v) = ready() {
-        return Some(v);
+        return Ok(v);
     }
     p.set_waiting(true);
     let _waiting = Waiting(p);
@@ -256,11 +267,12 @@ pub(crate) fn busy_poll<T>(
     // When the idle stretch began, read at its first clock check rather than at every
     // completion: a wait that ends within a few rounds reads no clock at all.
     let mut last: Option<Instant> = None;
+    let mut first: Option<Instant> = None;
     let mut idle: u32 = 0;
     loop {
         let n = p.poll_once();
         if let Some(v) = ready() {
-            return Some(v);
+            return Ok(v);
         }
         if n > 0 {
             idle = 0;
@@ -280,9 +292,10 @@ pub(crate) fn busy_poll<T>(
         }
         if idle.is_multiple_of(BUSY_CLOCK_EVERY) {
             let now = Instant::now();
+            first.get_or_insert(now);
             let since = *last.get_or_insert(now);
             if now >= deadline || now.duration_since(since) >= budget {
-                return None;
+                return Err(first);
             }
         }
     }
@@ -311,6 +324,14 @@ pub(crate) trait Conn: Send + Sync {
     /// `batch` (progress, success, first error) and never blocks past its deadline.
     /// With `notify`, the peer must surface the tag only after every byte landed.
     fn post(&self, batch: BatchState, ops: ResolvedOps, notify: Option<u32>) -> Result<(), Error>;
+    /// A fast lane for a prepared batch of these (validated) ops, if this backend has one
+    /// for them; `None`: each run is re-submitted through [`Conn::post`].
+    fn prepare_lane(
+        &self,
+        _req: crate::prepared::LaneRequest<'_>,
+    ) -> Option<Box<dyn crate::prepared::PreparedLane>> {
+        None
+    }
     /// Whether the connection failed (peer gone, QP in error).
     fn is_broken(&self) -> bool;
     /// Tears the connection down; pending batches fail with `PeerGone`.

@@ -11,8 +11,8 @@ use sideway::ibverbs::queue_pair::QueuePairState;
 
 use super::engine::PollWake;
 use super::plan::{
-    Dir, Group, InFlight, PlanOp, PlannedWr, SEQ_MASK, WrKind, WrQueue, decode_wr_id, encode_wr_id,
-    is_signaled, plan_wrs, stripe,
+    Dir, Group, InFlight, PlanOp, PlannedWr, SEQ_MASK, WrKind, WrQueue, Wrs, decode_wr_id,
+    encode_wr_id, is_signaled, plan_wrs, stripe,
 };
 use super::qp::{
     POLL_BATCH, RcQp, WC_RECV_RDMA_WITH_IMM, WC_SUCCESS, Wc, WrSpec, poll_cq, wc_status_name,
@@ -20,6 +20,7 @@ use super::qp::{
 use crate::backend::{BatchState, NotifySink, lock};
 use crate::engine::PeerId;
 use crate::error::Error;
+use crate::prepared::RunCell;
 
 /// Where a batch's progress goes (the engine core's [`BatchState`]; a plain recorder in
 /// the verbs-layer tests).
@@ -49,6 +50,26 @@ impl BatchSink for BatchState {
     fn should_stop(&self) -> bool {
         BatchState::should_stop(self)
     }
+}
+
+impl BatchSink for RunCell {
+    fn progress(&self, _wrs: usize, _bytes: u64) {}
+    fn fail(&self, err: Error) {
+        RunCell::fail(self, err);
+    }
+    fn complete(&self) {
+        self.succeed();
+    }
+}
+
+/// A prepared batch's WRs, planned once and posted as one chain on QP 0 per run; see
+/// [`VerbsConn::post_prepared`].
+pub(crate) struct PreparedChain {
+    wrs: Wrs,
+    bytes: u64,
+    /// Reused by every run: reset by the poster once nothing else holds it (the previous
+    /// run's group has been retired and dropped).
+    ctl: Arc<BatchCtl>,
 }
 
 /// Where `(peer, tag)` notifications of incoming WRITE_WITH_IMM go.
@@ -296,15 +317,147 @@ impl VerbsConn {
             tag: notify,
             done: AtomicBool::new(false),
         });
-        // A lone WRITE with a notification leaves nothing before the held WR.
-        if !wrs.is_empty() {
-            let started = Instant::now();
-            let mut per_qp = stripe(wrs, self.qps.len());
-            if !self.post_queues(&ctl, &mut per_qp, started, deadline)? {
-                return Ok(());
-            }
+        // A lone WRITE with a notification leaves nothing before the held WR. A single WR
+        // goes to QP 0, as striping would put it, without building a queue per QP.
+        let posted = match wrs.len() {
+            0 => true,
+            1 => self.post_queues(&ctl, &mut [WrQueue::new(wrs)], deadline)?,
+            _ => self.post_queues(&ctl, &mut stripe(wrs, self.qps.len()), deadline)?,
+        };
+        if !posted {
+            return Ok(());
         }
         self.release(&ctl, 1);
+        Ok(())
+    }
+
+    /// Plans a prepared batch as one chain on QP 0, if it fits: at most one doorbell's and
+    /// one window's worth of WRs, and no READ before a notification (the notification
+    /// rides on the chain's last WRITE, which RC orders after the WRITEs before it on the
+    /// same QP, but not after READ responses). `None`: re-submit it as ordinary batches.
+    pub fn prepare_chain<I>(
+        &self,
+        ops: I,
+        notify: bool,
+        cell: Arc<RunCell>,
+    ) -> Option<PreparedChain>
+    where
+        I: IntoIterator,
+        I::Item: std::borrow::Borrow<PlanOp>,
+    {
+        let mut wrs = plan_wrs(ops, self.cfg.max_wr_bytes, self.cfg.max_sge);
+        if notify {
+            if wrs.iter().any(|w| w.dir == Dir::Read) {
+                return None;
+            }
+            if wrs.is_empty() {
+                wrs.push(PlannedWr::zero_length_write());
+            }
+        }
+        let cap = (self.cfg.chain_max as usize).min(lock(&self.qps[0].track).cap() as usize);
+        if wrs.is_empty() || wrs.len() > cap {
+            return None;
+        }
+        let bytes = wrs.iter().map(PlannedWr::len).sum();
+        let ctl = Arc::new(BatchCtl {
+            sink: CtlSink::from(cell),
+            pending: AtomicU64::new(0),
+            held: Mutex::new(None),
+            tag: None,
+            done: AtomicBool::new(true),
+        });
+        Some(PreparedChain { wrs, bytes, ctl })
+    }
+
+    /// Posts one run of a prepared chain on QP 0, its last WR signalled (one group for the
+    /// whole chain) and carrying `imm` if given. While the window is full it reaps on this
+    /// thread, for up to `stall_limit`. The previous run must have been waited for.
+    pub fn post_prepared(
+        &self,
+        c: &PreparedChain,
+        imm: Option<u32>,
+        stall_limit: Duration,
+    ) -> Result<(), Error> {
+        if self.is_broken() {
+            return Err(self.broken_err());
+        }
+        let mut stalled: Option<Instant> = None;
+        let mut stall = |what: &str| -> Result<(), Error> {
+            let now = Instant::now();
+            let since = *stalled.get_or_insert(now);
+            if now - since >= stall_limit {
+                tracing::debug!(conn = %self.label, what, "prepared run could not be posted");
+                return Err(Error::Timeout { after: now - since });
+            }
+            Ok(())
+        };
+        // The reaper that completed the previous run may still be dropping its reference.
+        while Arc::strong_count(&c.ctl) > 1 {
+            stall("previous run still referenced")?;
+            if self.poll_now() == 0 {
+                std::thread::yield_now();
+            }
+        }
+        std::sync::atomic::fence(Ordering::Acquire);
+        let n = c.wrs.len();
+        c.ctl.done.store(false, Ordering::Release);
+        c.ctl.pending.store(n as u64 + 1, Ordering::Release);
+        self.poller.kick();
+        let slot = &self.qps[0];
+        loop {
+            let mut qp = lock(&slot.qp);
+            let first = {
+                let mut t = lock(&slot.track);
+                (t.available() as usize >= n).then(|| {
+                    let first = t.reserve(n as u32);
+                    t.push(Group {
+                        last_seq: (first + n as u64 - 1) & SEQ_MASK,
+                        wrs: n as u32,
+                        bytes: c.bytes,
+                        owner: Arc::clone(&c.ctl),
+                    });
+                    first
+                })
+            };
+            if let Some(first) = first {
+                let specs = c.wrs.iter().enumerate().map(|(k, w)| {
+                    let last = k + 1 == n;
+                    WrSpec {
+                        wr_id: encode_wr_id(WrKind::Data, 0, (first + k as u64) & SEQ_MASK),
+                        signaled: last,
+                        dir: w.dir,
+                        remote: w.remote,
+                        rkey: w.rkey,
+                        sges: &w.sges,
+                        imm: if last { imm } else { None },
+                    }
+                });
+                // SAFETY: the SGEs come from ops the engine core validated against live
+                // registrations when the batch was prepared; the run cell the chain's
+                // control holds keeps those regions pinned until this run's group has
+                // been retired or the QP is destroyed (graveyard).
+                if let Err(e) = unsafe { qp.post_chain(specs) } {
+                    drop(qp);
+                    self.break_conn(e.clone());
+                    return Err(e);
+                }
+                slot.progressed();
+                break;
+            }
+            drop(qp);
+            if let Err(e) = stall("window full") {
+                c.ctl.done.store(true, Ordering::Release);
+                return Err(e);
+            }
+            if self.is_broken() {
+                c.ctl.done.store(true, Ordering::Release);
+                return Err(self.broken_err());
+            }
+            if self.poll_now() == 0 {
+                std::thread::yield_now();
+            }
+        }
+        self.release(&c.ctl, 1);
         Ok(())
     }
 
@@ -316,16 +469,20 @@ impl VerbsConn {
         &self,
         ctl: &Arc<BatchCtl>,
         per_qp: &mut [WrQueue<PlannedWr>],
-        started: Instant,
         deadline: Instant,
     ) -> Result<bool, Error> {
+        // When the windows first stalled: a post that never waits reads no clock.
+        let mut stalled: Option<Instant> = None;
+        // A batch that was just built cannot have been cancelled or timed out yet: check
+        // (which reads the clock) only from the second round on.
+        let mut first = true;
         loop {
             if self.is_broken() {
                 let e = self.broken_err();
                 ctl.fail(e.clone());
                 return Err(e);
             }
-            if ctl.sink.should_stop() {
+            if !std::mem::take(&mut first) && ctl.sink.should_stop() {
                 return Ok(false);
             }
             let mut progressed = false;
@@ -349,10 +506,9 @@ impl VerbsConn {
             }
             if !progressed {
                 let now = Instant::now();
+                let since = *stalled.get_or_insert(now);
                 if now >= deadline {
-                    let e = Error::Timeout {
-                        after: now - started,
-                    };
+                    let e = Error::Timeout { after: now - since };
                     ctl.fail(e.clone());
                     return Err(e);
                 }
@@ -386,7 +542,7 @@ impl VerbsConn {
         let mut per_qp: Vec<WrQueue<PlannedWr>> = (0..n)
             .map(|_| WrQueue::new(smallvec::smallvec![PlannedWr::zero_length_write()]))
             .collect();
-        match self.post_queues(&ctl, &mut per_qp, started, deadline) {
+        match self.post_queues(&ctl, &mut per_qp, deadline) {
             Ok(_) => {}
             Err(Error::Timeout { .. }) => return Err(probe_timeout()),
             Err(e) => return Err(e),
@@ -408,7 +564,7 @@ impl VerbsConn {
     }
 
     /// Reaps on this thread, telling the completion thread a caller is reaping.
-    fn poll_now(&self) -> usize {
+    pub fn poll_now(&self) -> usize {
         self.poller.caller_polled();
         self.poll()
     }
@@ -614,12 +770,11 @@ impl VerbsConn {
         };
         let mut wcs = [Wc::default(); POLL_BATCH];
         let mut handled = 0;
-        let mut retired = false;
         match poll_cq(&self.send_cq, &mut wcs) {
             Ok(n) => {
                 handled += n;
                 for wc in &wcs[..n] {
-                    retired |= self.on_send_wc(wc, &mut retired_buf);
+                    self.on_send_wc(wc, &mut retired_buf);
                 }
             }
             Err(e) => self.break_conn(e),
@@ -636,7 +791,8 @@ impl VerbsConn {
         if !self.is_broken() {
             self.replenish_recvs();
         }
-        if retired || !lock(&self.deferred).is_empty() {
+        // Room freed by retired WRs only matters to held notifications waiting for it.
+        if !lock(&self.deferred).is_empty() {
             self.post_deferred();
         }
         handled
@@ -653,16 +809,16 @@ impl VerbsConn {
         }
     }
 
-    fn on_send_wc(&self, wc: &Wc, buf: &mut Vec<Group<Arc<BatchCtl>>>) -> bool {
+    fn on_send_wc(&self, wc: &Wc, buf: &mut Vec<Group<Arc<BatchCtl>>>) {
         let Some((kind, qi, seq)) = decode_wr_id(wc.wr_id) else {
-            return false;
+            return;
         };
         if kind == WrKind::Recv || qi >= self.qps.len() {
-            return false;
+            return;
         }
         if wc.status != WC_SUCCESS {
             self.break_conn(self.completion_error(wc, qi));
-            return true;
+            return;
         }
         let n = lock(&self.qps[qi].track).retire_through(seq, buf);
         if n > 0 {
@@ -674,7 +830,6 @@ impl VerbsConn {
             }
             self.release(&g.owner, u64::from(g.wrs));
         }
-        n > 0
     }
 
     fn on_recv_wc(&self, wc: &Wc) {

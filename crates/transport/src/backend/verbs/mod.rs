@@ -35,6 +35,7 @@ use crate::batch::Op;
 use crate::config::{BackendKind, EngineConfig};
 use crate::error::Error;
 use crate::memory::Access;
+use crate::prepared::{LaneRequest, PreparedLane};
 
 /// Opens the verbs backend: the configured device (or the first with an ACTIVE port),
 /// its PD and the completion thread. No device, no kernel RDMA or no libibverbs gives
@@ -200,29 +201,72 @@ struct VerbsPeerConn {
     peer: crate::engine::PeerId,
 }
 
+/// The verbs view of a validated op.
+fn plan_op(o: &crate::backend::ResolvedOp) -> PlanOp {
+    PlanOp {
+        dir: match o.op {
+            Op::Write => Dir::Write,
+            Op::Read => Dir::Read,
+        },
+        local: o.local,
+        lkey: o.lkey,
+        remote: o.remote,
+        rkey: o.rkey,
+        len: o.len,
+    }
+}
+
+/// A prepared batch posted as one chain on QP 0 of its connection.
+struct VerbsLane {
+    conn: Arc<VerbsConn>,
+    chain: conn::PreparedChain,
+    peer: crate::engine::PeerId,
+}
+
+impl PreparedLane for VerbsLane {
+    fn start(&self, tag: Option<u32>, stall_limit: std::time::Duration) -> Result<(), Error> {
+        // sideway passes the immediate through as raw `__be32`: network order, as the
+        // ordinary path sends it.
+        self.conn
+            .post_prepared(&self.chain, tag.map(u32::to_be), stall_limit)
+            .map_err(|e| closed_as_gone(e, self.peer))
+    }
+
+    fn poll(&self) -> usize {
+        self.conn.poll_now()
+    }
+}
+
+fn closed_as_gone(e: Error, peer: crate::engine::PeerId) -> Error {
+    match e {
+        Error::Shutdown => Error::PeerGone {
+            peer,
+            reason: "connection closed".into(),
+        },
+        e => e,
+    }
+}
+
 impl Conn for VerbsPeerConn {
+    fn prepare_lane(&self, req: LaneRequest<'_>) -> Option<Box<dyn PreparedLane>> {
+        let chain = self.conn.prepare_chain(
+            req.ops.iter().map(plan_op),
+            req.notify.is_some(),
+            Arc::clone(req.cell),
+        )?;
+        Some(Box::new(VerbsLane {
+            conn: Arc::clone(&self.conn),
+            chain,
+            peer: self.peer,
+        }))
+    }
+
     fn post(&self, batch: BatchState, ops: ResolvedOps, notify: Option<u32>) -> Result<(), Error> {
-        let plan = ops.iter().map(|o| PlanOp {
-            dir: match o.op {
-                Op::Write => Dir::Write,
-                Op::Read => Dir::Read,
-            },
-            local: o.local,
-            lkey: o.lkey,
-            remote: o.remote,
-            rkey: o.rkey,
-            len: o.len,
-        });
+        let plan = ops.iter().map(plan_op);
         let deadline = batch.deadline();
         self.conn
             .post(batch, plan, notify, deadline)
-            .map_err(|e| match e {
-                Error::Shutdown => Error::PeerGone {
-                    peer: self.peer,
-                    reason: "connection closed".into(),
-                },
-                e => e,
-            })
+            .map_err(|e| closed_as_gone(e, self.peer))
     }
 
     fn is_broken(&self) -> bool {

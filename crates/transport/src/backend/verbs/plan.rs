@@ -314,6 +314,11 @@ impl<T> InFlight<T> {
         }
     }
 
+    /// The window: most WRs in flight.
+    pub fn cap(&self) -> u32 {
+        self.cap
+    }
+
     /// Free window space in WRs.
     pub fn available(&self) -> u32 {
         self.cap - self.outstanding
@@ -346,6 +351,13 @@ impl<T> InFlight<T> {
     /// to `out` (a buffer the reaper reuses, so retiring allocates nothing); returns how
     /// many there were.
     pub fn retire_through(&mut self, seq: u64, out: &mut Vec<Group<T>>) -> usize {
+        // Nearly always the oldest group: one completion per signalled group, in order.
+        if self.groups.front().is_some_and(|g| g.last_seq == seq) {
+            let g = self.groups.pop_front().expect("checked non-empty");
+            self.outstanding -= g.wrs.min(self.outstanding);
+            out.push(g);
+            return 1;
+        }
         let Some(pos) = self.groups.iter().position(|g| g.last_seq == seq) else {
             return 0;
         };

@@ -1,0 +1,431 @@
+//! Prepared batches: validated, pinned and planned once, then started any number of times.
+//!
+//! [`Engine::submit`](crate::Engine::submit) checks every op against the local registry and
+//! the peer's table, pins the regions, plans work requests and allocates the batch's
+//! state, every time. A batch that is sent over and over (a ping, a ring slot, a control
+//! message) can pay that once: [`Engine::prepare`](crate::Engine::prepare) returns a
+//! [`PreparedBatch`], and each [`PreparedBatch::start`] only posts. This is what perftest
+//! does (it builds its work request once and re-posts it) and what MPI's persistent
+//! requests (`MPI_Send_init`, `MPI_Start`) do.
+//!
+//! One run at a time: `start` refuses while the previous run is in flight. The local
+//! regions stay pinned (deregistering them fails with `RegionBusy`) until the prepared
+//! batch is dropped and its last run has let go of them.
+//!
+//! On verbs, a prepared batch whose work requests fit one chain on one QP (at most the
+//! chain and window limits, and no READ before a notification) is posted as that chain,
+//! its notification riding on the last WRITE, and its wait reaps this connection's
+//! completion queues directly. Other batches, and the TCP and loopback backends, re-submit
+//! the validated ops through the ordinary batch path.
+//!
+//! ```
+//! use std::time::{Duration, Instant};
+//! use pagewire_transport::{Access, Batch, BackendKind, Engine, EngineConfig, HostBuffer};
+//!
+//! # fn main() -> Result<(), pagewire_transport::Error> {
+//! let cfg = || {
+//!     EngineConfig::builder()
+//!         .backend(BackendKind::Loopback)
+//!         .listen("127.0.0.1:0".parse().unwrap())
+//!         .build()
+//! };
+//! let (a, b) = (Engine::new(cfg()?)?, Engine::new(cfg()?)?);
+//! let mut slot = HostBuffer::new(4096)?;
+//! let ring = HostBuffer::new(4096)?;
+//! a.register(&slot, Access::LOCAL_WRITE)?;
+//! b.register(&ring, Access::LOCAL_WRITE | Access::REMOTE_WRITE)?;
+//! let peer = a.connect(b.local_addr())?;
+//!
+//! let batch = Batch::new().write(slot.addr(), ring.addr(), 64).notify(0).timeout(Duration::from_secs(5));
+//! let mut send = a.prepare(peer, batch)?;
+//! for seq in 1..=3u32 {
+//!     slot[..4].copy_from_slice(&seq.to_le_bytes()); // each run sends what the slot holds now
+//!     send.start_tagged(seq)?;
+//!     send.wait(Instant::now() + Duration::from_secs(5))?;
+//!     let note = b.poll_notification(Instant::now() + Duration::from_secs(5)).expect("notified");
+//!     assert_eq!(note.tag, seq);
+//!     assert_eq!(ring[..4], seq.to_le_bytes());
+//! }
+//! # Ok(()) }
+//! ```
+
+use std::sync::atomic::{AtomicU8, AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::backend::{Conn, Progress, ResolvedOps, Yield, busy_poll_since};
+use crate::batch::{BatchState, Pins, TransferHandle};
+use crate::engine::PeerId;
+use crate::error::{Error, Result};
+
+/// A run is in flight.
+const RUNNING: u8 = 0;
+/// The last run completed (or none was started).
+const DONE: u8 = 1;
+/// The last run failed; the error is in `RunCell::error`.
+const FAILED: u8 = 2;
+
+/// The outcome of a prepared batch's current run, and the pins of its local regions. A
+/// backend's in-flight work holds it (through its batch control), so the regions stay
+/// registered until the last WR of a run has completed or been flushed, even when the
+/// [`PreparedBatch`] is dropped first.
+#[derive(Debug)]
+pub(crate) struct RunCell {
+    state: AtomicU8,
+    error: Mutex<Option<Error>>,
+    _pins: Pins,
+}
+
+impl RunCell {
+    fn new(pins: Pins) -> Self {
+        RunCell {
+            state: AtomicU8::new(DONE),
+            error: Mutex::new(None),
+            _pins: pins,
+        }
+    }
+
+    /// The run completed successfully (ignored unless one is in flight).
+    pub(crate) fn succeed(&self) {
+        let _ = self
+            .state
+            .compare_exchange(RUNNING, DONE, Ordering::AcqRel, Ordering::Acquire);
+    }
+
+    /// The run failed with `err` (the first outcome wins).
+    pub(crate) fn fail(&self, err: Error) {
+        let mut e = self.error.lock().unwrap_or_else(|p| p.into_inner());
+        if self.state.load(Ordering::Acquire) == RUNNING {
+            *e = Some(err);
+            self.state.store(FAILED, Ordering::Release);
+        }
+    }
+
+    fn begin(&self) {
+        *self.error.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        self.state.store(RUNNING, Ordering::Release);
+    }
+
+    /// `None` while running.
+    fn outcome(&self) -> Option<Result<()>> {
+        match self.state.load(Ordering::Acquire) {
+            RUNNING => None,
+            DONE => Some(Ok(())),
+            _ => Some(Err(self
+                .error
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .clone()
+                .unwrap_or(Error::Cancelled))),
+        }
+    }
+}
+
+/// A backend's fast lane for one prepared batch (verbs: one chain on one QP).
+pub(crate) trait PreparedLane: Send + Sync {
+    /// Posts one run; `tag` is the notification's immediate, if the batch has one. The run
+    /// reports into the [`RunCell`] the lane was built with. `Err`: nothing was posted, or
+    /// the connection broke while posting.
+    fn start(&self, tag: Option<u32>, stall_limit: Duration) -> Result<()>;
+    /// Reaps this connection's completions once on the calling thread.
+    fn poll(&self) -> usize;
+}
+
+/// Reaps through a lane while the engine's progress handle accounts for the waiter.
+struct LaneProgress<'a> {
+    lane: &'a dyn PreparedLane,
+    engine: &'a dyn Progress,
+    polls: AtomicU32,
+}
+
+/// Every this many polls of its own connection, a lane's waiter reaps all of the
+/// engine's: the completion thread steps aside while callers reap, and batches on other
+/// connections that nobody waits for must not stall behind a long wait here.
+const ENGINE_POLL_EVERY: u32 = 64;
+
+impl std::fmt::Debug for LaneProgress<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("LaneProgress")
+    }
+}
+
+impl Progress for LaneProgress<'_> {
+    fn poll_once(&self) -> usize {
+        let k = self.polls.fetch_add(1, Ordering::Relaxed);
+        if k % ENGINE_POLL_EVERY == ENGINE_POLL_EVERY - 1 {
+            return self.engine.poll_once();
+        }
+        self.lane.poll()
+    }
+    fn set_waiting(&self, on: bool) {
+        self.engine.set_waiting(on);
+    }
+    fn spin_budget(&self) -> Duration {
+        self.engine.spin_budget()
+    }
+}
+
+enum Path {
+    /// The backend posts and reaps the prepared WRs itself.
+    Lane {
+        lane: Box<dyn PreparedLane>,
+        cell: Arc<RunCell>,
+        progress: Arc<dyn Progress>,
+    },
+    /// Each run is an ordinary batch of the already validated ops.
+    Resubmit {
+        conn: Arc<dyn Conn>,
+        ops: ResolvedOps,
+        cell: Arc<RunCell>,
+        progress: Option<Arc<dyn Progress>>,
+        handle: Option<TransferHandle>,
+    },
+}
+
+/// What [`Engine::prepare`](crate::Engine::prepare) hands a backend to build a lane from.
+pub(crate) struct LaneRequest<'a> {
+    pub ops: &'a ResolvedOps,
+    pub notify: Option<u32>,
+    pub cell: &'a Arc<RunCell>,
+}
+
+/// A batch validated, pinned and planned once; see the module docs. Built by
+/// [`Engine::prepare`](crate::Engine::prepare).
+pub struct PreparedBatch {
+    peer: PeerId,
+    id: u64,
+    ops: usize,
+    bytes: u64,
+    notify: Option<u32>,
+    timeout: Duration,
+    path: Path,
+    running: bool,
+}
+
+impl std::fmt::Debug for PreparedBatch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PreparedBatch")
+            .field("peer", &self.peer)
+            .field("id", &self.id)
+            .field("ops", &self.ops)
+            .field("bytes", &self.bytes)
+            .field("notify", &self.notify)
+            .field("fast_lane", &self.is_fast_lane())
+            .field("running", &self.running)
+            .finish()
+    }
+}
+
+impl PreparedBatch {
+    #[allow(clippy::too_many_arguments)] // plain fields, one call site in the engine
+    pub(crate) fn new(
+        peer: PeerId,
+        id: u64,
+        ops: usize,
+        bytes: u64,
+        notify: Option<u32>,
+        timeout: Duration,
+        resolved: ResolvedOps,
+        pins: Pins,
+        conn: Arc<dyn Conn>,
+        progress: Option<Arc<dyn Progress>>,
+    ) -> Self {
+        let cell = Arc::new(RunCell::new(pins));
+        let lane = progress.clone().and_then(|progress| {
+            conn.prepare_lane(LaneRequest {
+                ops: &resolved,
+                notify,
+                cell: &cell,
+            })
+            .map(|lane| (lane, progress))
+        });
+        let path = match lane {
+            Some((lane, progress)) => Path::Lane {
+                lane,
+                cell,
+                progress,
+            },
+            None => Path::Resubmit {
+                conn,
+                ops: resolved,
+                cell,
+                progress,
+                handle: None,
+            },
+        };
+        PreparedBatch {
+            peer,
+            id,
+            ops,
+            bytes,
+            notify,
+            timeout,
+            path,
+            running: false,
+        }
+    }
+
+    /// The peer.
+    pub fn peer(&self) -> PeerId {
+        self.peer
+    }
+
+    /// Engine-wide id, shared by every run (the ordinary path's handles report it too).
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// Bytes per run.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    /// Whether the backend posts this batch itself as one chain (verbs) rather than
+    /// re-submitting it through the ordinary batch path.
+    pub fn is_fast_lane(&self) -> bool {
+        matches!(self.path, Path::Lane { .. })
+    }
+
+    /// Starts a run, with the notification tag the batch was prepared with.
+    ///
+    /// Fails with [`Error::Unsupported`] if the previous run has not been waited for
+    /// (one run at a time), and with the connection's error if it broke.
+    pub fn start(&mut self) -> Result<()> {
+        self.start_inner(self.notify)
+    }
+
+    /// Starts a run whose notification carries `tag` instead of the prepared one (a
+    /// sequence number, say). The batch must have been prepared with a notification.
+    pub fn start_tagged(&mut self, tag: u32) -> Result<()> {
+        if self.notify.is_none() {
+            return Err(Error::Unsupported {
+                what: "a tag for a batch prepared without a notification".into(),
+            });
+        }
+        self.start_inner(Some(tag))
+    }
+
+    fn start_inner(&mut self, tag: Option<u32>) -> Result<()> {
+        if self.running {
+            return Err(Error::Unsupported {
+                what: "starting a prepared batch whose previous run was not waited for".into(),
+            });
+        }
+        match &mut self.path {
+            Path::Lane { lane, cell, .. } => {
+                cell.begin();
+                if let Err(e) = lane.start(tag, self.timeout) {
+                    cell.fail(e.clone());
+                    return Err(e);
+                }
+            }
+            Path::Resubmit {
+                conn,
+                ops,
+                cell,
+                progress,
+                handle,
+            } => {
+                let now = Instant::now();
+                let state = BatchState::new(
+                    self.id,
+                    self.peer,
+                    self.ops,
+                    ops.len(),
+                    self.bytes,
+                    now,
+                    now + self.timeout,
+                    Pins::new(),
+                    progress.clone(),
+                )
+                .keeping(Arc::clone(cell));
+                *handle = Some(state.handle());
+                conn.post(state, ops.clone(), tag)?;
+            }
+        }
+        self.running = true;
+        Ok(())
+    }
+
+    /// Waits for the current run until `deadline`. `Ok` at once if no run is in flight.
+    /// On `Err(Timeout)` the run carries on and may be waited for again; any other error
+    /// ends the run.
+    ///
+    /// On verbs the calling thread busy-polls the completion queues itself (for up to the
+    /// engine's `poll_spin` without any completion), then polls them every 50 us to 1 ms.
+    pub fn wait(&mut self, deadline: Instant) -> Result<()> {
+        if !self.running {
+            return Ok(());
+        }
+        let r = match &self.path {
+            Path::Lane {
+                lane,
+                cell,
+                progress,
+            } => wait_lane(&**lane, cell, &**progress, deadline),
+            Path::Resubmit { handle, .. } => match handle {
+                Some(h) => h.wait(deadline).map(|_| ()),
+                None => Ok(()),
+            },
+        };
+        if !matches!(r, Err(Error::Timeout { .. })) {
+            self.running = false;
+        }
+        r
+    }
+
+    /// The current run's outcome without blocking (reaping once on verbs): `None` while
+    /// it is in flight.
+    pub fn try_wait(&mut self) -> Option<Result<()>> {
+        if !self.running {
+            return Some(Ok(()));
+        }
+        let r = match &self.path {
+            Path::Lane { lane, cell, .. } => cell.outcome().or_else(|| {
+                lane.poll();
+                cell.outcome()
+            }),
+            Path::Resubmit { handle, .. } => match handle.as_ref().map(TransferHandle::status) {
+                Some(crate::BatchStatus::Pending) => None,
+                Some(crate::BatchStatus::Failed(e)) => Some(Err(e)),
+                Some(crate::BatchStatus::Cancelled) => Some(Err(Error::Cancelled)),
+                Some(crate::BatchStatus::Done) | None => Some(Ok(())),
+            },
+        };
+        if r.is_some() {
+            self.running = false;
+        }
+        r
+    }
+}
+
+fn wait_lane(
+    lane: &dyn PreparedLane,
+    cell: &RunCell,
+    engine: &dyn Progress,
+    deadline: Instant,
+) -> Result<()> {
+    let p = LaneProgress {
+        lane,
+        engine,
+        polls: AtomicU32::new(0),
+    };
+    let since = match busy_poll_since(&p, deadline, Yield::Often, || cell.outcome()) {
+        Ok(r) => return r,
+        Err(first_clock) => first_clock.unwrap_or_else(Instant::now),
+    };
+    // Past the spin budget: poll with growing naps (the completion thread reaps too).
+    let mut nap = Duration::from_micros(50);
+    loop {
+        lane.poll();
+        if let Some(r) = cell.outcome() {
+            return r;
+        }
+        let now = Instant::now();
+        if now >= deadline {
+            return Err(Error::Timeout { after: now - since });
+        }
+        std::thread::sleep(nap.min(deadline - now));
+        nap = (nap * 2).min(Duration::from_millis(1));
+    }
+}
