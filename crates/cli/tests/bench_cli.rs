@@ -115,6 +115,29 @@ fn read_bidirectional_and_latency_in_process() {
         r[0][3].parse().unwrap(),
     );
     assert!(min <= typ && typ <= max, "{stdout}");
+
+    // Both ping paths (a prepared batch started again, and a new batch per ping) over
+    // TCP, with memory polling and verification; and --submit-each only for lat.
+    for extra in [&["--poll-memory"][..], &["--submit-each"], &[]] {
+        let mut args = vec!["bench", "lat", "--transport", "tcp", "-n", "50", "--verify"];
+        args.extend(extra);
+        let stdout = String::from_utf8(run(&args).stdout).unwrap();
+        assert_eq!(
+            rows(&stdout, " #bytes #iterations    t_min[usec]").len(),
+            1,
+            "{extra:?}: {stdout}"
+        );
+    }
+    let out = pagewire()
+        .args(["bench", "write", "--transport", "tcp", "--submit-each"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("--submit-each applies to the latency test"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 #[test]
@@ -409,7 +432,7 @@ fn server_survives_a_client_that_vanishes_after_hello() {
         "msg": "hello", "version": 1, "test": "write",
         "params": {"sizes": [8192], "iters": 20, "duration": null, "margin": 0.0, "qps": 1,
                    "tx_depth": 20, "cq_mod": 10, "bidirectional": false, "verify": false,
-                   "transport": "tcp", "poll_memory": false}
+                   "transport": "tcp", "poll_memory": false, "submit_each": false}
     })
     .to_string();
     let mut frame = b"PWB1".to_vec();

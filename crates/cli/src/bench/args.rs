@@ -164,6 +164,12 @@ pub struct PerfArgs {
     #[arg(long)]
     pub poll_memory: bool,
 
+    /// lat only: submit a new batch for every ping (validation, pinning and planning each
+    /// time) instead of starting one prepared batch again, which is what ib_write_lat does
+    /// with its work request.
+    #[arg(long)]
+    pub submit_each: bool,
+
     /// One JSON record per result row on stdout instead of the perftest table.
     #[arg(long)]
     pub json: bool,

@@ -82,6 +82,10 @@ mod tests {
         assert_eq!(a.iters(k), 1000);
         assert_eq!(a.tx_depth(k), 1);
         assert_eq!(a.cq_mod(k), 1);
+        // lat starts one prepared ping, as ib_write_lat re-posts one work request.
+        assert!(!a.submit_each && !a.poll_memory);
+        let (_, a) = perf(&["lat", "--submit-each", "--poll-memory"]);
+        assert!(a.submit_each && a.poll_memory);
     }
 
     #[test]

@@ -47,6 +47,7 @@ fn sym_params(kind: TestKind, a: &PerfArgs, sizes: &[u64]) -> serde_json::Value 
         "verify": a.verify,
         "transport": a.transport,
         "poll_memory": a.poll_memory,
+        "submit_each": a.submit_each,
     })
 }
 
@@ -72,6 +73,10 @@ pub fn run(kind: TestKind, args: PerfArgs) -> anyhow::Result<()> {
             "-D is not supported by the latency test; use -n"
         );
     }
+    ensure!(
+        !args.submit_each || kind == TestKind::Lat,
+        "--submit-each applies to the latency test only"
+    );
     if args.poll_memory {
         ensure!(
             kind == TestKind::Lat,
@@ -556,6 +561,22 @@ impl End {
         // --poll-memory: the last byte of each ping carries a running value 1..=255 and the
         // receiver spins on it, as ib_write_lat does; otherwise the engine's notification.
         let mark = |i: u64| (i % 255) as u8 + 1;
+        // The ping is prepared once (validated, pinned, planned) and started for every
+        // iteration, as ib_write_lat builds its work request once and re-posts it;
+        // --submit-each submits a new batch per ping instead (the general path).
+        let mut prepared = if a.submit_each {
+            None
+        } else {
+            let mut b = Batch::new().write(src, dst, size).timeout(self.timeout);
+            if !poll {
+                b = b.notify(0);
+            }
+            Some(
+                self.engine
+                    .prepare(self.peer, b)
+                    .context("preparing the ping")?,
+            )
+        };
         let start = Instant::now();
         let mut posted = Vec::with_capacity(iters as usize);
         let mut last: Option<TransferHandle> = None;
@@ -567,34 +588,57 @@ impl End {
             if poll {
                 self.buf_mut()[n - 1] = mark(i);
             }
-            let mut b = Batch::new().write(src, dst, size).timeout(self.timeout);
-            if !poll {
-                b = b.notify(tag);
-            }
+            // One clock read per ping, as perftest's one cycle-counter read: the post
+            // time, which also anchors the deadlines.
             let t = Instant::now();
-            let h = self
-                .engine
-                .submit(self.peer, b)
-                .context("submitting a ping")?;
-            posted.push(t.duration_since(start).as_nanos() as u64);
-            // Right after the post and off the critical path (the peer is detecting the
-            // ping meanwhile). With --poll-memory, wait for the ping's own completion as
-            // ib_write_lat polls its send CQ: the waiter reaps it on this thread, and the
-            // engine's completion thread stays out of the way of the two spinning
-            // processes. With notifications the wait for the pong reaps it anyway.
-            if poll {
-                h.wait(Instant::now() + self.timeout)
-                    .with_context(|| format!("ping {i}"))?;
-            } else if let BatchStatus::Failed(e) = h.status() {
-                bail!("ping {i} failed: {e}");
+            if let Some(p) = &mut prepared {
+                // One run at a time: the previous ping's completion was reaped while
+                // waiting for the peer, so this returns at once.
+                p.wait(t + self.timeout)
+                    .with_context(|| format!("ping {}", i.saturating_sub(1)))?;
+                if poll { p.start() } else { p.start_tagged(tag) }.context("starting a ping")?;
+                posted.push(t.duration_since(start).as_nanos() as u64);
+                // As below: the ping's own completion, as ib_write_lat polls its send CQ.
+                if poll {
+                    p.wait(t + self.timeout)
+                        .with_context(|| format!("ping {i}"))?;
+                }
+            } else {
+                let mut b = Batch::new()
+                    .write(src, dst, size)
+                    .deadline(t + self.timeout);
+                if !poll {
+                    b = b.notify(tag);
+                }
+                let h = self
+                    .engine
+                    .submit(self.peer, b)
+                    .context("submitting a ping")?;
+                posted.push(t.duration_since(start).as_nanos() as u64);
+                // Right after the post and off the critical path (the peer is detecting
+                // the ping meanwhile). With --poll-memory, wait for the ping's own
+                // completion as ib_write_lat polls its send CQ: the waiter reaps it on
+                // this thread, and the engine's completion thread stays out of the way of
+                // the two spinning processes. With notifications the wait for the pong
+                // reaps it anyway.
+                if poll {
+                    h.wait(t + self.timeout)
+                        .with_context(|| format!("ping {i}"))?;
+                } else if let BatchStatus::Failed(e) = h.status() {
+                    bail!("ping {i} failed: {e}");
+                }
+                last = Some(h);
             }
-            last = Some(h);
             if self.client {
                 self.wait_ping(poll, tag, half + n - 1, mark(i))?;
             }
         }
         if let Some(h) = last {
             h.wait(Instant::now() + self.timeout)
+                .context("the last ping")?;
+        }
+        if let Some(p) = &mut prepared {
+            p.wait(Instant::now() + self.timeout)
                 .context("the last ping")?;
         }
         if poll {
@@ -651,13 +695,18 @@ impl End {
         if !poll {
             return self.wait_note(tag);
         }
-        let deadline = Instant::now() + self.timeout;
+        // The deadline is set at the first clock check, so a ping that arrives within
+        // 4096 spins costs no clock read.
+        let mut deadline: Option<Instant> = None;
         let mut spins = 0u32;
         while peek(&self.local.buf, off) != mark {
             std::hint::spin_loop();
             spins = spins.wrapping_add(1);
-            if spins.is_multiple_of(4096) && Instant::now() >= deadline {
-                bail!("ping {tag} did not arrive within {:?}", self.timeout);
+            if spins.is_multiple_of(4096) {
+                let now = Instant::now();
+                if now >= *deadline.get_or_insert(now + self.timeout) {
+                    bail!("ping {tag} did not arrive within {:?}", self.timeout);
+                }
             }
         }
         Ok(())
