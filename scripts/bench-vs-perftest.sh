@@ -27,11 +27,14 @@
 #                            target/bench-vs-perftest/<time>-<pid>, or under $SOFTROCE_OUT
 #                            inside the VM, so concurrent runs never mix their files)
 #   --pagewire PATH          the binary (default target/release/pagewire)
+#   --raw PATH               the raw-verbs ping-pong for the latency floor (default
+#                            target/release/examples/raw_verbs_lat; the row is skipped if
+#                            missing: cargo build --release -p pagewire-transport --example raw_verbs_lat)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
 section="" pages_n="" page_iters="" runs=3 iters=50 lat_iters=1000 dev="${RDMA_DEVICE:-rxe0}" tcp_size=1M tcp_secs=5
-streams="1 4" out="" pw="target/release/pagewire"
+streams="1 4" out="" pw="target/release/pagewire" raw="target/release/examples/raw_verbs_lat"
 while (($#)); do
     case "$1" in
         --section) section="$2"; shift 2 ;;
@@ -46,6 +49,7 @@ while (($#)); do
         --streams) streams="$2"; shift 2 ;;
         --out) out="$2"; shift 2 ;;
         --pagewire) pw="$2"; shift 2 ;;
+        --raw) raw="$2"; shift 2 ;;
         -h|--help) sed -n '2,/^set /p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
         *) echo "bench-vs-perftest: unknown option $1" >&2; exit 2 ;;
     esac
@@ -124,6 +128,19 @@ rdma_section() {
         pair "$out/raw/pagewirepoll_lat_$r.txt" \
             "$pw bench lat --server -d $dev --transport verbs -n $lat_iters -p $port --poll-memory" \
             "$pw bench lat 127.0.0.1 -d $dev --transport verbs -n $lat_iters -p $port --poll-memory"
+        # The general path: a new batch per ping instead of one prepared batch.
+        local m
+        for m in "" "--poll-memory"; do
+            next_port
+            pair "$out/raw/pagewireeach${m:+poll}_lat_$r.txt" \
+                "$pw bench lat --server -d $dev --transport verbs -n $lat_iters -p $port --submit-each $m" \
+                "$pw bench lat 127.0.0.1 -d $dev --transport verbs -n $lat_iters -p $port --submit-each $m"
+        done
+        if [[ -x "$raw" ]]; then
+            next_port
+            pair "$out/raw/raw_lat_$r.txt" "$raw --server -d $dev -n $lat_iters -p $port" \
+                "$raw 127.0.0.1 -d $dev -n $lat_iters -p $port"
+        fi
     done
     # Header blocks of the last run, for the record.
     for f in perftest_write pagewire_write; do
@@ -181,19 +198,29 @@ for test, title in (("write", "RDMA WRITE bandwidth, `-a`"), ("read", "RDMA READ
         r_mr = [b / a if a and b is not None else None for a, b in zip(a_mr, b_mr)]
         print(f"| {s} | {fmt(mmm(a_bw))} | {fmt(mmm(b_bw))} | {fmt(mmm(r_bw))} | {fmt(mmm(a_mr), 6)} | {fmt(mmm(b_mr), 6)} | {fmt(mmm(r_mr))} |")
 
-pf, pw, pm = runs_of("perftest", "lat"), runs_of("pagewire", "lat"), runs_of("pagewirepoll", "lat")
-print(f"\n### RDMA WRITE latency, 2 bytes ({runs} runs; median [min, max]; usec)\n")
-print("pagewire (notify): each side waits for the engine's remote notification; pagewire (poll): `--poll-memory`, spins on the last byte like ib_write_lat.\n")
-print("| column | perftest | pagewire (notify) | ratio | pagewire (poll) | ratio |")
+print(f"\n### RDMA WRITE latency, 2 bytes ({runs} runs; median [min, max]; usec; ratio = row/perftest per run)\n")
+print("notify: each side waits for the engine's notification of the peer's write; poll: `--poll-memory`, spins on the last byte like ib_write_lat. "
+      "prepared: one prepared batch started per ping (the default; perftest also re-posts one work request); "
+      "submit-each: a new batch per ping (`--submit-each`). raw verbs: `raw_verbs_lat`, ib_write_lat's loop on sideway without the engine.\n")
+print("| client | t_min | t_typical | ratio t_typical | 99% | ratio 99% |")
 print("|---|---:|---:|---:|---:|---:|")
-names = ["t_min", "t_max", "t_typical", "t_avg", "t_stdev", "99%", "99.9%"]
 def lat_col(runs_, i):
     return [t[2][i] if 2 in t and len(t[2]) > i else None for t in runs_]
-for i, n in enumerate(names):
-    a, b, c = lat_col(pf, i), lat_col(pw, i), lat_col(pm, i)
-    rb = [y / x if x and y is not None else None for x, y in zip(a, b)]
-    rc = [y / x if x and y is not None else None for x, y in zip(a, c)]
-    print(f"| {n} | {fmt(mmm(a))} | {fmt(mmm(b))} | {fmt(mmm(rb))} | {fmt(mmm(c))} | {fmt(mmm(rc))} |")
+pf = runs_of("perftest", "lat")
+rows = [("ib_write_lat (perftest)", "perftest"), ("raw verbs (sideway, no engine)", "raw"),
+        ("pagewire, prepared, poll", "pagewirepoll"), ("pagewire, prepared, notify", "pagewire"),
+        ("pagewire, submit-each, poll", "pagewireeachpoll"), ("pagewire, submit-each, notify", "pagewireeach")]
+for label, tool in rows:
+    rr = runs_of(tool, "lat")
+    if not any(rr):
+        continue
+    cells = []
+    for i in (0, 2, 5):
+        a, b = lat_col(pf, i), lat_col(rr, i)
+        cells.append(fmt(mmm(b)))
+        if i != 0:
+            cells.append(fmt(mmm([y / x if x and y is not None else None for x, y in zip(a, b)])))
+    print(f"| {label} | " + " | ".join(cells) + " |")
 PY
     cat "$out/rdma.md"
 }

@@ -5,7 +5,8 @@
 #   scripts/rdma-vm.sh --quiet --cpus 2 --timeout 900 run -- scripts/instr-per-op.sh
 #
 # Rows (client side; the server runs natively):
-#   round trip of a 2 B ping-pong: ib_write_lat, pagewire bench lat, bench lat --poll-memory
+#   round trip of a 2 B ping-pong: ib_write_lat, pagewire bench lat (a prepared batch
+#     started per ping), with --poll-memory, and both with --submit-each (a batch per ping)
 #   one 8 B RDMA WRITE:             ib_write_bw, pagewire bench write
 # Each figure is (instructions at the larger -n - instructions at the smaller -n) divided by
 # the difference in -n, so start-up and connection setup cancel out. Counts are exact for
@@ -110,13 +111,21 @@ pw_row() { # label name N1 N2 sub flags fn...
 }
 
 E=pagewire_transport::engine::Engine
+P=pagewire_transport::prepared::PreparedBatch
+W=pagewire_transport::batch::TransferHandle::wait
 FAILED=0
 LAT="-s 2 -n %n"
 ib_row "ib_write_lat, 2 B round trip" ib_write_lat 400 1400 ib_write_lat "$LAT" || FAILED=1
+# bench lat starts one prepared ping (as ib_write_lat re-posts one WR); --submit-each
+# submits a new batch per ping, the general path.
 pw_row "pagewire bench lat, 2 B round trip" pw_lat 400 1400 lat "$LAT" \
-    "$E::submit" "$E::poll_notification" || FAILED=1
+    "$P::start_tagged" "$P::wait" "$E::poll_notification" || FAILED=1
 pw_row "pagewire bench lat --poll-memory, 2 B round trip" pw_lat_poll 400 1400 lat \
-    "$LAT --poll-memory" "$E::submit" "pagewire_transport::batch::TransferHandle::wait" || FAILED=1
+    "$LAT --poll-memory" "$P::start" "$P::wait" || FAILED=1
+pw_row "pagewire bench lat --submit-each, 2 B round trip" pw_lat_each 400 1400 lat \
+    "$LAT --submit-each" "$E::submit" "$E::poll_notification" || FAILED=1
+pw_row "pagewire bench lat --submit-each --poll-memory, 2 B round trip" pw_lat_each_poll 400 1400 lat \
+    "$LAT --submit-each --poll-memory" "$E::submit" "$W" || FAILED=1
 BW="-s 8 -n %n"
 ib_row "ib_write_bw, one 8 B WRITE" ib_write_bw 1000 5000 ib_write_bw "$BW" || FAILED=1
 pw_row "pagewire bench write, one 8 B WRITE" pw_write 1000 5000 write "$BW" "$E::submit" || FAILED=1
