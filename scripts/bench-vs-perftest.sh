@@ -137,9 +137,11 @@ rdma_section() {
                 "$pw bench lat 127.0.0.1 -d $dev --transport verbs -n $lat_iters -p $port --submit-each $m"
         done
         if [[ -x "$raw" ]]; then
-            next_port
-            pair "$out/raw/raw_lat_$r.txt" "$raw --server -d $dev -n $lat_iters -p $port" \
-                "$raw 127.0.0.1 -d $dev -n $lat_iters -p $port"
+            for m in "" "--imm"; do
+                next_port
+                pair "$out/raw/raw${m:+imm}_lat_$r.txt" "$raw --server $m -d $dev -n $lat_iters -p $port" \
+                    "$raw 127.0.0.1 $m -d $dev -n $lat_iters -p $port"
+            done
         fi
     done
     # Header blocks of the last run, for the record.
@@ -201,13 +203,14 @@ for test, title in (("write", "RDMA WRITE bandwidth, `-a`"), ("read", "RDMA READ
 print(f"\n### RDMA WRITE latency, 2 bytes ({runs} runs; median [min, max]; usec; ratio = row/perftest per run)\n")
 print("notify: each side waits for the engine's notification of the peer's write; poll: `--poll-memory`, spins on the last byte like ib_write_lat. "
       "prepared: one prepared batch started per ping (the default; perftest also re-posts one work request); "
-      "submit-each: a new batch per ping (`--submit-each`). raw verbs: `raw_verbs_lat`, ib_write_lat's loop on sideway without the engine.\n")
+      "submit-each: a new batch per ping (`--submit-each`). raw verbs: `raw_verbs_lat`, ib_write_lat's loop on sideway without the engine (with `--imm`: each WRITE carries an immediate and the receiver polls for the RECV completion, the floor of the notify rows).\n")
 print("| client | t_min | t_typical | ratio t_typical | 99% | ratio 99% |")
 print("|---|---:|---:|---:|---:|---:|")
 def lat_col(runs_, i):
     return [t[2][i] if 2 in t and len(t[2]) > i else None for t in runs_]
 pf = runs_of("perftest", "lat")
 rows = [("ib_write_lat (perftest)", "perftest"), ("raw verbs (sideway, no engine)", "raw"),
+        ("raw verbs, WRITE_WITH_IMM + RECV (no engine)", "rawimm"),
         ("pagewire, prepared, poll", "pagewirepoll"), ("pagewire, prepared, notify", "pagewire"),
         ("pagewire, submit-each, poll", "pagewireeachpoll"), ("pagewire, submit-each, notify", "pagewireeach")]
 for label, tool in rows:

@@ -5,9 +5,13 @@
 //! as perftest computes it. It exists to tell how much of a gap to perftest is Rust and
 //! sideway, and how much is the engine (docs/benchmarks.md).
 //!
+//! With `--imm` each WRITE carries an immediate (WRITE_WITH_IMM) and the receiver waits for
+//! the RECV completion instead of spinning on memory: what `bench lat` does without
+//! `--poll-memory` (the engine's notification), minus the engine.
+//!
 //! ```text
-//! raw_verbs_lat --server [-d DEV] [-x GID_INDEX] [-p PORT] [-n ITERS]   # one end
-//! raw_verbs_lat HOST     [-d DEV] [-x GID_INDEX] [-p PORT] [-n ITERS]   # the other
+//! raw_verbs_lat --server [--imm] [-d DEV] [-x GID_INDEX] [-p PORT] [-n ITERS]   # one end
+//! raw_verbs_lat HOST     [--imm] [-d DEV] [-x GID_INDEX] [-p PORT] [-n ITERS]   # the other
 //! ```
 //!
 //! The QP numbers, PSNs, GIDs, addresses and rkeys are exchanged over TCP. Needs an RDMA
@@ -48,6 +52,10 @@ mod raw {
 
     const SIZE: usize = 2;
     const HALF: usize = 4096;
+    /// RECVs kept posted in `--imm` mode (one is reposted per notification).
+    const RECVS: u32 = 64;
+    /// `IBV_WC_RECV_RDMA_WITH_IMM`.
+    const WC_RECV_RDMA_WITH_IMM: u32 = 129;
 
     struct Args {
         host: Option<String>,
@@ -55,6 +63,7 @@ mod raw {
         gid_index: u8,
         port: u16,
         iters: usize,
+        imm: bool,
     }
 
     fn args() -> anyhow::Result<Args> {
@@ -64,6 +73,7 @@ mod raw {
             gid_index: 0,
             port: 18516,
             iters: 1000,
+            imm: false,
         };
         let mut it = std::env::args().skip(1);
         let mut server = false;
@@ -71,6 +81,7 @@ mod raw {
             let mut val = || it.next().with_context(|| format!("{x} needs a value"));
             match x.as_str() {
                 "--server" => server = true,
+                "--imm" => a.imm = true,
                 "-d" => a.dev = Some(val()?),
                 "-x" => a.gid_index = val()?.parse()?,
                 "-p" => a.port = val()?.parse()?,
@@ -115,7 +126,7 @@ mod raw {
         let mut b = pd.create_qp_builder();
         b.setup_max_send_wr(16)
             .setup_max_send_sge(1)
-            .setup_max_recv_wr(1)
+            .setup_max_recv_wr(RECVS)
             .setup_max_recv_sge(1)
             .setup_send_cq(Arc::clone(&cq))
             .setup_recv_cq(Arc::clone(&cq));
@@ -126,6 +137,13 @@ mod raw {
             .setup_port(1)
             .setup_access_flags(attr_access());
         qp.modify(&attr)?;
+        if a.imm {
+            let mut g = qp.start_post_recv();
+            for id in 0..u64::from(RECVS) {
+                g.construct_wr(id);
+            }
+            g.post()?;
+        }
 
         let psn = 0x1234u32;
         let mut mine = Vec::with_capacity(36);
@@ -191,43 +209,78 @@ mod raw {
         let start = Instant::now();
         // Iteration i's ping (client) and pong (server) both carry mark(i) in their last byte.
         let mark = |i: usize| (i % 255) as u8 + 1;
+        // Completions seen: sends (our WRITEs) and, with --imm, RECVs (the peer's).
+        let (mut sends, mut recvs) = (0usize, 0usize);
+        let poll = |qp: &mut sideway::ibverbs::queue_pair::ExtendedQueuePair,
+                    sends: &mut usize,
+                    recvs: &mut usize|
+         -> anyhow::Result<()> {
+            let mut wc = std::mem::MaybeUninit::<ibv_wc>::uninit();
+            // SAFETY: `cqp` is the live CQ; `wc` has room for the one entry asked for.
+            let n = unsafe { rdma_mummy_sys::ibv_poll_cq(cqp, 1, wc.as_mut_ptr()) };
+            ensure!(n >= 0, "ibv_poll_cq failed: {n}");
+            if n == 1 {
+                // SAFETY: the provider wrote the entry it reported.
+                let w = unsafe { wc.assume_init_ref() };
+                ensure!(w.status == 0, "work completion status {}", w.status);
+                if w.opcode == WC_RECV_RDMA_WITH_IMM {
+                    *recvs += 1;
+                    let mut g = qp.start_post_recv();
+                    g.construct_wr(w.wr_id);
+                    g.post()?;
+                } else {
+                    *sends += 1;
+                }
+            }
+            ensure!(
+                Instant::now() < deadline || n == 1,
+                "no completion within 60 s"
+            );
+            Ok(())
+        };
         for i in 1..=a.iters {
             if server || i > 1 {
                 // The peer's ping (server) or the pong to our previous ping (client).
                 let want = if server { mark(i) } else { mark(i - 1) };
-                let mut spins = 0u32;
-                while landing.load(Ordering::Acquire) != want {
-                    spins = spins.wrapping_add(1);
-                    if spins.is_multiple_of(1 << 20) && Instant::now() > deadline {
-                        bail!("iteration {i}: the peer's write never landed");
+                if a.imm {
+                    let seen = if server { i } else { i - 1 };
+                    while recvs < seen {
+                        poll(&mut qp, &mut sends, &mut recvs)?;
+                    }
+                } else {
+                    let mut spins = 0u32;
+                    while landing.load(Ordering::Acquire) != want {
+                        spins = spins.wrapping_add(1);
+                        if spins.is_multiple_of(1 << 20) && Instant::now() > deadline {
+                            bail!("iteration {i}: the peer's write never landed");
+                        }
                     }
                 }
             }
             sending.store(mark(i), Ordering::Release);
             posted.push(start.elapsed().as_nanos() as u64);
             let mut g = qp.start_post_send();
-            let w = g
-                .construct_wr(i as u64, WorkRequestFlags::Signaled)
-                .setup_write(rkey, raddr + HALF as u64);
+            let h = g.construct_wr(i as u64, WorkRequestFlags::Signaled);
+            let w = if a.imm {
+                h.setup_write_imm(rkey, raddr + HALF as u64, i as u32)
+            } else {
+                h.setup_write(rkey, raddr + HALF as u64)
+            };
             // SAFETY: the SGE is inside `buf`, registered as `mr` (lkey), which outlives
             // the WR: its completion is polled right below.
             unsafe { w.setup_sge(lkey, addr, SIZE as u32) };
             g.post()?;
-            let mut wc = std::mem::MaybeUninit::<ibv_wc>::uninit();
-            loop {
-                // SAFETY: `cqp` is the live CQ; `wc` has room for the one entry asked for.
-                let n = unsafe { rdma_mummy_sys::ibv_poll_cq(cqp, 1, wc.as_mut_ptr()) };
-                ensure!(n >= 0, "ibv_poll_cq failed: {n}");
-                if n == 1 {
-                    // SAFETY: the provider wrote the entry it reported.
-                    let st = unsafe { wc.assume_init_ref() }.status;
-                    ensure!(st == 0, "iteration {i}: work completion status {st}");
-                    break;
-                }
+            while sends < i {
+                poll(&mut qp, &mut sends, &mut recvs)?;
             }
         }
         if !server {
             // Wait for the last pong before reporting.
+            if a.imm {
+                while recvs < a.iters {
+                    poll(&mut qp, &mut sends, &mut recvs)?;
+                }
+            }
             while landing.load(Ordering::Acquire) != mark(a.iters) {
                 ensure!(Instant::now() < deadline, "the last pong never landed");
             }
