@@ -429,3 +429,32 @@ fn wait_lane(
         nap = (nap * 2).min(Duration::from_millis(1));
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prepared_batches_move_between_threads() {
+        fn send_sync<T: Send + Sync>() {}
+        send_sync::<PreparedBatch>();
+    }
+
+    #[test]
+    fn run_cell_first_outcome_wins_and_begin_resets() {
+        let c = RunCell::new(Pins::new());
+        assert!(matches!(c.outcome(), Some(Ok(()))), "idle reads as done");
+        c.begin();
+        assert!(c.outcome().is_none());
+        c.fail(Error::Cancelled);
+        c.succeed();
+        assert!(matches!(c.outcome(), Some(Err(Error::Cancelled))));
+        c.begin();
+        c.succeed();
+        c.fail(Error::Shutdown);
+        assert!(matches!(c.outcome(), Some(Ok(()))));
+        // An outcome with no run in flight is ignored.
+        c.fail(Error::Shutdown);
+        assert!(matches!(c.outcome(), Some(Ok(()))));
+    }
+}
