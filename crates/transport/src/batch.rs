@@ -389,6 +389,16 @@ impl BatchState {
         self.shared.finished.load(Ordering::Acquire)
     }
 
+    /// [`Self::should_stop`] without the clock: cancelled, failed or done.
+    pub(crate) fn is_stopped(&self) -> bool {
+        self.shared.cancel.load(Ordering::Acquire) || self.shared.finished.load(Ordering::Acquire)
+    }
+
+    /// Fails the batch with `Timeout` if its deadline is at or before `now`.
+    pub(crate) fn expire_if_due(&self, now: Instant) {
+        self.shared.expire_if_due(now);
+    }
+
     /// Records progress (slices completed and their bytes).
     pub(crate) fn add_progress(&self, slices: usize, bytes: u64) {
         self.shared.done_slices.fetch_add(slices, Ordering::AcqRel);

@@ -923,6 +923,9 @@ impl Inner {
             pins,
             self.progress.clone(),
         );
+        // A deadline that has already passed fails the batch before anything is posted
+        // (backends check `is_stopped` before their first post, without a clock read).
+        state.expire_if_due(now);
         let handle = state.handle();
         p.conn.post(state, resolved, batch.notify)?;
         Ok(handle)

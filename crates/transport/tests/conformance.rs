@@ -459,6 +459,26 @@ mod suite {
             "timeout took {:?}",
             t0.elapsed()
         );
+        // A small batch whose deadline passed before it was submitted fails the same way
+        // and nothing of it is posted (its bytes never land), whatever the window.
+        let mut dst = dst;
+        dst[..64].fill(GUARD);
+        let h = a.submit(
+            ab,
+            Batch::new()
+                .write(src.addr(), dst.addr(), 64)
+                .deadline(Instant::now()),
+        )?;
+        let got = h.wait(secs(10));
+        ensure!(
+            matches!(got, Err(Error::Timeout { .. })),
+            "expired small batch: {got:?}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+        ensure!(
+            all_eq(&dst[..64], GUARD),
+            "an expired batch was posted anyway"
+        );
         // A wait deadline that passes first returns Timeout but the batch carries on.
         let h = a.submit(ab, Batch::new().write(src.addr(), dst.addr(), n))?;
         match h.wait(Instant::now()) {

@@ -35,6 +35,11 @@ pub(crate) trait BatchSink: Send + Sync {
     fn should_stop(&self) -> bool {
         false
     }
+    /// [`Self::should_stop`] without reading the clock (cancelled, failed or done); the
+    /// engine core expires a batch whose deadline passed before submission itself.
+    fn is_stopped(&self) -> bool {
+        false
+    }
 }
 
 impl BatchSink for BatchState {
@@ -49,6 +54,9 @@ impl BatchSink for BatchState {
     }
     fn should_stop(&self) -> bool {
         BatchState::should_stop(self)
+    }
+    fn is_stopped(&self) -> bool {
+        BatchState::is_stopped(self)
     }
 }
 
@@ -320,7 +328,8 @@ impl VerbsConn {
         // A lone WRITE with a notification leaves nothing before the held WR. A single WR
         // goes to QP 0, as striping would put it, without building a queue per QP.
         let posted = match wrs.len() {
-            0 => true,
+            // A tag alone: nothing to post before it, unless the batch already expired.
+            0 => !ctl.sink.is_stopped(),
             1 => self.post_queues(&ctl, &mut [WrQueue::new(wrs)], deadline)?,
             _ => self.post_queues(&ctl, &mut stripe(wrs, self.qps.len()), deadline)?,
         };
@@ -473,8 +482,9 @@ impl VerbsConn {
     ) -> Result<bool, Error> {
         // When the windows first stalled: a post that never waits reads no clock.
         let mut stalled: Option<Instant> = None;
-        // A batch that was just built cannot have been cancelled or timed out yet: check
-        // (which reads the clock) only from the second round on.
+        // The first round checks the batch without the clock: the core has just stamped
+        // it and failed it already if its deadline had passed. Later rounds (window full
+        // meanwhile) read the clock.
         let mut first = true;
         loop {
             if self.is_broken() {
@@ -482,7 +492,12 @@ impl VerbsConn {
                 ctl.fail(e.clone());
                 return Err(e);
             }
-            if !std::mem::take(&mut first) && ctl.sink.should_stop() {
+            let stop = if std::mem::take(&mut first) {
+                ctl.sink.is_stopped()
+            } else {
+                ctl.sink.should_stop()
+            };
+            if stop {
                 return Ok(false);
             }
             let mut progressed = false;
