@@ -339,6 +339,8 @@ impl PreparedBatch {
                     progress.clone(),
                 )
                 .keeping(Arc::clone(cell));
+                // As `submit`: a run whose deadline has already passed is not posted.
+                state.expire_if_due(now);
                 *handle = Some(state.handle());
                 conn.post(state, ops.clone(), tag)?;
             }
