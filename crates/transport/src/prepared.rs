@@ -101,8 +101,9 @@ impl RunCell {
         }
     }
 
+    /// A new run. The previous run's error needs no clearing: it is read only in the
+    /// FAILED state, which only a new `fail` (overwriting it) can enter.
     fn begin(&self) {
-        *self.error.lock().unwrap_or_else(|p| p.into_inner()) = None;
         self.state.store(RUNNING, Ordering::Release);
     }
 

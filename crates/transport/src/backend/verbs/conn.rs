@@ -74,7 +74,6 @@ impl BatchSink for RunCell {
 /// [`VerbsConn::post_prepared`].
 pub(crate) struct PreparedChain {
     wrs: Wrs,
-    bytes: u64,
     /// Reused by every run: reset by the poster once nothing else holds it (the previous
     /// run's group has been retired and dropped).
     ctl: Arc<BatchCtl>,
@@ -367,7 +366,6 @@ impl VerbsConn {
         if wrs.is_empty() || wrs.len() > cap {
             return None;
         }
-        let bytes = wrs.iter().map(PlannedWr::len).sum();
         let ctl = Arc::new(BatchCtl {
             sink: CtlSink::from(cell),
             pending: AtomicU64::new(0),
@@ -375,7 +373,7 @@ impl VerbsConn {
             tag: None,
             done: AtomicBool::new(true),
         });
-        Some(PreparedChain { wrs, bytes, ctl })
+        Some(PreparedChain { wrs, ctl })
     }
 
     /// Posts one run of a prepared chain on QP 0, its last WR signalled (one group for the
@@ -412,46 +410,20 @@ impl VerbsConn {
         c.ctl.done.store(false, Ordering::Release);
         c.ctl.pending.store(n as u64 + 1, Ordering::Release);
         self.poller.kick();
-        let slot = &self.qps[0];
         loop {
-            let mut qp = lock(&slot.qp);
-            let first = {
-                let mut t = lock(&slot.track);
-                (t.available() as usize >= n).then(|| {
-                    let first = t.reserve(n as u32);
-                    t.push(Group {
-                        last_seq: (first + n as u64 - 1) & SEQ_MASK,
-                        wrs: n as u32,
-                        bytes: c.bytes,
-                        owner: Arc::clone(&c.ctl),
-                    });
-                    first
-                })
-            };
-            if let Some(first) = first {
-                let specs = c.wrs.iter().enumerate().map(|(k, w)| {
-                    let last = k + 1 == n;
-                    WrSpec {
-                        wr_id: encode_wr_id(WrKind::Data, 0, (first + k as u64) & SEQ_MASK),
-                        signaled: last,
-                        dir: w.dir,
-                        remote: w.remote,
-                        rkey: w.rkey,
-                        sges: &w.sges,
-                        imm: if last { imm } else { None },
-                    }
-                });
-                // SAFETY: the SGEs come from ops the engine core validated against live
-                // registrations when the batch was prepared; the run cell the chain's
-                // control holds keeps those regions pinned until this run's group has
-                // been retired or the QP is destroyed (graveyard).
-                if let Err(e) = unsafe { qp.post_chain(specs) } {
+            let mut qp = lock(&self.qps[0].qp);
+            // SAFETY: the SGEs come from ops the engine core validated against live
+            // registrations when the batch was prepared; the run cell the chain's control
+            // holds keeps those regions pinned until this run's group has been retired or
+            // the QP is destroyed (graveyard).
+            match unsafe { self.post_run_on_qp0(&mut qp, &c.ctl, &c.wrs, WrKind::Data, imm) } {
+                Ok(true) => break,
+                Ok(false) => {}
+                Err(e) => {
                     drop(qp);
                     self.break_conn(e.clone());
                     return Err(e);
                 }
-                slot.progressed();
-                break;
             }
             drop(qp);
             if let Err(e) = stall("window full") {
@@ -681,9 +653,10 @@ impl VerbsConn {
             // sideway passes the immediate through as raw `__be32`; send network order so
             // C peers reading it with ntohl agree.
             let imm = ctl.tag.unwrap_or(0).to_be();
+            let one = std::slice::from_ref(&w);
             // SAFETY: as in `post_some`: the SGEs are from validated ops whose regions stay
             // registered until the batch finishes; an empty list is a zero-length write.
-            match unsafe { self.post_one_on_qp0(&mut qp, &ctl, &w, WrKind::Notify, Some(imm)) } {
+            match unsafe { self.post_run_on_qp0(&mut qp, &ctl, one, WrKind::Notify, Some(imm)) } {
                 Ok(true) => {}
                 Ok(false) => {
                     lock(&self.deferred).push_front((ctl, w));
@@ -699,47 +672,53 @@ impl VerbsConn {
         }
     }
 
-    /// Posts `w` on QP 0 (whose post lock the caller holds as `qp`) as one signalled WR
-    /// owned by `ctl`, with `imm` if given. `Ok(false)`: the window is full, nothing posted.
+    /// Posts `wrs` on QP 0 (whose post lock the caller holds as `qp`) as one chain owned
+    /// by `ctl`, all or nothing: one group whose last WR alone is signalled and carries
+    /// `imm` if given (RC retires the WRs before it with its completion). `Ok(false)`: the
+    /// window has no room for all of them, nothing posted.
     ///
     /// # Safety
-    /// `w`'s SGEs point into memory registered under their lkeys that stays valid until
-    /// the WR's completion has been polled or the QP is destroyed (none for a zero-length
-    /// WRITE).
-    unsafe fn post_one_on_qp0(
+    /// The SGEs of `wrs` point into memory registered under their lkeys that stays valid
+    /// until the chain's completion has been polled or the QP is destroyed (none for a
+    /// zero-length WRITE).
+    unsafe fn post_run_on_qp0(
         &self,
         qp: &mut RcQp,
         ctl: &Arc<BatchCtl>,
-        w: &PlannedWr,
+        wrs: &[PlannedWr],
         kind: WrKind,
         imm: Option<u32>,
     ) -> Result<bool, Error> {
         let slot = &self.qps[0];
-        let seq = {
+        let n = wrs.len();
+        let first = {
             let mut t = lock(&slot.track);
-            if t.available() == 0 {
+            if n == 0 || (t.available() as usize) < n {
                 return Ok(false);
             }
-            let seq = t.reserve(1);
+            let first = t.reserve(n as u32);
             t.push(Group {
-                last_seq: seq,
-                wrs: 1,
-                bytes: w.len(),
+                last_seq: (first + n as u64 - 1) & SEQ_MASK,
+                wrs: n as u32,
+                bytes: wrs.iter().map(PlannedWr::len).sum(),
                 owner: Arc::clone(ctl),
             });
-            seq
+            first
         };
-        let spec = WrSpec {
-            wr_id: encode_wr_id(kind, 0, seq),
-            signaled: true,
-            dir: w.dir,
-            remote: w.remote,
-            rkey: w.rkey,
-            sges: &w.sges,
-            imm,
-        };
+        let specs = wrs.iter().enumerate().map(|(k, w)| {
+            let last = k + 1 == n;
+            WrSpec {
+                wr_id: encode_wr_id(kind, 0, (first + k as u64) & SEQ_MASK),
+                signaled: last,
+                dir: w.dir,
+                remote: w.remote,
+                rkey: w.rkey,
+                sges: &w.sges,
+                imm: if last { imm } else { None },
+            }
+        });
         // SAFETY: forwarded from this fn's contract.
-        unsafe { qp.post_chain([spec]) }?;
+        unsafe { qp.post_chain(specs) }?;
         slot.progressed();
         Ok(true)
     }
@@ -956,7 +935,8 @@ impl VerbsConn {
         let w = PlannedWr::zero_length_write();
         // SAFETY: a zero-length WRITE has no SGE: no local memory is read, and the
         // responder checks no rkey and writes nothing. A full window skips this round.
-        unsafe { self.post_one_on_qp0(qp, &ctl, &w, WrKind::Data, None) }.map(drop)
+        unsafe { self.post_run_on_qp0(qp, &ctl, std::slice::from_ref(&w), WrKind::Data, None) }
+            .map(drop)
     }
 
     /// Whether any WR (data or notification) is in flight or a notification waits for
