@@ -8,6 +8,8 @@ mod devices;
 mod layout_cmd;
 
 use clap::{Parser, Subcommand};
+use std::io::IsTerminal;
+use tracing_subscriber::filter::LevelFilter;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -45,6 +47,7 @@ fn main() {
             std::process::exit(2);
         }
     };
+    init_logging();
     let result = match cli.command {
         Some(Command::Layout(cmd)) => layout_cmd::run(cmd),
         Some(Command::Bench(args)) => bench::run(args),
@@ -56,5 +59,50 @@ fn main() {
         // One line on stderr naming the problem; the chain is joined with ": ".
         eprintln!("pagewire: error: {err:#}");
         std::process::exit(1);
+    }
+}
+
+/// The libraries report through `tracing` (a broken connection, a deregistration that
+/// failed, the device opened): print those events on stderr at the level
+/// `PAGEWIRE_LOG` names (`off`, `error`, `warn`, `info`, `debug`, `trace`; `warn` when
+/// unset). An unknown value is said once and the default kept.
+fn init_logging() {
+    let var = std::env::var("PAGEWIRE_LOG").ok();
+    let (level, bad) = log_level(var.as_deref());
+    tracing_subscriber::fmt()
+        .with_max_level(level)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .with_target(false)
+        .init();
+    if let Some(v) = bad {
+        eprintln!(
+            "pagewire: PAGEWIRE_LOG={v:?} is not a level (off|error|warn|info|debug|trace); using warn"
+        );
+    }
+}
+
+/// The level `PAGEWIRE_LOG` asks for, and the value itself when it names none.
+fn log_level(v: Option<&str>) -> (LevelFilter, Option<&str>) {
+    match v.map(str::trim) {
+        None | Some("") => (LevelFilter::WARN, None),
+        Some(s) => match s.parse::<LevelFilter>() {
+            Ok(l) => (l, None),
+            Err(_) => (LevelFilter::WARN, Some(s)),
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn log_level_parses_names_and_keeps_warn_otherwise() {
+        assert_eq!(log_level(None), (LevelFilter::WARN, None));
+        assert_eq!(log_level(Some("")), (LevelFilter::WARN, None));
+        assert_eq!(log_level(Some("debug")), (LevelFilter::DEBUG, None));
+        assert_eq!(log_level(Some(" OFF ")), (LevelFilter::OFF, None));
+        assert_eq!(log_level(Some("loud")), (LevelFilter::WARN, Some("loud")));
     }
 }

@@ -725,19 +725,37 @@ impl VerbsConn {
 
     /// Marks the connection broken (first reason wins) and fails every batch with WRs on it.
     pub fn break_conn(&self, err: Error) {
-        if !self.broken.swap(true, Ordering::AcqRel) {
-            tracing::warn!(conn = %self.label, error = %err, "verbs connection broken");
+        self.stop(err, false);
+    }
+
+    /// `break_conn` for an error (`deliberate` false: logged as a warning) or for a close
+    /// the engine asked for, which is logged as a warning only if it cut work short.
+    fn stop(&self, err: Error, deliberate: bool) {
+        let first = !self.broken.swap(true, Ordering::AcqRel);
+        if first {
             *lock(&self.reason) = Some(err.clone());
         }
+        let mut cut = 0u64;
         for slot in &self.qps {
             let groups = lock(&slot.track).drain_all();
             for g in groups {
+                cut += u64::from(g.wrs);
                 g.owner.fail(err.clone());
                 lock(&self.graveyard).push(g.owner);
             }
         }
         for (ctl, _) in lock(&self.deferred).drain(..) {
+            cut += 1;
             ctl.fail(err.clone());
+        }
+        if first {
+            if !deliberate {
+                tracing::warn!(conn = %self.label, error = %err, "verbs connection broken");
+            } else if cut > 0 {
+                tracing::warn!(conn = %self.label, error = %err, in_flight = cut, "verbs connection closed with work requests in flight");
+            } else {
+                tracing::debug!(conn = %self.label, reason = %err, "verbs connection closed");
+            }
         }
         // Stop the QPs (no more DMA, the peer's QPs see errors). A QP busy posting is
         // skipped: its poster sees `broken` next and `close` moves it later.
@@ -750,7 +768,7 @@ impl VerbsConn {
 
     /// Moves every QP to ERR (so the peer notices) and fails what is in flight with `err`.
     pub fn close(&self, err: Error) {
-        self.break_conn(err);
+        self.stop(err, true);
         for slot in &self.qps {
             lock(&slot.qp).move_to_error();
         }
