@@ -128,7 +128,8 @@ pub(crate) trait PreparedLane: Send + Sync {
     /// reports into the [`RunCell`] the lane was built with. `Err`: nothing was posted, or
     /// the connection broke while posting.
     fn start(&self, tag: Option<u32>, stall_limit: Duration) -> Result<()>;
-    /// Reaps this connection's completions once on the calling thread.
+    /// Reaps this connection's send completions once on the calling thread (a run ends
+    /// with a send completion; the engine-wide rounds reap the receive side).
     fn poll(&self) -> usize;
 }
 
@@ -384,8 +385,10 @@ impl PreparedBatch {
             return Some(Ok(()));
         }
         let r = match &self.path {
-            Path::Lane { lane, cell, .. } => cell.outcome().or_else(|| {
-                lane.poll();
+            // Engine-wide: a caller spinning here makes the completion thread step
+            // aside, so this round must also reap what nobody else waits for.
+            Path::Lane { cell, progress, .. } => cell.outcome().or_else(|| {
+                progress.poll_once();
                 cell.outcome()
             }),
             Path::Resubmit { handle, .. } => match handle.as_ref().map(TransferHandle::status) {
@@ -417,10 +420,11 @@ fn wait_lane(
         Ok(r) => return r,
         Err(first_clock) => first_clock.unwrap_or_else(Instant::now),
     };
-    // Past the spin budget: poll with growing naps (the completion thread reaps too).
+    // Past the spin budget: poll with growing naps. Engine-wide, as these polls keep the
+    // completion thread stepping aside: other connections must not stall behind a long run.
     let mut nap = Duration::from_micros(50);
     loop {
-        lane.poll();
+        engine.poll_once();
         if let Some(r) = cell.outcome() {
             return r;
         }
@@ -441,6 +445,56 @@ mod tests {
     fn prepared_batches_move_between_threads() {
         fn send_sync<T: Send + Sync>() {}
         send_sync::<PreparedBatch>();
+    }
+
+    /// A lane whose run completes once the engine-wide rounds have reaped `after` times.
+    #[derive(Debug)]
+    struct Engine {
+        polls: AtomicU32,
+        after: u32,
+        cell: Arc<RunCell>,
+    }
+
+    impl Progress for Engine {
+        fn poll_once(&self) -> usize {
+            if self.polls.fetch_add(1, Ordering::SeqCst) + 1 == self.after {
+                self.cell.succeed();
+                return 1;
+            }
+            0
+        }
+        fn set_waiting(&self, _on: bool) {}
+        fn spin_budget(&self) -> Duration {
+            Duration::ZERO
+        }
+    }
+
+    struct Lane;
+
+    impl PreparedLane for Lane {
+        fn start(&self, _tag: Option<u32>, _stall_limit: Duration) -> Result<()> {
+            Ok(())
+        }
+        fn poll(&self) -> usize {
+            0
+        }
+    }
+
+    #[test]
+    fn a_long_wait_keeps_reaping_the_whole_engine() {
+        // Past the spin budget the waiter naps between polls; those polls make the
+        // completion thread step aside, so they must reap every connection, not only the
+        // lane's send queue (else other connections' batches stall behind this wait).
+        let cell = Arc::new(RunCell::new(Pins::new()));
+        cell.begin();
+        let engine = Engine {
+            polls: AtomicU32::new(0),
+            after: 3,
+            cell: Arc::clone(&cell),
+        };
+        let r = wait_lane(&Lane, &cell, &engine, Instant::now() + Duration::from_secs(5));
+        assert!(r.is_ok(), "{r:?}");
+        assert!(engine.polls.load(Ordering::SeqCst) >= 3);
     }
 
     #[test]

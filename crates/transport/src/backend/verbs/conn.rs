@@ -2,7 +2,7 @@
 //! windows, batch bookkeeping, the notification WRITE_WITH_IMM, and failure propagation.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -153,6 +153,47 @@ impl BatchCtl {
     }
 }
 
+/// Held notification WRs waiting for room on QP 0, with their count readable without the
+/// lock: every poll round checks it, and it is almost always zero.
+#[derive(Default)]
+struct Deferred {
+    q: Mutex<VecDeque<(Arc<BatchCtl>, PlannedWr)>>,
+    len: AtomicUsize,
+}
+
+impl Deferred {
+    fn push_back(&self, e: (Arc<BatchCtl>, PlannedWr)) {
+        let mut q = lock(&self.q);
+        q.push_back(e);
+        self.len.store(q.len(), Ordering::Release);
+    }
+
+    fn push_front(&self, e: (Arc<BatchCtl>, PlannedWr)) {
+        let mut q = lock(&self.q);
+        q.push_front(e);
+        self.len.store(q.len(), Ordering::Release);
+    }
+
+    fn pop_front(&self) -> Option<(Arc<BatchCtl>, PlannedWr)> {
+        let mut q = lock(&self.q);
+        let e = q.pop_front();
+        self.len.store(q.len(), Ordering::Release);
+        e
+    }
+
+    fn take_all(&self) -> VecDeque<(Arc<BatchCtl>, PlannedWr)> {
+        let mut q = lock(&self.q);
+        self.len.store(0, Ordering::Release);
+        std::mem::take(&mut *q)
+    }
+
+    /// A hint: an entry pushed meanwhile is posted by its pusher (`release` posts right
+    /// after pushing) or by the next round.
+    fn is_empty(&self) -> bool {
+        self.len.load(Ordering::Acquire) == 0
+    }
+}
+
 struct QpSlot {
     /// Post lock: sequence numbers are reserved and posted under it, so send-queue order and
     /// in-flight order agree.
@@ -206,7 +247,7 @@ pub(crate) struct VerbsConn {
     reason: Mutex<Option<Error>>,
     notify: Option<Arc<dyn TagSink>>,
     peer: PeerId,
-    deferred: Mutex<VecDeque<(Arc<BatchCtl>, PlannedWr)>>,
+    deferred: Deferred,
     /// Batches failed by a broken connection while WRs of theirs may still sit in a send
     /// queue: kept (with the regions they pin) until the QPs are destroyed with `self`.
     graveyard: Mutex<Vec<Arc<BatchCtl>>>,
@@ -265,7 +306,7 @@ impl VerbsConn {
             reason: Mutex::new(None),
             notify,
             peer,
-            deferred: Mutex::new(VecDeque::new()),
+            deferred: Deferred::default(),
             graveyard: Mutex::new(Vec::new()),
             reaping: Mutex::new(Vec::new()),
             poller: Arc::default(),
@@ -616,11 +657,16 @@ impl VerbsConn {
         if ctl.done.load(Ordering::Acquire) {
             return;
         }
-        let held = lock(&ctl.held).take();
+        // Only a batch with a tag ever holds a WR back: the others skip the lock.
+        let held = if ctl.tag.is_some() {
+            lock(&ctl.held).take()
+        } else {
+            None
+        };
         match held {
             Some(w) => {
                 ctl.pending.store(1, Ordering::Release);
-                lock(&self.deferred).push_back((Arc::clone(ctl), w));
+                self.deferred.push_back((Arc::clone(ctl), w));
                 self.post_deferred();
             }
             None => {
@@ -637,7 +683,7 @@ impl VerbsConn {
         loop {
             if self.is_broken() {
                 let e = self.broken_err();
-                for (ctl, _) in lock(&self.deferred).drain(..) {
+                for (ctl, _) in self.deferred.take_all() {
                     ctl.fail(e.clone());
                 }
                 return;
@@ -647,7 +693,7 @@ impl VerbsConn {
                 // A poster holds QP 0; it or the completion thread will retry.
                 return;
             };
-            let Some((ctl, w)) = lock(&self.deferred).pop_front() else {
+            let Some((ctl, w)) = self.deferred.pop_front() else {
                 return;
             };
             // sideway passes the immediate through as raw `__be32`; send network order so
@@ -659,7 +705,7 @@ impl VerbsConn {
             match unsafe { self.post_run_on_qp0(&mut qp, &ctl, one, WrKind::Notify, Some(imm)) } {
                 Ok(true) => {}
                 Ok(false) => {
-                    lock(&self.deferred).push_front((ctl, w));
+                    self.deferred.push_front((ctl, w));
                     return;
                 }
                 Err(e) => {
@@ -744,7 +790,7 @@ impl VerbsConn {
                 lock(&self.graveyard).push(g.owner);
             }
         }
-        for (ctl, _) in lock(&self.deferred).drain(..) {
+        for (ctl, _) in self.deferred.take_all() {
             cut += 1;
             ctl.fail(err.clone());
         }
@@ -777,6 +823,18 @@ impl VerbsConn {
     /// Polls both CQs once and handles what they held; returns how many completions that
     /// was. Returns 0 at once if another thread is reaping this connection right now.
     pub fn poll(&self) -> usize {
+        self.reap(true)
+    }
+
+    /// [`Self::poll`] of the send CQ alone, for a waiter on its own send completion (a
+    /// prepared run): the receive CQ is left to the engine-wide rounds, which still reap
+    /// it regularly (every 64th round of such a waiter, and the completion thread).
+    pub fn poll_send(&self) -> usize {
+        self.poller.caller_polled();
+        self.reap(false)
+    }
+
+    fn reap(&self, recv: bool) -> usize {
         let Ok(mut retired_buf) = self.reaping.try_lock() else {
             return 0;
         };
@@ -791,20 +849,22 @@ impl VerbsConn {
             }
             Err(e) => self.break_conn(e),
         }
-        match poll_cq(&self.recv_cq, &mut wcs) {
-            Ok(n) => {
-                handled += n;
-                for wc in &wcs[..n] {
-                    self.on_recv_wc(wc);
+        if recv {
+            match poll_cq(&self.recv_cq, &mut wcs) {
+                Ok(n) => {
+                    handled += n;
+                    for wc in &wcs[..n] {
+                        self.on_recv_wc(wc);
+                    }
                 }
+                Err(e) => self.break_conn(e),
             }
-            Err(e) => self.break_conn(e),
-        }
-        if !self.is_broken() {
-            self.replenish_recvs();
+            if !self.is_broken() {
+                self.replenish_recvs();
+            }
         }
         // Room freed by retired WRs only matters to held notifications waiting for it.
-        if !lock(&self.deferred).is_empty() {
+        if !self.deferred.is_empty() {
             self.post_deferred();
         }
         handled
@@ -928,7 +988,7 @@ impl VerbsConn {
             if qi == 0
                 && outstanding == 0
                 && idle >= HEARTBEAT_IDLE
-                && lock(&self.deferred).is_empty()
+                && self.deferred.is_empty()
                 && let Err(e) = self.post_heartbeat(&mut qp)
             {
                 drop(qp);
@@ -960,8 +1020,7 @@ impl VerbsConn {
     /// Whether any WR (data or notification) is in flight or a notification waits for
     /// window room: the completion thread keeps polling while this holds.
     pub fn has_outstanding(&self) -> bool {
-        self.qps.iter().any(|s| lock(&s.track).outstanding() > 0)
-            || !lock(&self.deferred).is_empty()
+        self.qps.iter().any(|s| lock(&s.track).outstanding() > 0) || !self.deferred.is_empty()
     }
 
     /// WRs in flight on all QPs.

@@ -233,7 +233,7 @@ impl PreparedLane for VerbsLane {
     }
 
     fn poll(&self) -> usize {
-        self.conn.poll_now()
+        self.conn.poll_send()
     }
 }
 
