@@ -140,6 +140,40 @@ fn read_bidirectional_and_latency_in_process() {
     );
 }
 
+/// `--perform_warm_up` (perftest's flag): one unmeasured TX depth before each size, for
+/// both directions of a bidirectional run; refused by the latency test.
+#[test]
+fn perform_warm_up_before_each_size() {
+    for test in ["write", "read"] {
+        let out = run(&[
+            "bench",
+            test,
+            "--transport",
+            "tcp",
+            "-a",
+            "-n",
+            "20",
+            "-b",
+            "--perform_warm_up",
+            "--verify",
+        ]);
+        let stdout = String::from_utf8(out.stdout).unwrap();
+        let r = rows(&stdout, " #bytes     #iterations    BW peak[MiB/sec]");
+        assert_eq!(r.len(), 23, "{test}: {stdout}");
+        assert!(r.iter().all(|row| row[1] == "20"), "{test}: {stdout}");
+    }
+    let out = pagewire()
+        .args(["bench", "lat", "--transport", "tcp", "--perform_warm_up"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("--perform_warm_up applies to the bandwidth"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 #[test]
 fn json_gives_one_record_per_size() {
     let out = run(&[

@@ -492,7 +492,12 @@ mod tests {
             after: 3,
             cell: Arc::clone(&cell),
         };
-        let r = wait_lane(&Lane, &cell, &engine, Instant::now() + Duration::from_secs(5));
+        let r = wait_lane(
+            &Lane,
+            &cell,
+            &engine,
+            Instant::now() + Duration::from_secs(5),
+        );
         assert!(r.is_ok(), "{r:?}");
         assert!(engine.polls.load(Ordering::SeqCst) >= 3);
     }

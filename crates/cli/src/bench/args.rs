@@ -170,6 +170,12 @@ pub struct PerfArgs {
     #[arg(long)]
     pub submit_each: bool,
 
+    /// write/read only: before each size, post one TX depth of its work requests and wait
+    /// for them, unmeasured, as perftest's flag of the same name does (the first size of
+    /// a run otherwise also pays for cold caches and, under emulation, translation).
+    #[arg(long = "perform_warm_up", alias = "perform-warm-up")]
+    pub perform_warm_up: bool,
+
     /// One JSON record per result row on stdout instead of the perftest table.
     #[arg(long)]
     pub json: bool,

@@ -89,6 +89,24 @@ mod tests {
     }
 
     #[test]
+    fn perform_warm_up_is_a_bandwidth_flag_sent_only_when_set() {
+        let (k, a) = perf(&["write"]);
+        assert!(!a.perform_warm_up);
+        let p = perf::sym_params(k, &a, &a.sizes(k));
+        // Absent, not false: a server that predates the flag still takes this client.
+        assert!(p.get("perform_warm_up").is_none(), "{p}");
+        for argv in [
+            &["read", "--perform_warm_up"][..],
+            &["write", "--perform-warm-up"],
+        ] {
+            let (k, a) = perf(argv);
+            assert!(a.perform_warm_up, "{argv:?}");
+            let p = perf::sym_params(k, &a, &a.sizes(k));
+            assert_eq!(p["perform_warm_up"], true, "{p}");
+        }
+    }
+
+    #[test]
     fn perftest_spellings() {
         let (k, a) = perf(&[
             "write",

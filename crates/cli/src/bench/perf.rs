@@ -34,8 +34,8 @@ use super::session::{self, EngineOpts, Local};
 use super::stats::{self, BwResult, BwSamples, LatResult};
 
 /// The flags both ends must agree on (perftest's symmetric flags, plus ours).
-fn sym_params(kind: TestKind, a: &PerfArgs, sizes: &[u64]) -> serde_json::Value {
-    serde_json::json!({
+pub(super) fn sym_params(kind: TestKind, a: &PerfArgs, sizes: &[u64]) -> serde_json::Value {
+    let mut p = serde_json::json!({
         "sizes": sizes,
         "iters": a.iters(kind),
         "duration": a.duration,
@@ -48,7 +48,13 @@ fn sym_params(kind: TestKind, a: &PerfArgs, sizes: &[u64]) -> serde_json::Value 
         "transport": a.transport,
         "poll_memory": a.poll_memory,
         "submit_each": a.submit_each,
-    })
+    });
+    // Only when set, so that a server without the flag still takes a client that does
+    // not use it.
+    if a.perform_warm_up {
+        p["perform_warm_up"] = true.into();
+    }
+    p
 }
 
 fn engine_opts(kind: TestKind, a: &PerfArgs) -> EngineOpts {
@@ -76,6 +82,10 @@ pub fn run(kind: TestKind, args: PerfArgs) -> anyhow::Result<()> {
     ensure!(
         !args.submit_each || kind == TestKind::Lat,
         "--submit-each applies to the latency test only"
+    );
+    ensure!(
+        !args.perform_warm_up || kind != TestKind::Lat,
+        "--perform_warm_up applies to the bandwidth tests (write, read) only"
     );
     if args.poll_memory {
         ensure!(
@@ -373,6 +383,20 @@ impl End {
             };
             let total = a.iters(kind) * u64::from(a.qps);
             let dur = a.duration.map(Duration::from_secs_f64);
+            if a.perform_warm_up {
+                // One TX depth of this size's work requests per QP, unmeasured.
+                self.bw_loop(
+                    op,
+                    local,
+                    remote,
+                    size,
+                    u64::from(a.tx_depth(kind)) * u64::from(a.qps),
+                    None,
+                    a.tx_depth(kind),
+                    a.cq_mod(kind),
+                )
+                .context("warming up")?;
+            }
             let samples = self.bw_loop(
                 op,
                 local,
@@ -408,10 +432,13 @@ impl End {
         // side that waited only `timeout` here dropped its engine under a long run (the
         // initiator then saw "peer gone"). A peer that dies still shows up at once as EOF.
         let cq = u64::from(a.cq_mod(kind).max(1));
-        let waits = match a.duration {
+        let mut waits = match a.duration {
             Some(_) => u64::from(a.tx_depth(kind)).div_ceil(cq),
             None => (a.iters(kind) * u64::from(a.qps)).div_ceil(cq),
         };
+        if a.perform_warm_up {
+            waits += (u64::from(a.tx_depth(kind)) * u64::from(a.qps)).div_ceil(cq);
+        }
         let waits = u32::try_from(waits.saturating_add(1)).unwrap_or(u32::MAX);
         let run = Duration::try_from_secs_f64(a.duration.unwrap_or(0.0))
             .unwrap_or(Duration::MAX)
