@@ -19,9 +19,6 @@
 #                            fewer, each size is one or two batches and pagewire's fixed
 #                            per-batch cost dominates; the 3-run rdma section takes ~6 min)
 #   --lat-iters N            ping-pong iterations for the latency tests (default 1000)
-#   --no-warm-up             run the bandwidth sweeps without --perform_warm_up (by default
-#                            both tools get it: one unmeasured TX depth before each size, so
-#                            the first sizes do not also time cold code paths)
 #   --device DEV             RDMA device (default: $RDMA_DEVICE, else rxe0)
 #   --tcp-size SIZE          message size of pagewire's TCP runs (default 1M)
 #   --tcp-secs S             seconds per TCP run (default 5)
@@ -38,7 +35,6 @@ cd "$(dirname "$0")/.."
 
 section="" pages_n="" page_iters="" runs=3 iters=50 lat_iters=1000 dev="${RDMA_DEVICE:-rxe0}" tcp_size=1M tcp_secs=5
 streams="1 4" out="" pw="target/release/pagewire" raw="target/release/examples/raw_verbs_lat"
-warm="--perform_warm_up"
 while (($#)); do
     case "$1" in
         --section) section="$2"; shift 2 ;;
@@ -47,7 +43,6 @@ while (($#)); do
         --page-iters) page_iters="$2"; shift 2 ;;
         --iters) iters="$2"; shift 2 ;;
         --lat-iters) lat_iters="$2"; shift 2 ;;
-        --no-warm-up) warm=""; shift ;;
         --device) dev="$2"; shift 2 ;;
         --tcp-size) tcp_size="$2"; shift 2 ;;
         --tcp-secs) tcp_secs="$2"; shift 2 ;;
@@ -114,12 +109,12 @@ rdma_section() {
         for t in write read; do
             next_port
             pair "$out/raw/perftest_${t}_$r.txt" \
-                "ib_${t}_bw -d $dev -a -n $iters -F -p $port $warm" \
-                "ib_${t}_bw -d $dev -a -n $iters -F -p $port $warm 127.0.0.1"
+                "ib_${t}_bw -d $dev -a -n $iters -F -p $port" \
+                "ib_${t}_bw -d $dev -a -n $iters -F -p $port 127.0.0.1"
             next_port
             pair "$out/raw/pagewire_${t}_$r.txt" \
-                "$pw bench $t --server -d $dev --transport verbs -a -n $iters -p $port $warm" \
-                "$pw bench $t 127.0.0.1 -d $dev --transport verbs -a -n $iters -p $port $warm"
+                "$pw bench $t --server -d $dev --transport verbs -a -n $iters -p $port" \
+                "$pw bench $t 127.0.0.1 -d $dev --transport verbs -a -n $iters -p $port"
         done
         next_port
         pair "$out/raw/perftest_lat_$r.txt" \
@@ -153,9 +148,9 @@ rdma_section() {
     for f in perftest_write pagewire_write; do
         { echo; echo "### $f header (run $runs)"; echo; echo '```'; sed -n '1,/#bytes/p' "$out/raw/${f}_$runs.txt"; echo '```'; } >>"$out/rdma.md"
     done
-    python3 - "$out/raw" "$runs" rdma "$warm" >>"$out/rdma.md" <<'PY'
+    python3 - "$out/raw" "$runs" rdma >>"$out/rdma.md" <<'PY'
 import re, statistics, sys, os
-raw, runs, what, warm = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+raw, runs, what = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 row = re.compile(r"^\s*(\d+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)(.*)$")
 
 def table(path):
@@ -194,7 +189,6 @@ for test, title in (("write", "RDMA WRITE bandwidth, `-a`"), ("read", "RDMA READ
     pf, pw = runs_of("perftest", test), runs_of("pagewire", test)
     sizes = sorted(set().union(*[set(t) for t in pf + pw]))
     print(f"\n### {title} ({runs} runs; median [min, max]; ratio = pagewire/perftest per run)\n")
-    print("Both tools ran " + ("with `--perform_warm_up` (one unmeasured TX depth before each size)." if warm else "without warm-up.") + "\n")
     print("| bytes | perftest BW avg MiB/s | pagewire BW avg MiB/s | ratio BW | perftest Mpps | pagewire Mpps | ratio Mpps |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for s in sizes:
