@@ -179,6 +179,79 @@ mod suite {
         Ok(())
     }
 
+    /// A thread blocked posting a large batch (every window full, reaping on its own
+    /// thread) must not hold up what other peers send meanwhile: a notification from a
+    /// second peer reaches a thread that only blocks on the notification channel, without
+    /// polling, before the large batch has been posted. Both transfers land exactly.
+    pub fn blocked_poster_does_not_starve_others(kind: BackendKind) -> Result<()> {
+        let a = engine_with(config(kind).tx_depth(16).signal_every(4).qps_per_peer(1))?;
+        let (b, c) = (engine(kind)?, engine(kind)?);
+        const OP: usize = 1024;
+        let ops = (max_bytes() as usize / OP).min(8192);
+        let (mut src, _) = buffer(&a, ops * OP, Access::LOCAL_WRITE)?;
+        let (dst, _) = buffer(&b, ops * OP, Access::ALL)?;
+        let (mut csrc, _) = buffer(&c, 4096, Access::LOCAL_WRITE)?;
+        let (cdst, _) = buffer(&a, 4096, Access::ALL)?;
+        let (ab, _) = connect(&a, &b)?;
+        let (ca, ac) = connect(&c, &a)?;
+        fill_pattern(&mut src, 41);
+        fill_pattern(&mut csrc, 42);
+        // Ops in reverse order: nothing coalesces, so there are `ops` work requests.
+        let mut big = Batch::with_capacity(ops);
+        for k in (0..ops).rev() {
+            let off = (k * OP) as u64;
+            big.push(TransferOp {
+                op: Op::Write,
+                local: src.addr() + off,
+                remote: dst.addr() + off,
+                len: OP as u64,
+            });
+        }
+        let rx = a.notifications();
+        let started = Instant::now();
+        let big_done = std::thread::scope(|s| -> Result<Result<()>> {
+            let poster = s.spawn(|| -> Result<(Duration, Result<()>)> {
+                let h = a.submit(ab, big)?;
+                let posted = started.elapsed();
+                Ok((posted, h.wait(secs(120)).map(drop).map_err(Into::into)))
+            });
+            std::thread::sleep(Duration::from_millis(20));
+            c.submit(
+                ca,
+                Batch::new()
+                    .write(csrc.addr(), cdst.addr(), 4096)
+                    .notify(77),
+            )?
+            .wait(secs(30))?;
+            let sent = started.elapsed();
+            let n = rx
+                .recv_timeout(Duration::from_secs(60))
+                .context("the second peer's notification never arrived")?;
+            let got = started.elapsed();
+            ensure!(n.peer == ac && n.tag == 77, "unexpected {n:?}");
+            ensure!(
+                cdst[..] == csrc[..],
+                "the second peer's bytes were not in place"
+            );
+            let (posted, done) = poster.join().expect("poster panicked")?;
+            eprintln!(
+                "blocked poster: tag sent {sent:?}, received {got:?}; big batch posted {posted:?}"
+            );
+            // Only meaningful while the poster was still blocked well after the tag.
+            if posted > sent + Duration::from_millis(300) {
+                ensure!(
+                    got < posted,
+                    "the tag (sent at {sent:?}) arrived at {got:?}, only after the blocked \
+                     poster finished at {posted:?}"
+                );
+            }
+            Ok(done)
+        })?;
+        big_done?;
+        ensure!(dst[..] == src[..], "the large batch's bytes differ");
+        Ok(())
+    }
+
     /// Prepared batches: validated once, started many times. Every run sends what the
     /// source memory holds at that moment (zero copy), its notification carries the run's
     /// tag and finds the bytes in place; one run at a time; the local region stays pinned
@@ -1018,6 +1091,7 @@ macro_rules! all_backends {
                 write_read_sizes,
                 layout_plan_pages,
                 notify_only,
+                blocked_poster_does_not_starve_others,
                 prepared,
                 concurrency,
                 cancellation,

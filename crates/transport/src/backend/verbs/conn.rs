@@ -3,13 +3,13 @@
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use sideway::ibverbs::completion::BasicCompletionQueue;
 use sideway::ibverbs::queue_pair::QueuePairState;
 
-use super::engine::PollWake;
+use super::engine::{PollWake, PollerShared};
 use super::plan::{
     Dir, Group, InFlight, PlanOp, PlannedWr, SEQ_MASK, WrKind, WrQueue, Wrs, decode_wr_id,
     encode_wr_id, is_signaled, plan_wrs, stripe,
@@ -17,6 +17,7 @@ use super::plan::{
 use super::qp::{
     POLL_BATCH, RcQp, WC_RECV_RDMA_WITH_IMM, WC_SUCCESS, Wc, WrSpec, poll_cq, wc_status_name,
 };
+use crate::backend::Progress;
 use crate::backend::{BatchState, NotifySink, lock};
 use crate::engine::PeerId;
 use crate::error::Error;
@@ -227,6 +228,9 @@ impl QpSlot {
     }
 }
 
+/// Every this many reaping rounds, a thread waiting on one connection reaps the engine's.
+const ENGINE_REAP_EVERY: u32 = 64;
+
 /// A QP with WRs outstanding and no progress for this long counts as a dead peer.
 /// Hardware reports a dead peer itself (RETRY_EXC_ERR after `(retry_cnt + 1) x 4.096 us x
 /// 2^timeout` = 8 x 67 ms with our attributes); rxe on kernel 6.1 never completes WRs to
@@ -257,6 +261,9 @@ pub(crate) struct VerbsConn {
     reaping: Mutex<Vec<Group<Arc<BatchCtl>>>>,
     /// The engine's completion thread: kicked on every post so it polls at once.
     poller: Arc<PollWake>,
+    /// The engine's connections, reaped now and then by a thread that waits on this one
+    /// (see [`Self::reap_while_waiting`]).
+    engine: Weak<PollerShared>,
     label: String,
 }
 
@@ -310,15 +317,32 @@ impl VerbsConn {
             graveyard: Mutex::new(Vec::new()),
             reaping: Mutex::new(Vec::new()),
             poller: Arc::default(),
+            engine: Weak::new(),
             label,
         }
     }
 
     /// Kicks `poller` (the engine's completion thread) on every post instead of a private
     /// one nobody waits on.
-    pub fn with_poller(mut self, poller: Arc<PollWake>) -> Self {
-        self.poller = poller;
+    pub fn with_poller(mut self, engine: &Arc<PollerShared>) -> Self {
+        self.poller = Arc::clone(&engine.wake);
+        self.engine = Arc::downgrade(engine);
         self
+    }
+
+    /// One reaping round of a thread that waits on this connection (for window room, or
+    /// for the previous run to let go): this connection's CQs, and every 64th round the
+    /// whole engine's. These polls make the completion thread step aside, so batches and
+    /// notifications on other connections that nobody waits for would otherwise stall
+    /// for as long as this thread waits (a large transfer: seconds).
+    fn reap_while_waiting(&self, round: &mut u32) -> usize {
+        *round = round.wrapping_add(1);
+        if round.is_multiple_of(ENGINE_REAP_EVERY)
+            && let Some(e) = self.engine.upgrade()
+        {
+            return e.poll_once();
+        }
+        self.poll_now()
     }
 
     pub fn is_broken(&self) -> bool {
@@ -439,10 +463,11 @@ impl VerbsConn {
             }
             Ok(())
         };
+        let mut round = 0u32;
         // The reaper that completed the previous run may still be dropping its reference.
         while Arc::strong_count(&c.ctl) > 1 {
             stall("previous run still referenced")?;
-            if self.poll_now() == 0 {
+            if self.reap_while_waiting(&mut round) == 0 {
                 std::thread::yield_now();
             }
         }
@@ -475,7 +500,7 @@ impl VerbsConn {
                 c.ctl.done.store(true, Ordering::Release);
                 return Err(self.broken_err());
             }
-            if self.poll_now() == 0 {
+            if self.reap_while_waiting(&mut round) == 0 {
                 std::thread::yield_now();
             }
         }
@@ -495,6 +520,7 @@ impl VerbsConn {
     ) -> Result<bool, Error> {
         // When the windows first stalled: a post that never waits reads no clock.
         let mut stalled: Option<Instant> = None;
+        let mut round = 0u32;
         // The first round checks the batch without the clock: the core has just stamped
         // it and failed it already if its deadline had passed. Later rounds (window full
         // meanwhile) read the clock.
@@ -543,7 +569,7 @@ impl VerbsConn {
                 // Every window is full: reap completions on this thread rather than
                 // sleep until the completion thread does (it backs off while callers
                 // poll), as perftest's posting loop does.
-                if self.poll_now() == 0 {
+                if self.reap_while_waiting(&mut round) == 0 {
                     std::thread::yield_now();
                 }
             }

@@ -75,7 +75,7 @@ pub(crate) struct VerbsEndpoint {
 pub(crate) struct PollerShared {
     conns: Mutex<Vec<Weak<VerbsConn>>>,
     stop: AtomicBool,
-    wake: Arc<PollWake>,
+    pub(crate) wake: Arc<PollWake>,
     spin: Duration,
 }
 
@@ -435,7 +435,7 @@ impl PendingVerbs {
                 peer,
                 format!("{}#{seq} {peer}", e.dev.name),
             )
-            .with_poller(Arc::clone(&e.poller.wake)),
+            .with_poller(&e.poller),
         );
         e.adopt(&conn);
         Ok(conn)
