@@ -390,6 +390,7 @@ impl BatchState {
     }
 
     /// [`Self::should_stop`] without the clock: cancelled, failed or done.
+    #[cfg_attr(not(feature = "verbs"), allow(dead_code))] // only the verbs poster asks
     pub(crate) fn is_stopped(&self) -> bool {
         self.shared.cancel.load(Ordering::Acquire) || self.shared.finished.load(Ordering::Acquire)
     }

@@ -49,7 +49,7 @@
 //! # Ok(()) }
 //! ```
 
-use std::sync::atomic::{AtomicU8, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -86,6 +86,7 @@ impl RunCell {
     }
 
     /// The run completed successfully (ignored unless one is in flight).
+    #[cfg_attr(not(feature = "verbs"), allow(dead_code))] // only lanes report runs
     pub(crate) fn succeed(&self) {
         let _ = self
             .state
@@ -128,8 +129,8 @@ pub(crate) trait PreparedLane: Send + Sync {
     /// reports into the [`RunCell`] the lane was built with. `Err`: nothing was posted, or
     /// the connection broke while posting.
     fn start(&self, tag: Option<u32>, stall_limit: Duration) -> Result<()>;
-    /// Reaps this connection's send completions once on the calling thread (a run ends
-    /// with a send completion; the engine-wide rounds reap the receive side).
+    /// One reaping round of a thread waiting for the run (verbs: its connection's send
+    /// CQ, and now and then every connection of the engine).
     fn poll(&self) -> usize;
 }
 
@@ -137,13 +138,7 @@ pub(crate) trait PreparedLane: Send + Sync {
 struct LaneProgress<'a> {
     lane: &'a dyn PreparedLane,
     engine: &'a dyn Progress,
-    polls: AtomicU32,
 }
-
-/// Every this many polls of its own connection, a lane's waiter reaps all of the
-/// engine's: the completion thread steps aside while callers reap, and batches on other
-/// connections that nobody waits for must not stall behind a long wait here.
-const ENGINE_POLL_EVERY: u32 = 64;
 
 impl std::fmt::Debug for LaneProgress<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -153,10 +148,6 @@ impl std::fmt::Debug for LaneProgress<'_> {
 
 impl Progress for LaneProgress<'_> {
     fn poll_once(&self) -> usize {
-        let k = self.polls.fetch_add(1, Ordering::Relaxed);
-        if k % ENGINE_POLL_EVERY == ENGINE_POLL_EVERY - 1 {
-            return self.engine.poll_once();
-        }
         self.lane.poll()
     }
     fn set_waiting(&self, on: bool) {
@@ -185,6 +176,7 @@ enum Path {
 }
 
 /// What [`Engine::prepare`](crate::Engine::prepare) hands a backend to build a lane from.
+#[cfg_attr(not(feature = "verbs"), allow(dead_code))] // only verbs builds lanes
 pub(crate) struct LaneRequest<'a> {
     pub ops: &'a ResolvedOps,
     pub notify: Option<u32>,
@@ -411,11 +403,7 @@ fn wait_lane(
     engine: &dyn Progress,
     deadline: Instant,
 ) -> Result<()> {
-    let p = LaneProgress {
-        lane,
-        engine,
-        polls: AtomicU32::new(0),
-    };
+    let p = LaneProgress { lane, engine };
     let since = match busy_poll_since(&p, deadline, Yield::Often, || cell.outcome()) {
         Ok(r) => return r,
         Err(first_clock) => first_clock.unwrap_or_else(Instant::now),
@@ -440,6 +428,7 @@ fn wait_lane(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::atomic::AtomicU32;
 
     #[test]
     fn prepared_batches_move_between_threads() {

@@ -262,7 +262,7 @@ pub(crate) struct VerbsConn {
     /// The engine's completion thread: kicked on every post so it polls at once.
     poller: Arc<PollWake>,
     /// The engine's connections, reaped now and then by a thread that waits on this one
-    /// (see [`Self::reap_while_waiting`]).
+    /// (see [`Self::reap_waiting`]).
     engine: Weak<PollerShared>,
     label: String,
 }
@@ -330,19 +330,21 @@ impl VerbsConn {
         self
     }
 
-    /// One reaping round of a thread that waits on this connection (for window room, or
-    /// for the previous run to let go): this connection's CQs, and every 64th round the
-    /// whole engine's. These polls make the completion thread step aside, so batches and
-    /// notifications on other connections that nobody waits for would otherwise stall
-    /// for as long as this thread waits (a large transfer: seconds).
-    fn reap_while_waiting(&self, round: &mut u32) -> usize {
-        *round = round.wrapping_add(1);
-        if round.is_multiple_of(ENGINE_REAP_EVERY)
+    /// Round `round` (counted by the caller from 0) of a thread that waits on this
+    /// connection: for a prepared run's send completion (`send_only`: a run ends with
+    /// one), for window room, or for the previous run to let go. It reaps this
+    /// connection's CQs, and every [`ENGINE_REAP_EVERY`]th round the whole engine's
+    /// instead. These polls make the completion thread step aside, so batches and
+    /// notifications on other connections that nobody waits for would otherwise stall for
+    /// as long as this thread waits (a large transfer: seconds).
+    pub fn reap_waiting(&self, round: u32, send_only: bool) -> usize {
+        if round % ENGINE_REAP_EVERY == ENGINE_REAP_EVERY - 1
             && let Some(e) = self.engine.upgrade()
         {
             return e.poll_once();
         }
-        self.poll_now()
+        self.poller.caller_polled();
+        self.reap(!send_only)
     }
 
     pub fn is_broken(&self) -> bool {
@@ -467,7 +469,8 @@ impl VerbsConn {
         // The reaper that completed the previous run may still be dropping its reference.
         while Arc::strong_count(&c.ctl) > 1 {
             stall("previous run still referenced")?;
-            if self.reap_while_waiting(&mut round) == 0 {
+            round = round.wrapping_add(1);
+            if self.reap_waiting(round, false) == 0 {
                 std::thread::yield_now();
             }
         }
@@ -500,7 +503,8 @@ impl VerbsConn {
                 c.ctl.done.store(true, Ordering::Release);
                 return Err(self.broken_err());
             }
-            if self.reap_while_waiting(&mut round) == 0 {
+            round = round.wrapping_add(1);
+            if self.reap_waiting(round, false) == 0 {
                 std::thread::yield_now();
             }
         }
@@ -569,7 +573,8 @@ impl VerbsConn {
                 // Every window is full: reap completions on this thread rather than
                 // sleep until the completion thread does (it backs off while callers
                 // poll), as perftest's posting loop does.
-                if self.reap_while_waiting(&mut round) == 0 {
+                round = round.wrapping_add(1);
+                if self.reap_waiting(round, false) == 0 {
                     std::thread::yield_now();
                 }
             }
@@ -850,14 +855,6 @@ impl VerbsConn {
     /// was. Returns 0 at once if another thread is reaping this connection right now.
     pub fn poll(&self) -> usize {
         self.reap(true)
-    }
-
-    /// [`Self::poll`] of the send CQ alone, for a waiter on its own send completion (a
-    /// prepared run): the receive CQ is left to the engine-wide rounds, which still reap
-    /// it regularly (every 64th round of such a waiter, and the completion thread).
-    pub fn poll_send(&self) -> usize {
-        self.poller.caller_polled();
-        self.reap(false)
     }
 
     fn reap(&self, recv: bool) -> usize {

@@ -502,8 +502,8 @@ fn completion_loop(shared: &PollerShared) {
     let _ = wake.thread.set(std::thread::current());
     let mut idle: u32 = 0;
     let mut naps: u32 = 0;
-    // Naps in a row while callers reap.
-    let mut caller_naps: u32 = 0;
+    // The next nap while callers reap: doubles with every nap in a row.
+    let mut caller_nap = CALLER_NAP;
     let mut seen_posts = wake.posts.load(Ordering::Acquire);
     let mut seen_callers = wake.callers.load(Ordering::Acquire);
     let mut last_active = Instant::now();
@@ -537,8 +537,8 @@ fn completion_loop(shared: &PollerShared) {
                 last_health = now;
             }
             wake.state.store(THREAD_YIELDING, Ordering::Release);
-            std::thread::park_timeout((CALLER_NAP * (1 << caller_naps.min(3))).min(CALLER_NAP_MAX));
-            caller_naps = caller_naps.saturating_add(1);
+            std::thread::park_timeout(caller_nap);
+            caller_nap = (caller_nap * 2).min(CALLER_NAP_MAX);
             wake.state.store(THREAD_HOT, Ordering::Release);
             // Callers may have stopped with work outstanding: the next rounds are hot.
             last_active = Instant::now();
@@ -546,7 +546,7 @@ fn completion_loop(shared: &PollerShared) {
             naps = 0;
             continue;
         }
-        caller_naps = 0;
+        caller_nap = CALLER_NAP;
         snapshot(&mut conns);
         if health_due {
             for c in &conns {

@@ -221,6 +221,8 @@ struct VerbsLane {
     conn: Arc<VerbsConn>,
     chain: conn::PreparedChain,
     peer: crate::engine::PeerId,
+    /// Waiting rounds so far (see `VerbsConn::reap_waiting`).
+    polls: std::sync::atomic::AtomicU32,
 }
 
 impl PreparedLane for VerbsLane {
@@ -233,7 +235,10 @@ impl PreparedLane for VerbsLane {
     }
 
     fn poll(&self) -> usize {
-        self.conn.poll_send()
+        let round = self
+            .polls
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.conn.reap_waiting(round, true)
     }
 }
 
@@ -258,6 +263,7 @@ impl Conn for VerbsPeerConn {
             conn: Arc::clone(&self.conn),
             chain,
             peer: self.peer,
+            polls: std::sync::atomic::AtomicU32::new(0),
         }))
     }
 
