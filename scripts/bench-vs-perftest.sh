@@ -7,11 +7,21 @@
 #   scripts/bench-vs-perftest.sh --section tcp                        # TCP part, on the host
 #
 # Options:
-#   --section S              rdma | tcp | pages | all, or a list such as "rdma pages"
+#   --section S              rdma | paired | tcp | pages | all, or a list such as "rdma pages"
 #                            (default: "rdma pages" if an RDMA device is visible, else
 #                            "tcp pages"). pages: `bench pages` (Llama-3-8B preset, random
 #                            pages) against `bench write` at the same bytes per work request,
-#                            on verbs when a device is visible, else on TCP.
+#                            on verbs when a device is visible, else on TCP. paired: the
+#                            targets' range measured in pairs (below).
+#   --pair-rounds N          rounds of the paired section (default 5). Each round runs, for
+#                            WRITE and READ and every size from 64 KiB to 8 MiB, perftest and
+#                            pagewire back to back with one size per process (`-s`), the order
+#                            alternating between rounds, then ib_write_lat and pagewire's two
+#                            latency loops in rotating order: a drift of the guest's speed
+#                            hits both sides of a pair, which the `-a` sweeps (minutes apart
+#                            per size) cannot promise. Ratios are per pair.
+#   --pair-mib N             MiB each paired bandwidth measurement moves (default 32; at
+#                            least 16 iterations per size)
 #   --pages N --page-iters N pages per batch and batches of the pages runs (default 8 and 5
 #                            on verbs, 32 and 20 on TCP)
 #   --runs N                 runs of every test (default 3)
@@ -33,12 +43,14 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-section="" pages_n="" page_iters="" runs=3 iters=50 lat_iters=1000 dev="${RDMA_DEVICE:-rxe0}" tcp_size=1M tcp_secs=5
+section="" pages_n="" page_iters="" runs=3 pair_rounds=5 pair_mib=32 iters=50 lat_iters=1000 dev="${RDMA_DEVICE:-rxe0}" tcp_size=1M tcp_secs=5
 streams="1 4" out="" pw="target/release/pagewire" raw="target/release/examples/raw_verbs_lat"
 while (($#)); do
     case "$1" in
         --section) section="$2"; shift 2 ;;
         --runs) runs="$2"; shift 2 ;;
+        --pair-rounds) pair_rounds="$2"; shift 2 ;;
+        --pair-mib) pair_mib="$2"; shift 2 ;;
         --pages) pages_n="$2"; shift 2 ;;
         --page-iters) page_iters="$2"; shift 2 ;;
         --iters) iters="$2"; shift 2 ;;
@@ -65,7 +77,7 @@ have_rdma=0
 if [[ -z "$section" ]]; then
     if ((have_rdma)); then section="rdma pages"; else section="tcp pages"; fi
 fi
-[[ "$section" == all ]] && section="rdma tcp pages"
+[[ "$section" == all ]] && section="rdma paired tcp pages"
 
 port=19000
 next_port() { port=$((port + 1)); }
@@ -228,6 +240,124 @@ PY
     cat "$out/rdma.md"
 }
 
+# The targets' range in pairs: one size per process, the two tools back to back.
+paired_section() {
+    command -v ib_write_bw >/dev/null || { echo "bench-vs-perftest: perftest is not installed" >&2; return 1; }
+    local r t s n k
+    local sizes="65536 131072 262144 524288 1048576 2097152 4194304 8388608"
+    run_pf() {
+        next_port
+        pair "$out/raw/pair_perftest_${t}_${s}_$r.txt" \
+            "ib_${t}_bw -d $dev -s $s -n $n -F -p $port" \
+            "ib_${t}_bw -d $dev -s $s -n $n -F -p $port 127.0.0.1"
+    }
+    run_pw() {
+        next_port
+        pair "$out/raw/pair_pagewire_${t}_${s}_$r.txt" \
+            "$pw bench $t --server -d $dev --transport verbs -s $s -n $n -p $port" \
+            "$pw bench $t 127.0.0.1 -d $dev --transport verbs -s $s -n $n -p $port"
+    }
+    lat_one() {
+        next_port
+        case "$1" in
+        perftest) pair "$out/raw/pair_perftest_lat_$r.txt" \
+            "ib_write_lat -d $dev -n $lat_iters -F -p $port" \
+            "ib_write_lat -d $dev -n $lat_iters -F -p $port 127.0.0.1" ;;
+        poll) pair "$out/raw/pair_pagewirepoll_lat_$r.txt" \
+            "$pw bench lat --server -d $dev --transport verbs -n $lat_iters -p $port --poll-memory" \
+            "$pw bench lat 127.0.0.1 -d $dev --transport verbs -n $lat_iters -p $port --poll-memory" ;;
+        notify) pair "$out/raw/pair_pagewire_lat_$r.txt" \
+            "$pw bench lat --server -d $dev --transport verbs -n $lat_iters -p $port" \
+            "$pw bench lat 127.0.0.1 -d $dev --transport verbs -n $lat_iters -p $port" ;;
+        esac
+    }
+    for ((r = 1; r <= pair_rounds; r++)); do
+        echo "paired round $r/$pair_rounds" >&2
+        for t in write read; do
+            for s in $sizes; do
+                n=$((pair_mib * 1048576 / s))
+                ((n < 16)) && n=16
+                if ((r % 2)); then run_pf; run_pw; else run_pw; run_pf; fi
+            done
+        done
+        local order=(perftest poll notify)
+        for ((k = 0; k < 3; k++)); do lat_one "${order[$(((k + r) % 3))]}"; done
+    done
+    {
+        echo "## RDMA in pairs: $dev, perftest vs pagewire, one size per process, back to back"
+        python3 - "$out/raw" "$pair_rounds" "$pair_mib" "$sizes" "$lat_iters" <<'PY'
+import re, statistics, sys, os
+raw, rounds, mib, sizes, lat_iters = sys.argv[1], int(sys.argv[2]), sys.argv[3], [int(x) for x in sys.argv[4].split()], sys.argv[5]
+row = re.compile(r"^\s*(\d+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)")
+
+def first_row(path, col):
+    """The first result row's column `col` (counted after #bytes and #iterations)."""
+    try:
+        lines = open(path).read().splitlines()
+    except OSError:
+        return None
+    seen = False
+    for l in lines:
+        if "#bytes" in l:
+            seen = True
+            continue
+        if seen and row.match(l):
+            nums = l.split()[2:]
+            return float(nums[col]) if len(nums) > col else None
+    return None
+
+def q(xs, p):
+    xs = sorted(xs)
+    i = p * (len(xs) - 1)
+    lo = int(i)
+    return xs[lo] + (xs[min(lo + 1, len(xs) - 1)] - xs[lo]) * (i - lo)
+
+def cell(xs, d=2):
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        return "n/a"
+    return f"{statistics.median(xs):.{d}f} [{min(xs):.{d}f}, {max(xs):.{d}f}]"
+
+print(f"\n{rounds} rounds. Each cell: median [min, max] over the rounds; a ratio is "
+      f"pagewire/perftest within one pair (the two runs back to back, order alternating by round). "
+      f"Each bandwidth run moves at least {mib} MiB (`-s SIZE -n max(16, {mib} MiB / SIZE)`); "
+      f"\"perftest spread\" is max/min of perftest's own runs of that size, the noise to read the ratios against.\n")
+for test, title in (("write", "RDMA WRITE"), ("read", "RDMA READ")):
+    print(f"\n### {title} bandwidth, 64 KiB-8 MiB, in pairs\n")
+    print("| bytes | perftest MiB/s | pagewire MiB/s | ratio | pairs >= 1.00 | perftest spread |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    at_or_above = 0
+    for s in sizes:
+        a = [first_row(os.path.join(raw, f"pair_perftest_{test}_{s}_{r}.txt"), 1) for r in range(1, rounds + 1)]
+        b = [first_row(os.path.join(raw, f"pair_pagewire_{test}_{s}_{r}.txt"), 1) for r in range(1, rounds + 1)]
+        rr = [y / x for x, y in zip(a, b) if x and y is not None]
+        ok = sum(1 for x in rr if x >= 1.0)
+        if rr and statistics.median(rr) >= 1.0:
+            at_or_above += 1
+        aa = [x for x in a if x]
+        spread = f"{max(aa) / min(aa):.2f}" if aa else "n/a"
+        print(f"| {s} | {cell(a)} | {cell(b)} | {cell(rr)} | {ok}/{len(rr)} | {spread} |")
+    print(f"\nSizes whose median ratio is at least 1.00: {at_or_above}/{len(sizes)}.")
+
+print(f"\n### RDMA WRITE latency, 2 bytes, in rounds (`-n {lat_iters}`; the three clients in rotating order each round; usec)\n")
+print("| client | t_typical | ratio t_typical | ratio q25-q75 | rounds within 1.10 | 99% | ratio 99% |")
+print("|---|---:|---:|---:|---:|---:|---:|")
+def lat(tool, col):
+    return [first_row(os.path.join(raw, f"pair_{tool}_lat_{r}.txt"), col) for r in range(1, rounds + 1)]
+pf_t, pf_99 = lat("perftest", 2), lat("perftest", 5)
+for label, tool in (("ib_write_lat (perftest)", "perftest"), ("pagewire, prepared, poll", "pagewirepoll"),
+                    ("pagewire, prepared, notify", "pagewire")):
+    t, p99 = lat(tool, 2), lat(tool, 5)
+    rt = [y / x for x, y in zip(pf_t, t) if x and y is not None]
+    r99 = [y / x for x, y in zip(pf_99, p99) if x and y is not None]
+    iqr = f"{q(rt, 0.25):.2f}-{q(rt, 0.75):.2f}" if rt else "n/a"
+    within = sum(1 for x in rt if x <= 1.10)
+    print(f"| {label} | {cell(t)} | {cell(rt)} | {iqr} | {within}/{len(rt)} | {cell(p99)} | {cell(r99)} |")
+PY
+    } >"$out/paired.md"
+    cat "$out/paired.md"
+}
+
 tcp_section() {
     command -v iperf3 >/dev/null || { echo "bench-vs-perftest: iperf3 is not installed" >&2; return 1; }
     local r s
@@ -342,9 +472,10 @@ rc=0
 for s in $section; do
     case "$s" in
         rdma) rdma_section || rc=1 ;;
+        paired) paired_section || rc=1 ;;
         tcp) tcp_section || rc=1 ;;
         pages) pages_section || rc=1 ;;
-        *) echo "bench-vs-perftest: unknown section $s (rdma, tcp, pages, all)" >&2; exit 2 ;;
+        *) echo "bench-vs-perftest: unknown section $s (rdma, paired, tcp, pages, all)" >&2; exit 2 ;;
     esac
 done
 echo "raw outputs: $out/raw" >&2
