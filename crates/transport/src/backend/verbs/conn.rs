@@ -41,6 +41,11 @@ pub(crate) trait BatchSink: Send + Sync {
     fn is_stopped(&self) -> bool {
         false
     }
+    /// Whether cutting this batch short loses work someone asked for. The connection's
+    /// own heartbeat does not: a close that flushes only a heartbeat is a clean close.
+    fn is_user_work(&self) -> bool {
+        true
+    }
 }
 
 impl BatchSink for BatchState {
@@ -816,7 +821,9 @@ impl VerbsConn {
         for slot in &self.qps {
             let groups = lock(&slot.track).drain_all();
             for g in groups {
-                cut += u64::from(g.wrs);
+                if g.owner.sink.is_user_work() {
+                    cut += u64::from(g.wrs);
+                }
                 g.owner.fail(err.clone());
                 lock(&self.graveyard).push(g.owner);
             }
@@ -1061,6 +1068,9 @@ impl BatchSink for Heartbeat {
     fn progress(&self, _wrs: usize, _bytes: u64) {}
     fn fail(&self, _err: Error) {}
     fn complete(&self) {}
+    fn is_user_work(&self) -> bool {
+        false
+    }
 }
 
 /// Records the outcome of a [`VerbsConn::probe`].
