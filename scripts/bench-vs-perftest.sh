@@ -22,6 +22,9 @@
 #                            per size) cannot promise. Ratios are per pair.
 #   --pair-mib N             MiB each paired bandwidth measurement moves (default 32; at
 #                            least 16 iterations per size)
+#   --pair-small-iters N     iterations of the paired small-message runs (2, 8, 64 and 512 B,
+#                            WRITE and READ, message rate; default 5000, perftest's -n for
+#                            ib_write_bw, so a process's first batch weighs little)
 #   --pages N --page-iters N pages per batch and batches of the pages runs (default 8 and 5
 #                            on verbs, 32 and 20 on TCP)
 #   --runs N                 runs of every test (default 3)
@@ -43,7 +46,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-section="" pages_n="" page_iters="" runs=3 pair_rounds=5 pair_mib=32 iters=50 lat_iters=1000 dev="${RDMA_DEVICE:-rxe0}" tcp_size=1M tcp_secs=5
+section="" pages_n="" page_iters="" runs=3 pair_rounds=5 pair_mib=32 pair_small_iters=5000 iters=50 lat_iters=1000 dev="${RDMA_DEVICE:-rxe0}" tcp_size=1M tcp_secs=5
 streams="1 4" out="" pw="target/release/pagewire" raw="target/release/examples/raw_verbs_lat"
 while (($#)); do
     case "$1" in
@@ -51,6 +54,7 @@ while (($#)); do
         --runs) runs="$2"; shift 2 ;;
         --pair-rounds) pair_rounds="$2"; shift 2 ;;
         --pair-mib) pair_mib="$2"; shift 2 ;;
+        --pair-small-iters) pair_small_iters="$2"; shift 2 ;;
         --pages) pages_n="$2"; shift 2 ;;
         --page-iters) page_iters="$2"; shift 2 ;;
         --iters) iters="$2"; shift 2 ;;
@@ -245,6 +249,7 @@ paired_section() {
     command -v ib_write_bw >/dev/null || { echo "bench-vs-perftest: perftest is not installed" >&2; return 1; }
     local r t s n k
     local sizes="65536 131072 262144 524288 1048576 2097152 4194304 8388608"
+    local small="2 8 64 512"
     run_pf() {
         next_port
         pair "$out/raw/pair_perftest_${t}_${s}_$r.txt" \
@@ -274,6 +279,10 @@ paired_section() {
     for ((r = 1; r <= pair_rounds; r++)); do
         echo "paired round $r/$pair_rounds" >&2
         for t in write read; do
+            for s in $small; do
+                n=$pair_small_iters
+                if ((r % 2)); then run_pf; run_pw; else run_pw; run_pf; fi
+            done
             for s in $sizes; do
                 n=$((pair_mib * 1048576 / s))
                 ((n < 16)) && n=16
@@ -285,9 +294,10 @@ paired_section() {
     done
     {
         echo "## RDMA in pairs: $dev, perftest vs pagewire, one size per process, back to back"
-        python3 - "$out/raw" "$pair_rounds" "$pair_mib" "$sizes" "$lat_iters" <<'PY'
+        python3 - "$out/raw" "$pair_rounds" "$pair_mib" "$sizes" "$lat_iters" "$small" "$pair_small_iters" <<'PY'
 import re, statistics, sys, os
 raw, rounds, mib, sizes, lat_iters = sys.argv[1], int(sys.argv[2]), sys.argv[3], [int(x) for x in sys.argv[4].split()], sys.argv[5]
+small, small_iters = [int(x) for x in sys.argv[6].split()], sys.argv[7]
 row = re.compile(r"^\s*(\d+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)")
 
 def first_row(path, col):
@@ -338,6 +348,19 @@ for test, title in (("write", "RDMA WRITE"), ("read", "RDMA READ")):
         spread = f"{max(aa) / min(aa):.2f}" if aa else "n/a"
         print(f"| {s} | {cell(a)} | {cell(b)} | {cell(rr)} | {ok}/{len(rr)} | {spread} |")
     print(f"\nSizes whose median ratio is at least 1.00: {at_or_above}/{len(sizes)}.")
+
+for test, title in (("write", "RDMA WRITE"), ("read", "RDMA READ")):
+    print(f"\n### {title} message rate, small messages, in pairs (`-s SIZE -n {small_iters}`)\n")
+    print("| bytes | perftest Mpps | pagewire Mpps | ratio | pairs >= 0.90 | perftest spread |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for s in small:
+        a = [first_row(os.path.join(raw, f"pair_perftest_{test}_{s}_{r}.txt"), 2) for r in range(1, rounds + 1)]
+        b = [first_row(os.path.join(raw, f"pair_pagewire_{test}_{s}_{r}.txt"), 2) for r in range(1, rounds + 1)]
+        rr = [y / x for x, y in zip(a, b) if x and y is not None]
+        ok = sum(1 for x in rr if x >= 0.9)
+        aa = [x for x in a if x]
+        spread = f"{max(aa) / min(aa):.2f}" if aa else "n/a"
+        print(f"| {s} | {cell(a, 4)} | {cell(b, 4)} | {cell(rr)} | {ok}/{len(rr)} | {spread} |")
 
 print(f"\n### RDMA WRITE latency, 2 bytes, in rounds (`-n {lat_iters}`; the three clients in rotating order each round; usec)\n")
 print("| client | t_typical | ratio t_typical | ratio q25-q75 | rounds within 1.10 | 99% | ratio 99% |")
