@@ -42,7 +42,8 @@ pub(crate) trait BatchSink: Send + Sync {
         false
     }
     /// Whether cutting this batch short loses work someone asked for. The connection's
-    /// own heartbeat does not: a close that flushes only a heartbeat is a clean close.
+    /// own WRs (heartbeat, connect-time probe) do not: a close that flushes only those is
+    /// a clean close.
     fn is_user_work(&self) -> bool {
         true
     }
@@ -1092,6 +1093,10 @@ impl BatchSink for ProbeSink {
     }
     fn complete(&self) {
         lock(&self.outcome).get_or_insert(Ok(()));
+    }
+    /// The connect-time probe is the engine's own; its failure reaches `connect`.
+    fn is_user_work(&self) -> bool {
+        false
     }
 }
 
