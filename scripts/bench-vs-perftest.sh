@@ -19,7 +19,8 @@
 #                            alternating between rounds, then ib_write_lat and pagewire's two
 #                            latency loops in rotating order: a drift of the guest's speed
 #                            hits both sides of a pair, which the `-a` sweeps (minutes apart
-#                            per size) cannot promise. Ratios are per pair.
+#                            per size) cannot promise. Ratios are per pair. 5 rounds take
+#                            about 13 min in the 2-vCPU TCG guest.
 #   --pair-mib N             MiB each paired bandwidth measurement moves (default 32; at
 #                            least 16 iterations per size)
 #   --pair-small-iters N     iterations of the paired small-message runs (2, 8, 64 and 512 B,
