@@ -272,7 +272,7 @@ impl End {
         } else {
             "Ethernet"
         };
-        let header = session::header(
+        let mut header = session::header(
             &self.engine,
             self.peer,
             title,
@@ -283,6 +283,10 @@ impl End {
             data_ex,
         )?;
         let info = self.engine.backend_info();
+        // perftest's READ header shows the outstanding reads in place of the inline size.
+        if kind == TestKind::Read {
+            header.outstanding_reads = info.max_outstanding_reads;
+        }
         let run_info = RunInfo {
             test: kind.name(),
             transport: info.kind.to_string(),

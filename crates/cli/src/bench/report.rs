@@ -407,6 +407,26 @@ mod tests {
         assert_eq!(got, want, "\n--- got ---\n{got}");
     }
 
+    /// READ tests print the outstanding reads where WRITE tests print the inline size,
+    /// as perftest's `ib_read_bw` does.
+    #[test]
+    fn read_header_shows_outstanding_reads() {
+        let h = Header {
+            title: "RDMA_Read BW Test".into(),
+            outstanding_reads: Some(16),
+            ..header()
+        };
+        let text = h.render();
+        assert!(text.contains("\n Outstand reads  : 16\n"), "{text}");
+        assert!(!text.contains("Max inline data"), "{text}");
+        let lines: Vec<&str> = text.lines().collect();
+        let gid = lines
+            .iter()
+            .position(|l| l.starts_with(" GID index"))
+            .unwrap();
+        assert_eq!(lines[gid + 1], " Outstand reads  : 16");
+    }
+
     #[test]
     fn golden_lat_row_and_columns() {
         let r = LatResult {

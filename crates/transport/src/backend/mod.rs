@@ -67,6 +67,9 @@ pub struct BackendInfo {
     pub max_wr_bytes: u64,
     /// Largest single registration; bigger regions are split.
     pub max_mr_bytes: u64,
+    /// RDMA READs one QP keeps outstanding (verbs: the device's limit, at most 16; `None`
+    /// for backends without one-sided READs on the wire).
+    pub max_outstanding_reads: Option<u32>,
     /// Why this backend was chosen (filled by the engine).
     pub selection: String,
 }

@@ -222,6 +222,12 @@ impl VerbsEngine {
         Arc::clone(&self.poller)
     }
 
+    /// RDMA READs a QP keeps outstanding (initiator depth and responder resources): the
+    /// device's limit, at most [`MAX_RD_ATOMIC`].
+    pub fn max_rd_atomic(&self) -> u8 {
+        self.dev.caps.max_rd_atomic.min(MAX_RD_ATOMIC)
+    }
+
     /// Largest single MR: the config cap, else the device's `max_mr_size`.
     pub fn max_mr_bytes(&self) -> u64 {
         let dev = self.dev.caps.max_mr_size;
@@ -394,7 +400,7 @@ impl PendingVerbs {
                 Error::config("gid_index", e.dev.gid.index, "must be < 256 for the GRH")
             })?,
             mtu: e.mtu,
-            max_rd_atomic: e.dev.caps.max_rd_atomic.min(16),
+            max_rd_atomic: e.max_rd_atomic(),
         };
         for (qp, &(qpn, psn)) in self.qps.iter_mut().zip(&remote.qps) {
             qp.connect(
@@ -467,6 +473,11 @@ fn registration_error(addr: u64, len: u64, call: String, e: &dyn std::error::Err
         ),
     }
 }
+
+/// Cap on outstanding RDMA READs per QP: ConnectX's usual limit. perftest takes the
+/// device's maximum instead (rxe: 128); on rxe that made no measurable difference
+/// (docs/benchmarks.md, "Stop 12"), and each one costs the responder a resource entry.
+const MAX_RD_ATOMIC: u8 = 16;
 
 /// Idle rounds that only spin (`spin_loop`) before the hot loop yields the CPU every round.
 const SPIN_ROUNDS: u32 = 16;

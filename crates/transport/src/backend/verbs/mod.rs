@@ -96,6 +96,7 @@ impl Backend for VerbsBackend {
             signal_every: e.opts.signal_every,
             max_wr_bytes: e.opts.max_wr_bytes,
             max_mr_bytes: e.max_mr_bytes(),
+            max_outstanding_reads: Some(u32::from(e.max_rd_atomic())),
             selection: String::new(),
         }
     }
