@@ -438,13 +438,13 @@ mod tests {
 
     /// A lane whose run completes once the engine-wide rounds have reaped `after` times.
     #[derive(Debug)]
-    struct Engine {
+    struct FakeEngine {
         polls: AtomicU32,
         after: u32,
         cell: Arc<RunCell>,
     }
 
-    impl Progress for Engine {
+    impl Progress for FakeEngine {
         fn poll_once(&self) -> usize {
             if self.polls.fetch_add(1, Ordering::SeqCst) + 1 == self.after {
                 self.cell.succeed();
@@ -476,7 +476,7 @@ mod tests {
         // lane's send queue (else other connections' batches stall behind this wait).
         let cell = Arc::new(RunCell::new(Pins::new()));
         cell.begin();
-        let engine = Engine {
+        let engine = FakeEngine {
             polls: AtomicU32::new(0),
             after: 3,
             cell: Arc::clone(&cell),

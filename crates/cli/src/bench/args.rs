@@ -205,6 +205,16 @@ impl PerfArgs {
         })
     }
 
+    /// Unmeasured operations before each size (`--perform_warm_up`: one TX depth per QP),
+    /// else 0.
+    pub fn warm_up_ops(&self, kind: TestKind) -> u64 {
+        if self.perform_warm_up {
+            u64::from(self.tx_depth(kind)) * u64::from(self.qps)
+        } else {
+            0
+        }
+    }
+
     /// `-t`, else 128 (bandwidth) or 1 (latency); like perftest, never more than the
     /// iteration count of a fixed-iteration run.
     pub fn tx_depth(&self, kind: TestKind) -> u32 {

@@ -387,14 +387,14 @@ impl End {
             };
             let total = a.iters(kind) * u64::from(a.qps);
             let dur = a.duration.map(Duration::from_secs_f64);
-            if a.perform_warm_up {
-                // One TX depth of this size's work requests per QP, unmeasured.
+            let warm = a.warm_up_ops(kind);
+            if warm > 0 {
                 self.bw_loop(
                     op,
                     local,
                     remote,
                     size,
-                    u64::from(a.tx_depth(kind)) * u64::from(a.qps),
+                    warm,
                     None,
                     a.tx_depth(kind),
                     a.cq_mod(kind),
@@ -436,13 +436,10 @@ impl End {
         // side that waited only `timeout` here dropped its engine under a long run (the
         // initiator then saw "peer gone"). A peer that dies still shows up at once as EOF.
         let cq = u64::from(a.cq_mod(kind).max(1));
-        let mut waits = match a.duration {
+        let waits = match a.duration {
             Some(_) => u64::from(a.tx_depth(kind)).div_ceil(cq),
             None => (a.iters(kind) * u64::from(a.qps)).div_ceil(cq),
-        };
-        if a.perform_warm_up {
-            waits += (u64::from(a.tx_depth(kind)) * u64::from(a.qps)).div_ceil(cq);
-        }
+        } + a.warm_up_ops(kind).div_ceil(cq);
         let waits = u32::try_from(waits.saturating_add(1)).unwrap_or(u32::MAX);
         let run = Duration::try_from_secs_f64(a.duration.unwrap_or(0.0))
             .unwrap_or(Duration::MAX)

@@ -20,6 +20,7 @@ mod qp;
 mod rxe_tests;
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
 
 pub use device::{RdmaDeviceInfo, RdmaPortInfo, list_devices};
 pub use gid::{GidInfo, GidKind};
@@ -223,7 +224,7 @@ struct VerbsLane {
     chain: conn::PreparedChain,
     peer: crate::engine::PeerId,
     /// Waiting rounds so far (see `VerbsConn::reap_waiting`).
-    polls: std::sync::atomic::AtomicU32,
+    polls: AtomicU32,
 }
 
 impl PreparedLane for VerbsLane {
@@ -236,9 +237,7 @@ impl PreparedLane for VerbsLane {
     }
 
     fn poll(&self) -> usize {
-        let round = self
-            .polls
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let round = self.polls.fetch_add(1, Ordering::Relaxed);
         self.conn.reap_waiting(round, true)
     }
 }
@@ -264,7 +263,7 @@ impl Conn for VerbsPeerConn {
             conn: Arc::clone(&self.conn),
             chain,
             peer: self.peer,
-            polls: std::sync::atomic::AtomicU32::new(0),
+            polls: AtomicU32::new(0),
         }))
     }
 
