@@ -520,8 +520,17 @@ impl Engine {
     /// `poll_spin` without any completion), then blocks.
     pub fn poll_notification(&self, deadline: Instant) -> Option<Notification> {
         let rx = &self.inner.notify_rx;
+        // `is_empty` first: most rounds of a wait find the queue empty, and it reads two
+        // indices where `try_recv` takes the receive path.
+        let ready = || {
+            if rx.is_empty() {
+                None
+            } else {
+                rx.try_recv().ok()
+            }
+        };
         if let Some(p) = &self.inner.progress
-            && let Some(n) = busy_poll(&**p, deadline, Yield::Rarely, || rx.try_recv().ok())
+            && let Some(n) = busy_poll(&**p, deadline, Yield::Rarely, ready)
         {
             return Some(n);
         }

@@ -113,13 +113,22 @@ impl RunCell {
         match self.state.load(Ordering::Acquire) {
             RUNNING => None,
             DONE => Some(Ok(())),
-            _ => Some(Err(self
-                .error
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .clone()
-                .unwrap_or(Error::Cancelled))),
+            _ => Some(Err(self.error())),
         }
+    }
+
+    fn is_running(&self) -> bool {
+        self.state.load(Ordering::Acquire) == RUNNING
+    }
+
+    /// The error of a FAILED run (`Cancelled` if none was recorded).
+    #[cold]
+    fn error(&self) -> Error {
+        self.error
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+            .unwrap_or(Error::Cancelled)
     }
 }
 
@@ -403,6 +412,15 @@ fn wait_lane(
     engine: &dyn Progress,
     deadline: Instant,
 ) -> Result<()> {
+    // The run's completion is nearly always in the CQ by the time its poster waits (rxe
+    // runs a small WRITE inside the post's system call): one round on this connection
+    // settles it without the busy-poll's set-up (the waiter count, the spin budget).
+    if cell.is_running() {
+        lane.poll();
+    }
+    if let Some(r) = cell.outcome() {
+        return r;
+    }
     let p = LaneProgress { lane, engine };
     let since = match busy_poll_since(&p, deadline, Yield::Often, || cell.outcome()) {
         Ok(r) => return r,

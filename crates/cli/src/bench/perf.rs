@@ -620,16 +620,16 @@ impl End {
             // time, which also anchors the deadlines.
             let t = Instant::now();
             if let Some(p) = &mut prepared {
+                let deadline = t + self.timeout;
                 // One run at a time: the previous ping's completion was reaped while
                 // waiting for the peer, so this returns at once.
-                p.wait(t + self.timeout)
+                p.wait(deadline)
                     .with_context(|| format!("ping {}", i.saturating_sub(1)))?;
                 if poll { p.start() } else { p.start_tagged(tag) }.context("starting a ping")?;
                 posted.push(t.duration_since(start).as_nanos() as u64);
                 // As below: the ping's own completion, as ib_write_lat polls its send CQ.
                 if poll {
-                    p.wait(t + self.timeout)
-                        .with_context(|| format!("ping {i}"))?;
+                    p.wait(deadline).with_context(|| format!("ping {i}"))?;
                 }
             } else {
                 let mut b = Batch::new()

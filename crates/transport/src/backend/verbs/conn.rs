@@ -201,6 +201,14 @@ impl Deferred {
     }
 }
 
+/// A reaper's scratch space: the completions of one poll, and the groups they retired.
+/// A wait polls once per spin, so its buffers are kept instead of cleared every round.
+#[derive(Default)]
+struct Reaper {
+    wcs: [Wc; POLL_BATCH],
+    retired: Vec<Group<Arc<BatchCtl>>>,
+}
+
 struct QpSlot {
     /// Post lock: sequence numbers are reserved and posted under it, so send-queue order and
     /// in-flight order agree.
@@ -263,8 +271,9 @@ pub(crate) struct VerbsConn {
     graveyard: Mutex<Vec<Arc<BatchCtl>>>,
     /// Held by whoever reaps this connection's CQs (the completion thread or a waiting
     /// caller); the others skip, so completions are handled in CQ order by one thread.
-    /// Holds the reaper's buffer of retired groups, reused so reaping allocates nothing.
-    reaping: Mutex<Vec<Group<Arc<BatchCtl>>>>,
+    /// Holds the reaper's buffers, reused so that a reaping round allocates and clears
+    /// nothing.
+    reaping: Mutex<Reaper>,
     /// The engine's completion thread: kicked on every post so it polls at once.
     poller: Arc<PollWake>,
     /// The engine's connections, reaped now and then by a thread that waits on this one
@@ -321,7 +330,7 @@ impl VerbsConn {
             peer,
             deferred: Deferred::default(),
             graveyard: Mutex::new(Vec::new()),
-            reaping: Mutex::new(Vec::new()),
+            reaping: Mutex::new(Reaper::default()),
             poller: Arc::default(),
             engine: Weak::new(),
             label,
@@ -866,22 +875,22 @@ impl VerbsConn {
     }
 
     fn reap(&self, recv: bool) -> usize {
-        let Ok(mut retired_buf) = self.reaping.try_lock() else {
+        let Ok(mut guard) = self.reaping.try_lock() else {
             return 0;
         };
-        let mut wcs = [Wc::default(); POLL_BATCH];
+        let Reaper { wcs, retired } = &mut *guard;
         let mut handled = 0;
-        match poll_cq(&self.send_cq, &mut wcs) {
+        match poll_cq(&self.send_cq, wcs) {
             Ok(n) => {
                 handled += n;
                 for wc in &wcs[..n] {
-                    self.on_send_wc(wc, &mut retired_buf);
+                    self.on_send_wc(wc, retired);
                 }
             }
             Err(e) => self.break_conn(e),
         }
         if recv {
-            match poll_cq(&self.recv_cq, &mut wcs) {
+            match poll_cq(&self.recv_cq, wcs) {
                 Ok(n) => {
                     handled += n;
                     for wc in &wcs[..n] {
