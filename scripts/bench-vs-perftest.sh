@@ -16,8 +16,10 @@
 #   --pair-rounds N          rounds of the paired section (default 5). Each round runs, for
 #                            WRITE and READ and every size from 64 KiB to 8 MiB, perftest and
 #                            pagewire back to back with one size per process (`-s`), the order
-#                            alternating between rounds, then ib_write_lat and pagewire's two
-#                            latency loops in rotating order: a drift of the guest's speed
+#                            alternating between rounds, then ib_write_lat, ib_send_lat and
+#                            pagewire's two latency loops in rotating order (--poll-memory
+#                            against ib_write_lat, notify against ib_send_lat, the perftest
+#                            tool that waits the same way): a drift of the guest's speed
 #                            hits both sides of a pair, which the `-a` sweeps (minutes apart
 #                            per size) cannot promise. Ratios are per pair. 5 rounds take
 #                            about 13 min in the 2-vCPU TCG guest.
@@ -138,6 +140,10 @@ rdma_section() {
             "ib_write_lat -d $dev -n $lat_iters -F -p $port" \
             "ib_write_lat -d $dev -n $lat_iters -F -p $port 127.0.0.1"
         next_port
+        pair "$out/raw/perftestsend_lat_$r.txt" \
+            "ib_send_lat -d $dev -n $lat_iters -F -p $port" \
+            "ib_send_lat -d $dev -n $lat_iters -F -p $port 127.0.0.1"
+        next_port
         pair "$out/raw/pagewire_lat_$r.txt" \
             "$pw bench lat --server -d $dev --transport verbs -n $lat_iters -p $port" \
             "$pw bench lat 127.0.0.1 -d $dev --transport verbs -n $lat_iters -p $port"
@@ -217,7 +223,7 @@ for test, title in (("write", "RDMA WRITE bandwidth, `-a`"), ("read", "RDMA READ
         r_mr = [b / a if a and b is not None else None for a, b in zip(a_mr, b_mr)]
         print(f"| {s} | {fmt(mmm(a_bw))} | {fmt(mmm(b_bw))} | {fmt(mmm(r_bw))} | {fmt(mmm(a_mr), 6)} | {fmt(mmm(b_mr), 6)} | {fmt(mmm(r_mr))} |")
 
-print(f"\n### RDMA WRITE latency, 2 bytes ({runs} runs; median [min, max]; usec; ratio = row/perftest per run)\n")
+print(f"\n### RDMA latency, 2 bytes ({runs} runs; median [min, max]; usec; ratio = row/ib_write_lat per run, or row/ib_send_lat where the row says so)\n")
 print("notify: each side waits for the engine's notification of the peer's write; poll: `--poll-memory`, spins on the last byte like ib_write_lat. "
       "prepared: one prepared batch started per ping (the default; perftest also re-posts one work request); "
       "submit-each: a new batch per ping (`--submit-each`). raw verbs: `raw_verbs_lat`, ib_write_lat's loop on sideway without the engine (with `--imm`: each WRITE carries an immediate and the receiver polls for the RECV completion, the floor of the notify rows).\n")
@@ -226,17 +232,20 @@ print("|---|---:|---:|---:|---:|---:|")
 def lat_col(runs_, i):
     return [t[2][i] if 2 in t and len(t[2]) > i else None for t in runs_]
 pf = runs_of("perftest", "lat")
-rows = [("ib_write_lat (perftest)", "perftest"), ("raw verbs (sideway, no engine)", "raw"),
-        ("raw verbs, WRITE_WITH_IMM + RECV (no engine)", "rawimm"),
-        ("pagewire, prepared, poll", "pagewirepoll"), ("pagewire, prepared, notify", "pagewire"),
-        ("pagewire, submit-each, poll", "pagewireeachpoll"), ("pagewire, submit-each, notify", "pagewireeach")]
-for label, tool in rows:
+pfs = runs_of("perftestsend", "lat")
+rows = [("ib_write_lat (perftest)", "perftest", pf), ("ib_send_lat (perftest, SEND + RECV completion)", "perftestsend", pf),
+        ("raw verbs (sideway, no engine)", "raw", pf),
+        ("raw verbs, WRITE_WITH_IMM + RECV (no engine)", "rawimm", pf),
+        ("pagewire, prepared, poll", "pagewirepoll", pf), ("pagewire, prepared, notify", "pagewire", pf),
+        ("pagewire, prepared, notify, ratio to ib_send_lat", "pagewire", pfs),
+        ("pagewire, submit-each, poll", "pagewireeachpoll", pf), ("pagewire, submit-each, notify", "pagewireeach", pf)]
+for label, tool, ref in rows:
     rr = runs_of(tool, "lat")
-    if not any(rr):
+    if not any(rr) or not any(ref):
         continue
     cells = []
     for i in (0, 2, 5):
-        a, b = lat_col(pf, i), lat_col(rr, i)
+        a, b = lat_col(ref, i), lat_col(rr, i)
         cells.append(fmt(mmm(b)))
         if i != 0:
             cells.append(fmt(mmm([y / x if x and y is not None else None for x, y in zip(a, b)])))
@@ -269,6 +278,9 @@ paired_section() {
         perftest) pair "$out/raw/pair_perftest_lat_$r.txt" \
             "ib_write_lat -d $dev -n $lat_iters -F -p $port" \
             "ib_write_lat -d $dev -n $lat_iters -F -p $port 127.0.0.1" ;;
+        send) pair "$out/raw/pair_perftestsend_lat_$r.txt" \
+            "ib_send_lat -d $dev -n $lat_iters -F -p $port" \
+            "ib_send_lat -d $dev -n $lat_iters -F -p $port 127.0.0.1" ;;
         poll) pair "$out/raw/pair_pagewirepoll_lat_$r.txt" \
             "$pw bench lat --server -d $dev --transport verbs -n $lat_iters -p $port --poll-memory" \
             "$pw bench lat 127.0.0.1 -d $dev --transport verbs -n $lat_iters -p $port --poll-memory" ;;
@@ -290,8 +302,8 @@ paired_section() {
                 if ((r % 2)); then run_pf; run_pw; else run_pw; run_pf; fi
             done
         done
-        local order=(perftest poll notify)
-        for ((k = 0; k < 3; k++)); do lat_one "${order[$(((k + r) % 3))]}"; done
+        local order=(perftest poll send notify)
+        for ((k = 0; k < 4; k++)); do lat_one "${order[$(((k + r) % 4))]}"; done
     done
     {
         echo "## RDMA in pairs: $dev, perftest vs pagewire, one size per process, back to back"
@@ -363,20 +375,29 @@ for test, title in (("write", "RDMA WRITE"), ("read", "RDMA READ")):
         spread = f"{max(aa) / min(aa):.2f}" if aa else "n/a"
         print(f"| {s} | {cell(a, 4)} | {cell(b, 4)} | {cell(rr)} | {ok}/{len(rr)} | {spread} |")
 
-print(f"\n### RDMA WRITE latency, 2 bytes, in rounds (`-n {lat_iters}`; the three clients in rotating order each round; usec)\n")
-print("| client | t_typical | ratio t_typical | ratio q25-q75 | rounds within 1.10 | 99% | ratio 99% |")
-print("|---|---:|---:|---:|---:|---:|---:|")
+print(f"\n### RDMA latency, 2 bytes, in rounds (`-n {lat_iters}`; the four clients in rotating order each round; usec)\n")
+print("Each pagewire mode against the perftest tool that detects the peer's message the same way: "
+      "`--poll-memory` spins on the last byte, as ib_write_lat does; notify waits for a receive "
+      "completion (WRITE_WITH_IMM), as ib_send_lat does (SEND). Ratios are per round.\n")
+print("| client | against | t_typical | ratio t_typical | ratio q25-q75 | rounds within 1.10 | 99% | ratio 99% |")
+print("|---|---|---:|---:|---:|---:|---:|---:|")
 def lat(tool, col):
     return [first_row(os.path.join(raw, f"pair_{tool}_lat_{r}.txt"), col) for r in range(1, rounds + 1)]
-pf_t, pf_99 = lat("perftest", 2), lat("perftest", 5)
-for label, tool in (("ib_write_lat (perftest)", "perftest"), ("pagewire, prepared, poll", "pagewirepoll"),
-                    ("pagewire, prepared, notify", "pagewire")):
+for label, tool, ref, ref_label in (
+        ("ib_write_lat (perftest)", "perftest", None, ""),
+        ("ib_send_lat (perftest)", "perftestsend", "perftest", "ib_write_lat"),
+        ("pagewire, prepared, poll", "pagewirepoll", "perftest", "ib_write_lat"),
+        ("pagewire, prepared, notify", "pagewire", "perftestsend", "ib_send_lat"),
+        ("pagewire, prepared, notify", "pagewire", "perftest", "ib_write_lat")):
     t, p99 = lat(tool, 2), lat(tool, 5)
-    rt = [y / x for x, y in zip(pf_t, t) if x and y is not None]
-    r99 = [y / x for x, y in zip(pf_99, p99) if x and y is not None]
+    if ref is None:
+        print(f"| {label} | | {cell(t)} | | | | {cell(p99)} | |")
+        continue
+    rt = [y / x for x, y in zip(lat(ref, 2), t) if x and y is not None]
+    r99 = [y / x for x, y in zip(lat(ref, 5), p99) if x and y is not None]
     iqr = f"{q(rt, 0.25):.2f}-{q(rt, 0.75):.2f}" if rt else "n/a"
     within = sum(1 for x in rt if x <= 1.10)
-    print(f"| {label} | {cell(t)} | {cell(rt)} | {iqr} | {within}/{len(rt)} | {cell(p99)} | {cell(r99)} |")
+    print(f"| {label} | {ref_label} | {cell(t)} | {cell(rt)} | {iqr} | {within}/{len(rt)} | {cell(p99)} | {cell(r99)} |")
 PY
     } >"$out/paired.md"
     cat "$out/paired.md"
