@@ -117,10 +117,6 @@ impl RunCell {
         }
     }
 
-    fn is_running(&self) -> bool {
-        self.state.load(Ordering::Acquire) == RUNNING
-    }
-
     /// The error of a FAILED run (`Cancelled` if none was recorded).
     #[cold]
     fn error(&self) -> Error {
@@ -412,15 +408,6 @@ fn wait_lane(
     engine: &dyn Progress,
     deadline: Instant,
 ) -> Result<()> {
-    // The run's completion is nearly always in the CQ by the time its poster waits (rxe
-    // runs a small WRITE inside the post's system call): one round on this connection
-    // settles it without the busy-poll's set-up (the waiter count, the spin budget).
-    if cell.is_running() {
-        lane.poll();
-    }
-    if let Some(r) = cell.outcome() {
-        return r;
-    }
     let p = LaneProgress { lane, engine };
     let since = match busy_poll_since(&p, deadline, Yield::Often, || cell.outcome()) {
         Ok(r) => return r,

@@ -264,6 +264,13 @@ pub(crate) fn busy_poll_since<T>(
     if let Some(v) = ready() {
         return Ok(v);
     }
+    // One round often settles it (a small WRITE's completion is in the CQ by the time its
+    // poster waits: rxe runs it inside the post's system call), so the first goes
+    // without the waiter count and the spin budget.
+    p.poll_once();
+    if let Some(v) = ready() {
+        return Ok(v);
+    }
     p.set_waiting(true);
     let _waiting = Waiting(p);
     let budget = p.spin_budget();
