@@ -12,11 +12,12 @@
 //! regions stay pinned (deregistering them fails with `RegionBusy`) until the prepared
 //! batch is dropped and its last run has let go of them.
 //!
-//! On verbs, a prepared batch whose work requests fit one chain on one QP (at most the
-//! chain and window limits, and no READ before a notification) is posted as that chain,
-//! its notification riding on the last WRITE, and its wait reaps this connection's
-//! completion queues directly. Other batches, and the TCP and loopback backends, re-submit
-//! the validated ops through the ordinary batch path.
+//! On verbs, a prepared batch whose work requests fit one chain on one QP (at most one
+//! doorbell's worth, window space the QP can lend it for its lifetime, and no READ before
+//! a notification) is posted as that chain, its notification riding on the last WRITE,
+//! and its wait reaps this connection's completion queues directly. Other batches, and
+//! the TCP and loopback backends, re-submit the validated ops through the ordinary batch
+//! path.
 //!
 //! ```
 //! use std::time::{Duration, Instant};
@@ -77,7 +78,7 @@ pub(crate) struct RunCell {
 }
 
 impl RunCell {
-    fn new(pins: Pins) -> Self {
+    pub(crate) fn new(pins: Pins) -> Self {
         RunCell {
             state: AtomicU8::new(DONE),
             error: Mutex::new(None),
@@ -104,12 +105,12 @@ impl RunCell {
 
     /// A new run. The previous run's error needs no clearing: it is read only in the
     /// FAILED state, which only a new `fail` (overwriting it) can enter.
-    fn begin(&self) {
+    pub(crate) fn begin(&self) {
         self.state.store(RUNNING, Ordering::Release);
     }
 
     /// `None` while running.
-    fn outcome(&self) -> Option<Result<()>> {
+    pub(crate) fn outcome(&self) -> Option<Result<()>> {
         match self.state.load(Ordering::Acquire) {
             RUNNING => None,
             DONE => Some(Ok(())),
@@ -130,10 +131,10 @@ impl RunCell {
 
 /// A backend's fast lane for one prepared batch (verbs: one chain on one QP).
 pub(crate) trait PreparedLane: Send + Sync {
-    /// Posts one run; `tag` is the notification's immediate, if the batch has one. The run
-    /// reports into the [`RunCell`] the lane was built with. `Err`: nothing was posted, or
-    /// the connection broke while posting.
-    fn start(&self, tag: Option<u32>, stall_limit: Duration) -> Result<()>;
+    /// Posts one run without waiting; `tag` is the notification's immediate, if the batch
+    /// has one. The run reports into the [`RunCell`] the lane was built with. `Err`:
+    /// nothing was posted, or the connection broke while posting.
+    fn start(&self, tag: Option<u32>) -> Result<()>;
     /// One reaping round of a thread waiting for the run (verbs: its connection's send
     /// CQ, and now and then every connection of the engine).
     fn poll(&self) -> usize;
@@ -313,7 +314,7 @@ impl PreparedBatch {
         match &mut self.path {
             Path::Lane { lane, cell, .. } => {
                 cell.begin();
-                if let Err(e) = lane.start(tag, self.timeout) {
+                if let Err(e) = lane.start(tag) {
                     cell.fail(e.clone());
                     return Err(e);
                 }
@@ -466,7 +467,7 @@ mod tests {
     struct Lane;
 
     impl PreparedLane for Lane {
-        fn start(&self, _tag: Option<u32>, _stall_limit: Duration) -> Result<()> {
+        fn start(&self, _tag: Option<u32>) -> Result<()> {
             Ok(())
         }
         fn poll(&self) -> usize {

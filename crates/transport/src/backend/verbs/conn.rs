@@ -2,7 +2,7 @@
 //! windows, batch bookkeeping, the notification WRITE_WITH_IMM, and failure propagation.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
@@ -67,23 +67,58 @@ impl BatchSink for BatchState {
     }
 }
 
-impl BatchSink for RunCell {
-    fn progress(&self, _wrs: usize, _bytes: u64) {}
-    fn fail(&self, err: Error) {
-        RunCell::fail(self, err);
-    }
-    fn complete(&self) {
-        self.succeed();
+/// A prepared batch's lane: its WRs, planned once and posted as one chain on QP 0 per
+/// run, in window space lent to it for its lifetime (see [`VerbsConn::prepare_lane`]).
+/// Dropping it hands the space back once no run is in flight.
+pub(crate) struct LaneChain {
+    index: usize,
+    lane: Arc<Lane>,
+}
+
+impl LaneChain {
+    pub fn index(&self) -> usize {
+        self.index
     }
 }
 
-/// A prepared batch's WRs, planned once and posted as one chain on QP 0 per run; see
-/// [`VerbsConn::post_prepared`].
-pub(crate) struct PreparedChain {
+/// A lane as the connection's table holds it, so that whichever thread reaps a run's
+/// completion can report it, and the regions stay pinned while a run may be in flight.
+struct Lane {
     wrs: Wrs,
-    /// Reused by every run: reset by the poster once nothing else holds it (the previous
-    /// run's group has been retired and dropped).
-    ctl: Arc<BatchCtl>,
+    cell: Arc<RunCell>,
+    /// A run is on the send queue: set by the poster, cleared by the reaper of its
+    /// completion (before it reports the outcome, so the next run sees it clear).
+    posted: AtomicBool,
+    /// The prepared batch is gone: the reaper of the last run frees the lane.
+    dropped: AtomicBool,
+}
+
+/// The connection's lanes, by index (the `seq` field of their wr_ids).
+#[derive(Default)]
+struct Lanes {
+    slots: Vec<Option<Arc<Lane>>>,
+    free: Vec<usize>,
+}
+
+impl Lanes {
+    fn insert(&mut self, lane: Arc<Lane>) -> usize {
+        match self.free.pop() {
+            Some(i) => {
+                self.slots[i] = Some(lane);
+                i
+            }
+            None => {
+                self.slots.push(Some(lane));
+                self.slots.len() - 1
+            }
+        }
+    }
+
+    fn remove(&mut self, i: usize) {
+        if self.slots.get_mut(i).and_then(Option::take).is_some() {
+            self.free.push(i);
+        }
+    }
 }
 
 /// Where `(peer, tag)` notifications of incoming WRITE_WITH_IMM go.
@@ -221,6 +256,8 @@ struct QpSlot {
     /// Bumped whenever this QP's send queue makes progress (a post returned, a CQE retired
     /// WRs): one atomic add on the data path instead of a clock read under a lock.
     progress: AtomicU64,
+    /// WRs of lane runs in flight (QP 0 only): lanes post outside `track`.
+    lane_wrs: AtomicU32,
     /// The health check's view of `progress`: the value it last saw, and when it saw it
     /// change.
     watch: Mutex<(u64, Instant)>,
@@ -229,6 +266,11 @@ struct QpSlot {
 impl QpSlot {
     fn progressed(&self) {
         self.progress.fetch_add(1, Ordering::Release);
+    }
+
+    /// WRs posted and not yet completed: batches' and lanes'.
+    fn outstanding(&self) -> u32 {
+        lock(&self.track).outstanding() + self.lane_wrs.load(Ordering::Acquire)
     }
 
     /// How long `progress` has not moved, as far as the health check has seen.
@@ -269,6 +311,9 @@ pub(crate) struct VerbsConn {
     /// Batches failed by a broken connection while WRs of theirs may still sit in a send
     /// queue: kept (with the regions they pin) until the QPs are destroyed with `self`.
     graveyard: Mutex<Vec<Arc<BatchCtl>>>,
+    /// Prepared lanes on QP 0. After `qps`, so a lane's regions outlive the QPs that may
+    /// still hold one of its runs.
+    lanes: Mutex<Lanes>,
     /// Held by whoever reaps this connection's CQs (the completion thread or a waiting
     /// caller); the others skip, so completions are handled in CQ order by one thread.
     /// Holds the reaper's buffers, reused so that a reaping round allocates and clears
@@ -315,6 +360,7 @@ impl VerbsConn {
                     recv_seq: AtomicU64::new(u64::from(cfg.recv_depth)),
                     recv_owed: AtomicU64::new(0),
                     progress: AtomicU64::new(0),
+                    lane_wrs: AtomicU32::new(0),
                     watch: Mutex::new((0, Instant::now())),
                 }
             })
@@ -330,6 +376,7 @@ impl VerbsConn {
             peer,
             deferred: Deferred::default(),
             graveyard: Mutex::new(Vec::new()),
+            lanes: Mutex::default(),
             reaping: Mutex::new(Reaper::default()),
             poller: Arc::default(),
             engine: Weak::new(),
@@ -421,16 +468,12 @@ impl VerbsConn {
         Ok(())
     }
 
-    /// Plans a prepared batch as one chain on QP 0, if it fits: at most one doorbell's and
-    /// one window's worth of WRs, and no READ before a notification (the notification
-    /// rides on the chain's last WRITE, which RC orders after the WRITEs before it on the
-    /// same QP, but not after READ responses). `None`: re-submit it as ordinary batches.
-    pub fn prepare_chain<I>(
-        &self,
-        ops: I,
-        notify: bool,
-        cell: Arc<RunCell>,
-    ) -> Option<PreparedChain>
+    /// Plans a prepared batch as one chain on QP 0, if it fits: at most one doorbell's worth
+    /// of WRs, window space that QP 0 can lend it for good (see [`InFlight::lend`]), and
+    /// no READ before a notification (the notification rides on the chain's last WRITE,
+    /// which RC orders after the WRITEs before it on the same QP, but not after READ
+    /// responses). `None`: re-submit it as ordinary batches.
+    pub fn prepare_lane<I>(&self, ops: I, notify: bool, cell: Arc<RunCell>) -> Option<LaneChain>
     where
         I: IntoIterator,
         I::Item: std::borrow::Borrow<PlanOp>,
@@ -444,87 +487,111 @@ impl VerbsConn {
                 wrs.push(PlannedWr::zero_length_write());
             }
         }
-        let cap = (self.cfg.chain_max as usize).min(lock(&self.qps[0].track).cap() as usize);
-        if wrs.is_empty() || wrs.len() > cap {
+        let n = wrs.len();
+        if n == 0 || n > self.cfg.chain_max as usize || self.is_broken() {
             return None;
         }
-        let ctl = Arc::new(BatchCtl {
-            sink: CtlSink::from(cell),
-            pending: AtomicU64::new(0),
-            held: Mutex::new(None),
-            tag: None,
-            done: AtomicBool::new(true),
+        if !lock(&self.qps[0].track).lend(n as u32) {
+            return None;
+        }
+        let lane = Arc::new(Lane {
+            wrs,
+            cell,
+            posted: AtomicBool::new(false),
+            dropped: AtomicBool::new(false),
         });
-        Some(PreparedChain { wrs, ctl })
+        let index = lock(&self.lanes).insert(Arc::clone(&lane));
+        Some(LaneChain { index, lane })
     }
 
-    /// Posts one run of a prepared chain on QP 0, its last WR signalled (one group for the
-    /// whole chain) and carrying `imm` if given. While the window is full it reaps on this
-    /// thread, for up to `stall_limit`. The previous run must have been waited for.
-    pub fn post_prepared(
-        &self,
-        c: &PreparedChain,
-        imm: Option<u32>,
-        stall_limit: Duration,
-    ) -> Result<(), Error> {
+    /// Posts one run of a lane on QP 0: its last WR signalled (the one completion of the
+    /// run) and carrying `imm` if given. Never waits: the lane's window space is its own.
+    /// The previous run must have been waited for.
+    pub fn post_lane(&self, c: &LaneChain, imm: Option<u32>) -> Result<(), Error> {
         if self.is_broken() {
             return Err(self.broken_err());
         }
-        let mut stalled: Option<Instant> = None;
-        let mut stall = |what: &str| -> Result<(), Error> {
-            let now = Instant::now();
-            let since = *stalled.get_or_insert(now);
-            if now - since >= stall_limit {
-                tracing::debug!(conn = %self.label, what, "prepared run could not be posted");
-                return Err(Error::Timeout { after: now - since });
-            }
-            Ok(())
-        };
-        let mut round = 0u32;
-        // The reaper that completed the previous run may still be dropping its reference.
-        while Arc::strong_count(&c.ctl) > 1 {
-            stall("previous run still referenced")?;
-            round = round.wrapping_add(1);
-            if self.reap_waiting(round, false) == 0 {
-                std::thread::yield_now();
-            }
-        }
-        std::sync::atomic::fence(Ordering::Acquire);
-        let n = c.wrs.len();
-        c.ctl.done.store(false, Ordering::Release);
-        c.ctl.pending.store(n as u64 + 1, Ordering::Release);
+        let l = &*c.lane;
+        debug_assert!(
+            !l.posted.load(Ordering::Acquire),
+            "a lane run still in flight"
+        );
+        let slot = &self.qps[0];
+        let n = l.wrs.len();
         self.poller.kick();
-        loop {
-            let mut qp = lock(&self.qps[0].qp);
-            // SAFETY: the SGEs come from ops the engine core validated against live
-            // registrations when the batch was prepared; the run cell the chain's control
-            // holds keeps those regions pinned until this run's group has been retired or
-            // the QP is destroyed (graveyard).
-            match unsafe { self.post_run_on_qp0(&mut qp, &c.ctl, &c.wrs, WrKind::Data, imm) } {
-                Ok(true) => break,
-                Ok(false) => {}
-                Err(e) => {
-                    drop(qp);
-                    self.break_conn(e.clone());
-                    return Err(e);
-                }
+        l.posted.store(true, Ordering::Release);
+        slot.lane_wrs.fetch_add(n as u32, Ordering::AcqRel);
+        let wr_id = encode_wr_id(WrKind::Lane, 0, c.index as u64);
+        let specs = l.wrs.iter().enumerate().map(|(k, w)| {
+            let last = k + 1 == n;
+            WrSpec {
+                wr_id,
+                signaled: last,
+                dir: w.dir,
+                remote: w.remote,
+                rkey: w.rkey,
+                sges: &w.sges,
+                imm: if last { imm } else { None },
             }
-            drop(qp);
-            if let Err(e) = stall("window full") {
-                c.ctl.done.store(true, Ordering::Release);
-                return Err(e);
-            }
-            if self.is_broken() {
-                c.ctl.done.store(true, Ordering::Release);
-                return Err(self.broken_err());
-            }
-            round = round.wrapping_add(1);
-            if self.reap_waiting(round, false) == 0 {
-                std::thread::yield_now();
-            }
+        });
+        let mut qp = lock(&slot.qp);
+        // SAFETY: the SGEs come from ops the engine core validated against live
+        // registrations when the batch was prepared; the lane's run cell holds those
+        // regions' pins, and the connection's lane table holds the lane until this run's
+        // completion has been reaped or the QP is destroyed.
+        let posted = unsafe { qp.post_chain(specs) };
+        drop(qp);
+        if let Err(e) = posted {
+            self.break_conn(e.clone());
+            return Err(e);
         }
-        self.release(&c.ctl, 1);
+        slot.progressed();
+        // A break that raced with this post (after the check above) may have missed the
+        // run; the QP is in ERR, so fail it here rather than wait for a flush.
+        if self.is_broken() {
+            l.cell.fail(self.broken_err());
+        }
         Ok(())
+    }
+
+    /// The completion of lane `index`'s run.
+    fn lane_done(&self, index: usize) {
+        let mut lanes = lock(&self.lanes);
+        let Some(Some(l)) = lanes.slots.get(index) else {
+            return;
+        };
+        if !l.posted.swap(false, Ordering::AcqRel) {
+            return;
+        }
+        let slot = &self.qps[0];
+        let n = l.wrs.len() as u32;
+        slot.lane_wrs.fetch_sub(n, Ordering::AcqRel);
+        slot.progressed();
+        if l.dropped.load(Ordering::Acquire) {
+            lanes.remove(index);
+            drop(lanes);
+            lock(&slot.track).give_back(n);
+        } else {
+            l.cell.succeed();
+        }
+    }
+
+    /// The prepared batch of lane `c` is gone. Its window space comes back now, or when its
+    /// last run completes; on a broken connection the lane (and its pins) stays until the
+    /// QPs are destroyed, since a run of it may still sit in a send queue.
+    pub fn drop_lane(&self, c: &LaneChain) {
+        let mut lanes = lock(&self.lanes);
+        match lanes.slots.get(c.index) {
+            Some(Some(l)) if Arc::ptr_eq(l, &c.lane) => {}
+            _ => return,
+        }
+        if c.lane.posted.load(Ordering::Acquire) || self.is_broken() {
+            c.lane.dropped.store(true, Ordering::Release);
+            return;
+        }
+        lanes.remove(c.index);
+        drop(lanes);
+        lock(&self.qps[0].track).give_back(c.lane.wrs.len() as u32);
     }
 
     /// Posts every per-QP queue of `ctl`'s WRs within the windows, reaping on this thread
@@ -842,6 +909,13 @@ impl VerbsConn {
             cut += 1;
             ctl.fail(err.clone());
         }
+        // A lane's run stays in the table (pinning its regions) until the QPs are gone.
+        for l in lock(&self.lanes).slots.iter().flatten() {
+            if l.posted.load(Ordering::Acquire) {
+                cut += l.wrs.len() as u64;
+                l.cell.fail(err.clone());
+            }
+        }
         if first {
             if !deliberate {
                 tracing::warn!(conn = %self.label, error = %err, "verbs connection broken");
@@ -922,14 +996,16 @@ impl VerbsConn {
     }
 
     fn on_send_wc(&self, wc: &Wc, buf: &mut Vec<Group<Arc<BatchCtl>>>) {
-        let Some((kind, qi, seq)) = decode_wr_id(wc.wr_id) else {
-            return;
-        };
+        let (kind, qi, seq) = decode_wr_id(wc.wr_id);
         if kind == WrKind::Recv || qi >= self.qps.len() {
             return;
         }
         if wc.status != WC_SUCCESS {
             self.break_conn(self.completion_error(wc, qi));
+            return;
+        }
+        if kind == WrKind::Lane {
+            self.lane_done(seq as usize);
             return;
         }
         let n = lock(&self.qps[qi].track).retire_through(seq, buf);
@@ -945,7 +1021,7 @@ impl VerbsConn {
     }
 
     fn on_recv_wc(&self, wc: &Wc) {
-        let Some((WrKind::Recv, qi, _)) = decode_wr_id(wc.wr_id) else {
+        let (WrKind::Recv, qi, _) = decode_wr_id(wc.wr_id) else {
             return;
         };
         if qi >= self.qps.len() {
@@ -1012,7 +1088,7 @@ impl VerbsConn {
                 });
                 return;
             }
-            let outstanding = lock(&slot.track).outstanding();
+            let outstanding = slot.outstanding();
             let idle = slot.idle();
             if outstanding > 0 && idle > STALL_TIMEOUT {
                 drop(qp);
@@ -1060,13 +1136,13 @@ impl VerbsConn {
     /// Whether any WR (data or notification) is in flight or a notification waits for
     /// window room: the completion thread keeps polling while this holds.
     pub fn has_outstanding(&self) -> bool {
-        self.qps.iter().any(|s| lock(&s.track).outstanding() > 0) || !self.deferred.is_empty()
+        self.qps.iter().any(|s| s.outstanding() > 0) || !self.deferred.is_empty()
     }
 
     /// WRs in flight on all QPs.
     #[cfg(test)]
     pub fn outstanding(&self) -> u32 {
-        self.qps.iter().map(|s| lock(&s.track).outstanding()).sum()
+        self.qps.iter().map(QpSlot::outstanding).sum()
     }
 }
 

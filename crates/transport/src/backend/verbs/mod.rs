@@ -221,24 +221,39 @@ fn plan_op(o: &crate::backend::ResolvedOp) -> PlanOp {
 /// A prepared batch posted as one chain on QP 0 of its connection.
 struct VerbsLane {
     conn: Arc<VerbsConn>,
-    chain: conn::PreparedChain,
+    chain: conn::LaneChain,
     peer: crate::engine::PeerId,
     /// Waiting rounds so far (see `VerbsConn::reap_waiting`).
     polls: AtomicU32,
 }
 
 impl PreparedLane for VerbsLane {
-    fn start(&self, tag: Option<u32>, stall_limit: std::time::Duration) -> Result<(), Error> {
+    fn start(&self, tag: Option<u32>) -> Result<(), Error> {
         // sideway passes the immediate through as raw `__be32`: network order, as the
         // ordinary path sends it.
         self.conn
-            .post_prepared(&self.chain, tag.map(u32::to_be), stall_limit)
+            .post_lane(&self.chain, tag.map(u32::to_be))
             .map_err(|e| closed_as_gone(e, self.peer))
     }
 
     fn poll(&self) -> usize {
         let round = self.polls.fetch_add(1, Ordering::Relaxed);
         self.conn.reap_waiting(round, true)
+    }
+}
+
+impl Drop for VerbsLane {
+    fn drop(&mut self) {
+        self.conn.drop_lane(&self.chain);
+    }
+}
+
+impl std::fmt::Debug for VerbsLane {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("VerbsLane")
+            .field("peer", &self.peer)
+            .field("lane", &self.chain.index())
+            .finish()
     }
 }
 
@@ -254,7 +269,7 @@ fn closed_as_gone(e: Error, peer: crate::engine::PeerId) -> Error {
 
 impl Conn for VerbsPeerConn {
     fn prepare_lane(&self, req: LaneRequest<'_>) -> Option<Box<dyn PreparedLane>> {
-        let chain = self.conn.prepare_chain(
+        let chain = self.conn.prepare_lane(
             req.ops.iter().map(plan_op),
             req.notify.is_some(),
             Arc::clone(req.cell),

@@ -250,6 +250,8 @@ pub(crate) enum WrKind {
     Notify = 1,
     /// A pre-posted RECV that absorbs a peer's WRITE_WITH_IMM.
     Recv = 2,
+    /// A run of a prepared batch's lane; the sequence field holds the lane's index.
+    Lane = 3,
 }
 
 const KIND_SHIFT: u32 = 62;
@@ -265,15 +267,15 @@ pub(crate) fn encode_wr_id(kind: WrKind, qp: usize, seq: u64) -> u64 {
     ((kind as u64) << KIND_SHIFT) | (((qp as u64) & 0xff) << QP_SHIFT) | (seq & SEQ_MASK)
 }
 
-/// Inverse of [`encode_wr_id`]; `None` for a kind we never post.
-pub(crate) fn decode_wr_id(id: u64) -> Option<(WrKind, usize, u64)> {
+/// Inverse of [`encode_wr_id`] (the two kind bits have no spare value).
+pub(crate) fn decode_wr_id(id: u64) -> (WrKind, usize, u64) {
     let kind = match id >> KIND_SHIFT {
         0 => WrKind::Data,
         1 => WrKind::Notify,
         2 => WrKind::Recv,
-        _ => return None,
+        _ => WrKind::Lane,
     };
-    Some((kind, ((id >> QP_SHIFT) & 0xff) as usize, id & SEQ_MASK))
+    (kind, ((id >> QP_SHIFT) & 0xff) as usize, id & SEQ_MASK)
 }
 
 /// Selective signalling: WR `i` of a chain of `len` is signalled every `every` WRs and always
@@ -296,9 +298,13 @@ pub(crate) struct Group<T> {
 }
 
 /// The in-flight window of one QP: WRs posted but not yet retired, in send-queue order.
+/// Part of it may be lent out for good to prepared lanes (see [`InFlight::lend`]).
 #[derive(Debug)]
 pub(crate) struct InFlight<T> {
+    /// The window less what is lent out.
     cap: u32,
+    /// The window as configured.
+    full: u32,
     outstanding: u32,
     next_seq: u64,
     groups: VecDeque<Group<T>>,
@@ -308,6 +314,7 @@ impl<T> InFlight<T> {
     pub fn new(cap: u32) -> Self {
         Self {
             cap: cap.max(1),
+            full: cap.max(1),
             outstanding: 0,
             next_seq: 0,
             groups: VecDeque::new(),
@@ -315,6 +322,7 @@ impl<T> InFlight<T> {
     }
 
     /// The window: most WRs in flight.
+    #[cfg(test)]
     pub fn cap(&self) -> u32 {
         self.cap
     }
@@ -326,6 +334,24 @@ impl<T> InFlight<T> {
 
     pub fn outstanding(&self) -> u32 {
         self.outstanding
+    }
+
+    /// Lends `n` WRs of window space to a prepared lane until [`Self::give_back`]: the
+    /// lane's runs then never wait for room or touch this window. At most half the full
+    /// window is ever lent, so ordinary batches keep the other half; `false` if `n` does
+    /// not fit that or the room free right now.
+    pub fn lend(&mut self, n: u32) -> bool {
+        let lent = self.full - self.cap;
+        if n == 0 || n > self.available() || lent + n > self.full / 2 {
+            return false;
+        }
+        self.cap -= n;
+        true
+    }
+
+    /// Takes back `n` WRs of space lent by [`Self::lend`].
+    pub fn give_back(&mut self, n: u32) {
+        self.cap = (self.cap + n).min(self.full);
     }
 
     /// Reserves `n` sequence numbers (and window space); returns the first.
@@ -507,17 +533,31 @@ mod tests {
 
     #[test]
     fn wr_id_round_trips() {
-        for kind in [WrKind::Data, WrKind::Notify, WrKind::Recv] {
+        for kind in [WrKind::Data, WrKind::Notify, WrKind::Recv, WrKind::Lane] {
             for qp in [0, 1, 255] {
                 for seq in [0, 1, SEQ_MASK] {
-                    assert_eq!(
-                        decode_wr_id(encode_wr_id(kind, qp, seq)),
-                        Some((kind, qp, seq))
-                    );
+                    assert_eq!(decode_wr_id(encode_wr_id(kind, qp, seq)), (kind, qp, seq));
                 }
             }
         }
-        assert_eq!(decode_wr_id(3 << 62), None);
+    }
+
+    #[test]
+    fn lending_keeps_half_the_window_for_batches() {
+        let mut t: InFlight<()> = InFlight::new(16);
+        assert!(!t.lend(0));
+        assert!(!t.lend(9), "more than half");
+        assert!(t.lend(5));
+        assert_eq!((t.cap(), t.available()), (11, 11));
+        t.reserve(10);
+        assert!(!t.lend(2), "only 1 free right now");
+        assert!(t.lend(1));
+        assert_eq!(t.available(), 0);
+        assert!(!t.lend(1));
+        t.give_back(6);
+        assert_eq!((t.cap(), t.available()), (16, 6));
+        t.give_back(1);
+        assert_eq!(t.cap(), 16, "never above the full window");
     }
 
     #[test]

@@ -415,3 +415,138 @@ fn rxe_receive_only_side_learns_of_peer_death() {
     ));
     drop((a, b));
 }
+
+/// Reaps `c` until `cell` has an outcome.
+fn run_outcome(c: &VerbsConn, cell: &crate::prepared::RunCell) -> Result<(), Error> {
+    let end = Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Some(r) = cell.outcome() {
+            return r;
+        }
+        assert!(Instant::now() < end, "lane run did not finish");
+        if c.poll() == 0 {
+            std::thread::yield_now();
+        }
+    }
+}
+
+#[test]
+fn rxe_lanes_lend_window_space_and_give_it_back() {
+    let Some(dev) = device("rxe_lanes_lend_window_space_and_give_it_back") else {
+        return;
+    };
+    use crate::prepared::RunCell;
+    let p = pair(&dev, 1);
+    const N: usize = 64 << 10;
+    let mut src = pattern(N, 3);
+    let mut dst = vec![0u8; N];
+    let ms = reg(&p.a, &mut src);
+    let md = reg(&p.b, &mut dst);
+    let (s0, d0) = (src.as_ptr() as u64, dst.as_ptr() as u64);
+    let w = |off: u64, to: u64, len: u64| PlanOp {
+        dir: Dir::Write,
+        local: s0 + off,
+        lkey: ms.lkey(),
+        remote: d0 + to,
+        rkey: md.rkey(),
+        len,
+    };
+    let cell = || Arc::new(RunCell::new(crate::batch::Pins::new()));
+
+    // Two WRs (the remote ranges are not contiguous) and a notification on the last.
+    let c1 = cell();
+    let l1 =
+        p.ab.prepare_lane([w(0, 0, 4096), w(4096, 8192, 4096)], true, c1.clone())
+            .expect("a two-WR lane");
+    for run in 0..20u32 {
+        let seed = run as u8;
+        src[..8192].copy_from_slice(&pattern(8192, seed));
+        c1.begin();
+        p.ab.post_lane(&l1, Some((500 + run).to_be()))
+            .expect("post");
+        run_outcome(&p.ab, &c1).expect("run");
+        let end = Instant::now() + Duration::from_secs(10);
+        while p.tags_b.0.lock().unwrap().len() <= run as usize {
+            assert!(Instant::now() < end, "tag of run {run}");
+            p.ba.poll();
+        }
+        assert_eq!(p.tags_b.0.lock().unwrap()[run as usize], 500 + run);
+        assert_eq!(dst[..4096], src[..4096], "run {run}, first WR");
+        assert_eq!(dst[8192..12288], src[4096..8192], "run {run}, second WR");
+    }
+    assert_eq!(p.ab.outstanding(), 0);
+
+    // Lanes may take half the window (128) at most: l1 holds 2 WRs, 62 one-WR lanes fit.
+    let one = |k: u64| [w(k * 8, 16384 + k * 8, 8)];
+    let mut more: Vec<_> = (0..62)
+        .map(|k| {
+            p.ab.prepare_lane(one(k), false, cell())
+                .expect("within half")
+        })
+        .collect();
+    assert!(
+        p.ab.prepare_lane(one(62), false, cell()).is_none(),
+        "over half"
+    );
+    // Ordinary batches still get the other half meanwhile.
+    let sink = Arc::new(Sink::default());
+    let batch: Vec<_> = (0..100).map(|k| w(k * 64, 32768 + k * 64, 64)).collect();
+    p.ab.post(
+        sink.clone(),
+        batch,
+        None,
+        Instant::now() + Duration::from_secs(30),
+    )
+    .expect("ordinary batch");
+    let end = Instant::now() + Duration::from_secs(30);
+    while sink.out.lock().unwrap().is_none() {
+        assert!(Instant::now() < end, "ordinary batch");
+        p.ab.poll();
+    }
+    sink.wait(Duration::ZERO).expect("ordinary batch");
+    assert_eq!(dst[32768..32768 + 6400], src[..6400]);
+
+    // A lane dropped with a run in flight gives its space back once the run completes.
+    let last = more.pop().expect("62 lanes");
+    p.ab.drop_lane(&last);
+    p.ab.drop_lane(&last); // a second drop must not free a lane that reused the index
+    let c = cell();
+    let l =
+        p.ab.prepare_lane(one(70), false, c.clone())
+            .expect("room again");
+    c.begin();
+    p.ab.post_lane(&l, None).expect("post");
+    p.ab.drop_lane(&l);
+    drop(l);
+    assert!(
+        p.ab.prepare_lane(one(71), false, cell()).is_none(),
+        "space still lent"
+    );
+    let end = Instant::now() + Duration::from_secs(30);
+    while p.ab.outstanding() > 0 {
+        assert!(Instant::now() < end, "the dropped lane's run");
+        p.ab.poll();
+    }
+    assert_eq!(
+        c.outcome().map(|r| r.is_ok()),
+        None,
+        "a dropped lane reports nothing"
+    );
+    let again =
+        p.ab.prepare_lane(one(72), false, cell())
+            .expect("space given back");
+    p.ab.drop_lane(&again);
+    for l in &more {
+        p.ab.drop_lane(l);
+    }
+
+    // A break fails the run in flight, and the lane refuses further runs.
+    c1.begin();
+    p.ab.post_lane(&l1, None).expect("post");
+    p.ab.break_conn(Error::Shutdown);
+    let e = run_outcome(&p.ab, &c1).expect_err("a broken connection fails the run");
+    assert!(matches!(e, Error::Shutdown), "{e}");
+    assert!(p.ab.post_lane(&l1, None).is_err());
+    p.ab.drop_lane(&l1);
+    drop((ms, md));
+}
