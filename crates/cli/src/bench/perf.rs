@@ -1,7 +1,8 @@
 //! `pagewire bench write|read|lat` over the transport engine.
 //!
-//! Each end registers one buffer of twice the largest message: the lower half is what
-//! it sends (or lets the peer read), the upper half is where the peer's data lands.
+//! Each end registers one buffer of twice the largest message (rounded up to a page): the
+//! lower half is what it sends (or lets the peer read), the upper half is where the
+//! peer's data lands.
 //! The client always initiates; with `-b` the server initiates too, at the same time,
 //! and the client prints the sum of both ends' bandwidth (as perftest does).
 //!
@@ -185,7 +186,7 @@ fn server_setup(
         .parse()
         .expect("literal");
     let engine = session::open_engine(&engine_opts(kind, args), listen)?;
-    let half = *sizes.iter().max().expect("at least one size");
+    let half = landing_offset(sizes);
     let local = Local::new(&engine, 2 * half)?;
     ch.send(&Msg::Welcome(Welcome {
         engine_port: engine.local_addr().port(),
@@ -206,6 +207,17 @@ fn server_setup(
     })
 }
 
+/// Where the landing half of each buffer starts: past the largest message, on a page of
+/// its own, as perftest keeps its send and receive buffers apart. A small ping then never
+/// lands on the cache line (or the page) the receiver itself writes its own ping into.
+fn landing_offset(sizes: &[u64]) -> u64 {
+    sizes
+        .iter()
+        .max()
+        .expect("at least one size")
+        .next_multiple_of(4096)
+}
+
 fn client(
     kind: TestKind,
     args: &PerfArgs,
@@ -224,7 +236,7 @@ fn client(
     .parse()
     .expect("literal");
     let engine = session::open_engine(&engine_opts(kind, args), listen)?;
-    let half = *sizes.iter().max().expect("at least one size");
+    let half = landing_offset(sizes);
     ensure!(
         w.buf_len >= 2 * half,
         "the server's buffer ({} B) is smaller than this run needs",
