@@ -75,12 +75,6 @@ pub(crate) struct LaneChain {
     lane: Arc<Lane>,
 }
 
-impl LaneChain {
-    pub fn index(&self) -> usize {
-        self.index
-    }
-}
-
 /// A lane as the connection's table holds it, so that whichever thread reaps a run's
 /// completion can report it, and the regions stay pinned while a run may be in flight.
 struct Lane {
@@ -243,6 +237,10 @@ struct Reaper {
     wcs: [Wc; POLL_BATCH],
     retired: Vec<Group<Arc<BatchCtl>>>,
 }
+
+/// See [`VerbsConn::hold_reaping`].
+#[cfg(test)]
+pub(crate) struct ReapingHold<'a>(#[allow(dead_code)] std::sync::MutexGuard<'a, Reaper>);
 
 struct QpSlot {
     /// Post lock: sequence numbers are reserved and posted under it, so send-queue order and
@@ -565,13 +563,17 @@ impl VerbsConn {
         }
         let slot = &self.qps[0];
         let n = l.wrs.len() as u32;
-        slot.lane_wrs.fetch_sub(n, Ordering::AcqRel);
-        slot.progressed();
+        // The space comes back before the run stops counting as outstanding, so whoever
+        // sees nothing in flight also sees the space.
         if l.dropped.load(Ordering::Acquire) {
             lanes.remove(index);
             drop(lanes);
             lock(&slot.track).give_back(n);
+            slot.lane_wrs.fetch_sub(n, Ordering::AcqRel);
+            slot.progressed();
         } else {
+            slot.lane_wrs.fetch_sub(n, Ordering::AcqRel);
+            slot.progressed();
             l.cell.succeed();
         }
     }
@@ -940,6 +942,13 @@ impl VerbsConn {
         for slot in &self.qps {
             lock(&slot.qp).move_to_error();
         }
+    }
+
+    /// Keeps every other thread (the completion thread included) from reaping this
+    /// connection while the hold lives, so a test can look at a run still in flight.
+    #[cfg(test)]
+    pub fn hold_reaping(&self) -> ReapingHold<'_> {
+        ReapingHold(lock(&self.reaping))
     }
 
     /// Polls both CQs once and handles what they held; returns how many completions that

@@ -248,15 +248,6 @@ impl Drop for VerbsLane {
     }
 }
 
-impl std::fmt::Debug for VerbsLane {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("VerbsLane")
-            .field("peer", &self.peer)
-            .field("lane", &self.chain.index())
-            .finish()
-    }
-}
-
 fn closed_as_gone(e: Error, peer: crate::engine::PeerId) -> Error {
     match e {
         Error::Shutdown => Error::PeerGone {
