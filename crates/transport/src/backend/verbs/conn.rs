@@ -976,6 +976,9 @@ impl VerbsConn {
             match poll_cq(&self.recv_cq, wcs) {
                 Ok(n) => {
                     handled += n;
+                    if wcs[..n].iter().any(|w| w.status != WC_SUCCESS) {
+                        handled += self.drain_send_cq(retired);
+                    }
                     for wc in &wcs[..n] {
                         self.on_recv_wc(wc);
                     }
@@ -991,6 +994,31 @@ impl VerbsConn {
             self.post_deferred();
         }
         handled
+    }
+
+    /// Handles everything in the send CQ, before a failed RECV is: a flushed RECV only says
+    /// that its QP is in ERR, and rxe completes the WR that put it there (a remote access
+    /// error, say) before it moves the QP to ERR and flushes the RECVs, so that completion
+    /// is already in the send CQ and names the cause. The caller holds the reaping lock.
+    #[cold]
+    fn drain_send_cq(&self, retired: &mut Vec<Group<Arc<BatchCtl>>>) -> usize {
+        let mut wcs = [Wc::default(); POLL_BATCH];
+        let mut handled = 0;
+        loop {
+            match poll_cq(&self.send_cq, &mut wcs) {
+                Ok(0) => return handled,
+                Ok(n) => {
+                    handled += n;
+                    for wc in &wcs[..n] {
+                        self.on_send_wc(wc, retired);
+                    }
+                }
+                Err(e) => {
+                    self.break_conn(e);
+                    return handled;
+                }
+            }
+        }
     }
 
     /// The typed error for a failed completion on QP `qi`.
