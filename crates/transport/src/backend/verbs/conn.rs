@@ -520,18 +520,7 @@ impl VerbsConn {
         l.posted.store(true, Ordering::Release);
         slot.lane_wrs.fetch_add(n as u32, Ordering::AcqRel);
         let wr_id = encode_wr_id(WrKind::Lane, 0, c.index as u64);
-        let specs = l.wrs.iter().enumerate().map(|(k, w)| {
-            let last = k + 1 == n;
-            WrSpec {
-                wr_id,
-                signaled: last,
-                dir: w.dir,
-                remote: w.remote,
-                rkey: w.rkey,
-                sges: &w.sges,
-                imm: if last { imm } else { None },
-            }
-        });
+        let specs = chain_specs(&l.wrs, move |_| wr_id, imm);
         let mut qp = lock(&slot.qp);
         // SAFETY: the SGEs come from ops the engine core validated against live
         // registrations when the batch was prepared; the lane's run cell holds those
@@ -866,18 +855,11 @@ impl VerbsConn {
             });
             first
         };
-        let specs = wrs.iter().enumerate().map(|(k, w)| {
-            let last = k + 1 == n;
-            WrSpec {
-                wr_id: encode_wr_id(kind, 0, (first + k as u64) & SEQ_MASK),
-                signaled: last,
-                dir: w.dir,
-                remote: w.remote,
-                rkey: w.rkey,
-                sges: &w.sges,
-                imm: if last { imm } else { None },
-            }
-        });
+        let specs = chain_specs(
+            wrs,
+            move |k| encode_wr_id(kind, 0, (first + k as u64) & SEQ_MASK),
+            imm,
+        );
         // SAFETY: forwarded from this fn's contract.
         unsafe { qp.post_chain(specs) }?;
         slot.progressed();
@@ -1228,6 +1210,28 @@ fn probe_timeout() -> Error {
         reason: "the data-path probe (a zero-length RDMA WRITE per QP) did not complete before the handshake deadline"
             .into(),
     }
+}
+
+/// `wrs` as one chain: WR `k` gets `wr_id(k)`, and only the last is signalled and carries
+/// `imm` (RC retires the WRs before it with its completion).
+fn chain_specs<'a>(
+    wrs: &'a [PlannedWr],
+    wr_id: impl Fn(usize) -> u64 + 'a,
+    imm: Option<u32>,
+) -> impl Iterator<Item = WrSpec<'a>> {
+    let n = wrs.len();
+    wrs.iter().enumerate().map(move |(k, w)| {
+        let last = k + 1 == n;
+        WrSpec {
+            wr_id: wr_id(k),
+            signaled: last,
+            dir: w.dir,
+            remote: w.remote,
+            rkey: w.rkey,
+            sges: &w.sges,
+            imm: if last { imm } else { None },
+        }
+    })
 }
 
 /// wr_id of the `seq`-th RECV posted on QP `qp`.
