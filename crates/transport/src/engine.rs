@@ -17,8 +17,8 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, Sender};
 
 use crate::backend::{
-    self, Backend, BackendInfo, BackendInit, BackendMr, Conn, ConnCtx, NotifySink, Progress,
-    ResolvedOp, ResolvedOps, Yield, busy_poll,
+    self, Backend, BackendInfo, BackendInit, BackendMr, Conn, ConnCtx, NotifySink, NotifyWait,
+    Progress, ResolvedOp, ResolvedOps, Yield, busy_poll,
 };
 use crate::batch::{Batch, BatchState, Op, TransferHandle, TransferOp};
 use crate::config::{BackendKind, EngineConfig};
@@ -520,19 +520,26 @@ impl Engine {
     /// `poll_spin` without any completion), then blocks.
     pub fn poll_notification(&self, deadline: Instant) -> Option<Notification> {
         let rx = &self.inner.notify_rx;
-        // `is_empty` first: most rounds of a wait find the queue empty, and it reads two
-        // indices where `try_recv` takes the receive path.
-        let ready = || {
-            if rx.is_empty() {
-                None
-            } else {
-                rx.try_recv().ok()
+        if let Some(p) = &self.inner.progress {
+            // This thread reaps: a tag it reaps itself comes straight to it (`NotifyWait`).
+            let wait = NotifyWait::enter(self.inner.id, &self.inner.notify_tx);
+            // `is_empty` first: most rounds of a wait find the queue empty, and it reads
+            // two indices where `try_recv` takes the receive path.
+            let ready = || {
+                wait.take().or_else(|| {
+                    if rx.is_empty() {
+                        None
+                    } else {
+                        rx.try_recv().ok()
+                    }
+                })
+            };
+            if let Some(n) = busy_poll(&**p, deadline, Yield::Rarely, ready) {
+                return Some(n);
             }
-        };
-        if let Some(p) = &self.inner.progress
-            && let Some(n) = busy_poll(&**p, deadline, Yield::Rarely, ready)
-        {
-            return Some(n);
+            if let Some(n) = wait.take() {
+                return Some(n);
+            }
         }
         rx.recv_deadline(deadline).ok()
     }
@@ -670,6 +677,7 @@ impl Inner {
             remote_ip,
             notify: NotifySink {
                 peer,
+                engine: self.id,
                 tx: self.notify_tx.clone(),
             },
             registry: self.registry.clone(),

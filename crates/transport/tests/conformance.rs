@@ -147,6 +147,76 @@ mod suite {
 
     /// Many batches in flight to one peer, and three peers writing into one engine at once;
     /// every (peer, tag) notification arrives exactly once and all bytes are exact.
+    /// Tags of single-WRITE batches from one peer each come out once, with their write's
+    /// bytes in place, whichever thread reaps them: bursts sent without waiting (several
+    /// tags per reaping round on the waiter's own thread) and single tags, mixing
+    /// `poll_notification` and `try_notification`. Verbs (one QP carries them all) and
+    /// loopback keep the sending order; TCP spreads batches over its streams and does not.
+    pub fn notifications_in_order(kind: BackendKind) -> Result<()> {
+        let (a, b) = (engine(kind)?, engine(kind)?);
+        const N: u32 = 300;
+        let (mut src, _) = buffer(&a, 64 * N as usize, Access::LOCAL_WRITE)?;
+        let (dst, _) = buffer(&b, 64 * N as usize, Access::ALL)?;
+        fill_pattern(&mut src, 21);
+        let (ab, _ba) = connect(&a, &b)?;
+        let mut handles = Vec::new();
+        let mut got = Vec::with_capacity(N as usize);
+        for tag in 0..N {
+            let off = 64 * u64::from(tag);
+            handles.push(
+                a.submit(
+                    ab,
+                    Batch::new()
+                        .write(src.addr() + off, dst.addr() + off, 64)
+                        .notify(tag),
+                )?,
+            );
+            // Bursts of 25, then drain them.
+            if tag % 25 != 24 {
+                continue;
+            }
+            while got.len() <= tag as usize {
+                let n = if got.len() % 7 == 3 {
+                    let t0 = Instant::now();
+                    loop {
+                        if let Some(n) = b.try_notification() {
+                            break n;
+                        }
+                        ensure!(
+                            t0.elapsed() < Duration::from_secs(30),
+                            "notification {} never came",
+                            got.len()
+                        );
+                        std::thread::yield_now();
+                    }
+                } else {
+                    b.poll_notification(secs(30))
+                        .with_context(|| format!("notification {}", got.len()))?
+                };
+                let o = 64 * n.tag as usize;
+                ensure!(n.tag < N, "unknown tag {}", n.tag);
+                ensure!(
+                    dst[o..o + 64] == src[o..o + 64],
+                    "tag {}: bytes not in place",
+                    n.tag
+                );
+                got.push(n.tag);
+            }
+        }
+        for h in handles {
+            h.wait(secs(30))?;
+        }
+        ensure!(b.try_notification().is_none(), "an extra notification");
+        let in_order = got.iter().copied().eq(0..N);
+        got.sort_unstable();
+        ensure!(got.iter().copied().eq(0..N), "a tag lost or repeated");
+        ensure!(
+            in_order || kind == BackendKind::Tcp,
+            "tags out of sending order on {kind:?}"
+        );
+        Ok(())
+    }
+
     /// A notification with no data: the tag arrives alone, the batch completes, and a tag
     /// sent after a completed write finds that write's bytes in place. An empty batch
     /// without a notification stays an error (in `permissions`).
@@ -1091,6 +1161,7 @@ macro_rules! all_backends {
                 write_read_sizes,
                 layout_plan_pages,
                 notify_only,
+                notifications_in_order,
                 blocked_poster_does_not_starve_others,
                 prepared,
                 concurrency,

@@ -125,6 +125,8 @@ pub(crate) struct ResolvedOp {
 #[derive(Clone)]
 pub(crate) struct NotifySink {
     pub(crate) peer: PeerId,
+    /// The engine's id (see [`NotifyWait`]).
+    pub(crate) engine: u64,
     pub(crate) tx: Sender<Notification>,
 }
 
@@ -132,11 +134,63 @@ impl NotifySink {
     /// Surfaces a notification from this connection's peer. Call only once every byte of
     /// the batch it ends is in local memory.
     pub(crate) fn notify(&self, tag: u32) {
-        // The receiver lives as long as the engine; a send error means it is shutting down.
-        let _ = self.tx.send(Notification {
+        let n = Notification {
             peer: self.peer,
             tag,
+        };
+        // A thread waiting in this engine's `poll_notification` that reaped the tag itself
+        // takes it directly when the queue holds nothing older: the same order, without a
+        // send and a receive on the queue.
+        let queued = HANDOFF.with(|h| match &mut *h.borrow_mut() {
+            Some(w) if w.engine == self.engine && w.slot.is_none() && self.tx.is_empty() => {
+                w.slot = Some(n);
+                false
+            }
+            _ => true,
         });
+        if queued {
+            // The receiver lives as long as the engine; an error means it is shutting down.
+            let _ = self.tx.send(n);
+        }
+    }
+}
+
+/// A thread's wait in `Engine::poll_notification`, and the notification handed to it.
+struct Handoff {
+    engine: u64,
+    slot: Option<Notification>,
+}
+
+thread_local! {
+    static HANDOFF: std::cell::RefCell<Option<Handoff>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Marks this thread as waiting for engine `engine`'s notifications while it lives, so
+/// that [`NotifySink::notify`] called on this thread (by its own reaping) hands a tag
+/// over instead of queueing it. Anything still handed over when it ends goes to the queue.
+pub(crate) struct NotifyWait<'a> {
+    tx: &'a Sender<Notification>,
+    prev: Option<Handoff>,
+}
+
+impl<'a> NotifyWait<'a> {
+    pub(crate) fn enter(engine: u64, tx: &'a Sender<Notification>) -> Self {
+        let prev = HANDOFF.with(|h| h.replace(Some(Handoff { engine, slot: None })));
+        NotifyWait { tx, prev }
+    }
+
+    /// The notification handed over, if any.
+    pub(crate) fn take(&self) -> Option<Notification> {
+        HANDOFF.with(|h| h.borrow_mut().as_mut().and_then(|w| w.slot.take()))
+    }
+}
+
+impl Drop for NotifyWait<'_> {
+    fn drop(&mut self) {
+        let mine = HANDOFF.with(|h| h.replace(self.prev.take()));
+        if let Some(n) = mine.and_then(|w| w.slot) {
+            let _ = self.tx.send(n);
+        }
     }
 }
 
