@@ -944,16 +944,7 @@ impl VerbsConn {
             return 0;
         };
         let Reaper { wcs, retired } = &mut *guard;
-        let mut handled = 0;
-        match poll_cq(&self.send_cq, wcs) {
-            Ok(n) => {
-                handled += n;
-                for wc in &wcs[..n] {
-                    self.on_send_wc(wc, retired);
-                }
-            }
-            Err(e) => self.break_conn(e),
-        }
+        let mut handled = self.reap_send(wcs, retired).unwrap_or(0);
         if recv {
             match poll_cq(&self.recv_cq, wcs) {
                 Ok(n) => {
@@ -986,19 +977,29 @@ impl VerbsConn {
     fn drain_send_cq(&self, retired: &mut Vec<Group<Arc<BatchCtl>>>) -> usize {
         let mut wcs = [Wc::default(); POLL_BATCH];
         let mut handled = 0;
-        loop {
-            match poll_cq(&self.send_cq, &mut wcs) {
-                Ok(0) => return handled,
-                Ok(n) => {
-                    handled += n;
-                    for wc in &wcs[..n] {
-                        self.on_send_wc(wc, retired);
-                    }
+        while let Some(n @ 1..) = self.reap_send(&mut wcs, retired) {
+            handled += n;
+        }
+        handled
+    }
+
+    /// One poll of the send CQ into `wcs`, each completion handled; `None` if the poll
+    /// itself failed, which breaks the connection.
+    fn reap_send(
+        &self,
+        wcs: &mut [Wc; POLL_BATCH],
+        retired: &mut Vec<Group<Arc<BatchCtl>>>,
+    ) -> Option<usize> {
+        match poll_cq(&self.send_cq, wcs) {
+            Ok(n) => {
+                for wc in &wcs[..n] {
+                    self.on_send_wc(wc, retired);
                 }
-                Err(e) => {
-                    self.break_conn(e);
-                    return handled;
-                }
+                Some(n)
+            }
+            Err(e) => {
+                self.break_conn(e);
+                None
             }
         }
     }
