@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use smallvec::SmallVec;
 
-use crate::backend::{Progress, Yield, busy_poll};
+use crate::backend::{Progress, Yield, busy_poll, poll_with_naps};
 use crate::engine::PeerId;
 use crate::error::{Error, Result};
 use crate::memory::RegionPin;
@@ -467,9 +467,11 @@ impl TransferHandle {
         let started = Instant::now();
         if let Some(d) = &s.driver {
             let until = deadline.min(s.deadline);
-            busy_poll(&**d, until, Yield::Often, || {
-                s.finished.load(Ordering::Acquire).then_some(())
-            });
+            let finished = || s.finished.load(Ordering::Acquire).then_some(());
+            if busy_poll(&**d, until, Yield::Often, finished).is_none() && d.callers_only() {
+                // No completion thread would wake the sleep below: keep reaping.
+                poll_with_naps(&**d, until, finished);
+            }
         }
         let mut p = s.lock();
         loop {

@@ -24,6 +24,7 @@
 //! | `PAGEWIRE_HANDSHAKE_TIMEOUT_MS` | `handshake_timeout` | `5000` | connect + handshake deadline |
 //! | `PAGEWIRE_BATCH_TIMEOUT_MS` | `batch_timeout` | `30000` | default batch deadline |
 //! | `PAGEWIRE_IO_TIMEOUT_MS` | `io_timeout` | `10000` | TCP data-stream read/write timeout |
+//! | `PAGEWIRE_PROGRESS` | `progress` | `auto` | verbs: `auto` (a completion thread reaps whatever callers leave) or `manual` (only callers reap: waits, `Engine::progress`) |
 //! | `PAGEWIRE_POLL_SPIN_US` | `poll_spin` | `5000` | verbs: completion thread keeps polling this long after the last post or completion; a waiting caller busy-polls this long without a completion before it blocks (0..=10 s) |
 //!
 //! Sizes accept a plain byte count or a `K`/`M`/`G` suffix (powers of 1024).
@@ -85,6 +86,53 @@ impl FromStr for BackendKind {
     }
 }
 
+/// Who reaps the verbs backend's completions (libfabric's `FI_PROGRESS_AUTO` and
+/// `FI_PROGRESS_MANUAL`). TCP and loopback move bytes on their own threads either way.
+#[non_exhaustive]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum ProgressMode {
+    /// A completion thread reaps what no caller is waiting for, and steps aside while
+    /// callers reap (so a waiter spins on one core, not two).
+    #[default]
+    Auto,
+    /// No completion thread: completions, notifications and the connection health checks
+    /// move only while the application is inside the engine (a `wait`, `try_wait`,
+    /// `poll_notification`, `try_notification`, or [`crate::Engine::progress`]). For
+    /// loops that poll anyway, like perftest's: no second thread competes for the cores
+    /// or wakes up under the caller. A [`crate::TransferHandle::status`] or a blocking
+    /// receive on [`crate::Engine::notifications`] alone does not reap. Both ends need
+    /// calls: a batch's notification that must follow data striped over several QPs is
+    /// posted when that data's completions are reaped on the sending engine.
+    Manual,
+}
+
+impl ProgressMode {
+    /// Lowercase name as accepted by `PAGEWIRE_PROGRESS`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ProgressMode::Auto => "auto",
+            ProgressMode::Manual => "manual",
+        }
+    }
+}
+
+impl fmt::Display for ProgressMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for ProgressMode {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "auto" => Ok(ProgressMode::Auto),
+            "manual" => Ok(ProgressMode::Manual),
+            _ => Err(Error::config("progress", s, "expected auto or manual")),
+        }
+    }
+}
+
 /// All engine settings. Build with [`EngineConfig::builder`]; every field is validated
 /// by [`EngineConfigBuilder::build`].
 #[non_exhaustive]
@@ -129,6 +177,8 @@ pub struct EngineConfig {
     /// outstanding it always polls); also how long a caller in `wait` or
     /// `poll_notification` busy-polls without any completion before it blocks.
     pub poll_spin: Duration,
+    /// Verbs: a completion thread, or only callers, reap completions.
+    pub progress: ProgressMode,
 }
 
 impl Default for EngineConfig {
@@ -152,6 +202,7 @@ impl Default for EngineConfig {
             batch_timeout: Duration::from_secs(30),
             io_timeout: Duration::from_secs(10),
             poll_spin: Duration::from_millis(5),
+            progress: ProgressMode::Auto,
         }
     }
 }
@@ -272,6 +323,8 @@ impl EngineConfigBuilder {
         io_timeout: Duration);
     setter!(/// Verbs: completion-thread polling grace period after the last activity.
         poll_spin: Duration);
+    setter!(/// Verbs: completion thread (`Auto`) or caller-driven (`Manual`) progress.
+        progress: ProgressMode);
 
     /// Shared secret.
     pub fn token(mut self, t: impl Into<String>) -> Self {
@@ -367,6 +420,11 @@ impl EngineConfigBuilder {
         if let Some(v) = get("PAGEWIRE_POLL_SPIN_US") {
             c.poll_spin = Duration::from_micros(parse_num("PAGEWIRE_POLL_SPIN_US", &v)?);
         }
+        if let Some(v) = get("PAGEWIRE_PROGRESS") {
+            c.progress = v
+                .parse()
+                .map_err(|_| Error::config("PAGEWIRE_PROGRESS", &v, "expected auto|manual"))?;
+        }
         Ok(self)
     }
 
@@ -420,6 +478,7 @@ mod tests {
             ("PAGEWIRE_MAX_WR_BYTES", "256K"),
             ("PAGEWIRE_BATCH_TIMEOUT_MS", "1500"),
             ("PAGEWIRE_POLL_SPIN_US", "250"),
+            ("PAGEWIRE_PROGRESS", "Manual"),
         ]
         .into_iter()
         .collect();
@@ -434,6 +493,8 @@ mod tests {
         assert_eq!(cfg.max_wr_bytes, 256 << 10);
         assert_eq!(cfg.batch_timeout, Duration::from_millis(1500));
         assert_eq!(cfg.poll_spin, Duration::from_micros(250));
+        assert_eq!(cfg.progress, ProgressMode::Manual);
+        assert_eq!(EngineConfig::default().progress, ProgressMode::Auto);
     }
 
     #[test]
@@ -442,6 +503,10 @@ mod tests {
             .with_vars(|k| (k == "PAGEWIRE_TRANSPORT").then(|| "carrier-pigeon".into()))
             .unwrap_err();
         assert!(err.to_string().contains("PAGEWIRE_TRANSPORT"), "{err}");
+        let err = EngineConfig::builder()
+            .with_vars(|k| (k == "PAGEWIRE_PROGRESS").then(|| "sometimes".into()))
+            .unwrap_err();
+        assert!(err.to_string().contains("PAGEWIRE_PROGRESS"), "{err}");
         let err = EngineConfig::builder().qps_per_peer(0).build().unwrap_err();
         assert!(err.to_string().contains("qps_per_peer"), "{err}");
         let err = EngineConfig::builder().mtu(1500).build().unwrap_err();

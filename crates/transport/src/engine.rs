@@ -18,7 +18,7 @@ use crossbeam_channel::{Receiver, Sender};
 
 use crate::backend::{
     self, Backend, BackendInfo, BackendInit, BackendMr, Conn, ConnCtx, NotifySink, NotifyWait,
-    Progress, ResolvedOp, ResolvedOps, Yield, busy_poll,
+    Progress, ResolvedOp, ResolvedOps, Yield, busy_poll, poll_with_naps,
 };
 use crate::batch::{Batch, BatchState, Op, TransferHandle, TransferOp};
 use crate::config::{BackendKind, EngineConfig};
@@ -343,13 +343,16 @@ impl Engine {
         Ok(())
     }
 
-    /// Deregisters a region, waiting up to `deadline` for batches using it to finish.
+    /// Deregisters a region, waiting up to `deadline` for batches using it to finish (and
+    /// reaping meanwhile, which manual progress needs for them to let go).
     pub fn deregister_wait(&self, id: RegionId, deadline: Instant) -> Result<()> {
         let start = Instant::now();
         loop {
             match self.deregister(id) {
                 Err(Error::RegionBusy { .. }) if Instant::now() < deadline => {
-                    std::thread::sleep(Duration::from_millis(1));
+                    if self.progress() == 0 {
+                        std::thread::sleep(Duration::from_millis(1));
+                    }
                 }
                 Err(Error::RegionBusy { .. }) => {
                     return Err(Error::Timeout {
@@ -517,7 +520,8 @@ impl Engine {
 
     /// Waits for the next remote notification until `deadline`. On verbs the calling
     /// thread first busy-polls the completion queues itself (for up to the engine's
-    /// `poll_spin` without any completion), then blocks.
+    /// `poll_spin` without any completion), then blocks (with manual progress: keeps
+    /// reaping, with naps of up to 1 ms).
     pub fn poll_notification(&self, deadline: Instant) -> Option<Notification> {
         let rx = &self.inner.notify_rx;
         if let Some(p) = &self.inner.progress {
@@ -525,7 +529,7 @@ impl Engine {
             let wait = NotifyWait::enter(self.inner.id, &self.inner.notify_tx);
             // `is_empty` first: most rounds of a wait find the queue empty, and it reads
             // two indices where `try_recv` takes the receive path.
-            let ready = || {
+            let mut ready = || {
                 wait.take().or_else(|| {
                     if rx.is_empty() {
                         None
@@ -534,8 +538,12 @@ impl Engine {
                     }
                 })
             };
-            if let Some(n) = busy_poll(&**p, deadline, Yield::Rarely, ready) {
+            if let Some(n) = busy_poll(&**p, deadline, Yield::Rarely, &mut ready) {
                 return Some(n);
+            }
+            if p.callers_only() {
+                // No completion thread feeds the queue: keep reaping until the deadline.
+                return poll_with_naps(&**p, deadline, ready);
             }
             if let Some(n) = wait.take() {
                 return Some(n);
@@ -555,6 +563,16 @@ impl Engine {
             p.poll_once();
         }
         rx.try_recv().ok()
+    }
+
+    /// Reaps the verbs backend's completions once on this thread (every connection's
+    /// CQs, and with [`crate::ProgressMode::Manual`] the connection health checks when
+    /// due); returns how many completions were handled. Under manual progress an
+    /// application that is not inside a wait calls this to move batches and notifications
+    /// along; under auto progress it is optional. 0 on TCP and loopback, whose threads
+    /// move their bytes themselves.
+    pub fn progress(&self) -> usize {
+        self.inner.progress.as_ref().map_or(0, |p| p.poll_once())
     }
 
     /// The notification queue itself (for `select!` with other channels). Every clone

@@ -51,7 +51,7 @@ mod wire;
 
 pub use backend::BackendInfo;
 pub use batch::{Batch, BatchStats, BatchStatus, Op, TransferHandle, TransferOp};
-pub use config::{BackendKind, EngineConfig, EngineConfigBuilder};
+pub use config::{BackendKind, EngineConfig, EngineConfigBuilder, ProgressMode};
 pub use engine::{Engine, Notification, PeerId, PeerInfo, PlanEntry};
 pub use error::{Error, HandshakeError, Result};
 pub use memory::{Access, HostBuffer, RegionId, RegionInfo, RemoteRegion};

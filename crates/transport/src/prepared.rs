@@ -54,7 +54,7 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::backend::{Conn, Progress, ResolvedOps, Yield, busy_poll_since};
+use crate::backend::{Conn, Progress, ResolvedOps, Yield, busy_poll_since, poll_with_naps};
 use crate::batch::{BatchState, Pins, TransferHandle};
 use crate::engine::PeerId;
 use crate::error::{Error, Result};
@@ -161,6 +161,9 @@ impl Progress for LaneProgress<'_> {
     }
     fn spin_budget(&self) -> Duration {
         self.engine.spin_budget()
+    }
+    fn callers_only(&self) -> bool {
+        self.engine.callers_only()
     }
 }
 
@@ -416,18 +419,11 @@ fn wait_lane(
     };
     // Past the spin budget: poll with growing naps. Engine-wide, as these polls keep the
     // completion thread stepping aside: other connections must not stall behind a long run.
-    let mut nap = Duration::from_micros(50);
-    loop {
-        engine.poll_once();
-        if let Some(r) = cell.outcome() {
-            return r;
-        }
-        let now = Instant::now();
-        if now >= deadline {
-            return Err(Error::Timeout { after: now - since });
-        }
-        std::thread::sleep(nap.min(deadline - now));
-        nap = (nap * 2).min(Duration::from_millis(1));
+    match poll_with_naps(engine, deadline, || cell.outcome()) {
+        Some(r) => r,
+        None => Err(Error::Timeout {
+            after: since.elapsed(),
+        }),
     }
 }
 

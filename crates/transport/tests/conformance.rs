@@ -1138,11 +1138,15 @@ mod suite {
 
 macro_rules! backend_suite {
     ($name:ident, $kind:expr, [$($test:ident),* $(,)?]) => {
+        backend_suite!($name, $kind, pagewire_transport::ProgressMode::Auto, [$($test),*]);
+    };
+    ($name:ident, $kind:expr, $progress:expr, [$($test:ident),* $(,)?]) => {
         mod $name {
             use super::*;
             $(
                 #[test]
                 fn $test() {
+                    common::PROGRESS.set($progress);
                     if common::runnable($kind, stringify!($test)) {
                         let t0 = Instant::now();
                         suite::$test($kind).unwrap();
@@ -1183,6 +1187,31 @@ macro_rules! all_backends {
 all_backends!(loopback => BackendKind::Loopback, tcp => BackendKind::Tcp);
 #[cfg(feature = "verbs")]
 all_backends!(verbs => BackendKind::Verbs);
+
+// Verbs again with manual progress (no completion thread). Left out: tests in which a
+// sender submits and then only the receiver is inside a call (`write_read_sizes`,
+// `notifications_in_order`, `many_small_ops`: a notification that must follow data on
+// other QPs is posted once that data's completions are reaped, by a call on the sender's
+// engine), and the handshake tests, which reap nothing.
+#[cfg(feature = "verbs")]
+backend_suite!(
+    verbs_manual,
+    BackendKind::Verbs,
+    pagewire_transport::ProgressMode::Manual,
+    [
+        layout_plan_pages,
+        notify_only,
+        blocked_poster_does_not_starve_others,
+        prepared,
+        concurrency,
+        cancellation,
+        deadlines,
+        peer_dies_mid_batch,
+        permissions,
+        registration_and_mr_split,
+        redescribe,
+    ]
+);
 
 /// TCP only: a peer *process* killed in the middle of a batch (re-executes this test
 /// binary in the peer role).

@@ -11,7 +11,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
 use pagewire_transport::{
-    Access, BackendKind, Batch, Engine, EngineConfig, EngineConfigBuilder, Error, HostBuffer,
+    Access, BackendKind, Batch, BatchStatus, Engine, EngineConfig, EngineConfigBuilder, Error,
+    HostBuffer, ProgressMode,
 };
 
 mod common;
@@ -291,6 +292,74 @@ fn verbs_small_window_many_wrs() -> Result<()> {
             "gap before page {i} written"
         );
     }
+    Ok(())
+}
+
+/// Manual progress: no completion thread, so a batch nobody reaps stays pending however
+/// long it has been complete in the CQ; `Engine::progress` finishes it. With a zero spin
+/// budget every wait goes straight to its slow phase, which must keep reaping (there is
+/// no thread to wake it): a write's wait and a notification that arrives 200 ms into
+/// `poll_notification`. Bytes checked on the receiving side.
+#[test]
+fn verbs_manual_progress_reaps_only_in_calls() -> Result<()> {
+    let Some(dev) = device("verbs_manual_progress_reaps_only_in_calls") else {
+        return Ok(());
+    };
+    let manual =
+        |b: EngineConfigBuilder| b.progress(ProgressMode::Manual).poll_spin(Duration::ZERO);
+    let a = engine(&dev, manual)?;
+    let b = engine(&dev, manual)?;
+    ensure!(a.config().progress == ProgressMode::Manual);
+    const N: usize = 64 << 10;
+    let src = filled(N, 3)?;
+    let dst = HostBuffer::new(N)?;
+    a.register(&src, Access::LOCAL_WRITE)?;
+    b.register(&dst, Access::ALL)?;
+    let (peer, _) = (
+        a.connect(b.local_addr())?,
+        b.accept(secs(10)).context("accept")?,
+    );
+
+    // Nobody reaps: still pending after rxe has long finished the 4 KiB write.
+    let h = a.submit(peer, Batch::new().write(src.addr(), dst.addr(), 4096))?;
+    std::thread::sleep(Duration::from_millis(200));
+    ensure!(dst[..4096] == src[..4096], "the write itself did not land");
+    ensure!(
+        matches!(h.status(), BatchStatus::Pending),
+        "something reaped without a call: {:?}",
+        h.status()
+    );
+    let until = secs(10);
+    while !h.status().is_finished() {
+        ensure!(
+            Instant::now() < until,
+            "Engine::progress never finished the batch"
+        );
+        a.progress();
+    }
+    ensure!(matches!(h.status(), BatchStatus::Done), "{:?}", h.status());
+
+    // The waits' slow phase reaps by itself.
+    a.submit(peer, Batch::new().write(src.addr(), dst.addr(), N as u64))?
+        .wait(secs(30))?;
+    ensure!(dst[..] == src[..], "64 KiB write");
+    std::thread::scope(|s| -> Result<()> {
+        let sender = s.spawn(|| -> Result<()> {
+            std::thread::sleep(Duration::from_millis(200));
+            a.submit(
+                peer,
+                Batch::new().write(src.addr(), dst.addr(), 512).notify(91),
+            )?
+            .wait(secs(30))?;
+            Ok(())
+        });
+        let n = b
+            .poll_notification(secs(30))
+            .context("notification never reaped")?;
+        ensure!(n.tag == 91, "{n:?}");
+        sender.join().expect("sender panicked")
+    })?;
+    ensure!(dst[..512] == src[..512]);
     Ok(())
 }
 

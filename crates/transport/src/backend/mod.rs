@@ -274,6 +274,12 @@ pub(crate) trait Progress: Send + Sync + fmt::Debug {
     fn set_waiting(&self, on: bool);
     /// How long a waiter busy-polls while nothing completes before it blocks instead.
     fn spin_budget(&self) -> Duration;
+    /// No completion thread ([`crate::ProgressMode::Manual`]): a waiter past its spin
+    /// budget must keep reaping (with naps) instead of blocking on what that thread
+    /// would have signalled.
+    fn callers_only(&self) -> bool {
+        false
+    }
 }
 
 /// How often an idle busy-poll gives the CPU away.
@@ -362,6 +368,28 @@ pub(crate) fn busy_poll_since<T>(
                 return Err(first);
             }
         }
+    }
+}
+
+/// Reaps through `p` every 50 us, doubling to 1 ms, until `ready` yields a value or
+/// `deadline` passes (`None`): the slow phase of a wait that must reap for itself.
+pub(crate) fn poll_with_naps<T>(
+    p: &dyn Progress,
+    deadline: Instant,
+    mut ready: impl FnMut() -> Option<T>,
+) -> Option<T> {
+    let mut nap = Duration::from_micros(50);
+    loop {
+        p.poll_once();
+        if let Some(v) = ready() {
+            return Some(v);
+        }
+        let now = Instant::now();
+        if now >= deadline {
+            return None;
+        }
+        std::thread::sleep(nap.min(deadline - now));
+        nap = (nap * 2).min(Duration::from_millis(1));
     }
 }
 

@@ -7,8 +7,15 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use pagewire_transport::{
     Access, BackendKind, Batch, Engine, EngineConfig, EngineConfigBuilder, HostBuffer, Op, PeerId,
-    RegionId, TransferOp,
+    ProgressMode, RegionId, TransferOp,
 };
+
+thread_local! {
+    /// The progress mode [`config`] gives engines built on this thread: a suite runs
+    /// once more on verbs with [`ProgressMode::Manual`] (each test has its own thread).
+    pub static PROGRESS: std::cell::Cell<ProgressMode> =
+        const { std::cell::Cell::new(ProgressMode::Auto) };
+}
 
 /// Bytes written around targets to detect stray writes.
 pub const GUARD: u8 = 0xEE;
@@ -80,7 +87,8 @@ pub fn config(kind: BackendKind) -> EngineConfigBuilder {
         .backend(kind)
         .listen("127.0.0.1:0".parse().expect("literal"))
         .batch_timeout(Duration::from_secs(30))
-        .io_timeout(Duration::from_secs(10));
+        .io_timeout(Duration::from_secs(10))
+        .progress(PROGRESS.get());
     if kind == BackendKind::Verbs
         && let Ok(d) = std::env::var("RDMA_DEVICE")
     {

@@ -1,7 +1,7 @@
 //! The per-engine verbs state: device, PD, registrations, the completion thread, and
 //! connection setup (prepare -> exchange -> complete).
 
-use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -16,6 +16,7 @@ use super::device::{OpenDevice, open, verbs_err};
 use super::plan::MAX_QPS;
 use super::qp::{LocalPath, RcQp, RemoteQp};
 use crate::backend::Progress;
+use crate::config::ProgressMode;
 use crate::engine::PeerId;
 use crate::error::Error;
 
@@ -33,6 +34,8 @@ pub(crate) struct VerbsOptions {
     pub max_mr_bytes: Option<u64>,
     /// The completion thread's polling grace period after the last post or completion.
     pub poll_spin: Duration,
+    /// Whether a completion thread runs at all.
+    pub progress: ProgressMode,
 }
 
 /// One registered memory region (an `ibv_mr`); dropping it deregisters.
@@ -77,6 +80,15 @@ pub(crate) struct PollerShared {
     stop: AtomicBool,
     pub(crate) wake: Arc<PollWake>,
     spin: Duration,
+    /// Manual progress: no completion thread; callers' engine-wide rounds run the health
+    /// checks ([`PollerShared::health_if_due`]).
+    manual: bool,
+    /// Engine-wide caller rounds so far (manual progress: the clock is read every
+    /// [`HEALTH_CLOCK_EVERY`]th).
+    rounds: AtomicU32,
+    /// When the health checks last ran, in nanoseconds after `born`.
+    last_health: AtomicU64,
+    born: Instant,
 }
 
 impl std::fmt::Debug for PollerShared {
@@ -95,10 +107,17 @@ impl Progress for PollerShared {
         let Ok(list) = self.conns.try_lock() else {
             return 0;
         };
-        list.iter()
+        let n = list
+            .iter()
             .filter_map(Weak::upgrade)
             .map(|c| c.poll())
-            .sum()
+            .sum();
+        // After the reap: a completion that sat in the CQ while nobody polled is progress,
+        // not a stall.
+        if self.manual {
+            self.health_if_due(&list);
+        }
+        n
     }
 
     fn set_waiting(&self, on: bool) {
@@ -111,6 +130,34 @@ impl Progress for PollerShared {
 
     fn spin_budget(&self) -> Duration {
         self.spin
+    }
+
+    fn callers_only(&self) -> bool {
+        self.manual
+    }
+}
+
+impl PollerShared {
+    /// Manual progress: the completion thread's periodic duty (QP states, the stall
+    /// watchdog, heartbeats on idle connections), run from callers' engine-wide rounds at
+    /// most every [`HEALTH_EVERY`]. `list` is the connection list, locked by the caller.
+    fn health_if_due(&self, list: &[Weak<VerbsConn>]) {
+        if !self
+            .rounds
+            .fetch_add(1, Ordering::Relaxed)
+            .is_multiple_of(HEALTH_CLOCK_EVERY)
+        {
+            return;
+        }
+        let now = self.born.elapsed().as_nanos() as u64;
+        let last = self.last_health.load(Ordering::Relaxed);
+        if now.saturating_sub(last) < HEALTH_EVERY.as_nanos() as u64 {
+            return;
+        }
+        self.last_health.store(now, Ordering::Relaxed);
+        for c in list.iter().filter_map(Weak::upgrade) {
+            c.health_check();
+        }
     }
 }
 
@@ -195,24 +242,34 @@ impl VerbsEngine {
             max_qp_wr = dev.caps.max_qp_wr, max_sge = dev.caps.max_sge,
             "verbs device opened"
         );
+        let manual = opts.progress == ProgressMode::Manual;
         let poller = Arc::new(PollerShared {
             conns: Mutex::new(Vec::new()),
             stop: AtomicBool::new(false),
             wake: Arc::new(PollWake::default()),
             spin: opts.poll_spin,
+            manual,
+            rounds: AtomicU32::new(0),
+            last_health: AtomicU64::new(0),
+            born: Instant::now(),
         });
-        let p2 = Arc::clone(&poller);
-        let thread = std::thread::Builder::new()
-            .name(format!("pagewire-cq-{}", dev.name))
-            .spawn(move || completion_loop(&p2))
-            .map_err(|e| Error::io("spawning the verbs completion thread", e))?;
+        let thread = if manual {
+            None
+        } else {
+            let p2 = Arc::clone(&poller);
+            let t = std::thread::Builder::new()
+                .name(format!("pagewire-cq-{}", dev.name))
+                .spawn(move || completion_loop(&p2))
+                .map_err(|e| Error::io("spawning the verbs completion thread", e))?;
+            Some(t)
+        };
         Ok(Arc::new(Self {
             dev,
             pd,
             opts,
             mtu,
             poller,
-            thread: Mutex::new(Some(thread)),
+            thread: Mutex::new(thread),
             conn_seq: AtomicU64::new(0),
         }))
     }
@@ -495,6 +552,10 @@ const CALLER_NAP_MAX: Duration = Duration::from_millis(16);
 
 /// How often the completion thread queries the real QP states.
 const HEALTH_EVERY: Duration = Duration::from_millis(50);
+
+/// Manual progress: engine-wide caller rounds between two clock reads for the health
+/// checks (a clock read is about as dear as the round itself under TCG).
+const HEALTH_CLOCK_EVERY: u32 = 16;
 
 /// The completion thread. While a caller reaps completions itself (busy-polling in
 /// `TransferHandle::wait` or `Engine::poll_notification`, or since the last round through

@@ -39,7 +39,7 @@ use crate::memory::Access;
 use crate::prepared::{LaneRequest, PreparedLane};
 
 /// Opens the verbs backend: the configured device (or the first with an ACTIVE port),
-/// its PD and the completion thread. No device, no kernel RDMA or no libibverbs gives
+/// its PD and (under auto progress) the completion thread. No device, no kernel RDMA or no libibverbs gives
 /// [`Error::BackendUnavailable`], which `Auto` turns into a TCP fallback.
 pub(crate) fn open(config: &EngineConfig) -> Result<Arc<dyn Backend>, Error> {
     let engine = VerbsEngine::open(VerbsOptions {
@@ -53,6 +53,7 @@ pub(crate) fn open(config: &EngineConfig) -> Result<Arc<dyn Backend>, Error> {
         max_wr_bytes: config.max_wr_bytes,
         max_mr_bytes: config.max_mr_bytes,
         poll_spin: config.poll_spin,
+        progress: config.progress,
     })?;
     Ok(Arc::new(VerbsBackend { engine }))
 }

@@ -36,6 +36,7 @@ fn opts(dev: &str, qps: usize) -> VerbsOptions {
         max_wr_bytes: 256 << 10,
         max_mr_bytes: None,
         poll_spin: Duration::from_millis(5),
+        progress: crate::ProgressMode::Auto,
     }
 }
 
