@@ -17,7 +17,8 @@
 #                            WRITE and READ and every size from 64 KiB to 8 MiB, perftest and
 #                            pagewire back to back with one size per process (`-s`), the order
 #                            alternating between rounds, then ib_write_lat, ib_send_lat and
-#                            pagewire's two latency loops in rotating order (--poll-memory
+#                            pagewire's two latency loops, each with manual and auto progress,
+#                            in rotating order (--poll-memory
 #                            against ib_write_lat, notify against ib_send_lat, the perftest
 #                            tool that waits the same way): a drift of the guest's speed
 #                            hits both sides of a pair, which the `-a` sweeps (minutes apart
@@ -287,6 +288,12 @@ paired_section() {
         notify) pair "$out/raw/pair_pagewire_lat_$r.txt" \
             "$pw bench lat --server -d $dev --transport verbs -n $lat_iters -p $port" \
             "$pw bench lat 127.0.0.1 -d $dev --transport verbs -n $lat_iters -p $port" ;;
+        pollauto) pair "$out/raw/pair_pagewirepollauto_lat_$r.txt" \
+            "$pw bench lat --server -d $dev --transport verbs -n $lat_iters -p $port --poll-memory --progress auto" \
+            "$pw bench lat 127.0.0.1 -d $dev --transport verbs -n $lat_iters -p $port --poll-memory --progress auto" ;;
+        notifyauto) pair "$out/raw/pair_pagewireauto_lat_$r.txt" \
+            "$pw bench lat --server -d $dev --transport verbs -n $lat_iters -p $port --progress auto" \
+            "$pw bench lat 127.0.0.1 -d $dev --transport verbs -n $lat_iters -p $port --progress auto" ;;
         esac
     }
     for ((r = 1; r <= pair_rounds; r++)); do
@@ -302,8 +309,8 @@ paired_section() {
                 if ((r % 2)); then run_pf; run_pw; else run_pw; run_pf; fi
             done
         done
-        local order=(perftest poll send notify)
-        for ((k = 0; k < 4; k++)); do lat_one "${order[$(((k + r) % 4))]}"; done
+        local order=(perftest poll pollauto send notify notifyauto)
+        for ((k = 0; k < 6; k++)); do lat_one "${order[$(((k + r) % 6))]}"; done
     done
     {
         echo "## RDMA in pairs: $dev, perftest vs pagewire, one size per process, back to back"
@@ -375,10 +382,12 @@ for test, title in (("write", "RDMA WRITE"), ("read", "RDMA READ")):
         spread = f"{max(aa) / min(aa):.2f}" if aa else "n/a"
         print(f"| {s} | {cell(a, 4)} | {cell(b, 4)} | {cell(rr)} | {ok}/{len(rr)} | {spread} |")
 
-print(f"\n### RDMA latency, 2 bytes, in rounds (`-n {lat_iters}`; the four clients in rotating order each round; usec)\n")
+print(f"\n### RDMA latency, 2 bytes, in rounds (`-n {lat_iters}`; the six clients in rotating order each round; usec)\n")
 print("Each pagewire mode against the perftest tool that detects the peer's message the same way: "
       "`--poll-memory` spins on the last byte, as ib_write_lat does; notify waits for a receive "
-      "completion (WRITE_WITH_IMM), as ib_send_lat does (SEND). Ratios are per round.\n")
+      "completion (WRITE_WITH_IMM), as ib_send_lat does (SEND). Ratios are per round. "
+      "manual: `bench lat`'s default, only the loop's own waits reap (no completion thread, "
+      "as in perftest); auto: `--progress auto`, the engine's completion thread as well.\n")
 print("| client | against | t_typical | ratio t_typical | ratio q25-q75 | rounds within 1.10 | 99% | ratio 99% |")
 print("|---|---|---:|---:|---:|---:|---:|---:|")
 def lat(tool, col):
@@ -386,9 +395,11 @@ def lat(tool, col):
 for label, tool, ref, ref_label in (
         ("ib_write_lat (perftest)", "perftest", None, ""),
         ("ib_send_lat (perftest)", "perftestsend", "perftest", "ib_write_lat"),
-        ("pagewire, prepared, poll", "pagewirepoll", "perftest", "ib_write_lat"),
-        ("pagewire, prepared, notify", "pagewire", "perftestsend", "ib_send_lat"),
-        ("pagewire, prepared, notify", "pagewire", "perftest", "ib_write_lat")):
+        ("pagewire, prepared, poll, manual", "pagewirepoll", "perftest", "ib_write_lat"),
+        ("pagewire, prepared, poll, auto", "pagewirepollauto", "perftest", "ib_write_lat"),
+        ("pagewire, prepared, notify, manual", "pagewire", "perftestsend", "ib_send_lat"),
+        ("pagewire, prepared, notify, auto", "pagewireauto", "perftestsend", "ib_send_lat"),
+        ("pagewire, prepared, notify, manual", "pagewire", "perftest", "ib_write_lat")):
     t, p99 = lat(tool, 2), lat(tool, 5)
     if ref is None:
         print(f"| {label} | | {cell(t)} | | | | {cell(p99)} | |")

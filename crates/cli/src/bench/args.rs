@@ -25,6 +25,16 @@ pub enum TransportArg {
     Loopback,
 }
 
+/// Who reaps the verbs completions (the engine's `ProgressMode`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ProgressArg {
+    /// A completion thread reaps what the bench's waits leave.
+    Auto,
+    /// Only the bench's own waits reap: no completion thread.
+    Manual,
+}
+
 /// Which one-sided operation the bandwidth/latency test issues.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -154,6 +164,13 @@ pub struct PerfArgs {
     #[arg(long, value_enum, default_value_t = TransportArg::Auto)]
     pub transport: TransportArg,
 
+    /// Verbs: who reaps completions. `manual`: only the bench's own waits, as perftest's
+    /// loops do (no completion thread); `auto`: the engine's completion thread too.
+    /// Default: manual for lat (its loop always waits for what it posted), the engine's
+    /// (`PAGEWIRE_PROGRESS`, else auto) for write and read.
+    #[arg(long, value_enum)]
+    pub progress: Option<ProgressArg>,
+
     /// The receiving side checks every size against a seeded byte pattern.
     #[arg(long)]
     pub verify: bool,
@@ -186,6 +203,12 @@ pub struct PerfArgs {
 }
 
 impl PerfArgs {
+    /// The progress mode this run asks for; `None` leaves the engine's.
+    pub fn progress(&self, kind: TestKind) -> Option<ProgressArg> {
+        self.progress
+            .or((kind == TestKind::Lat).then_some(ProgressArg::Manual))
+    }
+
     /// Message sizes of this run, in order.
     pub fn sizes(&self, kind: TestKind) -> Vec<u64> {
         if self.all {

@@ -37,7 +37,7 @@ pub fn run_default() -> anyhow::Result<()> {
 
 #[cfg(test)]
 mod tests {
-    use super::args::{PerfArgs, TransportArg};
+    use super::args::{PerfArgs, ProgressArg, TransportArg};
     use super::*;
     use clap::Parser;
 
@@ -86,6 +86,14 @@ mod tests {
         assert!(!a.submit_each && !a.poll_memory);
         let (_, a) = perf(&["lat", "--submit-each", "--poll-memory"]);
         assert!(a.submit_each && a.poll_memory);
+        // lat reaps for itself, as ib_write_lat does; the bandwidth tests keep the
+        // engine's mode unless told.
+        assert_eq!(a.progress(TestKind::Lat), Some(ProgressArg::Manual));
+        assert_eq!(a.progress(TestKind::Write), None);
+        let (k, a) = perf(&["lat", "--progress", "auto"]);
+        assert_eq!(a.progress(k), Some(ProgressArg::Auto));
+        let (k, a) = perf(&["write", "--progress", "manual"]);
+        assert_eq!(a.progress(k), Some(ProgressArg::Manual));
     }
 
     #[test]

@@ -584,6 +584,7 @@ fn engine_opts(a: &PagesArgs) -> super::session::EngineOpts {
         gid_index: a.gid_index,
         ib_port: a.ib_port,
         tx_depth: 0,
+        progress: None,
     }
 }
 

@@ -48,6 +48,8 @@ pub struct Header {
     pub cq_mod: u32,
     pub mtu: Option<u32>,
     pub gid_index: Option<u32>,
+    /// Verbs: `auto` (completion thread) or `manual` (the bench's waits reap).
+    pub progress: Option<String>,
     /// READ tests print outstanding reads instead of max inline data.
     pub outstanding_reads: Option<u32>,
     pub data_exchange: String,
@@ -133,6 +135,10 @@ impl Header {
             }
         }
         let _ = writeln!(s, " Data ex. method : {}", self.data_exchange);
+        // pagewire's own line, after perftest's, so their order stays as perftest prints it.
+        if let Some(p) = &self.progress {
+            let _ = writeln!(s, " Progress        : {p}");
+        }
         let _ = writeln!(s, "{RESULT_LINE}");
         endpoint_lines(&mut s, "local", &self.local);
         endpoint_lines(&mut s, "remote", &self.remote);
@@ -324,6 +330,7 @@ mod tests {
             cq_mod: 64,
             mtu: Some(4096),
             gid_index: Some(1),
+            progress: Some("manual".into()),
             outstanding_reads: None,
             data_exchange: "Ethernet".into(),
             local: EndpointDesc {
@@ -393,6 +400,7 @@ mod tests {
  GID index       : 1
  Max inline data : 0[B]
  Data ex. method : Ethernet
+ Progress        : manual
 ---------------------------------------------------------------------------------------
  local address: LID 0000 QPN 0x0032 PSN 0x5f2841 RKey 0x002440 VAddr 0x007f2e5f64b000
  GID: 00:00:00:00:00:00:00:00:00:00:255:255:10:00:02:15

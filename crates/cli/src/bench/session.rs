@@ -5,10 +5,11 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, anyhow, bail};
 use pagewire_transport::{
-    Access, BackendKind, EndpointInfo, Engine, EngineConfig, HostBuffer, PeerId, RemoteRegion,
+    Access, BackendKind, EndpointInfo, Engine, EngineConfig, HostBuffer, PeerId, ProgressMode,
+    RemoteRegion,
 };
 
-use super::args::TransportArg;
+use super::args::{ProgressArg, TransportArg};
 use super::oob::{Channel, Msg, OobError, VERSION, Welcome};
 use super::report::{EndpointDesc, Header};
 
@@ -24,6 +25,8 @@ pub struct EngineOpts {
     pub gid_index: Option<u32>,
     pub ib_port: u8,
     pub tx_depth: u32,
+    /// `None`: the engine's (environment or default).
+    pub progress: Option<ProgressArg>,
 }
 
 pub fn backend_kind(t: TransportArg) -> BackendKind {
@@ -56,6 +59,12 @@ pub fn open_engine(o: &EngineOpts, listen: SocketAddr) -> anyhow::Result<Engine>
     }
     if let Some(g) = o.gid_index {
         b = b.gid_index(g);
+    }
+    if let Some(p) = o.progress {
+        b = b.progress(match p {
+            ProgressArg::Auto => ProgressMode::Auto,
+            ProgressArg::Manual => ProgressMode::Manual,
+        });
     }
     let cfg = b.build().context("engine configuration")?;
     Engine::new(cfg).context("opening the transport engine")
@@ -326,6 +335,7 @@ pub fn header(
         cq_mod,
         mtu: (info.mtu > 0).then_some(info.mtu),
         gid_index: info.gid_index,
+        progress: (kind == BackendKind::Verbs).then(|| engine.config().progress.to_string()),
         outstanding_reads: None,
         data_exchange: data_exchange.into(),
         local: endpoint_desc(
