@@ -39,8 +39,9 @@ use crate::memory::Access;
 use crate::prepared::{LaneRequest, PreparedLane};
 
 /// Opens the verbs backend: the configured device (or the first with an ACTIVE port),
-/// its PD and (under auto progress) the completion thread. No device, no kernel RDMA or no libibverbs gives
-/// [`Error::BackendUnavailable`], which `Auto` turns into a TCP fallback.
+/// its PD and (under auto progress) the completion thread. No device, no kernel RDMA or
+/// no libibverbs gives [`Error::BackendUnavailable`], which `Auto` turns into a TCP
+/// fallback.
 pub(crate) fn open(config: &EngineConfig) -> Result<Arc<dyn Backend>, Error> {
     let engine = VerbsEngine::open(VerbsOptions {
         device: config.rdma_device.clone(),
