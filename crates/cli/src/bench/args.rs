@@ -164,10 +164,11 @@ pub struct PerfArgs {
     #[arg(long, value_enum, default_value_t = TransportArg::Auto)]
     pub transport: TransportArg,
 
-    /// Verbs: who reaps completions. `manual`: only the bench's own waits, as perftest's
-    /// loops do (no completion thread); `auto`: the engine's completion thread too.
-    /// Default: manual for lat (its loop always waits for what it posted), the engine's
-    /// (`PAGEWIRE_PROGRESS`, else auto) for write and read.
+    /// Verbs: who reaps completions. `manual` (default): only the bench's own waits, as
+    /// perftest's loops do (no completion thread); `auto`: the engine's completion thread
+    /// too. Every loop here waits for what it posted, so manual loses nothing, and in a
+    /// guest with few vCPUs it keeps a thread's wake-ups off the spinning loops.
+    /// `PAGEWIRE_PROGRESS` does not apply to these tests; this flag does.
     #[arg(long, value_enum)]
     pub progress: Option<ProgressArg>,
 
@@ -203,10 +204,9 @@ pub struct PerfArgs {
 }
 
 impl PerfArgs {
-    /// The progress mode this run asks for; `None` leaves the engine's.
-    pub fn progress(&self, kind: TestKind) -> Option<ProgressArg> {
-        self.progress
-            .or((kind == TestKind::Lat).then_some(ProgressArg::Manual))
+    /// The progress mode this run asks for: manual unless told (see the flag).
+    pub fn progress(&self) -> ProgressArg {
+        self.progress.unwrap_or(ProgressArg::Manual)
     }
 
     /// Message sizes of this run, in order.

@@ -86,14 +86,14 @@ mod tests {
         assert!(!a.submit_each && !a.poll_memory);
         let (_, a) = perf(&["lat", "--submit-each", "--poll-memory"]);
         assert!(a.submit_each && a.poll_memory);
-        // lat reaps for itself, as ib_write_lat does; the bandwidth tests keep the
-        // engine's mode unless told.
-        assert_eq!(a.progress(TestKind::Lat), Some(ProgressArg::Manual));
-        assert_eq!(a.progress(TestKind::Write), None);
-        let (k, a) = perf(&["lat", "--progress", "auto"]);
-        assert_eq!(a.progress(k), Some(ProgressArg::Auto));
-        let (k, a) = perf(&["write", "--progress", "manual"]);
-        assert_eq!(a.progress(k), Some(ProgressArg::Manual));
+        // Every test reaps for itself, as perftest's loops do, unless told otherwise.
+        assert_eq!(a.progress(), ProgressArg::Manual);
+        let (_, a) = perf(&["write"]);
+        assert_eq!(a.progress(), ProgressArg::Manual);
+        let (_, a) = perf(&["lat", "--progress", "auto"]);
+        assert_eq!(a.progress(), ProgressArg::Auto);
+        let (_, a) = perf(&["read", "--progress", "auto"]);
+        assert_eq!(a.progress(), ProgressArg::Auto);
     }
 
     #[test]

@@ -66,7 +66,7 @@ fn engine_opts(kind: TestKind, a: &PerfArgs) -> EngineOpts {
         gid_index: a.gid_index,
         ib_port: a.ib_port,
         tx_depth: a.tx_depth(kind),
-        progress: a.progress(kind),
+        progress: Some(a.progress()),
     }
 }
 
