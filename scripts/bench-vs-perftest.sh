@@ -47,11 +47,17 @@
 #   --raw PATH               the raw-verbs ping-pong for the latency floor (default
 #                            target/release/examples/raw_verbs_lat; the row is skipped if
 #                            missing: cargo build --release -p pagewire-transport --example raw_verbs_lat)
+#   --pool DIR...            measure nothing: print the paired section's tables pooled over
+#                            the raw outputs of earlier invocations (each DIR an --out
+#                            directory or its raw/), every round of each, with a 95%
+#                            bootstrap interval of every median ratio. Last option.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
 section="" pages_n="" page_iters="" runs=3 pair_rounds=5 pair_mib=32 pair_small_iters=5000 iters=50 lat_iters=1000 dev="${RDMA_DEVICE:-rxe0}" tcp_size=1M tcp_secs=5
 streams="1 4" out="" pw="target/release/pagewire" raw="target/release/examples/raw_verbs_lat"
+pair_sizes="65536 131072 262144 524288 1048576 2097152 4194304 8388608" pair_small="2 8 64 512"
+pool_dirs=()
 while (($#)); do
     case "$1" in
         --section) section="$2"; shift 2 ;;
@@ -70,16 +76,19 @@ while (($#)); do
         --out) out="$2"; shift 2 ;;
         --pagewire) pw="$2"; shift 2 ;;
         --raw) raw="$2"; shift 2 ;;
+        --pool) shift; pool_dirs=("$@"); (($#)) || { echo "bench-vs-perftest: --pool needs directories" >&2; exit 2; }; break ;;
         -h|--help) sed -n '2,/^set /p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
         *) echo "bench-vs-perftest: unknown option $1" >&2; exit 2 ;;
     esac
 done
-if [[ -z "$out" ]]; then
+# --pool measures nothing: it only re-tabulates (after the definitions below).
+pool_only=$((${#pool_dirs[@]} > 0))
+if ((!pool_only)) && [[ -z "$out" ]]; then
     stamp="$(date -u +%Y%m%d-%H%M%S)-$$"
     if [[ -n "${SOFTROCE_OUT:-}" ]]; then out="$SOFTROCE_OUT/bench-vs-perftest/$stamp"; else out="target/bench-vs-perftest/$stamp"; fi
 fi
-mkdir -p "$out/raw"
-[[ -x "$pw" ]] || { echo "bench-vs-perftest: $pw not found; build it: cargo build --release -p pagewire-cli" >&2; exit 1; }
+((pool_only)) || mkdir -p "$out/raw"
+((pool_only)) || [[ -x "$pw" ]] || { echo "bench-vs-perftest: $pw not found; build it: cargo build --release -p pagewire-cli" >&2; exit 1; }
 have_rdma=0
 [[ -e "/sys/class/infiniband/$dev" ]] && have_rdma=1
 if [[ -z "$section" ]]; then
@@ -255,12 +264,147 @@ PY
     cat "$out/rdma.md"
 }
 
+# The paired section's tables over the raw outputs in RAWDIR... : one invocation's
+# (pool 0), or several pooled (pool 1, adds a bootstrap interval of each median ratio).
+paired_tables() {
+    local pool=$1; shift
+    python3 - "$pair_mib" "$pair_sizes" "$lat_iters" "$pair_small" "$pair_small_iters" "$pool" "$@" <<'PY'
+import re, statistics, sys, os, random
+# argv: mib sizes lat_iters small small_iters pool(0|1) RAWDIR...
+mib, sizes, lat_iters = sys.argv[1], [int(x) for x in sys.argv[2].split()], sys.argv[3]
+small, small_iters, pool = [int(x) for x in sys.argv[4].split()], sys.argv[5], sys.argv[6] == "1"
+raws = sys.argv[7:]
+row = re.compile(r"^\s*(\d+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)")
+pair_file = re.compile(r"pair_\w+?_(\d+)\.txt")
+
+def first_row(path, col):
+    """The first result row's column `col` (counted after #bytes and #iterations)."""
+    try:
+        lines = open(path).read().splitlines()
+    except OSError:
+        return None
+    seen = False
+    for l in lines:
+        if "#bytes" in l:
+            seen = True
+            continue
+        if seen and row.match(l):
+            nums = l.split()[2:]
+            return float(nums[col]) if len(nums) > col else None
+    return None
+
+def rounds_in(d):
+    """The rounds in raw dir `d`: the trailing numbers of its pairs' output files."""
+    return sorted({int(m.group(1)) for f in os.listdir(d) if (m := pair_file.fullmatch(f))})
+
+rounds = [(d, r) for d in raws for r in rounds_in(d)]
+
+def q(xs, p):
+    xs = sorted(xs)
+    i = p * (len(xs) - 1)
+    lo = int(i)
+    return xs[lo] + (xs[min(lo + 1, len(xs) - 1)] - xs[lo]) * (i - lo)
+
+def cell(xs, d=2):
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        return "n/a"
+    return f"{statistics.median(xs):.{d}f} [{min(xs):.{d}f}, {max(xs):.{d}f}]"
+
+def ci(xs):
+    """95% bootstrap interval of the median (fixed seed, so a table re-prints the same)."""
+    if len(xs) < 2:
+        return "n/a"
+    rng = random.Random(1)
+    meds = sorted(statistics.median(rng.choices(xs, k=len(xs))) for _ in range(4000))
+    return f"{meds[100]:.2f}-{meds[3899]:.2f}"
+
+def col(name, c):
+    return [first_row(os.path.join(d, name.format(r=r)), c) for d, r in rounds]
+
+def ratios(a, b):
+    return [y / x for x, y in zip(a, b) if x and y is not None]
+
+ci_head, ci_rule = (" ratio 95% CI |", "---:|") if pool else ("", "")
+if pool:
+    print(f"\nPooled over {len(raws)} invocations, {len(rounds)} rounds in all: "
+          + ", ".join(f"`{os.path.basename(os.path.dirname(d.rstrip('/'))) or d}`" for d in raws) + ". "
+          "Each cell: median [min, max] over the pairs; a ratio is pagewire/perftest within one pair. "
+          "\"ratio 95% CI\" is a bootstrap interval of the median ratio (4000 resamples of the pairs): "
+          "a target is met within the noise if its threshold lies inside the interval or on the good side of it.\n")
+else:
+    print(f"\n{len(rounds)} rounds. Each cell: median [min, max] over the rounds; a ratio is "
+          f"pagewire/perftest within one pair (the two runs back to back, order alternating by round). "
+          f"Each bandwidth run moves at least {mib} MiB (`-s SIZE -n max(16, {mib} MiB / SIZE)`); "
+          f"\"perftest spread\" is max/min of perftest's own runs of that size, the noise to read the ratios against.\n")
+for test, title in (("write", "RDMA WRITE"), ("read", "RDMA READ")):
+    print(f"\n### {title} bandwidth, 64 KiB-8 MiB, in pairs\n")
+    print(f"| bytes | perftest MiB/s | pagewire MiB/s | ratio |{ci_head} pairs >= 1.00 | perftest spread |")
+    print(f"|---:|---:|---:|---:|{ci_rule}---:|---:|")
+    at_or_above = 0
+    for s in sizes:
+        a = col(f"pair_perftest_{test}_{s}_{{r}}.txt", 1)
+        b = col(f"pair_pagewire_{test}_{s}_{{r}}.txt", 1)
+        rr = ratios(a, b)
+        ok = sum(1 for x in rr if x >= 1.0)
+        if rr and statistics.median(rr) >= 1.0:
+            at_or_above += 1
+        aa = [x for x in a if x]
+        spread = f"{max(aa) / min(aa):.2f}" if aa else "n/a"
+        extra = f" {ci(rr)} |" if pool else ""
+        print(f"| {s} | {cell(a)} | {cell(b)} | {cell(rr)} |{extra} {ok}/{len(rr)} | {spread} |")
+    print(f"\nSizes whose median ratio is at least 1.00: {at_or_above}/{len(sizes)}.")
+
+for test, title in (("write", "RDMA WRITE"), ("read", "RDMA READ")):
+    iters = "" if pool else f" (`-s SIZE -n {small_iters}`)"
+    print(f"\n### {title} message rate, small messages, in pairs{iters}\n")
+    print(f"| bytes | perftest Mpps | pagewire Mpps | ratio |{ci_head} pairs >= 0.90 | perftest spread |")
+    print(f"|---:|---:|---:|---:|{ci_rule}---:|---:|")
+    for s in small:
+        a = col(f"pair_perftest_{test}_{s}_{{r}}.txt", 2)
+        b = col(f"pair_pagewire_{test}_{s}_{{r}}.txt", 2)
+        rr = ratios(a, b)
+        ok = sum(1 for x in rr if x >= 0.9)
+        aa = [x for x in a if x]
+        spread = f"{max(aa) / min(aa):.2f}" if aa else "n/a"
+        extra = f" {ci(rr)} |" if pool else ""
+        print(f"| {s} | {cell(a, 4)} | {cell(b, 4)} | {cell(rr)} |{extra} {ok}/{len(rr)} | {spread} |")
+
+iters = "" if pool else f"`-n {lat_iters}`; "
+print(f"\n### RDMA latency, 2 bytes, in rounds ({iters}the six clients in rotating order each round; usec)\n")
+print("Each pagewire mode against the perftest tool that detects the peer's message the same way: "
+      "`--poll-memory` spins on the last byte, as ib_write_lat does; notify waits for a receive "
+      "completion (WRITE_WITH_IMM), as ib_send_lat does (SEND). Ratios are per round. "
+      "manual: `bench lat`'s default, only the loop's own waits reap (no completion thread, "
+      "as in perftest); auto: `--progress auto`, the engine's completion thread as well.\n")
+print(f"| client | against | t_typical | ratio t_typical | ratio q25-q75 |{ci_head} rounds within 1.10 | 99% | ratio 99% |")
+print(f"|---|---|---:|---:|---:|{ci_rule}---:|---:|---:|")
+for label, tool, ref, ref_label in (
+        ("ib_write_lat (perftest)", "perftest", None, ""),
+        ("ib_send_lat (perftest)", "perftestsend", "perftest", "ib_write_lat"),
+        ("pagewire, prepared, poll, manual", "pagewirepoll", "perftest", "ib_write_lat"),
+        ("pagewire, prepared, poll, auto", "pagewirepollauto", "perftest", "ib_write_lat"),
+        ("pagewire, prepared, notify, manual", "pagewire", "perftestsend", "ib_send_lat"),
+        ("pagewire, prepared, notify, auto", "pagewireauto", "perftestsend", "ib_send_lat"),
+        ("pagewire, prepared, notify, manual", "pagewire", "perftest", "ib_write_lat")):
+    t, p99 = col(f"pair_{tool}_lat_{{r}}.txt", 2), col(f"pair_{tool}_lat_{{r}}.txt", 5)
+    if ref is None:
+        extra = " |" if pool else ""
+        print(f"| {label} | | {cell(t)} | | |{extra} | {cell(p99)} | |")
+        continue
+    rt = ratios(col(f"pair_{ref}_lat_{{r}}.txt", 2), t)
+    r99 = ratios(col(f"pair_{ref}_lat_{{r}}.txt", 5), p99)
+    iqr = f"{q(rt, 0.25):.2f}-{q(rt, 0.75):.2f}" if rt else "n/a"
+    within = sum(1 for x in rt if x <= 1.10)
+    extra = f" {ci(rt)} |" if pool else ""
+    print(f"| {label} | {ref_label} | {cell(t)} | {cell(rt)} | {iqr} |{extra} {within}/{len(rt)} | {cell(p99)} | {cell(r99)} |")
+PY
+}
+
 # The targets' range in pairs: one size per process, the two tools back to back.
 paired_section() {
     command -v ib_write_bw >/dev/null || { echo "bench-vs-perftest: perftest is not installed" >&2; return 1; }
     local r t s n k
-    local sizes="65536 131072 262144 524288 1048576 2097152 4194304 8388608"
-    local small="2 8 64 512"
     run_pf() {
         next_port
         pair "$out/raw/pair_perftest_${t}_${s}_$r.txt" \
@@ -299,11 +443,11 @@ paired_section() {
     for ((r = 1; r <= pair_rounds; r++)); do
         echo "paired round $r/$pair_rounds" >&2
         for t in write read; do
-            for s in $small; do
+            for s in $pair_small; do
                 n=$pair_small_iters
                 if ((r % 2)); then run_pf; run_pw; else run_pw; run_pf; fi
             done
-            for s in $sizes; do
+            for s in $pair_sizes; do
                 n=$((pair_mib * 1048576 / s))
                 ((n < 16)) && n=16
                 if ((r % 2)); then run_pf; run_pw; else run_pw; run_pf; fi
@@ -314,102 +458,7 @@ paired_section() {
     done
     {
         echo "## RDMA in pairs: $dev, perftest vs pagewire, one size per process, back to back"
-        python3 - "$out/raw" "$pair_rounds" "$pair_mib" "$sizes" "$lat_iters" "$small" "$pair_small_iters" <<'PY'
-import re, statistics, sys, os
-raw, rounds, mib, sizes, lat_iters = sys.argv[1], int(sys.argv[2]), sys.argv[3], [int(x) for x in sys.argv[4].split()], sys.argv[5]
-small, small_iters = [int(x) for x in sys.argv[6].split()], sys.argv[7]
-row = re.compile(r"^\s*(\d+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)")
-
-def first_row(path, col):
-    """The first result row's column `col` (counted after #bytes and #iterations)."""
-    try:
-        lines = open(path).read().splitlines()
-    except OSError:
-        return None
-    seen = False
-    for l in lines:
-        if "#bytes" in l:
-            seen = True
-            continue
-        if seen and row.match(l):
-            nums = l.split()[2:]
-            return float(nums[col]) if len(nums) > col else None
-    return None
-
-def q(xs, p):
-    xs = sorted(xs)
-    i = p * (len(xs) - 1)
-    lo = int(i)
-    return xs[lo] + (xs[min(lo + 1, len(xs) - 1)] - xs[lo]) * (i - lo)
-
-def cell(xs, d=2):
-    xs = [x for x in xs if x is not None]
-    if not xs:
-        return "n/a"
-    return f"{statistics.median(xs):.{d}f} [{min(xs):.{d}f}, {max(xs):.{d}f}]"
-
-print(f"\n{rounds} rounds. Each cell: median [min, max] over the rounds; a ratio is "
-      f"pagewire/perftest within one pair (the two runs back to back, order alternating by round). "
-      f"Each bandwidth run moves at least {mib} MiB (`-s SIZE -n max(16, {mib} MiB / SIZE)`); "
-      f"\"perftest spread\" is max/min of perftest's own runs of that size, the noise to read the ratios against.\n")
-for test, title in (("write", "RDMA WRITE"), ("read", "RDMA READ")):
-    print(f"\n### {title} bandwidth, 64 KiB-8 MiB, in pairs\n")
-    print("| bytes | perftest MiB/s | pagewire MiB/s | ratio | pairs >= 1.00 | perftest spread |")
-    print("|---:|---:|---:|---:|---:|---:|")
-    at_or_above = 0
-    for s in sizes:
-        a = [first_row(os.path.join(raw, f"pair_perftest_{test}_{s}_{r}.txt"), 1) for r in range(1, rounds + 1)]
-        b = [first_row(os.path.join(raw, f"pair_pagewire_{test}_{s}_{r}.txt"), 1) for r in range(1, rounds + 1)]
-        rr = [y / x for x, y in zip(a, b) if x and y is not None]
-        ok = sum(1 for x in rr if x >= 1.0)
-        if rr and statistics.median(rr) >= 1.0:
-            at_or_above += 1
-        aa = [x for x in a if x]
-        spread = f"{max(aa) / min(aa):.2f}" if aa else "n/a"
-        print(f"| {s} | {cell(a)} | {cell(b)} | {cell(rr)} | {ok}/{len(rr)} | {spread} |")
-    print(f"\nSizes whose median ratio is at least 1.00: {at_or_above}/{len(sizes)}.")
-
-for test, title in (("write", "RDMA WRITE"), ("read", "RDMA READ")):
-    print(f"\n### {title} message rate, small messages, in pairs (`-s SIZE -n {small_iters}`)\n")
-    print("| bytes | perftest Mpps | pagewire Mpps | ratio | pairs >= 0.90 | perftest spread |")
-    print("|---:|---:|---:|---:|---:|---:|")
-    for s in small:
-        a = [first_row(os.path.join(raw, f"pair_perftest_{test}_{s}_{r}.txt"), 2) for r in range(1, rounds + 1)]
-        b = [first_row(os.path.join(raw, f"pair_pagewire_{test}_{s}_{r}.txt"), 2) for r in range(1, rounds + 1)]
-        rr = [y / x for x, y in zip(a, b) if x and y is not None]
-        ok = sum(1 for x in rr if x >= 0.9)
-        aa = [x for x in a if x]
-        spread = f"{max(aa) / min(aa):.2f}" if aa else "n/a"
-        print(f"| {s} | {cell(a, 4)} | {cell(b, 4)} | {cell(rr)} | {ok}/{len(rr)} | {spread} |")
-
-print(f"\n### RDMA latency, 2 bytes, in rounds (`-n {lat_iters}`; the six clients in rotating order each round; usec)\n")
-print("Each pagewire mode against the perftest tool that detects the peer's message the same way: "
-      "`--poll-memory` spins on the last byte, as ib_write_lat does; notify waits for a receive "
-      "completion (WRITE_WITH_IMM), as ib_send_lat does (SEND). Ratios are per round. "
-      "manual: `bench lat`'s default, only the loop's own waits reap (no completion thread, "
-      "as in perftest); auto: `--progress auto`, the engine's completion thread as well.\n")
-print("| client | against | t_typical | ratio t_typical | ratio q25-q75 | rounds within 1.10 | 99% | ratio 99% |")
-print("|---|---|---:|---:|---:|---:|---:|---:|")
-def lat(tool, col):
-    return [first_row(os.path.join(raw, f"pair_{tool}_lat_{r}.txt"), col) for r in range(1, rounds + 1)]
-for label, tool, ref, ref_label in (
-        ("ib_write_lat (perftest)", "perftest", None, ""),
-        ("ib_send_lat (perftest)", "perftestsend", "perftest", "ib_write_lat"),
-        ("pagewire, prepared, poll, manual", "pagewirepoll", "perftest", "ib_write_lat"),
-        ("pagewire, prepared, poll, auto", "pagewirepollauto", "perftest", "ib_write_lat"),
-        ("pagewire, prepared, notify, manual", "pagewire", "perftestsend", "ib_send_lat"),
-        ("pagewire, prepared, notify, auto", "pagewireauto", "perftestsend", "ib_send_lat"),
-        ("pagewire, prepared, notify, manual", "pagewire", "perftest", "ib_write_lat")):
-    t, p99 = lat(tool, 2), lat(tool, 5)
-    if ref is None:
-        print(f"| {label} | | {cell(t)} | | | | {cell(p99)} | |")
-        continue
-    rt = [y / x for x, y in zip(lat(ref, 2), t) if x and y is not None]
-    r99 = [y / x for x, y in zip(lat(ref, 5), p99) if x and y is not None]
-    iqr = f"{q(rt, 0.25):.2f}-{q(rt, 0.75):.2f}" if rt else "n/a"
-    within = sum(1 for x in rt if x <= 1.10)
-    print(f"| {label} | {ref_label} | {cell(t)} | {cell(rt)} | {iqr} | {within}/{len(rt)} | {cell(p99)} | {cell(r99)} |")
-PY
+        paired_tables 0 "$out/raw"
     } >"$out/paired.md"
     cat "$out/paired.md"
 }
@@ -523,6 +572,17 @@ PY
     cat "$out/pages.md"
 }
 
+if ((pool_only)); then
+    raws=()
+    for d in "${pool_dirs[@]}"; do
+        [[ -d "$d/raw" ]] && d="$d/raw"
+        ls "$d"/pair_perftest_*_1.txt >/dev/null 2>&1 || { echo "bench-vs-perftest: no paired outputs in $d" >&2; exit 1; }
+        raws+=("$d")
+    done
+    echo "## RDMA in pairs, pooled: perftest vs pagewire, one size per process, back to back"
+    paired_tables 1 "${raws[@]}"
+    exit $?
+fi
 machine | tee "$out/machine.md"
 rc=0
 for s in $section; do
