@@ -417,6 +417,13 @@ paired_section() {
             "$pw bench $t --server -d $dev --transport verbs -s $s -n $n -p $port" \
             "$pw bench $t 127.0.0.1 -d $dev --transport verbs -s $s -n $n -p $port"
     }
+    # pagewire's latency pair: the raw file's tag, then the flags both ends get.
+    pw_lat() {
+        local tag=$1 flags="${*:2}"
+        pair "$out/raw/pair_${tag}_lat_$r.txt" \
+            "$pw bench lat --server -d $dev --transport verbs -n $lat_iters -p $port${flags:+ $flags}" \
+            "$pw bench lat 127.0.0.1 -d $dev --transport verbs -n $lat_iters -p $port${flags:+ $flags}"
+    }
     lat_one() {
         next_port
         case "$1" in
@@ -426,18 +433,10 @@ paired_section() {
         send) pair "$out/raw/pair_perftestsend_lat_$r.txt" \
             "ib_send_lat -d $dev -n $lat_iters -F -p $port" \
             "ib_send_lat -d $dev -n $lat_iters -F -p $port 127.0.0.1" ;;
-        poll) pair "$out/raw/pair_pagewirepoll_lat_$r.txt" \
-            "$pw bench lat --server -d $dev --transport verbs -n $lat_iters -p $port --poll-memory" \
-            "$pw bench lat 127.0.0.1 -d $dev --transport verbs -n $lat_iters -p $port --poll-memory" ;;
-        notify) pair "$out/raw/pair_pagewire_lat_$r.txt" \
-            "$pw bench lat --server -d $dev --transport verbs -n $lat_iters -p $port" \
-            "$pw bench lat 127.0.0.1 -d $dev --transport verbs -n $lat_iters -p $port" ;;
-        pollauto) pair "$out/raw/pair_pagewirepollauto_lat_$r.txt" \
-            "$pw bench lat --server -d $dev --transport verbs -n $lat_iters -p $port --poll-memory --progress auto" \
-            "$pw bench lat 127.0.0.1 -d $dev --transport verbs -n $lat_iters -p $port --poll-memory --progress auto" ;;
-        notifyauto) pair "$out/raw/pair_pagewireauto_lat_$r.txt" \
-            "$pw bench lat --server -d $dev --transport verbs -n $lat_iters -p $port --progress auto" \
-            "$pw bench lat 127.0.0.1 -d $dev --transport verbs -n $lat_iters -p $port --progress auto" ;;
+        poll) pw_lat pagewirepoll --poll-memory ;;
+        notify) pw_lat pagewire ;;
+        pollauto) pw_lat pagewirepollauto --poll-memory --progress auto ;;
+        notifyauto) pw_lat pagewireauto --progress auto ;;
         esac
     }
     for ((r = 1; r <= pair_rounds; r++)); do
