@@ -4,7 +4,8 @@
 # Already-present packages are skipped, so a second run costs one dpkg query.
 set -euo pipefail
 
-want=(cmake libclang1-14 libclang-common-14-dev pkg-config)
+# python3-venv/python3-dev: the Python bindings' virtualenv and libpython for `cargo test`.
+want=(cmake libclang1-14 libclang-common-14-dev pkg-config python3-venv python3-dev)
 if [[ "${1:-}" == "--vm" ]]; then
     want+=(qemu-system-x86 busybox-static rdma-core ibverbs-providers ibverbs-utils
            libibverbs-dev perftest rdmacm-utils iperf3 python3 iproute2 kmod xz-utils)

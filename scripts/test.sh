@@ -21,6 +21,9 @@ fi
 echo "== host suite: cargo test --workspace"
 cargo test --workspace --locked
 
+echo "== python suite: wheel + pytest in .venv"
+bash scripts/python-test.sh
+
 # Verbs suite on soft-RoCE: first the harness checks itself (a failing job must fail, a
 # guest without rxe0 must fail loudly), then the listed packages' test binaries run in ONE
 # guest with rxe0 (veth0) and rxe1 (veth1), RDMA_REQUIRED=1. Extend the list here (each

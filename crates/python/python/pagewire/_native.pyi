@@ -1,0 +1,3 @@
+"""Type stubs for the pagewire._native extension module."""
+
+__version__: str

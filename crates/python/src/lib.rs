@@ -1,0 +1,22 @@
+//! The `pagewire._native` extension module: Python bindings over `pagewire-layout` and
+//! `pagewire-transport`.
+//!
+//! Python code imports the `pagewire` package, not this module directly:
+//!
+//! ```python
+//! import pagewire
+//! print(pagewire.__version__)
+//! ```
+//!
+//! The Rust side only converts arguments, releases the GIL around anything that waits or
+//! moves data, and maps Rust errors to the exception classes of `pagewire.errors`; the
+//! decisions stay in the crates it wraps.
+
+use pyo3::prelude::*;
+
+/// The extension module. Each submodule of this crate adds its classes and functions here.
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}
