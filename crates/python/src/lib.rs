@@ -14,9 +14,18 @@
 
 use pyo3::prelude::*;
 
+mod convert;
+mod errors;
+mod layout;
+mod transport;
+
 /// The extension module. Each submodule of this crate adds its classes and functions here.
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    errors::register(m)?;
+    convert::register(m)?;
+    layout::register(m)?;
+    transport::register(m)?;
     Ok(())
 }

@@ -5,6 +5,8 @@
 True
 """
 
+from pagewire import errors
 from pagewire._native import __version__
+from pagewire.errors import PagewireError
 
-__all__ = ["__version__"]
+__all__ = ["__version__", "errors", "PagewireError"]

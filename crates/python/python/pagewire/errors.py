@@ -1,0 +1,10 @@
+"""pagewire's exceptions. Every one derives from :class:`PagewireError`.
+
+>>> from pagewire.errors import PagewireError
+>>> issubclass(PagewireError, Exception)
+True
+"""
+
+from pagewire._native import PagewireError
+
+__all__ = ["PagewireError"]
