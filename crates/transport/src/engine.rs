@@ -22,6 +22,7 @@ use crate::backend::{
 };
 use crate::batch::{Batch, BatchState, Op, TransferHandle, TransferOp};
 use crate::config::{BackendKind, EngineConfig};
+use crate::deadline::{self, Deadlined};
 use crate::error::{Error, HandshakeError, Result};
 use crate::memory::{
     Access, Chunk, HostBuffer, InsertPlan, RegionId, RegionInfo, Registry, RemoteRegion,
@@ -689,10 +690,11 @@ impl Inner {
         }
     }
 
-    fn new_ctx(&self, peer: PeerId, remote_ip: std::net::IpAddr) -> ConnCtx {
+    fn new_ctx(&self, peer: PeerId, remote_ip: std::net::IpAddr, deadline: Instant) -> ConnCtx {
         ConnCtx {
             peer,
             remote_ip,
+            deadline,
             notify: NotifySink {
                 peer,
                 engine: self.id,
@@ -704,14 +706,15 @@ impl Inner {
     }
 
     fn connect_one(&self, addr: SocketAddr) -> Result<PeerId> {
-        let to = self.config.handshake_timeout;
-        let deadline = Instant::now() + to;
-        let mut s = TcpStream::connect_timeout(&addr, to).map_err(|e| Error::Connect {
+        // One deadline for the whole attempt: connect, frames, the backend's own setup
+        // (TCP data streams, verbs probe), however the peer paces its bytes.
+        let deadline = Instant::now() + self.config.handshake_timeout;
+        let s = deadline::connect_by(&addr, deadline).map_err(|e| Error::Connect {
             addr: addr.to_string(),
             source: Arc::new(e),
         })?;
         let _ = s.set_nodelay(true);
-        set_timeouts(&s, deadline).map_err(HandshakeError::from)?;
+        let mut s = Deadlined::new(&s, deadline);
         let (pending, ep) = self.backend.prepare()?;
         let local_session = random_u64();
         let hello = Frame::Hello(Hello {
@@ -723,7 +726,6 @@ impl Inner {
             regions: self.registry.exposed(),
         });
         wire::write_frame(&mut s, &hello)?;
-        set_timeouts(&s, deadline).map_err(HandshakeError::from)?;
         let w = match wire::read_frame(&mut s, self.config.handshake_max_bytes)? {
             Frame::Welcome(w) => w,
             Frame::Reject { reason } => return Err(HandshakeError::Rejected { reason }.into()),
@@ -743,7 +745,7 @@ impl Inner {
             .into());
         }
         let id = PeerId(self.next_peer.fetch_add(1, Ordering::Relaxed));
-        let conn = pending.complete(&w.endpoint, self.new_ctx(id, addr.ip()))?;
+        let conn = pending.complete(&w.endpoint, self.new_ctx(id, addr.ip(), deadline))?;
         // The acceptor's QPs are ready (it completed before its Welcome): prove the path
         // before telling it we are.
         if let Err(e) = conn.probe(deadline) {
@@ -783,13 +785,13 @@ impl Inner {
     }
 
     /// Serves one incoming control connection. Errors are logged by the caller.
-    fn serve(&self, mut s: TcpStream) -> Result<(), HandshakeError> {
-        let from = s.peer_addr()?;
-        let deadline = Instant::now() + self.config.handshake_timeout;
-        let _ = s.set_nodelay(true);
-        set_timeouts(&s, deadline)?;
+    /// `deadline` (from the accept) bounds the whole exchange, however the client paces it.
+    fn serve(&self, stream: TcpStream, deadline: Instant) -> Result<(), HandshakeError> {
+        let from = stream.peer_addr()?;
+        let _ = stream.set_nodelay(true);
+        let mut s = Deadlined::new(&stream, deadline);
         match wire::read_frame(&mut s, self.config.handshake_max_bytes)? {
-            Frame::Hello(h) => self.accept_hello(s, from, h, deadline),
+            Frame::Hello(h) => self.accept_hello(&mut s, from, h, deadline),
             Frame::Describe { token, session } => {
                 if !ct_eq(&token, self.token()) {
                     let _ = reject(&mut s, "token mismatch");
@@ -818,19 +820,19 @@ impl Inner {
 
     fn accept_hello(
         &self,
-        mut s: TcpStream,
+        s: &mut Deadlined<'_>,
         from: SocketAddr,
         h: Hello,
         deadline: Instant,
     ) -> Result<(), HandshakeError> {
         if !ct_eq(&h.token, self.token()) {
-            let _ = reject(&mut s, "token mismatch");
+            let _ = reject(s, "token mismatch");
             return Err(HandshakeError::TokenMismatch);
         }
         let (pending, ep) = match self.backend.prepare() {
             Ok(x) => x,
             Err(e) => {
-                let _ = reject(&mut s, &format!("cannot prepare connection: {e}"));
+                let _ = reject(s, &format!("cannot prepare connection: {e}"));
                 return Err(HandshakeError::Rejected {
                     reason: e.to_string(),
                 });
@@ -841,14 +843,14 @@ impl Inner {
                 ours: ep.backend_name().into(),
                 theirs: h.endpoint.backend_name().into(),
             };
-            let _ = reject(&mut s, &e.to_string());
+            let _ = reject(s, &e.to_string());
             return Err(e);
         }
         let id = PeerId(self.next_peer.fetch_add(1, Ordering::Relaxed));
-        let conn = match pending.complete(&h.endpoint, self.new_ctx(id, from.ip())) {
+        let conn = match pending.complete(&h.endpoint, self.new_ctx(id, from.ip(), deadline)) {
             Ok(c) => c,
             Err(e) => {
-                let _ = reject(&mut s, &format!("cannot complete connection: {e}"));
+                let _ = reject(s, &format!("cannot complete connection: {e}"));
                 return Err(HandshakeError::Rejected {
                     reason: e.to_string(),
                 });
@@ -861,9 +863,8 @@ impl Inner {
             endpoint: ep.clone(),
             regions: self.registry.exposed(),
         });
-        let ready = wire::write_frame(&mut s, &welcome)
-            .and_then(|()| set_timeouts(&s, deadline).map_err(HandshakeError::from))
-            .and_then(|()| wire::read_frame(&mut s, self.config.handshake_max_bytes));
+        let ready = wire::write_frame(s, &welcome)
+            .and_then(|()| wire::read_frame(s, self.config.handshake_max_bytes));
         match ready {
             Ok(Frame::Ready) => {
                 if let Err(e) = conn.probe(deadline) {
@@ -906,14 +907,12 @@ impl Inner {
     fn redescribe(&self, peer: PeerId) -> Result<Vec<RemoteRegion>> {
         self.check_open()?;
         let p = self.peer(peer)?;
-        let to = self.config.handshake_timeout;
-        let deadline = Instant::now() + to;
-        let mut s =
-            TcpStream::connect_timeout(&p.control_addr, to).map_err(|e| Error::Connect {
-                addr: p.control_addr.to_string(),
-                source: Arc::new(e),
-            })?;
-        set_timeouts(&s, deadline).map_err(HandshakeError::from)?;
+        let deadline = Instant::now() + self.config.handshake_timeout;
+        let s = deadline::connect_by(&p.control_addr, deadline).map_err(|e| Error::Connect {
+            addr: p.control_addr.to_string(),
+            source: Arc::new(e),
+        })?;
+        let mut s = Deadlined::new(&s, deadline);
         wire::write_frame(
             &mut s,
             &Frame::Describe {
@@ -921,7 +920,6 @@ impl Inner {
                 session: p.remote_session,
             },
         )?;
-        set_timeouts(&s, deadline).map_err(HandshakeError::from)?;
         let regions = match wire::read_frame(&mut s, self.config.handshake_max_bytes)? {
             Frame::Regions(r) => r,
             Frame::Reject { reason } => return Err(HandshakeError::Rejected { reason }.into()),
@@ -1141,12 +1139,14 @@ fn listen_loop(listener: TcpListener, inner: Weak<Inner>) {
             let _ = s.shutdown(Shutdown::Both);
             continue;
         };
+        // The handshake's one deadline starts at the accept.
+        let deadline = Instant::now() + engine.config.handshake_timeout;
         drop(engine);
         let spawned = std::thread::Builder::new()
             .name("pagewire-hs".into())
             .spawn(move || {
                 let from = s.peer_addr().ok();
-                if let Err(e) = slot.engine.serve(s)
+                if let Err(e) = slot.engine.serve(s, deadline)
                     && !slot.engine.shutdown.load(Ordering::Acquire)
                 {
                     tracing::warn!(?from, error = %e, "control connection dropped");
@@ -1211,26 +1211,18 @@ impl Drop for HandshakeSlot {
     }
 }
 
-fn reject(s: &mut TcpStream, reason: &str) -> Result<(), HandshakeError> {
+/// Sends `Reject{reason}` and waits (within the handshake's deadline) for the peer to
+/// close, so it can read the reason before our close resets the connection.
+fn reject(s: &mut Deadlined<'_>, reason: &str) -> Result<(), HandshakeError> {
     wire::write_frame(
         s,
         &Frame::Reject {
             reason: reason.into(),
         },
     )?;
-    // Let the peer read the reason before the close.
-    let _ = s.shutdown(Shutdown::Write);
+    let _ = s.stream().shutdown(Shutdown::Write);
     let _ = s.read(&mut [0u8; 64]);
     Ok(())
-}
-
-/// Read/write timeouts set to what is left until `deadline` (at least 1 ms).
-fn set_timeouts(s: &TcpStream, deadline: Instant) -> std::io::Result<()> {
-    let left = deadline
-        .saturating_duration_since(Instant::now())
-        .max(Duration::from_millis(1));
-    s.set_read_timeout(Some(left))?;
-    s.set_write_timeout(Some(left))
 }
 
 /// Constant-time comparison (the token is a secret).

@@ -44,6 +44,7 @@ pub mod error;
 
 mod backend;
 mod batch;
+mod deadline;
 mod engine;
 mod memory;
 pub mod prepared;

@@ -208,6 +208,9 @@ pub(crate) struct ConnCtx {
     /// The peer's IP as seen on the control connection (where its data listener is).
     #[allow(dead_code)]
     pub remote_ip: std::net::IpAddr,
+    /// The handshake's deadline: the backend's own setup (TCP data streams) ends by it.
+    #[allow(dead_code)]
+    pub deadline: Instant,
     /// Where incoming notifications go.
     pub notify: NotifySink,
     /// The local registry (for backends that check incoming ops themselves).

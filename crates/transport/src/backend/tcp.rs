@@ -39,6 +39,7 @@ use super::{
 };
 use crate::batch::Op;
 use crate::config::{BackendKind, EngineConfig};
+use crate::deadline::{self, Deadlined};
 use crate::engine::{PeerId, random_u64};
 use crate::error::{Error, HandshakeError, Result};
 use crate::memory::{Access, Registry, raw_slice, raw_slice_mut};
@@ -236,7 +237,7 @@ impl PendingConn for Pending {
         let addr = SocketAddr::new(ctx.remote_ip, data_port);
         let mut socks = Vec::with_capacity(n.into());
         for _ in 0..n {
-            socks.push(open_stream(&shared, addr, remote_session)?);
+            socks.push(open_stream(&shared, addr, remote_session, ctx.deadline)?);
         }
         let conn = ConnShared::start(ctx.peer, shared.chunk, shared.io_timeout, socks)?;
         // Completed: the session now lives until the connection closes.
@@ -249,26 +250,29 @@ impl PendingConn for Pending {
     }
 }
 
-/// Opens one data stream to the peer and authenticates it.
-fn open_stream(shared: &TcpShared, addr: SocketAddr, session: u64) -> Result<TcpStream> {
-    let hs = shared.handshake_timeout;
-    let mut s = TcpStream::connect_timeout(&addr, hs).map_err(|e| Error::Connect {
+/// Opens one data stream to the peer and authenticates it, by the handshake's `deadline`
+/// (the time left of the connection attempt, not a timeout per step).
+fn open_stream(
+    shared: &TcpShared,
+    addr: SocketAddr,
+    session: u64,
+    deadline: Instant,
+) -> Result<TcpStream> {
+    let s = deadline::connect_by(&addr, deadline).map_err(|e| Error::Connect {
         addr: addr.to_string(),
         source: Arc::new(e),
     })?;
     let _ = s.set_nodelay(true);
-    s.set_read_timeout(Some(hs))
-        .and_then(|()| s.set_write_timeout(Some(hs)))
-        .map_err(|e| Error::io("data stream timeouts", e))?;
+    let mut io = Deadlined::new(&s, deadline);
     let mut hello = Vec::with_capacity(18 + shared.token.len());
     hello.extend_from_slice(&STREAM_MAGIC.to_le_bytes());
     hello.extend_from_slice(&STREAM_VERSION.to_le_bytes());
     hello.extend_from_slice(&(shared.token.len() as u16).to_le_bytes());
     hello.extend_from_slice(&session.to_le_bytes());
     hello.extend_from_slice(&shared.token);
-    s.write_all(&hello).map_err(HandshakeError::from)?;
+    io.write_all(&hello).map_err(HandshakeError::from)?;
     let mut ack = [0u8; 4];
-    s.read_exact(&mut ack).map_err(HandshakeError::from)?;
+    io.read_exact(&mut ack).map_err(HandshakeError::from)?;
     if &ack != b"OK\0\0" {
         return Err(HandshakeError::Rejected {
             reason: "data stream refused".into(),
@@ -692,11 +696,12 @@ fn accept_loop(listener: TcpListener, shared: Weak<TcpShared>) {
             std::thread::sleep(Duration::from_millis(10));
             continue;
         };
+        let deadline = Instant::now() + b.handshake_timeout;
         let spawned = std::thread::Builder::new()
             .name("pagewire-tcp-serve".into())
             .spawn(move || {
                 let from = s.peer_addr().ok();
-                if let Err(e) = serve_stream(&b, s)
+                if let Err(e) = serve_stream(&b, s, deadline)
                     && !b.shutdown.load(Ordering::Acquire)
                 {
                     tracing::warn!(?from, error = %e, "TCP data stream dropped");
@@ -708,14 +713,14 @@ fn accept_loop(listener: TcpListener, shared: Weak<TcpShared>) {
     }
 }
 
-/// Authenticates an incoming stream, then serves its requests until it closes.
-fn serve_stream(b: &TcpShared, mut s: TcpStream) -> Result<(), String> {
+/// Authenticates an incoming stream, then serves its requests until it closes. The
+/// hello must be complete by `deadline` (the accept plus the handshake timeout), however
+/// the client paces its bytes.
+fn serve_stream(b: &TcpShared, mut s: TcpStream, deadline: Instant) -> Result<(), String> {
     let _ = s.set_nodelay(true);
-    s.set_read_timeout(Some(b.handshake_timeout))
-        .and_then(|()| s.set_write_timeout(Some(b.handshake_timeout)))
-        .map_err(|e| e.to_string())?;
     let mut h = [0u8; 16];
-    s.read_exact(&mut h)
+    Deadlined::new(&s, deadline)
+        .read_exact(&mut h)
         .map_err(|e| format!("stream hello: {e}"))?;
     let magic = u32::from_le_bytes(h[0..4].try_into().expect("4 bytes"));
     let version = u16::from_le_bytes(h[4..6].try_into().expect("2 bytes"));
@@ -727,7 +732,8 @@ fn serve_stream(b: &TcpShared, mut s: TcpStream) -> Result<(), String> {
         ));
     }
     let mut token = vec![0u8; tlen];
-    s.read_exact(&mut token)
+    Deadlined::new(&s, deadline)
+        .read_exact(&mut token)
         .map_err(|e| format!("stream hello: {e}"))?;
     if token != b.token {
         return Err("stream token mismatch".into());
@@ -744,6 +750,10 @@ fn serve_stream(b: &TcpShared, mut s: TcpStream) -> Result<(), String> {
         }
         inc.push((sid, s.try_clone().map_err(|e| e.to_string())?));
     }
+    // The `OK` is the hello's last step: bounded by the same deadline.
+    let left = deadline.saturating_duration_since(Instant::now());
+    s.set_write_timeout(Some(left.max(Duration::from_millis(1))))
+        .map_err(|e| e.to_string())?;
     let r = serve_requests(b, &session, &mut s);
     // Close for real (the clone in `incoming` would keep the socket open) and forget it.
     let _ = s.shutdown(Shutdown::Both);
