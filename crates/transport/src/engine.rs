@@ -9,13 +9,14 @@ use std::collections::HashMap;
 use std::fmt;
 use std::io::Read;
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
 
+use crate::admission::Admission;
 use crate::backend::{
     self, Backend, BackendInfo, BackendInit, BackendMr, Conn, ConnCtx, NotifySink, NotifyWait,
     Progress, ResolvedOp, ResolvedOps, Yield, busy_poll, poll_with_naps,
@@ -33,10 +34,11 @@ use crate::wire::{self, EndpointInfo, Frame, Hello, Welcome};
 
 /// Most handshakes served at the same time from one source IP, so a single host holding
 /// half-open connections cannot starve the others.
-const MAX_HANDSHAKES_PER_IP: usize = 16;
+pub(crate) const MAX_HANDSHAKES_PER_IP: usize = 16;
 
-/// Most handshakes served at the same time; further connections are dropped at once.
-const MAX_CONCURRENT_HANDSHAKES: usize = 64;
+/// Most handshakes served at the same time; further connections are dropped at once,
+/// unless they take over a slot of a busier address (see `admission`).
+pub(crate) const MAX_CONCURRENT_HANDSHAKES: usize = 64;
 
 /// Id of a connected peer, unique within one engine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -168,8 +170,8 @@ struct Inner {
     accept_rx: Receiver<PeerId>,
     local_addr: SocketAddr,
     shutdown: AtomicBool,
-    handshakes: AtomicUsize,
-    handshakes_by_ip: Mutex<HashMap<std::net::IpAddr, usize>>,
+    /// Slots of the handshakes in progress.
+    handshakes: Arc<Admission>,
     listener: Mutex<Option<JoinHandle<()>>>,
 }
 
@@ -236,8 +238,7 @@ impl Engine {
             accept_rx,
             local_addr,
             shutdown: AtomicBool::new(false),
-            handshakes: AtomicUsize::new(0),
-            handshakes_by_ip: Mutex::new(HashMap::new()),
+            handshakes: Admission::new(MAX_CONCURRENT_HANDSHAKES, MAX_HANDSHAKES_PER_IP),
             listener: Mutex::new(None),
         });
         let weak = Arc::downgrade(&inner);
@@ -1134,85 +1135,31 @@ fn listen_loop(listener: TcpListener, inner: Weak<Inner>) {
                 continue;
             }
         };
-        let Some(slot) = HandshakeSlot::take(&engine, &s) else {
+        let Some(ticket) = engine.handshakes.admit(&s) else {
             tracing::warn!(from = ?s.peer_addr().ok(), "too many concurrent handshakes; dropping");
             let _ = s.shutdown(Shutdown::Both);
             continue;
         };
         // The handshake's one deadline starts at the accept.
         let deadline = Instant::now() + engine.config.handshake_timeout;
-        drop(engine);
         let spawned = std::thread::Builder::new()
             .name("pagewire-hs".into())
             .spawn(move || {
+                let _slot = ticket;
                 let from = s.peer_addr().ok();
-                if let Err(e) = slot.engine.serve(s, deadline)
-                    && !slot.engine.shutdown.load(Ordering::Acquire)
+                if let Err(e) = engine.serve(s, deadline)
+                    && !engine.shutdown.load(Ordering::Acquire)
                 {
                     tracing::warn!(?from, error = %e, "control connection dropped");
                 }
             });
         if let Err(e) = spawned {
-            // The closure (and the slot in it) was dropped: the counts are released.
+            // The closure (and the ticket in it) was dropped: the slot is released.
             tracing::warn!(error = %e, "cannot spawn handshake thread");
         }
     }
 }
 
-/// One admitted handshake: counted globally and per source IP until dropped.
-struct HandshakeSlot {
-    engine: Arc<Inner>,
-    ip: Option<std::net::IpAddr>,
-}
-
-impl HandshakeSlot {
-    fn take(engine: &Arc<Inner>, s: &TcpStream) -> Option<HandshakeSlot> {
-        if engine.handshakes.fetch_add(1, Ordering::AcqRel) >= MAX_CONCURRENT_HANDSHAKES {
-            engine.handshakes.fetch_sub(1, Ordering::AcqRel);
-            return None;
-        }
-        let ip = s.peer_addr().ok().map(|a| a.ip());
-        if let Some(ip) = ip {
-            let mut by_ip = engine
-                .handshakes_by_ip
-                .lock()
-                .unwrap_or_else(|p| p.into_inner());
-            let n = by_ip.entry(ip).or_insert(0);
-            if *n >= MAX_HANDSHAKES_PER_IP {
-                drop(by_ip);
-                engine.handshakes.fetch_sub(1, Ordering::AcqRel);
-                return None;
-            }
-            *n += 1;
-        }
-        Some(HandshakeSlot {
-            engine: engine.clone(),
-            ip,
-        })
-    }
-}
-
-impl Drop for HandshakeSlot {
-    fn drop(&mut self) {
-        if let Some(ip) = self.ip {
-            let mut by_ip = self
-                .engine
-                .handshakes_by_ip
-                .lock()
-                .unwrap_or_else(|p| p.into_inner());
-            if let Some(n) = by_ip.get_mut(&ip) {
-                *n -= 1;
-                if *n == 0 {
-                    by_ip.remove(&ip);
-                }
-            }
-        }
-        self.engine.handshakes.fetch_sub(1, Ordering::AcqRel);
-    }
-}
-
-/// Sends `Reject{reason}` and waits (within the handshake's deadline) for the peer to
-/// close, so it can read the reason before our close resets the connection.
 fn reject(s: &mut Deadlined<'_>, reason: &str) -> Result<(), HandshakeError> {
     wire::write_frame(
         s,

@@ -42,6 +42,7 @@
 pub mod config;
 pub mod error;
 
+mod admission;
 mod backend;
 mod batch;
 mod deadline;

@@ -366,6 +366,55 @@ fn trickled_welcome_fails_connect_by_its_deadline() {
     server.join().unwrap();
 }
 
+/// Defect 3 (and the admission caps): 64 trickling clients from four source addresses
+/// fill every handshake slot; a valid client from a fifth address is still served within
+/// 2 s, and the trickling ones are cut at the deadline (3 s).
+#[test]
+fn slowloris_from_four_addresses_does_not_lock_out_a_valid_client() {
+    let _g = serial();
+    if !host_only("slowloris_from_four_addresses_does_not_lock_out_a_valid_client") {
+        return;
+    }
+    let b =
+        engine_with(config(BackendKind::Tcp).handshake_timeout(Duration::from_secs(3))).unwrap();
+    let (dst, _) = buffer(&b, 1 << 16, Access::ALL).unwrap();
+    let mut socks = Vec::new();
+    for h in 2..=5u8 {
+        for _ in 0..16 {
+            socks.push(connect_from(Ipv4Addr::new(127, 0, 0, h), b.local_addr()).unwrap());
+        }
+    }
+    let mut bytes = frame(1, &[]);
+    bytes[8..12].copy_from_slice(&1000u32.to_le_bytes());
+    bytes.resize(1012, 0);
+    let flood = std::thread::spawn(move || {
+        trickle(
+            socks,
+            bytes,
+            Duration::from_millis(100),
+            Duration::from_secs(8),
+        )
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    let took = valid_client(b.local_addr(), dst.addr(), 1);
+    let closed = flood.join().unwrap();
+    let took = took.unwrap();
+    assert!(
+        took < Duration::from_secs(2),
+        "valid client took {took:?} under the slowloris"
+    );
+    let open = closed.iter().filter(|c| c.is_none()).count();
+    let late = closed
+        .iter()
+        .flatten()
+        .filter(|c| **c > Duration::from_millis(4500))
+        .count();
+    assert!(
+        open == 0 && late == 0,
+        "{open} trickling clients still open after 8 s, {late} cut after 4.5 s (deadline 3 s)"
+    );
+}
+
 // ---------------------------------------------------------------- defect 4: data streams
 
 /// Defect 4, opener side: a server whose data listener trickles each stream's `OK` (one
@@ -462,4 +511,55 @@ fn trickled_stream_hello_is_cut_at_the_deadline() {
             "stream {i} cut after {c:?}, deadline 1 s"
         );
     }
+}
+
+// ---------------------------------------------------------------- defect 5: data-port floods
+
+/// Defect 5: 300 idle connections to the data port from five source addresses. At most
+/// 64 are served (16 per address), the rest are closed at once, the process gains at most
+/// 64 threads, a valid client from a sixth address is still served within 2 s, and once
+/// the flood is cut at the hello deadline (2 s) threads and descriptors are back to the
+/// baseline.
+#[test]
+fn unauthenticated_data_flood_is_capped() {
+    let _g = serial();
+    if !host_only("unauthenticated_data_flood_is_capped") {
+        return;
+    }
+    let b =
+        engine_with(config(BackendKind::Tcp).handshake_timeout(Duration::from_secs(2))).unwrap();
+    let (dst, _) = buffer(&b, 1 << 16, Access::ALL).unwrap();
+    let data = SocketAddr::from(([127, 0, 0, 1], data_port_of(&b).unwrap()));
+    for p in b.peers() {
+        b.disconnect(p).unwrap();
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let base = (threads("self"), fds("self"));
+    let flood: Vec<_> = (0..300)
+        .map(|i| connect_from(Ipv4Addr::new(127, 0, 0, 2 + (i % 5) as u8), data).unwrap())
+        .collect();
+    std::thread::sleep(Duration::from_millis(500));
+    let during = threads("self");
+    let dropped = flood.iter().filter(|s| closed_now(s)).count();
+    assert!(
+        dropped >= 300 - 64,
+        "only {dropped} of 300 unauthenticated connections were closed at once"
+    );
+    assert!(
+        during <= base.0 + 64 + 2,
+        "{} threads during the flood, {} before",
+        during,
+        base.0
+    );
+    let took = valid_client(b.local_addr(), dst.addr(), 5).unwrap();
+    assert!(took < Duration::from_secs(2), "valid client took {took:?}");
+    for p in b.peers() {
+        b.disconnect(p).unwrap();
+    }
+    drop(flood);
+    let after = settle("self", base, Duration::from_secs(4));
+    assert!(
+        after.0 <= base.0 && after.1 <= base.1,
+        "threads/fds {after:?} after the flood, {base:?} before"
+    );
 }

@@ -37,6 +37,7 @@ use super::{
     Backend, BackendInfo, BackendInit, BackendMr, BatchState, Conn, ConnCtx, EndpointInfo,
     NotifySink, PendingConn, ResolvedOps, lock,
 };
+use crate::admission::{Admission, Ticket};
 use crate::batch::Op;
 use crate::config::{BackendKind, EngineConfig};
 use crate::deadline::{self, Deadlined};
@@ -65,6 +66,12 @@ const S_REFUSED: u32 = 1;
 const S_BAD_KEY: u32 = 2;
 const S_NO_SESSION: u32 = 3;
 
+/// Incoming data streams served before their hello is complete (each has a thread), in
+/// all and from one source address; the excess is closed at once (`admission`). A
+/// legitimate peer has at most one stream in its hello per handshake in progress.
+const MAX_UNAUTHENTICATED: usize = crate::engine::MAX_CONCURRENT_HANDSHAKES;
+const MAX_UNAUTHENTICATED_PER_IP: usize = crate::engine::MAX_HANDSHAKES_PER_IP;
+
 pub(crate) fn open(config: &EngineConfig, init: &BackendInit) -> Result<Arc<dyn Backend>> {
     let listener = TcpListener::bind(SocketAddr::new(config.listen.ip(), 0))
         .map_err(|e| Error::io("bind TCP data listener", e))?;
@@ -83,6 +90,7 @@ pub(crate) fn open(config: &EngineConfig, init: &BackendInit) -> Result<Arc<dyn 
         next_key: AtomicU32::new((random_u64() as u32) | 1),
         shutdown: AtomicBool::new(false),
         listener: Mutex::new(None),
+        unauthenticated: Admission::new(MAX_UNAUTHENTICATED, MAX_UNAUTHENTICATED_PER_IP),
     });
     let weak = Arc::downgrade(&shared);
     let t = std::thread::Builder::new()
@@ -105,6 +113,8 @@ struct TcpShared {
     next_key: AtomicU32,
     shutdown: AtomicBool,
     listener: Mutex<Option<JoinHandle<()>>>,
+    /// Slots of incoming streams that have not completed their hello.
+    unauthenticated: Arc<Admission>,
 }
 
 /// Our side of one connection as the data listener sees it.
@@ -696,12 +706,17 @@ fn accept_loop(listener: TcpListener, shared: Weak<TcpShared>) {
             std::thread::sleep(Duration::from_millis(10));
             continue;
         };
+        let Some(ticket) = b.unauthenticated.admit(&s) else {
+            tracing::debug!(from = ?s.peer_addr().ok(), "too many unauthenticated data streams; dropping");
+            let _ = s.shutdown(Shutdown::Both);
+            continue;
+        };
         let deadline = Instant::now() + b.handshake_timeout;
         let spawned = std::thread::Builder::new()
             .name("pagewire-tcp-serve".into())
             .spawn(move || {
                 let from = s.peer_addr().ok();
-                if let Err(e) = serve_stream(&b, s, deadline)
+                if let Err(e) = serve_stream(&b, s, ticket, deadline)
                     && !b.shutdown.load(Ordering::Acquire)
                 {
                     tracing::warn!(?from, error = %e, "TCP data stream dropped");
@@ -716,7 +731,12 @@ fn accept_loop(listener: TcpListener, shared: Weak<TcpShared>) {
 /// Authenticates an incoming stream, then serves its requests until it closes. The
 /// hello must be complete by `deadline` (the accept plus the handshake timeout), however
 /// the client paces its bytes.
-fn serve_stream(b: &TcpShared, mut s: TcpStream, deadline: Instant) -> Result<(), String> {
+fn serve_stream(
+    b: &TcpShared,
+    mut s: TcpStream,
+    ticket: Ticket,
+    deadline: Instant,
+) -> Result<(), String> {
     let _ = s.set_nodelay(true);
     let mut h = [0u8; 16];
     Deadlined::new(&s, deadline)
@@ -750,6 +770,8 @@ fn serve_stream(b: &TcpShared, mut s: TcpStream, deadline: Instant) -> Result<()
         }
         inc.push((sid, s.try_clone().map_err(|e| e.to_string())?));
     }
+    // Authenticated: the stream now counts against its session's limit.
+    drop(ticket);
     // The `OK` is the hello's last step: bounded by the same deadline.
     let left = deadline.saturating_duration_since(Instant::now());
     s.set_write_timeout(Some(left.max(Duration::from_millis(1))))
