@@ -49,6 +49,7 @@ mod deadline;
 mod engine;
 mod memory;
 pub mod prepared;
+mod sockopt;
 mod wire;
 
 pub use backend::BackendInfo;

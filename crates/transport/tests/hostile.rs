@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Result, bail, ensure};
 use common::*;
-use pagewire_transport::{Access, BackendKind, Batch, EndpointInfo, Engine, HostBuffer};
+use pagewire_transport::{Access, BackendKind, Batch, EndpointInfo, Engine, Error, HostBuffer};
 
 // ---------------------------------------------------------------- harness
 
@@ -562,4 +562,247 @@ fn unauthenticated_data_flood_is_capped() {
         after.0 <= base.0 && after.1 <= base.1,
         "threads/fds {after:?} after the flood, {base:?} before"
     );
+}
+
+// ---------------------------------------------------------------- defect 6: departed peers
+
+/// Defect 6: 20 peers connect, move a page and exit (their engines are dropped, without
+/// `disconnect`). The accepting engine must notice each departure (`peer_alive` false)
+/// and get back to its baseline of threads and descriptors by itself.
+fn departed_peers_are_detected_and_released(kind: BackendKind) -> Result<()> {
+    let b = engine(kind)?;
+    let (dst, _) = buffer(&b, 1 << 16, Access::ALL)?;
+    std::thread::sleep(Duration::from_millis(200));
+    let base = (threads("self"), fds("self"));
+    let mut ids = Vec::new();
+    for i in 0..20u64 {
+        let a = engine(kind)?;
+        let (mut src, _) = buffer(&a, 1024, Access::LOCAL_WRITE)?;
+        fill_pattern(&mut src, i);
+        let (ab, ba) = connect(&a, &b)?;
+        a.submit(
+            ab,
+            Batch::new().write(src.addr(), dst.addr() + i * 1024, 1024),
+        )?
+        .wait(secs(10))?;
+        ids.push(ba);
+        drop(a); // the peer exits
+    }
+    let end = Instant::now() + Duration::from_secs(5);
+    let mut alive: Vec<_> = ids.clone();
+    while !alive.is_empty() && Instant::now() < end {
+        alive.retain(|p| b.peer_alive(*p).unwrap_or(false));
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    ensure!(
+        alive.is_empty(),
+        "{} of 20 departed peers still reported alive after 5 s",
+        alive.len()
+    );
+    let after = settle("self", base, Duration::from_secs(5));
+    ensure!(
+        after.0 <= base.0 && after.1 <= base.1,
+        "threads/fds {after:?} after 20 peers left, {base:?} before"
+    );
+    Ok(())
+}
+
+#[test]
+fn tcp_departed_peers_are_detected_and_released() {
+    let _g = serial();
+    if host_only("tcp_departed_peers_are_detected_and_released") {
+        departed_peers_are_detected_and_released(BackendKind::Tcp).unwrap();
+    }
+}
+
+#[test]
+fn loopback_departed_peers_are_detected_and_released() {
+    let _g = serial();
+    if host_only("loopback_departed_peers_are_detected_and_released") {
+        departed_peers_are_detected_and_released(BackendKind::Loopback).unwrap();
+    }
+}
+
+// ---------------------------------------------------------------- defect 7: broken means closed
+
+/// A peer played by hand over the documented protocol (the initiator side): it sends a
+/// Hello exposing `region`, answers the listener's data stream with `OK` and never
+/// serves a request on it, and opens one stream of its own to the listener.
+struct FakePeer {
+    /// The listener's session for our streams, its data address and exposed regions.
+    session: u64,
+    data: SocketAddr,
+    regions: Vec<(u64, u64, u32)>,
+    /// Our stream to the listener.
+    to_b: TcpStream,
+    /// The listener's stream to us (never served).
+    _from_b: Vec<TcpStream>,
+    _ctrl: TcpStream,
+}
+
+fn fake_initiator(b: &Engine, region: (u64, u64, u32, Access)) -> Result<FakePeer> {
+    let data = TcpListener::bind("127.0.0.1:0")?;
+    let port = data.local_addr()?.port();
+    let acceptor = std::thread::spawn(move || -> Result<TcpStream> {
+        let (mut s, _) = data.accept()?;
+        read_stream_hello(&mut s)?;
+        s.write_all(b"OK\0\0")?;
+        Ok(s)
+    });
+    let mut ctrl = TcpStream::connect(b.local_addr())?;
+    ctrl.set_read_timeout(Some(Duration::from_secs(5)))?;
+    ctrl.write_all(&hello_frame(b"", port, 1, 0xA5A5, &[region]))?;
+    let (kind, body) = read_frame(&mut ctrl)?;
+    ensure!(kind == 2, "expected a Welcome, got kind {kind}: {body:?}");
+    // engine id, session, endpoint {tag 2, data port, streams, session}, regions.
+    ensure!(body[16] == 2, "not a TCP endpoint");
+    let data_port = u16::from_le_bytes([body[17], body[18]]);
+    let session = u64::from_le_bytes(body[21..29].try_into()?);
+    let n = u32::from_le_bytes(body[29..33].try_into()?) as usize;
+    let regions = (0..n)
+        .map(|i| {
+            let r = &body[33 + 21 * i..][..21];
+            (
+                u64::from_le_bytes(r[0..8].try_into().expect("8")),
+                u64::from_le_bytes(r[8..16].try_into().expect("8")),
+                u32::from_le_bytes(r[16..20].try_into().expect("4")),
+            )
+        })
+        .collect();
+    let from_b = acceptor.join().expect("acceptor thread")?;
+    let data = SocketAddr::from(([127, 0, 0, 1], data_port));
+    let mut to_b = TcpStream::connect(data)?;
+    to_b.set_read_timeout(Some(Duration::from_secs(5)))?;
+    to_b.write_all(&stream_hello(session, b""))?;
+    let mut ok = [0u8; 4];
+    to_b.read_exact(&mut ok)?;
+    ensure!(&ok == b"OK\0\0");
+    ctrl.write_all(&frame(3, &[]))?;
+    Ok(FakePeer {
+        session,
+        data,
+        regions,
+        to_b,
+        _from_b: vec![from_b],
+        _ctrl: ctrl,
+    })
+}
+
+/// Defect 7 (TCP): once the engine reports a connection broken (here: the peer stopped
+/// answering, so a WRITE ran past `io_timeout`), the peer must not land a WRITE or a
+/// notification through its old session, neither on the stream it had open nor on a new
+/// stream presenting the old session id.
+#[test]
+fn tcp_broken_connection_closes_the_peers_old_session() {
+    let _g = serial();
+    if !host_only("tcp_broken_connection_closes_the_peers_old_session") {
+        return;
+    }
+    let b = engine_with(config(BackendKind::Tcp).io_timeout(Duration::from_millis(500))).unwrap();
+    let (dst, _) = buffer(&b, 4096, Access::ALL).unwrap();
+    let (src, _) = buffer(&b, 4096, Access::LOCAL_WRITE).unwrap();
+    let mut fake = fake_initiator(&b, (0x10_0000, 4096, 1, Access::REMOTE_WRITE)).unwrap();
+    let ba = b.accept(secs(5)).expect("fake peer accepted");
+    let h = b
+        .submit(ba, Batch::new().write(src.addr(), 0x10_0000, 64))
+        .unwrap();
+    assert!(
+        h.wait(secs(10)).is_err(),
+        "a WRITE the peer never acked succeeded"
+    );
+    let end = Instant::now() + Duration::from_secs(5);
+    while b.peer_alive(ba).unwrap() && Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(!b.peer_alive(ba).unwrap(), "connection not marked broken");
+    assert!(matches!(
+        b.submit(ba, Batch::new().write(src.addr(), 0x10_0000, 64)),
+        Err(Error::PeerGone { .. })
+    ));
+    // The peer writes 32 bytes and a notification through its old session.
+    let (addr, _, rkey) = *fake
+        .regions
+        .iter()
+        .find(|r| r.0 == dst.addr())
+        .expect("dst exposed");
+    let mut attack = request(1, rkey, 1, addr, 32, 0);
+    attack.extend_from_slice(&[0xAB; 32]);
+    attack.extend_from_slice(&request(3, 0, 2, 0, 0, 77));
+    let _ = fake.to_b.write_all(&attack);
+    if let Ok(mut s) = TcpStream::connect(fake.data) {
+        let _ = s.write_all(&stream_hello(fake.session, b""));
+        let _ = s.write_all(&attack);
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    assert!(
+        all_eq(&snapshot(&dst), 0),
+        "a peer marked broken wrote into our memory"
+    );
+    assert_eq!(
+        b.poll_notification(Instant::now() + Duration::from_millis(300)),
+        None,
+        "a peer marked broken delivered a notification"
+    );
+}
+
+/// Defect 7 (every backend): once the accepting engine disconnected a peer, the peer's
+/// WRITE with a notification fails and none of it lands.
+pub fn disconnected_peer_cannot_write(kind: BackendKind) -> Result<()> {
+    let (a, b) = (engine(kind)?, engine(kind)?);
+    let (mut src, _) = buffer(&a, 4096, Access::LOCAL_WRITE)?;
+    fill_pattern(&mut src, 17);
+    let (dst, _) = buffer(&b, 8192, Access::ALL)?;
+    let (ab, ba) = connect(&a, &b)?;
+    a.submit(ab, Batch::new().write(src.addr(), dst.addr(), 4096))?
+        .wait(secs(10))?;
+    b.disconnect(ba)?;
+    let r = a
+        .submit(
+            ab,
+            Batch::new()
+                .write(src.addr(), dst.addr() + 4096, 4096)
+                .notify(9)
+                .timeout(Duration::from_secs(15)),
+        )
+        .and_then(|h| h.wait(secs(20)));
+    ensure!(
+        r.is_err(),
+        "a WRITE into a peer that disconnected us succeeded"
+    );
+    std::thread::sleep(Duration::from_millis(200));
+    ensure!(
+        all_eq(&snapshot(&dst)[4096..], 0),
+        "a disconnected peer wrote into our memory"
+    );
+    ensure!(
+        b.poll_notification(Instant::now() + Duration::from_millis(200))
+            .is_none(),
+        "a disconnected peer delivered a notification"
+    );
+    Ok(())
+}
+
+#[test]
+fn loopback_disconnected_peer_cannot_write() {
+    let _g = serial();
+    if host_only("loopback_disconnected_peer_cannot_write") {
+        disconnected_peer_cannot_write(BackendKind::Loopback).unwrap();
+    }
+}
+
+#[test]
+fn tcp_disconnected_peer_cannot_write() {
+    let _g = serial();
+    if host_only("tcp_disconnected_peer_cannot_write") {
+        disconnected_peer_cannot_write(BackendKind::Tcp).unwrap();
+    }
+}
+
+#[cfg(feature = "verbs")]
+#[test]
+fn verbs_disconnected_peer_cannot_write() {
+    let _g = serial();
+    if runnable(BackendKind::Verbs, "verbs_disconnected_peer_cannot_write") {
+        disconnected_peer_cannot_write(BackendKind::Verbs).unwrap();
+    }
 }

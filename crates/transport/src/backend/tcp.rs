@@ -44,6 +44,7 @@ use crate::deadline::{self, Deadlined};
 use crate::engine::{PeerId, random_u64};
 use crate::error::{Error, HandshakeError, Result};
 use crate::memory::{Access, Registry, raw_slice, raw_slice_mut};
+use crate::sockopt;
 use crate::wire::MAX_STREAMS;
 
 const STREAM_MAGIC: u32 = u32::from_le_bytes(*b"PGWS");
@@ -126,6 +127,9 @@ struct Session {
     incoming: Mutex<Vec<(u64, TcpStream)>>,
     next_stream: AtomicU64,
     closed: AtomicBool,
+    /// Our connection to the same peer, once complete: the peer closing all its streams
+    /// to us (it departed) breaks it, and breaking it closes this session.
+    conn: OnceLock<Weak<ConnShared>>,
 }
 
 impl Session {
@@ -133,6 +137,23 @@ impl Session {
         self.closed.store(true, Ordering::Release);
         for (_, s) in lock(&self.incoming).drain(..) {
             let _ = s.shutdown(Shutdown::Both);
+        }
+    }
+
+    fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::Acquire)
+    }
+
+    /// Breaks our connection to this session's peer; before the connection is complete,
+    /// closes the session, which `complete` then finds.
+    fn break_conn(&self, reason: String) {
+        match self.conn.get() {
+            Some(c) => {
+                if let Some(c) = c.upgrade() {
+                    c.break_all(reason);
+                }
+            }
+            None => self.close(),
         }
     }
 }
@@ -176,6 +197,7 @@ impl Backend for TcpBackend {
             incoming: Mutex::new(Vec::new()),
             next_stream: AtomicU64::new(0),
             closed: AtomicBool::new(false),
+            conn: OnceLock::new(),
         });
         lock(&self.shared.sessions).insert(session.id, session.clone());
         let ep = EndpointInfo::Tcp {
@@ -249,14 +271,22 @@ impl PendingConn for Pending {
         for _ in 0..n {
             socks.push(open_stream(&shared, addr, remote_session, ctx.deadline)?);
         }
-        let conn = ConnShared::start(ctx.peer, shared.chunk, shared.io_timeout, socks)?;
+        let conn = ConnShared::start(
+            ctx.peer,
+            shared.chunk,
+            shared.io_timeout,
+            socks,
+            session.clone(),
+            Arc::downgrade(&shared),
+        )?;
+        let _ = session.conn.set(Arc::downgrade(&conn));
         // Completed: the session now lives until the connection closes.
         self.session = None;
-        Ok(Arc::new(TcpConn {
-            conn,
-            session,
-            backend: Arc::downgrade(&shared),
-        }))
+        if session.is_closed() {
+            // The peer's streams came and went before we were linked to them.
+            conn.break_all("the peer closed its data streams during the handshake".into());
+        }
+        Ok(Arc::new(TcpConn { conn }))
     }
 }
 
@@ -291,7 +321,8 @@ fn open_stream(
     }
     s.set_read_timeout(Some(shared.io_timeout))
         .and_then(|()| s.set_write_timeout(Some(shared.io_timeout)))
-        .map_err(|e| Error::io("data stream timeouts", e))?;
+        .and_then(|()| sockopt::set_keepalive(&s, shared.io_timeout))
+        .map_err(|e| Error::io("data stream options", e))?;
     Ok(s)
 }
 
@@ -325,7 +356,13 @@ struct ConnShared {
     chunk: u64,
     /// Job queues of the sender threads; taken on close so they drain and exit.
     queues: Mutex<Vec<Sender<Job>>>,
-    socks: Vec<TcpStream>,
+    /// Clones of the outgoing streams, to shut them down; released when the connection
+    /// breaks (the threads hold the other clones and exit then).
+    socks: Mutex<Vec<TcpStream>>,
+    /// The session of the peer's streams to us: closed when this connection breaks, so
+    /// a peer we consider gone can no longer write or notify through it.
+    session: Arc<Session>,
+    backend: Weak<TcpShared>,
     next: AtomicUsize,
     seq: AtomicU64,
     broken: AtomicBool,
@@ -338,6 +375,8 @@ impl ConnShared {
         chunk: u64,
         io_timeout: Duration,
         socks: Vec<TcpStream>,
+        session: Arc<Session>,
+        backend: Weak<TcpShared>,
     ) -> Result<Arc<ConnShared>> {
         let mut queues = Vec::new();
         let mut rxs = Vec::new();
@@ -350,11 +389,15 @@ impl ConnShared {
             peer,
             chunk,
             queues: Mutex::new(queues),
-            socks: socks
-                .iter()
-                .map(|s| s.try_clone())
-                .collect::<std::io::Result<_>>()
-                .map_err(|e| Error::io("clone data stream", e))?,
+            socks: Mutex::new(
+                socks
+                    .iter()
+                    .map(|s| s.try_clone())
+                    .collect::<std::io::Result<_>>()
+                    .map_err(|e| Error::io("clone data stream", e))?,
+            ),
+            session,
+            backend,
             next: AtomicUsize::new(0),
             seq: AtomicU64::new(1),
             broken: AtomicBool::new(false),
@@ -391,8 +434,10 @@ impl ConnShared {
         }
     }
 
-    /// Marks the connection broken and shuts every stream down, so each thread wakes,
-    /// fails what it holds and exits.
+    /// Marks the connection broken and shuts every stream down, both ways, so each
+    /// thread wakes, fails what it holds and exits, and its descriptors are released.
+    /// The peer's session is closed first: once `broken` is visible (`peer_alive` false),
+    /// no request of the peer's starts to be served, on an old stream or a new one.
     fn break_all(&self, reason: String) {
         {
             let mut r = lock(&self.reason);
@@ -401,9 +446,13 @@ impl ConnShared {
                 *r = Some(reason);
             }
         }
+        self.session.close();
+        if let Some(b) = self.backend.upgrade() {
+            lock(&b.sessions).remove(&self.session.id);
+        }
         self.broken.store(true, Ordering::Release);
         lock(&self.queues).clear();
-        for s in &self.socks {
+        for s in lock(&self.socks).drain(..) {
             let _ = s.shutdown(Shutdown::Both);
         }
     }
@@ -621,8 +670,6 @@ impl ConnShared {
 
 struct TcpConn {
     conn: Arc<ConnShared>,
-    session: Arc<Session>,
-    backend: Weak<TcpShared>,
 }
 
 impl Conn for TcpConn {
@@ -681,10 +728,6 @@ impl Conn for TcpConn {
 
     fn close(&self) {
         self.conn.break_all("connection closed locally".into());
-        self.session.close();
-        if let Some(b) = self.backend.upgrade() {
-            lock(&b.sessions).remove(&self.session.id);
-        }
     }
 }
 
@@ -772,6 +815,8 @@ fn serve_stream(
     }
     // Authenticated: the stream now counts against its session's limit.
     drop(ticket);
+    // A peer that vanishes without a FIN (host down, network gone) fails the idle read.
+    sockopt::set_keepalive(&s, b.io_timeout).map_err(|e| e.to_string())?;
     // The `OK` is the hello's last step: bounded by the same deadline.
     let left = deadline.saturating_duration_since(Instant::now());
     s.set_write_timeout(Some(left.max(Duration::from_millis(1))))
@@ -779,7 +824,19 @@ fn serve_stream(
     let r = serve_requests(b, &session, &mut s);
     // Close for real (the clone in `incoming` would keep the socket open) and forget it.
     let _ = s.shutdown(Shutdown::Both);
-    lock(&session.incoming).retain(|(id, _)| *id != sid);
+    let last = {
+        let mut inc = lock(&session.incoming);
+        inc.retain(|(id, _)| *id != sid);
+        inc.is_empty()
+    };
+    // The peer's streams end only when its connection does (close, break, exit): once
+    // the last one is gone, the peer is, and our connection to it is released too.
+    if last && !session.is_closed() {
+        session.break_conn(match &r {
+            Ok(()) => "the peer closed its data streams".into(),
+            Err(e) => format!("the peer's data stream failed: {e}"),
+        });
+    }
     r
 }
 
@@ -797,6 +854,10 @@ fn serve_requests(b: &TcpShared, session: &Session, s: &mut TcpStream) -> Result
             Ok(true) => {}
             Ok(false) => return Ok(()), // clean close between requests
             Err(e) => return Err(format!("request: {e}")),
+        }
+        if session.is_closed() {
+            // The connection broke while this request arrived: serve nothing more.
+            return Ok(());
         }
         serve_request(b, session, s, &req, &mut scratch, &mut acks)?;
         // Acks wait while the requester said more requests follow in the same burst.
@@ -841,7 +902,7 @@ fn serve_request(
                 return Err("malformed NOTIFY".into());
             }
             // Every WRITE before this NOTIFY was acked, i.e. its bytes are in memory.
-            let status = match session.sink.get() {
+            let status = match session.sink.get().filter(|_| !session.is_closed()) {
                 Some(sink) => {
                     sink.notify(tag);
                     S_OK
