@@ -166,6 +166,8 @@ struct Inner {
     next_batch: AtomicU64,
     notify_tx: Sender<Notification>,
     notify_rx: Receiver<Notification>,
+    /// Notifications dropped at the queue's bound.
+    notify_dropped: Arc<AtomicU64>,
     accept_tx: Sender<PeerId>,
     accept_rx: Receiver<PeerId>,
     local_addr: SocketAddr,
@@ -234,6 +236,7 @@ impl Engine {
             next_batch: AtomicU64::new(1),
             notify_tx,
             notify_rx,
+            notify_dropped: Arc::new(AtomicU64::new(0)),
             accept_tx,
             accept_rx,
             local_addr,
@@ -578,9 +581,19 @@ impl Engine {
     }
 
     /// The notification queue itself (for `select!` with other channels). Every clone
-    /// drains the same queue.
+    /// drains the same queue. It holds at most `EngineConfig::notify_queue`
+    /// notifications; see [`Engine::notifications_dropped`].
     pub fn notifications(&self) -> Receiver<Notification> {
         self.inner.notify_rx.clone()
+    }
+
+    /// How many notifications were dropped because the queue held
+    /// `EngineConfig::notify_queue` of them that the application had not taken. Each drop
+    /// also broke the connection of the peer that sent it (`peer_alive` false there; on
+    /// TCP and loopback its batch failed with `Remote`), so no notification is lost
+    /// silently: the peer knows, and so does the application through this count.
+    pub fn notifications_dropped(&self) -> u64 {
+        self.inner.notify_dropped.load(Ordering::Relaxed)
     }
 
     /// Closes every connection, stops the listener and releases all registrations.
@@ -700,6 +713,8 @@ impl Inner {
                 peer,
                 engine: self.id,
                 tx: self.notify_tx.clone(),
+                cap: self.config.notify_queue,
+                dropped: self.notify_dropped.clone(),
             },
             registry: self.registry.clone(),
             config: self.config.clone(),

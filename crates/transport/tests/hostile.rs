@@ -806,3 +806,100 @@ fn verbs_disconnected_peer_cannot_write() {
         disconnected_peer_cannot_write(BackendKind::Verbs).unwrap();
     }
 }
+
+// ---------------------------------------------------------------- defect 9: notification floods
+
+/// Defect 9: a peer floods `n` notify-only batches while the application takes none. The
+/// queue stays within its bound (64 here, set through `PAGEWIRE_NOTIFY_QUEUE`), the
+/// flood's batches start failing, and the flooding peer's connection is broken.
+fn notification_flood_is_bounded(kind: BackendKind, n: u32) -> Result<()> {
+    let cap = 64;
+    let b = engine_with(
+        config(kind).with_vars(|k| (k == "PAGEWIRE_NOTIFY_QUEUE").then(|| cap.to_string()))?,
+    )?;
+    let a = engine(kind)?;
+    let (ab, ba) = connect(&a, &b)?;
+    let handles: Vec<_> = (0..n)
+        .map_while(|i| a.submit(ab, Batch::new().notify(i)).ok())
+        .collect();
+    let failed = handles.iter().filter(|h| h.wait(secs(30)).is_err()).count();
+    let queued = b.notifications().len();
+    ensure!(
+        queued <= cap,
+        "{queued} notifications queued, bound {cap} ({} submitted)",
+        handles.len()
+    );
+    ensure!(
+        failed > 0 || handles.len() < n as usize,
+        "all {n} notifications were accepted"
+    );
+    let end = Instant::now() + Duration::from_secs(5);
+    while b.peer_alive(ba)? && Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    ensure!(
+        !b.peer_alive(ba)?,
+        "the flooding peer's connection is still up"
+    );
+    // What was queued is intact: distinct tags of this flood (independent batches on
+    // several streams may be queued in any order).
+    let mut got: Vec<u32> = b.notifications().try_iter().map(|x| x.tag).collect();
+    got.sort_unstable();
+    got.dedup();
+    ensure!(got.len() == queued && got.iter().all(|&t| t < n));
+    Ok(())
+}
+
+#[test]
+fn tcp_notification_flood_is_bounded() {
+    let _g = serial();
+    if host_only("tcp_notification_flood_is_bounded") {
+        notification_flood_is_bounded(BackendKind::Tcp, 5000).unwrap();
+    }
+}
+
+#[test]
+fn loopback_notification_flood_is_bounded() {
+    let _g = serial();
+    if host_only("loopback_notification_flood_is_bounded") {
+        notification_flood_is_bounded(BackendKind::Loopback, 5000).unwrap();
+    }
+}
+
+#[cfg(feature = "verbs")]
+#[test]
+fn verbs_notification_flood_is_bounded() {
+    let _g = serial();
+    if runnable(BackendKind::Verbs, "verbs_notification_flood_is_bounded") {
+        notification_flood_is_bounded(BackendKind::Verbs, 1000).unwrap();
+    }
+}
+
+/// Defect 9: the drops are counted, and the builder knob sets the bound.
+#[test]
+fn notification_drops_are_counted() {
+    let _g = serial();
+    if !host_only("notification_drops_are_counted") {
+        return;
+    }
+    let b = engine_with(config(BackendKind::Loopback).notify_queue(3)).unwrap();
+    let a = engine(BackendKind::Loopback).unwrap();
+    let (ab, ba) = connect(&a, &b).unwrap();
+    for t in 0..3 {
+        a.submit(ab, Batch::new().notify(t))
+            .unwrap()
+            .wait(secs(10))
+            .unwrap();
+    }
+    assert_eq!(b.notifications_dropped(), 0);
+    let e = a
+        .submit(ab, Batch::new().notify(3))
+        .unwrap()
+        .wait(secs(10))
+        .unwrap_err();
+    assert!(matches!(e, Error::Remote { .. }), "{e:?}");
+    assert_eq!(b.notifications_dropped(), 1);
+    assert!(!b.peer_alive(ba).unwrap() && !a.peer_alive(ab).unwrap());
+    let tags: Vec<u32> = b.notifications().try_iter().map(|n| n.tag).collect();
+    assert_eq!(tags, [0, 1, 2]);
+}

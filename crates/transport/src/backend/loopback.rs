@@ -219,7 +219,15 @@ impl Shared {
         if let Some(tag) = job.notify {
             let sink = lock(sinks()).get(&self.remote).cloned();
             match sink {
-                Some(s) => s.notify(tag),
+                Some(s) => {
+                    if !s.notify(tag) {
+                        b.fail(self.refused(
+                            "the peer's notification queue is full (notification dropped)".into(),
+                        ));
+                        self.break_both();
+                        return;
+                    }
+                }
                 None => {
                     b.fail(self.gone("peer connection closed before the notification"));
                     return;

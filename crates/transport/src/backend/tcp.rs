@@ -66,6 +66,9 @@ const S_OK: u32 = 0;
 const S_REFUSED: u32 = 1;
 const S_BAD_KEY: u32 = 2;
 const S_NO_SESSION: u32 = 3;
+/// The responder's notification queue was full: the tag was dropped, and the responder
+/// breaks the connection after this response.
+const S_QUEUE_FULL: u32 = 4;
 
 /// Incoming data streams served before their hello is complete (each has a thread), in
 /// all and from one source address; the excess is closed at once (`admission`). A
@@ -610,6 +613,9 @@ impl ConnShared {
                 ),
                 S_BAD_KEY => format!("rkey {:#x} does not match at {:#x}", job.rkey, job.remote),
                 S_NO_SESSION => "notification before the connection completed".into(),
+                S_QUEUE_FULL => {
+                    "the peer's notification queue is full (notification dropped)".into()
+                }
                 s => format!("status {s}"),
             };
             job.batch.fail(Error::Remote {
@@ -903,13 +909,18 @@ fn serve_request(
             }
             // Every WRITE before this NOTIFY was acked, i.e. its bytes are in memory.
             let status = match session.sink.get().filter(|_| !session.is_closed()) {
-                Some(sink) => {
-                    sink.notify(tag);
-                    S_OK
-                }
+                Some(sink) if sink.notify(tag) => S_OK,
+                Some(_) => S_QUEUE_FULL,
                 None => S_NO_SESSION,
             };
             acks.extend_from_slice(&response(seq, status, 0));
+            if status == S_QUEUE_FULL {
+                // Tell the peer why, then stop serving it: it outran the application.
+                let _ = s.write_all(acks);
+                acks.clear();
+                session.break_conn("our notification queue is full".into());
+                return Err("notification queue full".into());
+            }
             Ok(())
         }
         K_WRITE | K_READ => {

@@ -117,13 +117,14 @@ impl Lanes {
 
 /// Where `(peer, tag)` notifications of incoming WRITE_WITH_IMM go.
 pub(crate) trait TagSink: Send + Sync {
-    /// `bytes` is the length of the WRITE_WITH_IMM that carried the tag.
-    fn notify(&self, tag: u32, bytes: u32);
+    /// `bytes` is the length of the WRITE_WITH_IMM that carried the tag. `false`: the
+    /// tag was dropped (the engine's queue is full) and the connection must break.
+    fn notify(&self, tag: u32, bytes: u32) -> bool;
 }
 
 impl TagSink for NotifySink {
-    fn notify(&self, tag: u32, _bytes: u32) {
-        NotifySink::notify(self, tag);
+    fn notify(&self, tag: u32, _bytes: u32) -> bool {
+        NotifySink::notify(self, tag)
     }
 }
 
@@ -1092,7 +1093,15 @@ impl VerbsConn {
         {
             let tag = u32::from_be(wc.imm);
             tracing::trace!(conn = %self.label, tag, bytes = wc.byte_len, "notification");
-            n.notify(tag, wc.byte_len);
+            if !n.notify(tag, wc.byte_len) {
+                // The WRITE_WITH_IMM was acknowledged already: the sender learns of the
+                // drop only from the connection breaking.
+                self.break_conn(Error::PeerGone {
+                    peer: self.peer,
+                    reason: "our notification queue is full: the peer's notification was dropped"
+                        .into(),
+                });
+            }
         }
         self.qps[qi].recv_owed.fetch_add(1, Ordering::AcqRel);
     }

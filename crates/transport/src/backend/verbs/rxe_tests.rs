@@ -79,9 +79,10 @@ impl Sink {
 #[derive(Default)]
 struct Tags(Mutex<Vec<u32>>, Mutex<Vec<u32>>);
 impl TagSink for Tags {
-    fn notify(&self, tag: u32, bytes: u32) {
+    fn notify(&self, tag: u32, bytes: u32) -> bool {
         self.0.lock().unwrap().push(tag);
         self.1.lock().unwrap().push(bytes);
+        true
     }
 }
 
