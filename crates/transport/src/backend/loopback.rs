@@ -221,10 +221,11 @@ impl Shared {
             match sink {
                 Some(s) => {
                     if !s.notify(tag) {
+                        // Broken before the batch reports, so its waiter sees both.
+                        self.break_both();
                         b.fail(self.refused(
                             "the peer's notification queue is full (notification dropped)".into(),
                         ));
-                        self.break_both();
                         return;
                     }
                 }
