@@ -220,6 +220,14 @@ impl Engine {
         let local_addr = listener
             .local_addr()
             .map_err(|e| Error::io("control listener address", e))?;
+        if config.token.is_none() && !local_addr.ip().is_loopback() {
+            tracing::warn!(
+                listen = %local_addr,
+                "no token set on an engine listening beyond loopback: any host that reaches \
+                 this port can connect and read or write the memory it exposes \
+                 (set PAGEWIRE_TOKEN; docs/transport.md, \"Threat model\")"
+            );
+        }
         let (notify_tx, notify_rx) = crossbeam_channel::unbounded();
         let (accept_tx, accept_rx) = crossbeam_channel::unbounded();
         let progress = backend.progress();
@@ -845,12 +853,29 @@ impl Inner {
             let _ = reject(s, "token mismatch");
             return Err(HandshakeError::TokenMismatch);
         }
+        // Completing a TCP connection dials the data port the Hello names, on the
+        // client's address. Without a token nothing vouches for the client, so it may
+        // only name a port its data listener could have been given (an ephemeral one),
+        // not a service's port on its host.
+        if let EndpointInfo::Tcp { data_port, .. } = h.endpoint
+            && self.config.token.is_none()
+            && !crate::backend::tcp::ephemeral_ports().contains(&data_port)
+        {
+            let _ = reject(s, "data port outside the ephemeral port range");
+            let r = crate::backend::tcp::ephemeral_ports();
+            return Err(HandshakeError::BadField {
+                field: "data port",
+                value: format!("{data_port} (ephemeral range {}-{})", r.start(), r.end()),
+            });
+        }
+        // Reasons sent to the client are fixed texts: what failed inside stays in our log
+        // (the error returned here), not in a stranger's hands.
         let (pending, ep) = match self.backend.prepare() {
             Ok(x) => x,
             Err(e) => {
-                let _ = reject(s, &format!("cannot prepare connection: {e}"));
+                let _ = reject(s, "connection setup failed");
                 return Err(HandshakeError::Rejected {
-                    reason: e.to_string(),
+                    reason: format!("cannot prepare connection: {e}"),
                 });
             }
         };
@@ -866,9 +891,9 @@ impl Inner {
         let conn = match pending.complete(&h.endpoint, self.new_ctx(id, from.ip(), deadline)) {
             Ok(c) => c,
             Err(e) => {
-                let _ = reject(s, &format!("cannot complete connection: {e}"));
+                let _ = reject(s, "connection setup failed");
                 return Err(HandshakeError::Rejected {
-                    reason: e.to_string(),
+                    reason: format!("cannot complete connection: {e}"),
                 });
             }
         };

@@ -903,3 +903,140 @@ fn notification_drops_are_counted() {
     let tags: Vec<u32> = b.notifications().try_iter().map(|n| n.tag).collect();
     assert_eq!(tags, [0, 1, 2]);
 }
+
+// ---------------------------------------------------------------- what strangers get
+
+/// The kernel's ephemeral port range (where data listeners' ports come from).
+fn ephemeral_range() -> (u16, u16) {
+    let s = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .unwrap_or_else(|_| "32768 60999".into());
+    let mut it = s.split_whitespace().map(|v| v.parse::<u16>().unwrap());
+    (it.next().unwrap(), it.next().unwrap())
+}
+
+/// Sends a tokenless Hello naming `data_port` and returns the reply frame.
+fn hello_naming(b: &Engine, data_port: u16) -> Result<(u8, Vec<u8>)> {
+    let mut s = TcpStream::connect(b.local_addr())?;
+    s.set_read_timeout(Some(Duration::from_secs(5)))?;
+    s.write_all(&hello_frame(b"", data_port, 1, 42, &[]))?;
+    read_frame(&mut s)
+}
+
+/// A Hello must not make a tokenless listener dial any port on the client's address: a
+/// data port outside the ephemeral range (where a service, not a data listener, would
+/// be) is refused without a connection attempt.
+#[test]
+fn tokenless_hello_cannot_make_the_listener_dial_a_service_port() {
+    let _g = serial();
+    if !host_only("tokenless_hello_cannot_make_the_listener_dial_a_service_port") {
+        return;
+    }
+    let (lo, _) = ephemeral_range();
+    let service = (lo.saturating_sub(2000).max(1024)..lo)
+        .rev()
+        .find_map(|p| TcpListener::bind(("127.0.0.1", p)).ok())
+        .expect("a free port below the ephemeral range");
+    let port = service.local_addr().unwrap().port();
+    service.set_nonblocking(true).unwrap();
+    let b = engine(BackendKind::Tcp).unwrap();
+    let (kind, body) = hello_naming(&b, port).unwrap();
+    assert_eq!(kind, 4, "expected a Reject");
+    let end = Instant::now() + Duration::from_millis(500);
+    while Instant::now() < end {
+        if let Ok((_, from)) = service.accept() {
+            panic!("the listener dialled port {port} (from {from})");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    eprintln!("refused: {}", reject_reason(&body));
+}
+
+/// A Reject tells an unauthenticated client nothing of our internals: a Hello naming a
+/// closed data port fails the connection, and the reason is a fixed text, not the socket
+/// error with addresses and errno.
+#[test]
+fn reject_reasons_do_not_echo_internal_errors() {
+    let _g = serial();
+    if !host_only("reject_reasons_do_not_echo_internal_errors") {
+        return;
+    }
+    let closed = {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let b = engine(BackendKind::Tcp).unwrap();
+    let (kind, body) = hello_naming(&b, closed).unwrap();
+    assert_eq!(kind, 4, "expected a Reject");
+    let reason = reject_reason(&body);
+    for leak in [
+        "os error",
+        "refused",
+        "127.0.0.1",
+        &closed.to_string(),
+        "cannot connect",
+    ] {
+        assert!(
+            !reason.to_lowercase().contains(leak),
+            "reject reason {reason:?} leaks {leak:?}"
+        );
+    }
+}
+
+/// Captures the messages of WARN and ERROR events on this thread.
+#[derive(Clone, Default)]
+struct Warnings(Arc<Mutex<Vec<String>>>);
+
+impl tracing::Subscriber for Warnings {
+    fn enabled(&self, m: &tracing::Metadata<'_>) -> bool {
+        *m.level() <= tracing::Level::WARN
+    }
+    fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+        tracing::span::Id::from_u64(1)
+    }
+    fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+    fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+    fn event(&self, e: &tracing::Event<'_>) {
+        struct Text(String);
+        impl tracing::field::Visit for Text {
+            fn record_debug(&mut self, f: &tracing::field::Field, v: &dyn std::fmt::Debug) {
+                self.0.push_str(&format!("{}={v:?} ", f.name()));
+            }
+        }
+        let mut t = Text(String::new());
+        e.record(&mut t);
+        self.0.lock().unwrap().push(t.0);
+    }
+    fn enter(&self, _: &tracing::span::Id) {}
+    fn exit(&self, _: &tracing::span::Id) {}
+}
+
+/// An engine listening beyond loopback without a token warns once when it starts; one
+/// with a token, or on loopback, does not.
+#[test]
+fn tokenless_engine_beyond_loopback_warns_once() {
+    let _g = serial();
+    if !host_only("tokenless_engine_beyond_loopback_warns_once") {
+        return;
+    }
+    let warns_for = |b: pagewire_transport::EngineConfigBuilder| -> usize {
+        let w = Warnings::default();
+        tracing::subscriber::with_default(w.clone(), || {
+            let e = engine_with(b).unwrap();
+            e.shutdown();
+        });
+        let v = w.0.lock().unwrap();
+        v.iter().filter(|m| m.contains("token")).count()
+    };
+    let any = "0.0.0.0:0".parse().unwrap();
+    assert_eq!(
+        warns_for(config(BackendKind::Tcp).listen(any)),
+        1,
+        "no token, all addresses"
+    );
+    assert_eq!(
+        warns_for(config(BackendKind::Tcp).listen(any).token("s3cret")),
+        0,
+        "with a token"
+    );
+    assert_eq!(warns_for(config(BackendKind::Tcp)), 0, "loopback");
+}

@@ -76,6 +76,24 @@ const S_QUEUE_FULL: u32 = 4;
 const MAX_UNAUTHENTICATED: usize = crate::engine::MAX_CONCURRENT_HANDSHAKES;
 const MAX_UNAUTHENTICATED_PER_IP: usize = crate::engine::MAX_HANDSHAKES_PER_IP;
 
+/// The ports a data listener can be given (it binds port 0): the kernel's ephemeral range
+/// (`net.ipv4.ip_local_port_range`, Linux's default 32768-60999 if unreadable). A
+/// tokenless peer may only name a data port in it (see `Inner::accept_hello`).
+pub(crate) fn ephemeral_ports() -> std::ops::RangeInclusive<u16> {
+    static RANGE: OnceLock<(u16, u16)> = OnceLock::new();
+    let &(lo, hi) = RANGE.get_or_init(|| {
+        std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+            .ok()
+            .and_then(|s| {
+                let mut it = s.split_whitespace().map(str::parse::<u16>);
+                Some((it.next()?.ok()?, it.next()?.ok()?))
+            })
+            .filter(|(lo, hi)| 0 < *lo && lo <= hi)
+            .unwrap_or((32768, 60999))
+    });
+    lo..=hi
+}
+
 pub(crate) fn open(config: &EngineConfig, init: &BackendInit) -> Result<Arc<dyn Backend>> {
     let listener = TcpListener::bind(SocketAddr::new(config.listen.ip(), 0))
         .map_err(|e| Error::io("bind TCP data listener", e))?;
