@@ -729,7 +729,8 @@ fn tcp_broken_connection_closes_the_peers_old_session() {
 }
 
 /// Defect 7 (every backend): once the accepting engine disconnected a peer, the peer's
-/// WRITE with a notification fails and none of it lands.
+/// WRITE with a notification fails and none of it lands; when the peer handshakes again,
+/// it gets a new connection and a new id, and the old one stays closed.
 pub fn disconnected_peer_cannot_write(kind: BackendKind) -> Result<()> {
     let (a, b) = (engine(kind)?, engine(kind)?);
     let (mut src, _) = buffer(&a, 4096, Access::LOCAL_WRITE)?;
@@ -762,6 +763,23 @@ pub fn disconnected_peer_cannot_write(kind: BackendKind) -> Result<()> {
             .is_none(),
         "a disconnected peer delivered a notification"
     );
+    // The peer handshakes again: a new connection under a new id, which works; the old
+    // id stays closed.
+    let (ab2, ba2) = connect(&a, &b)?;
+    ensure!(ba2 != ba, "a new handshake reused the closed peer id");
+    a.submit(
+        ab2,
+        Batch::new()
+            .write(src.addr(), dst.addr() + 4096, 4096)
+            .notify(10),
+    )?
+    .wait(secs(20))?;
+    let n = b
+        .poll_notification(secs(10))
+        .context("no notification over the new connection")?;
+    ensure!(n.peer == ba2 && n.tag == 10, "{n:?}");
+    ensure!(snapshot(&dst)[4096..] == snapshot(&src)[..]);
+    ensure!(matches!(b.peer_alive(ba), Err(Error::UnknownPeer { .. })));
     Ok(())
 }
 
