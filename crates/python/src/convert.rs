@@ -12,7 +12,7 @@
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyDict, PyList, PyTuple};
+use pyo3::types::{PyDict, PyInt, PyList, PyTuple};
 
 use crate::ffi::Buffer;
 
@@ -350,12 +350,18 @@ fn from_items<'py>(
         .collect()
 }
 
+/// One element: a `ValueError` for an int outside `0..2**64`, a `TypeError` for anything
+/// that is not an int (objects with `__index__`, such as numpy integers, count as ints).
 fn extract_u64(v: &Bound<'_, PyAny>, what: &str, i: usize) -> PyResult<u64> {
     v.extract::<u64>().map_err(|_| {
         let shown = v.repr().map(|r| r.to_string()).unwrap_or_default();
-        PyValueError::new_err(format!(
-            "{what}[{i}] must be a non-negative int below 2**64, got {shown}"
-        ))
+        if v.is_instance_of::<PyInt>() || v.hasattr("__index__").unwrap_or(false) {
+            PyValueError::new_err(format!(
+                "{what}[{i}] must be a non-negative int below 2**64, got {shown}"
+            ))
+        } else {
+            PyTypeError::new_err(format!("{what}[{i}] must be an int, got {shown}"))
+        }
     })
 }
 
