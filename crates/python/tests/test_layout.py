@@ -556,3 +556,17 @@ def test_plan_arrays_convert_back_without_copy_loss():
     p = plan(_pool("mha", "page_first", 0x10000), _pool("mha", "layer_first", 0x80000), [0, 1], [2, 3])
     q = TransferPlan(p.srcs, p.dsts, p.lens)
     assert q == p
+
+
+def test_docs_example_runs():
+    """The first example of docs/python.md's "Pools and SGLang host pools" section."""
+    import pathlib
+    import re
+
+    doc = pathlib.Path(__file__).resolve().parents[3] / "docs" / "python.md"
+    if not doc.exists():
+        pytest.skip("docs/python.md is not beside the tests (installed elsewhere)")
+    text = doc.read_text()
+    section = text[text.index("## Pools and SGLang host pools"):]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    exec(compile(code, str(doc), "exec"), {})
