@@ -132,10 +132,12 @@ impl<T> OrPy<T> for pl::Result<T> {
 // Argument conversions
 
 /// A non-negative int argument: a `LayoutError` for an int out of `u64`'s range, a
-/// `TypeError` for anything that is not an int (`bool` included).
+/// `TypeError` for anything that is not an int (`bool` and floats included; numpy's
+/// integers and other `__index__` types are ints).
 fn arg_u64(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<u64> {
     let py = obj.py();
-    if obj.is_instance_of::<PyBool>() || !obj.is_instance_of::<PyInt>() {
+    let int_like = obj.is_instance_of::<PyInt>() || obj.hasattr("__index__")?;
+    if obj.is_instance_of::<PyBool>() || !int_like {
         return Err(PyTypeError::new_err(format!(
             "{name} must be an int, got {}",
             obj.get_type().name()?
@@ -279,14 +281,11 @@ fn page_meta_source(py: Python<'_>, pool: pl::Pool, src: &U64Source<'_>) -> PyRe
     let firsts = src
         .run_starts(pu, strict)
         .map_err(|e| as_layout_error(py, e))?;
-    if let Some(mut firsts) = firsts {
-        if firsts.iter().all(|t| t.is_multiple_of(p)) {
-            let starts = firsts.clone();
-            firsts.iter_mut().for_each(|t| *t /= p);
-            if let Ok(seg) = pool.page_meta_for_pages(&firsts) {
-                return Ok(seg);
-            }
-            firsts = starts;
+    if let Some(firsts) = firsts {
+        if let Some(pages) = page_numbers(&firsts, p)
+            && let Ok(seg) = pool.page_meta_for_pages(&pages)
+        {
+            return Ok(seg);
         }
         if !strict {
             return sglang_pages(py, pool, &firsts);
@@ -295,6 +294,21 @@ fn page_meta_source(py: Python<'_>, pool: pl::Pool, src: &U64Source<'_>) -> PyRe
     chunked_meta(py, src, p, pool.entries_per_page(), move |idx, out| {
         pool.page_meta_into(idx, out)
     })
+}
+
+/// `slot / page_size` for each slot when all are page-aligned (a shift and a mask for the
+/// usual power-of-two page sizes, not a division per page).
+fn page_numbers(slots: &[u64], page_size: u64) -> Option<Vec<u64>> {
+    if page_size.is_power_of_two() {
+        let (mask, shift) = (page_size - 1, page_size.trailing_zeros());
+        let unaligned = slots.iter().fold(0, |acc, &t| acc | (t & mask));
+        (unaligned == 0).then(|| slots.iter().map(|&t| t >> shift).collect())
+    } else {
+        slots
+            .iter()
+            .all(|t| t.is_multiple_of(page_size))
+            .then(|| slots.iter().map(|&t| t / page_size).collect())
+    }
 }
 
 /// SGLang-checked `page_meta` from each page's first slot alone (the other slots are not

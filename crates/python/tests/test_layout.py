@@ -270,14 +270,15 @@ def _outcome(f):
         return (e.code, str(e))
 
 
+@pytest.mark.parametrize("P", [4, 3])
 @pytest.mark.parametrize("checks", ["strict", "sglang"])
 @pytest.mark.parametrize("layout", ref.LAYOUTS)
-def test_in_place_reads_agree_with_list_path(checks, layout):
+def test_in_place_reads_agree_with_list_path(checks, layout, P):
     """Arrays take the fast paths (one pass over the caller's memory, chunk by chunk for
     long ones); lists go through the crate's token-slot code directly. Same answers, same
     errors, including positions beyond the first chunk."""
     rng = random.Random(7)
-    P, S = 4, 4 * 8192
+    S = P * 8192
     geo = Geometry("mha", layers=2, page_size=P, heads=2, head_dim=3, v_head_dim=2, dtype_bytes=2, capacity=S)
     pool = Pool(geo, layout, 0x100000, 0x10000000, checks=checks)
     for n_pages in (0, 1, 3, 100, 5000):
@@ -370,6 +371,14 @@ def test_errors(call, code, text):
         call()
     assert e.value.code == code
     assert text in str(e.value)
+
+
+def test_numpy_integers_are_ints():
+    g = Geometry("mha", layers=np.int64(2), page_size=np.uint32(4), heads=2, head_dim=3, dtype_bytes=2, capacity=32)
+    p = Pool(g, "page_first", np.uint64(0x1000))
+    assert lists(p.page_meta(IDX))[0][0] == 0x10C0
+    with pytest.raises(LayoutError, match="must be in 0..2"):
+        Pool(g, "page_first", np.int64(-1))
 
 
 def test_type_errors():
