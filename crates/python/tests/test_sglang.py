@@ -304,6 +304,13 @@ def test_unpatch_restores_the_class_methods():
     assert MHAHost.get_page_buffer_meta is not None  # the class was never touched
 
 
+def test_mla_gets_no_split_heads_method():
+    h = MLAHost("page_first")
+    pws.patch_host_pool(h)
+    assert "get_page_buffer_meta" in h.__dict__
+    assert not hasattr(h, "get_split_heads_page_buffer_meta")
+
+
 def test_pool_of_does_not_patch():
     h = MHAHost("page_head")
     pool = pws.pool_of(h, checks="strict")

@@ -243,7 +243,7 @@ def _check_size(buffer: Any, expected: int, what: str) -> None:
 
 
 def patch_host_pool(host_pool: Any, *, checks: str = "sglang") -> Pool:
-    """Make an SGLang host KV pool object answer ``get_page_buffer_meta`` and
+    """Make an SGLang host KV pool object answer ``get_page_buffer_meta`` and (MHA pools)
     ``get_split_heads_page_buffer_meta`` with pagewire.
 
     The two methods are replaced on this object only (instance attributes; the class is
@@ -276,7 +276,8 @@ def patch_host_pool(host_pool: Any, *, checks: str = "sglang") -> Pool:
         Pool.split_heads_meta.__doc__ or ""
     )
     host_pool.get_page_buffer_meta = get_page_buffer_meta
-    host_pool.get_split_heads_page_buffer_meta = get_split_heads_page_buffer_meta
+    if pool.geometry.kind != "mla":  # SGLang's MLA pool has no split-heads method
+        host_pool.get_split_heads_page_buffer_meta = get_split_heads_page_buffer_meta
     host_pool._pagewire_pool = pool
     return pool
 
