@@ -31,7 +31,7 @@ impl Elem {
         if b.len() < 3 || !matches!(b[0], b'<' | b'|' | b'=') {
             return None;
         }
-        let size: usize = t[2..].parse().ok()?;
+        let size: usize = t.get(2..)?.parse().ok()?;
         if !matches!(size, 1 | 2 | 4 | 8) {
             return None;
         }
@@ -622,6 +622,7 @@ mod tests {
         assert!(matches!(Elem::from_typestr("|i1"), Some(Elem::I(1))));
         assert!(Elem::from_typestr(">u8").is_none());
         assert!(Elem::from_typestr("<f8").is_none());
+        assert!(Elem::from_typestr("<\u{e9}8").is_none());
         assert!(matches!(Elem::from_format("q", 8), Some(Elem::I(8))));
         assert!(matches!(Elem::from_format("l", 8), Some(Elem::I(8))));
         assert!(Elem::from_format("d", 8).is_none());
