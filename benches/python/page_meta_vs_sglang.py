@@ -16,8 +16,10 @@ int64 array (SGLang's callers pass an int64 CPU tensor; SGLang's body converts i
 
 Timing: rounds interleave the variants (SGLang, then each pagewire variant, in rotating
 order), each sample is the mean of enough calls to last ~50 ms, with the garbage
-collector collected before and disabled during each sample. The ratio is SGLang's time
-over pagewire's, per round; the report gives its median and range over the rounds.
+collector collected before and disabled during each sample. Every sample records both the
+wall clock and the thread's CPU time (which leaves out time spent waiting for a CPU on a
+shared machine). The ratio is SGLang's time over pagewire's, per round; the report gives
+its median and range over the rounds, for each clock.
 
 Usage (after ``bash scripts/python-test.sh`` has built and installed the wheel):
 
@@ -154,17 +156,17 @@ CONFIGS = {
 
 
 def timed(f, x, target_s=0.05):
-    """Mean seconds per call over enough calls to last ~target_s (at least one)."""
+    """(wall, thread CPU) seconds per call, the mean over enough calls to last ~target_s."""
     gc.collect()
     gc.disable()
     try:
-        n, t0 = 0, time.perf_counter()
+        n, t0, c0 = 0, time.perf_counter(), time.thread_time()
         while True:
             f(x)
             n += 1
             dt = time.perf_counter() - t0
             if dt >= target_s:
-                return dt / n
+                return dt / n, (time.thread_time() - c0) / n
     finally:
         gc.enable()
 
@@ -208,6 +210,24 @@ def fmt_ratio(sg, pw):
     return f"{statistics.median(ratios):.0f}x [{min(ratios):.0f}-{max(ratios):.0f}]"
 
 
+def table(results, clock, rounds):
+    """One markdown table; `clock` 0 = wall clock, 1 = thread CPU time."""
+    name = ("wall clock", "thread CPU time")[clock]
+    print(f"{name}: median per-call ms over {rounds} rounds; ratio = SGLang / pagewire per round, "
+          "median [min-max]")
+    print()
+    print("| pool, layout | pages | SGLang ms | pagewire ms: strict / sglang checks / as_lists "
+          "| ratio strict | ratio sglang checks | ratio as_lists |")
+    print("|---|---|---|---|---|---|---|")
+    for (kind, layout, pages), s in results:
+        c = {k: [v[clock] for v in vs] for k, vs in s.items()}
+        print(f"| {kind} {layout} | {pages:,} | {fmt_ms(c['sglang'])} | "
+              f"{fmt_ms(c['strict'])} / {fmt_ms(c['sglang_checks'])} / {fmt_ms(c['lists'])} | "
+              f"{fmt_ratio(c['sglang'], c['strict'])} | {fmt_ratio(c['sglang'], c['sglang_checks'])} | "
+              f"{fmt_ratio(c['sglang'], c['lists'])} |")
+    print()
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--pages", default="1000,100000", help="comma-separated page counts")
@@ -224,18 +244,14 @@ def main():
           f"Python {sys.version.split()[0]}, P={args.page_size}, {args.rounds} rounds, "
           f"load average {os.getloadavg()[0]:.1f} at start")
     print()
-    print("| config | pages | SGLang ms | pagewire ms: strict / sglang checks / as_lists "
-          "| SGLang / pagewire: strict | sglang checks | as_lists |")
-    print("|---|---|---|---|---|---|---|")
+    results = []
     for name in args.configs.split(","):
         for pages in (int(x) for x in args.pages.split(",")):
-            s = run(name, pages, args.page_size, args.rounds, methods, rng)
             kind, layout, _ = CONFIGS[name]
-            print(f"| {kind} {layout} | {pages:,} | {fmt_ms(s['sglang'])} | "
-                  f"{fmt_ms(s['strict'])} / {fmt_ms(s['sglang_checks'])} / {fmt_ms(s['lists'])} | "
-                  f"{fmt_ratio(s['sglang'], s['strict'])} | {fmt_ratio(s['sglang'], s['sglang_checks'])} | "
-                  f"{fmt_ratio(s['sglang'], s['lists'])} |", flush=True)
-    print()
+            results.append(((kind, layout, pages), run(name, pages, args.page_size, args.rounds, methods, rng)))
+            print(f"  measured {kind} {layout} {pages:,} pages", file=sys.stderr, flush=True)
+    table(results, 1, args.rounds)
+    table(results, 0, args.rounds)
     print(f"load average {os.getloadavg()[0]:.1f} at the end")
 
 
