@@ -141,38 +141,46 @@ impl Raw<'_> {
 }
 
 impl Raw<'_> {
-    /// Whether every run of `p` elements is `t, t+1, ..., t+p-1`, given each run's first
-    /// element `firsts[k]` (one pass over the array, no copy).
-    fn consecutive(&self, p: usize, firsts: &[u64]) -> bool {
+    /// The first element of each run of `p` elements into `firsts` (one per whole run), and
+    /// whether every run is `t, t+1, ..., t+p-1`: one pass over the array, no copy.
+    fn consecutive_runs(&self, p: usize, firsts: &mut [u64]) -> bool {
         if self.elem.size() == 8 && self.stride == 8 {
             return runs_diff(self.ptr, p, firsts) == 0;
         }
         let mut diff = 0u64;
-        for (k, &t0) in firsts.iter().enumerate() {
-            for j in 1..p {
+        for (k, first) in firsts.iter_mut().enumerate() {
+            let at = |j: usize| {
                 let i = (k * p + j) as isize;
                 // SAFETY: `firsts` has one entry per whole run of the array, so element
-                // `k*p + j` is inside it.
-                let x = unsafe { load(self.ptr.wrapping_offset(i * self.stride), self.elem) };
-                diff |= x ^ t0.wrapping_add(j as u64);
+                // `k*p + j` (`j < p`) is inside it.
+                unsafe { load(self.ptr.wrapping_offset(i * self.stride), self.elem) }
+            };
+            let t0 = at(0);
+            *first = t0;
+            for j in 1..p {
+                diff |= at(j) ^ t0.wrapping_add(j as u64);
             }
         }
         diff == 0
     }
 }
 
-/// OR over all runs of `element ^ expected` for contiguous little-endian u64s at `ptr`:
-/// zero exactly when every run `k` is `firsts[k], firsts[k]+1, ...` (`p` elements each).
+/// For contiguous little-endian u64s at `ptr`, in runs of `p`: writes each run's first
+/// element to `firsts[k]` and returns the OR over the runs of `element ^ expected`, zero
+/// exactly when every run `k` is `firsts[k], firsts[k]+1, ...`. One pass over the memory.
 /// The caller guarantees `firsts.len() * p` readable u64s at `ptr`.
 #[inline(always)]
-fn runs_diff_body(ptr: *const u8, p: usize, firsts: &[u64]) -> u64 {
+fn runs_diff_body(ptr: *const u8, p: usize, firsts: &mut [u64]) -> u64 {
     let mut diff = 0u64;
-    for (k, &t0) in firsts.iter().enumerate() {
-        let run = ptr.wrapping_add(k * p * 8);
+    for (k, first) in firsts.iter_mut().enumerate() {
+        let run = ptr.wrapping_add(k * p * 8).cast::<u64>();
+        // SAFETY: element `k*p` lies within the `firsts.len() * p` readable u64s the caller
+        // guarantees; read without forming a reference.
+        let t0 = u64::from_le(unsafe { std::ptr::read_unaligned(run) });
+        *first = t0;
         for j in 1..p {
-            // SAFETY: element `k*p + j` lies within the `firsts.len() * p` readable u64s
-            // the caller guarantees; read without forming a reference.
-            let x = unsafe { std::ptr::read_unaligned(run.wrapping_add(j * 8).cast::<u64>()) };
+            // SAFETY: as above, for element `k*p + j`, `j < p`.
+            let x = unsafe { std::ptr::read_unaligned(run.wrapping_add(j)) };
             diff |= u64::from_le(x) ^ t0.wrapping_add(j as u64);
         }
     }
@@ -183,12 +191,12 @@ fn runs_diff_body(ptr: *const u8, p: usize, firsts: &[u64]) -> u64 {
 /// faster on the development VM).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-fn runs_diff_avx2(ptr: *const u8, p: usize, firsts: &[u64]) -> u64 {
+fn runs_diff_avx2(ptr: *const u8, p: usize, firsts: &mut [u64]) -> u64 {
     runs_diff_body(ptr, p, firsts)
 }
 
 /// [`runs_diff_body`] with the widest vectors the CPU has.
-fn runs_diff(ptr: *const u8, p: usize, firsts: &[u64]) -> u64 {
+fn runs_diff(ptr: *const u8, p: usize, firsts: &mut [u64]) -> u64 {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") {
         // SAFETY: the CPU supports AVX2 (checked just above), the one requirement of
@@ -256,12 +264,7 @@ impl<'py> U64Source<'py> {
             Source::Raw(r) => {
                 r.read(start, step, out);
                 match (r.elem, first_negative(out)) {
-                    (Elem::I(_), Some(k)) => Err(PyValueError::new_err(format!(
-                        "{}[{}] is negative ({})",
-                        self.what,
-                        start + k * step,
-                        out[k] as i64
-                    ))),
+                    (Elem::I(_), Some(k)) => Err(self.negative(start + k * step, out[k])),
                     _ => Ok(()),
                 }
             }
@@ -275,16 +278,30 @@ impl<'py> U64Source<'py> {
     pub(crate) fn run_starts(&self, p: usize, consecutive: bool) -> PyResult<Option<Vec<u64>>> {
         let p = p.max(1);
         let mut firsts = vec![0u64; self.len() / p];
-        self.read(0, p, &mut firsts)?;
-        let ok = !consecutive
-            || match &self.inner {
-                Source::Owned(v) => v
-                    .chunks_exact(p)
+        let ok = match &self.inner {
+            Source::Raw(r) if consecutive => {
+                let ok = r.consecutive_runs(p, &mut firsts);
+                if let (Elem::I(_), Some(k)) = (r.elem, first_negative(&firsts)) {
+                    return Err(self.negative(k * p, firsts[k]));
+                }
+                ok
+            }
+            Source::Owned(v) if consecutive => {
+                self.read(0, p, &mut firsts)?;
+                v.chunks_exact(p)
                     .zip(&firsts)
-                    .all(|(run, &t0)| run.iter().zip(t0..).all(|(&x, want)| x == want)),
-                Source::Raw(r) => r.consecutive(p, &firsts),
-            };
+                    .all(|(run, &t0)| run.iter().zip(t0..).all(|(&x, want)| x == want))
+            }
+            _ => {
+                self.read(0, p, &mut firsts)?;
+                true
+            }
+        };
         Ok(ok.then_some(firsts))
+    }
+
+    fn negative(&self, i: usize, x: u64) -> PyErr {
+        PyValueError::new_err(format!("{}[{i}] is negative ({})", self.what, x as i64))
     }
 
     /// All elements as a vector (no copy for converted sequences).
