@@ -11,6 +11,8 @@ dict built per call) or through ``memoryview(obj).tobytes()`` (a full copy into 
 * the copy the memoryview route cannot avoid, ``memoryview(a).tobytes()``, against the
   whole ``Pool.page_meta`` call on the same array read in place.
 
+Times are the thread's CPU time per call, median over 7 interleaved rounds.
+
 Usage: .venv/bin/python benches/python/index_input_paths.py
 """
 
@@ -36,15 +38,16 @@ class InterfaceOnly:
 
 
 def per_call(f, x, target_s=0.05):
+    """Thread CPU seconds per call (the machine may be shared), over ~target_s of wall."""
     gc.collect()
     gc.disable()
     try:
-        n, t0 = 0, time.perf_counter()
+        n, t0, c0 = 0, time.perf_counter(), time.thread_time()
         while True:
             f(x)
             n += 1
             if time.perf_counter() - t0 >= target_s:
-                return (time.perf_counter() - t0) / n
+                return (time.thread_time() - c0) / n
     finally:
         gc.enable()
 
@@ -62,7 +65,7 @@ def main():
     P = 64
     geo = pagewire.Geometry("mha", layers=32, page_size=P, heads=8, head_dim=128, dtype_bytes=2, capacity=P * 200_000)
     pool = pagewire.Pool(geo, "page_first", 0x7F0000000000)
-    print(f"load average {os.getloadavg()[0]:.1f}")
+    print(f"load average {os.getloadavg()[0]:.1f}; thread CPU time per call, median of 7 rounds")
     print()
     print("| pages (int64 slots) | numpy, buffer protocol | same array, `__array_interface__` only | `memoryview(a).tobytes()` alone |")
     print("|---|---|---|---|")
