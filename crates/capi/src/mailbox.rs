@@ -181,6 +181,10 @@ impl Mailbox {
         until: Instant,
     ) -> Result<Staged, Code> {
         if name.len() + msg.len() > MAX_NOTIFY_BYTES {
+            crate::set_last_error(format_args!(
+                "notification of {} bytes (name + msg) exceeds {MAX_NOTIFY_BYTES}",
+                name.len() + msg.len()
+            ));
             return Err(Code::InvalidArgument);
         }
         let mut s = lock(&self.slots);
@@ -194,6 +198,9 @@ impl Mailbox {
             }
             let now = Instant::now();
             if now >= until {
+                crate::set_last_error(format_args!(
+                    "all {SLOTS} notification slots are in flight (receivers not draining)"
+                ));
                 return Err(Code::TooManyRequests);
             }
             s = self

@@ -42,6 +42,12 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// `Err(code)`, with `msg` as the thread's last error.
+fn fail<T>(code: Code, msg: impl std::fmt::Display) -> Result<T, Code> {
+    crate::set_last_error(msg);
+    Err(code)
+}
+
 /// One entry of a `submitTransfer` call, as read from `struct transfer_request`.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Request {
@@ -311,23 +317,45 @@ impl TeEngine {
     /// `registerLocalMemory`: remote-accessible buffers are exposed for READ and WRITE.
     pub(crate) fn register(&self, addr: u64, len: u64, remote: bool) -> Result<(), Code> {
         if addr == 0 || len == 0 {
-            return Err(Code::InvalidArgument);
+            return fail(
+                Code::InvalidArgument,
+                format_args!("registering addr={addr:#x} len={len}: null address or zero length"),
+            );
         }
-        let end = addr.checked_add(len).ok_or(Code::InvalidArgument)?;
+        let Some(end) = addr.checked_add(len) else {
+            return fail(
+                Code::InvalidArgument,
+                format_args!("addr={addr:#x} len={len} overflows"),
+            );
+        };
         let mut regions = lock(&self.regions);
-        let before = regions.range(..end).next_back();
-        if before.is_some_and(|(&a, r)| a + r.len > addr) {
-            return Err(Code::AddressOverlapped);
+        if let Some((&a, r)) = regions.range(..end).next_back()
+            && a + r.len > addr
+        {
+            return fail(
+                Code::AddressOverlapped,
+                format_args!(
+                    "addr={addr:#x} len={len} overlaps the buffer registered at {a:#x} (len {})",
+                    r.len
+                ),
+            );
         }
         if self.cpu_backend && !crate::memcheck::is_host_rw(addr, len) {
-            return Err(Code::InvalidArgument);
+            return fail(
+                Code::InvalidArgument,
+                format_args!(
+                    "addr={addr:#x} len={len} is not readable and writable memory of this process"
+                ),
+            );
         }
         let access = if remote {
             Access::ALL
         } else {
             Access::LOCAL_WRITE
         };
-        let len_usize = usize::try_from(len).map_err(|_| Code::InvalidArgument)?;
+        let Ok(len_usize) = usize::try_from(len) else {
+            return fail(Code::InvalidArgument, "length does not fit this platform");
+        };
         // SAFETY: the C caller promises (transfer_engine_c.h, docs/c-api.md) that the
         // buffer stays allocated until it is unregistered or the engine destroyed; on the
         // CPU backends the range was just checked to be mapped read-write memory.
@@ -343,7 +371,12 @@ impl TeEngine {
     /// `unregisterLocalMemory`: by the buffer's start address.
     pub(crate) fn unregister(&self, addr: u64) -> Result<(), Code> {
         let mut regions = lock(&self.regions);
-        let r = *regions.get(&addr).ok_or(Code::AddressNotRegistered)?;
+        let Some(&r) = regions.get(&addr) else {
+            return fail(
+                Code::AddressNotRegistered,
+                format_args!("no registered buffer starts at {addr:#x}"),
+            );
+        };
         match self
             .engine
             .deregister_wait(r.id, Instant::now() + UNREGISTER_WAIT)
@@ -352,7 +385,10 @@ impl TeEngine {
                 regions.remove(&addr);
                 Ok(())
             }
-            Err(pagewire_transport::Error::Timeout { .. }) => Err(Code::BatchBusy),
+            Err(pagewire_transport::Error::Timeout { .. }) => fail(
+                Code::BatchBusy,
+                format_args!("the buffer at {addr:#x} is still used by transfers"),
+            ),
             Err(e) => Err(Code::from_err(&e)),
         }
     }
@@ -373,8 +409,12 @@ impl TeEngine {
     /// connection to it). Blocks for at most the handshake timeout (plus as much for the
     /// name lookup).
     pub(crate) fn open_segment(&self, name: &str, refresh: bool) -> Result<i32, Code> {
-        let (host, port) = split_host_port(name, true).ok_or(Code::InvalidArgument)?;
-        let port = port.ok_or(Code::InvalidArgument)?;
+        let Some((host, Some(port))) = split_host_port(name, true) else {
+            return fail(
+                Code::InvalidArgument,
+                format_args!("segment name {name:?} is not host:port"),
+            );
+        };
         let existing = {
             let segs = lock(&self.segments);
             segs.by_name
@@ -435,12 +475,20 @@ impl TeEngine {
     fn segment(&self, id: i32) -> Result<(PeerId, Arc<Vec<RemoteRegion>>), Code> {
         {
             let segs = lock(&self.segments);
-            let seg = segs.by_id.get(&id).ok_or(Code::InvalidArgument)?;
+            let Some(seg) = segs.by_id.get(&id) else {
+                return fail(
+                    Code::InvalidArgument,
+                    format_args!("unknown segment id {id}"),
+                );
+            };
             if let Some(p) = seg.peer {
                 return Ok((p, seg.regions.clone()));
             }
             if id != LOCAL_SEGMENT {
-                return Err(Code::InvalidArgument);
+                return fail(
+                    Code::InvalidArgument,
+                    format_args!("segment {id} is closed"),
+                );
             }
         }
         let mut addr = self.engine.local_addr();
@@ -501,7 +549,12 @@ impl TeEngine {
             }
             return Ok(());
         }
-        let seg = segs.by_id.remove(&id).ok_or(Code::InvalidArgument)?;
+        let Some(seg) = segs.by_id.remove(&id) else {
+            return fail(
+                Code::InvalidArgument,
+                format_args!("unknown segment id {id}"),
+            );
+        };
         segs.by_name.remove(&seg.name);
         drop(segs);
         if let Some(p) = seg.peer {
@@ -554,10 +607,13 @@ impl TeEngine {
     }
 
     fn batch(&self, id: u64) -> Result<Arc<Mutex<TeBatch>>, Code> {
-        lock(&self.batches)
-            .get(id)
-            .cloned()
-            .ok_or(Code::InvalidArgument)
+        match lock(&self.batches).get(id) {
+            Some(b) => Ok(b.clone()),
+            None => fail(
+                Code::InvalidArgument,
+                format_args!("unknown or freed batch id {id:#x}"),
+            ),
+        }
     }
 
     /// `freeBatchID`: refused with `kBatchBusy` while a task is pending.
@@ -568,7 +624,7 @@ impl TeEngine {
             .iter()
             .any(|h| matches!(h.status(), BatchStatus::Pending));
         if busy {
-            return Err(Code::BatchBusy);
+            return fail(Code::BatchBusy, "the batch has pending tasks");
         }
         lock(&self.batches).remove(id);
         Ok(())
@@ -578,7 +634,12 @@ impl TeEngine {
     pub(crate) fn task_status(&self, id: u64, task_id: usize) -> Result<(i32, u64), Code> {
         let b = self.batch(id)?;
         let b = lock(&b);
-        let t = *b.tasks.get(task_id).ok_or(Code::InvalidArgument)?;
+        let Some(&t) = b.tasks.get(task_id) else {
+            return fail(
+                Code::InvalidArgument,
+                format_args!("task {task_id} not in the batch ({} tasks)", b.tasks.len()),
+            );
+        };
         if t.sub == NONE {
             return Ok((STATUS_COMPLETED, 0));
         }
@@ -603,12 +664,23 @@ impl TeEngine {
         let b = self.batch(batch_id)?;
         let mut b = lock(&b);
         if b.tasks.len().saturating_add(entries.len()) > b.capacity {
-            return Err(Code::TooManyRequests);
+            return fail(
+                Code::TooManyRequests,
+                format_args!(
+                    "{} requests over the batch's capacity ({} of {} used)",
+                    entries.len(),
+                    b.tasks.len(),
+                    b.capacity
+                ),
+            );
         }
         if entries.is_empty() {
             // Mooncake refuses a notification with nothing to carry it.
             return if notify.is_some() {
-                Err(Code::InvalidArgument)
+                fail(
+                    Code::InvalidArgument,
+                    "a notification needs at least one request",
+                )
             } else {
                 Ok(())
             };
@@ -617,16 +689,30 @@ impl TeEngine {
         let mut groups: Vec<(i32, Vec<usize>)> = Vec::new();
         for (i, e) in entries.iter().enumerate() {
             if e.opcode != 0 && e.opcode != 1 {
-                return Err(Code::InvalidArgument);
+                return fail(
+                    Code::InvalidArgument,
+                    format_args!(
+                        "request {i}: opcode {} is neither READ (0) nor WRITE (1)",
+                        e.opcode
+                    ),
+                );
             }
             if e.length == 0 {
                 continue;
             }
-            if e.source == 0
-                || e.source.checked_add(e.length).is_none()
+            if e.source == 0 {
+                return fail(
+                    Code::InvalidArgument,
+                    format_args!("request {i}: null source"),
+                );
+            }
+            if e.source.checked_add(e.length).is_none()
                 || e.target_offset.checked_add(e.length).is_none()
             {
-                return Err(Code::InvalidArgument);
+                return fail(
+                    Code::InvalidArgument,
+                    format_args!("request {i}: address + length {} overflows", e.length),
+                );
             }
             match groups.iter_mut().find(|g| g.0 == e.target_id) {
                 Some(g) => g.1.push(i),
@@ -635,12 +721,14 @@ impl TeEngine {
         }
         // A notification follows the data of one peer only (Mooncake sends it to the
         // first entry's target); pagewire refuses the ambiguous case.
-        if notify.is_some() && groups.len() > 1 {
-            return Err(Code::InvalidArgument);
-        }
         let notify_target = entries[0].target_id;
-        if notify.is_some() && groups.first().is_some_and(|g| g.0 != notify_target) {
-            return Err(Code::InvalidArgument);
+        if notify.is_some()
+            && (groups.len() > 1 || groups.first().is_some_and(|g| g.0 != notify_target))
+        {
+            return fail(
+                Code::InvalidArgument,
+                "a notification follows the data of one segment: every request must target it",
+            );
         }
         let mut resolved = Vec::with_capacity(groups.len());
         for (target, idx) in &groups {
@@ -648,7 +736,13 @@ impl TeEngine {
             for &i in idx {
                 let e = &entries[i];
                 if !self.local_registered(e.source, e.length) {
-                    return Err(Code::AddressNotRegistered);
+                    return fail(
+                        Code::AddressNotRegistered,
+                        format_args!(
+                            "request {i}: local range {:#x}+{} is not inside one registered buffer",
+                            e.source, e.length
+                        ),
+                    );
                 }
             }
             let need = |e: &Request| {
@@ -658,17 +752,26 @@ impl TeEngine {
                     Access::REMOTE_READ
                 }
             };
-            let fits = |regions: &[RemoteRegion]| {
-                idx.iter().all(|&i| {
+            let misfit = |regions: &[RemoteRegion]| {
+                idx.iter().copied().find(|&i| {
                     let e = &entries[i];
-                    remote_covered(regions, e.target_offset, e.length, need(e))
+                    !remote_covered(regions, e.target_offset, e.length, need(e))
                 })
             };
-            if !fits(&regions) {
+            if misfit(&regions).is_some() {
                 // The peer may have registered memory since we last asked.
                 regions = self.refresh(*target, peer)?;
-                if !fits(&regions) {
-                    return Err(Code::AddressNotRegistered);
+                if let Some(i) = misfit(&regions) {
+                    let e = &entries[i];
+                    return fail(
+                        Code::AddressNotRegistered,
+                        format_args!(
+                            "request {i}: remote range {:#x}+{} is outside the buffers segment {target} registered for remote {}",
+                            e.target_offset,
+                            e.length,
+                            if e.opcode == 1 { "writes" } else { "reads" }
+                        ),
+                    );
                 }
             }
             resolved.push(peer);
