@@ -451,6 +451,7 @@ fn mooncake_two_processes_tcp() -> Result<()> {
     let out = run(&prog, &two_process_env("tcp"), Duration::from_secs(120))?;
     print!("{out}");
     ensure!(out.contains("te_two_process: ok"), "{out}");
+    ensure!(out.contains("backend tcp"), "{out}");
     Ok(())
 }
 
@@ -469,6 +470,7 @@ fn mooncake_two_processes_verbs() -> Result<()> {
     let out = run(&prog, &two_process_env("verbs"), Duration::from_secs(300))?;
     print!("{out}");
     ensure!(out.contains("te_two_process: ok"), "{out}");
+    ensure!(out.contains("backend verbs"), "{out}");
     Ok(())
 }
 

@@ -245,6 +245,13 @@ int main(void) {
         return 1;
     }
     CHECK_EQ(discoverTopology(e), 0, "discoverTopology");
+    {
+        /* Which backend runs ("local <name> backend <kind>"): the caller checks it. */
+        char links[256];
+        CHECK_EQ(showLinks(e, links, sizeof links, 0), 0, "showLinks");
+        links[strcspn(links, "\n")] = 0;
+        printf("te_two_process: %s\n", links);
+    }
     char my_name[64], tiny[4];
     CHECK_EQ(getLocalIpAndPort(e, my_name, sizeof my_name), 0, "getLocalIpAndPort");
     CHECK(!strncmp(my_name, "127.0.0.1:", 10), "segment name %s", my_name);
