@@ -61,7 +61,8 @@ pub(crate) struct Request {
 #[derive(Debug, Clone, Copy)]
 struct LocalRegion {
     len: u64,
-    id: RegionId,
+    /// `None` while the backend registers it (the range is reserved, not yet usable).
+    id: Option<RegionId>,
 }
 
 #[derive(Debug, Clone)]
@@ -290,8 +291,8 @@ impl TeEngine {
         }
         let deadline = Instant::now() + UNREGISTER_WAIT;
         let regions = std::mem::take(&mut *lock(&self.regions));
-        for r in regions.values() {
-            let _ = self.engine.deregister_wait(r.id, deadline);
+        for id in regions.values().filter_map(|r| r.id) {
+            let _ = self.engine.deregister_wait(id, deadline);
         }
         let mailbox_free = self.mailbox.close(deadline);
         lock(&self.batches).drain();
@@ -328,6 +329,24 @@ impl TeEngine {
                 format_args!("addr={addr:#x} len={len} overflows"),
             );
         };
+        if self.cpu_backend && !crate::memcheck::is_host_rw(addr, len) {
+            return fail(
+                Code::InvalidArgument,
+                format_args!(
+                    "addr={addr:#x} len={len} is not readable and writable memory of this process"
+                ),
+            );
+        }
+        let Ok(len_usize) = usize::try_from(len) else {
+            return fail(Code::InvalidArgument, "length does not fit this platform");
+        };
+        let access = if remote {
+            Access::ALL
+        } else {
+            Access::LOCAL_WRITE
+        };
+        // Reserve the range, then register without the lock: pinning a large buffer can
+        // take long, and submits look the map up.
         let mut regions = lock(&self.regions);
         if let Some((&a, r)) = regions.range(..end).next_back()
             && a + r.len > addr
@@ -340,54 +359,54 @@ impl TeEngine {
                 ),
             );
         }
-        if self.cpu_backend && !crate::memcheck::is_host_rw(addr, len) {
-            return fail(
-                Code::InvalidArgument,
-                format_args!(
-                    "addr={addr:#x} len={len} is not readable and writable memory of this process"
-                ),
-            );
-        }
-        let access = if remote {
-            Access::ALL
-        } else {
-            Access::LOCAL_WRITE
-        };
-        let Ok(len_usize) = usize::try_from(len) else {
-            return fail(Code::InvalidArgument, "length does not fit this platform");
-        };
+        regions.insert(addr, LocalRegion { len, id: None });
+        drop(regions);
         // SAFETY: the C caller promises (transfer_engine_c.h, docs/c-api.md) that the
         // buffer stays allocated until it is unregistered or the engine destroyed; on the
         // CPU backends the range was just checked to be mapped read-write memory.
-        let id = unsafe {
-            self.engine
-                .register_raw(addr as *mut u8, len_usize, access)
-                .map_err(|e| Code::from_err(&e))?
-        };
-        regions.insert(addr, LocalRegion { len, id });
-        Ok(())
+        let registered = unsafe { self.engine.register_raw(addr as *mut u8, len_usize, access) };
+        let mut regions = lock(&self.regions);
+        match registered {
+            Ok(id) => {
+                regions.insert(addr, LocalRegion { len, id: Some(id) });
+                Ok(())
+            }
+            Err(e) => {
+                regions.remove(&addr);
+                Err(Code::from_err(&e))
+            }
+        }
     }
 
     /// `unregisterLocalMemory`: by the buffer's start address.
     pub(crate) fn unregister(&self, addr: u64) -> Result<(), Code> {
-        let mut regions = lock(&self.regions);
-        let Some(&r) = regions.get(&addr) else {
+        let id = lock(&self.regions).get(&addr).and_then(|r| r.id);
+        let Some(id) = id else {
             return fail(
                 Code::AddressNotRegistered,
                 format_args!("no registered buffer starts at {addr:#x}"),
             );
         };
+        // Not under the lock: the wait can be long, and submits look the map up. A batch
+        // submitted meanwhile pins the region, and the wait covers it.
         match self
             .engine
-            .deregister_wait(r.id, Instant::now() + UNREGISTER_WAIT)
+            .deregister_wait(id, Instant::now() + UNREGISTER_WAIT)
         {
             Ok(()) => {
-                regions.remove(&addr);
+                let mut regions = lock(&self.regions);
+                if regions.get(&addr).is_some_and(|r| r.id == Some(id)) {
+                    regions.remove(&addr);
+                }
                 Ok(())
             }
             Err(pagewire_transport::Error::Timeout { .. }) => fail(
                 Code::BatchBusy,
                 format_args!("the buffer at {addr:#x} is still used by transfers"),
+            ),
+            Err(pagewire_transport::Error::UnknownRegion { .. }) => fail(
+                Code::AddressNotRegistered,
+                format_args!("the buffer at {addr:#x} was unregistered meanwhile"),
             ),
             Err(e) => Err(Code::from_err(&e)),
         }
@@ -400,7 +419,7 @@ impl TeEngine {
         lock(&self.regions)
             .range(..=addr)
             .next_back()
-            .is_some_and(|(&a, r)| a + r.len >= end)
+            .is_some_and(|(&a, r)| r.id.is_some() && a + r.len >= end)
     }
 
     // ------------------------------------------------------------------ segments
