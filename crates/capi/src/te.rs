@@ -33,6 +33,8 @@ const MAX_SEGMENTS: usize = 1 << 16;
 const UNREGISTER_WAIT: Duration = Duration::from_secs(1);
 /// How long a sender waits for a free notification slot.
 const SLOT_WAIT: Duration = Duration::from_secs(1);
+/// Shortest time between two re-describes of one segment triggered by submits.
+const REFRESH_GAP: Duration = Duration::from_millis(100);
 /// Name resolutions running at once (each on its own thread, so a slow resolver cannot
 /// hold a caller past its deadline).
 const MAX_RESOLVERS: usize = 8;
@@ -71,6 +73,9 @@ struct Segment {
     peer: Option<PeerId>,
     /// The peer's exposed regions, sorted, as last described.
     regions: Arc<Vec<RemoteRegion>>,
+    /// When a submit last asked the peer again (at most one such re-describe per
+    /// `REFRESH_GAP`, so out-of-range submits cannot flood the peer's control port).
+    refreshed: Option<Instant>,
 }
 
 #[derive(Debug)]
@@ -262,6 +267,7 @@ impl TeEngine {
                 name: name.clone(),
                 peer: None,
                 regions: Arc::new(Vec::new()),
+                refreshed: None,
             },
         );
         Ok(Arc::new(TeEngine {
@@ -287,7 +293,16 @@ impl TeEngine {
     pub(crate) fn destroy(&self) {
         if let Some((stop, thread)) = lock(&self.mailbox_thread).take() {
             let _ = stop.send(());
-            let _ = thread.join();
+            // The thread may be inside a READ or a re-describe of a slow peer: wait a
+            // little, then leave it. It holds its own reference to the mailbox, so the
+            // memory outlives it, and after the shutdown below its calls fail at once.
+            let until = Instant::now() + Duration::from_millis(200);
+            while !thread.is_finished() && Instant::now() < until {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            if thread.is_finished() {
+                let _ = thread.join();
+            }
         }
         let deadline = Instant::now() + UNREGISTER_WAIT;
         let regions = std::mem::take(&mut *lock(&self.regions));
@@ -484,6 +499,7 @@ impl TeEngine {
                 name: name.to_owned(),
                 peer: Some(peer),
                 regions,
+                refreshed: None,
             },
         );
         Ok(id)
@@ -556,6 +572,31 @@ impl TeEngine {
             seg.regions = regions.clone();
         }
         Ok(regions)
+    }
+
+    /// A submit found a remote range outside `regions`: asks the peer again, unless that
+    /// was done for this segment within `REFRESH_GAP` (then `regions` stand).
+    fn refresh_for_submit(
+        &self,
+        id: i32,
+        peer: PeerId,
+        regions: Arc<Vec<RemoteRegion>>,
+    ) -> Result<Arc<Vec<RemoteRegion>>, Code> {
+        {
+            let mut segs = lock(&self.segments);
+            let Some(seg) = segs.by_id.get_mut(&id) else {
+                return Ok(regions);
+            };
+            let now = Instant::now();
+            if seg
+                .refreshed
+                .is_some_and(|t| now.duration_since(t) < REFRESH_GAP)
+            {
+                return Ok(regions);
+            }
+            seg.refreshed = Some(now);
+        }
+        self.refresh(id, peer)
     }
 
     /// `closeSegment`: disconnects; the segment's pending batches fail.
@@ -779,7 +820,7 @@ impl TeEngine {
             };
             if misfit(&regions).is_some() {
                 // The peer may have registered memory since we last asked.
-                regions = self.refresh(*target, peer)?;
+                regions = self.refresh_for_submit(*target, peer, regions)?;
                 if let Some(i) = misfit(&regions) {
                     let e = &entries[i];
                     return fail(
