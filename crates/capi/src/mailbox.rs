@@ -250,6 +250,8 @@ impl Mailbox {
             && peer.is_none_or(|p| p == held.peer)
         {
             s.held[slot] = None;
+            // Peers can read the outbox: do not leave the text there longer than needed.
+            self.outbox.write(slot * SLOT_BYTES, &[0u8; SLOT_BYTES]);
             self.freed.notify_all();
         }
     }
@@ -291,6 +293,9 @@ impl Mailbox {
         let notes = self.engine.notifications();
         let mut pending: VecDeque<Notification> = VecDeque::new();
         let mut outboxes: HashMap<PeerId, u64> = HashMap::new();
+        // Peers whose outbox was not found, and when: not asked again within a second,
+        // so a peer without one cannot keep this thread busy re-describing it.
+        let mut missing: HashMap<PeerId, Instant> = HashMap::new();
         let mut last_sweep = Instant::now();
         loop {
             while lock(&self.queue).len() < QUEUE_MAX {
@@ -298,7 +303,7 @@ impl Mailbox {
                 if stop.try_recv().is_ok() {
                     return;
                 }
-                self.receive(n, &mut outboxes);
+                self.receive(n, &mut outboxes, &mut missing);
             }
             select! {
                 recv(stop) -> _ => return,
@@ -322,37 +327,37 @@ impl Mailbox {
                 }
                 drop(s);
                 outboxes.retain(|p, _| self.engine.peer_alive(*p).unwrap_or(false));
+                missing.retain(|_, t| t.elapsed() < Duration::from_secs(1));
             }
         }
     }
 
-    fn receive(&self, n: Notification, outboxes: &mut HashMap<PeerId, u64>) {
+    fn receive(
+        &self,
+        n: Notification,
+        outboxes: &mut HashMap<PeerId, u64>,
+        missing: &mut HashMap<PeerId, Instant>,
+    ) {
         let (_, slot, generation) = untag(n.tag);
         let base = match outboxes.get(&n.peer) {
             Some(&b) => b,
-            None => {
-                let found = self
-                    .engine
-                    .peer_regions(n.peer)
-                    .ok()
-                    .and_then(|r| find_outbox(&r))
-                    .or_else(|| {
-                        self.engine
-                            .redescribe(n.peer)
-                            .ok()
-                            .and_then(|r| find_outbox(&r))
-                    });
-                match found {
-                    Some(b) => {
-                        outboxes.insert(n.peer, b);
-                        b
-                    }
-                    None => {
-                        tracing::warn!(peer = %n.peer, "notification from a peer without an outbox dropped");
-                        return;
-                    }
-                }
+            None if missing
+                .get(&n.peer)
+                .is_some_and(|t| t.elapsed() < Duration::from_secs(1)) =>
+            {
+                return;
             }
+            None => match self.outbox_of(n.peer) {
+                Some(b) => {
+                    outboxes.insert(n.peer, b);
+                    b
+                }
+                None => {
+                    tracing::warn!(peer = %n.peer, "notification from a peer without an outbox dropped");
+                    missing.insert(n.peer, Instant::now());
+                    return;
+                }
+            },
         };
         let deadline = Instant::now() + IO_TIMEOUT;
         let read = Batch::new()
@@ -381,6 +386,32 @@ impl Mailbox {
         if let Err(e) = self.engine.submit(n.peer, ack) {
             tracing::warn!(peer = %n.peer, error = %e, "acknowledging a notification failed");
         }
+    }
+}
+
+impl Mailbox {
+    /// Where a peer's outbox is. A notification can arrive a moment before this engine
+    /// lists the peer that sent it (the accepting side publishes a new connection after
+    /// the initiator may already send), so an unknown peer is waited for, briefly.
+    fn outbox_of(&self, peer: PeerId) -> Option<u64> {
+        let until = Instant::now() + IO_TIMEOUT;
+        let regions = loop {
+            match self.engine.peer_regions(peer) {
+                Ok(r) => break r,
+                Err(pagewire_transport::Error::UnknownPeer { .. }) if Instant::now() < until => {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                Err(_) => return None,
+            }
+        };
+        find_outbox(&regions).or_else(|| {
+            // Registered after the handshake (not by this library, which registers the
+            // outbox first): ask the peer again.
+            self.engine
+                .redescribe(peer)
+                .ok()
+                .and_then(|r| find_outbox(&r))
+        })
     }
 }
 
