@@ -28,7 +28,7 @@ bash scripts/python-test.sh
 # guest without rxe0 must fail loudly), then the listed packages' test binaries run in ONE
 # guest with rxe0 (veth0) and rxe1 (veth1), RDMA_REQUIRED=1. Extend the list here (each
 # package adds its tests' TCG run time; the VM part must stay under 10 minutes).
-# pagewire-capi: its C two-process test over verbs (about 20 s of guest time).
+# pagewire-capi: the C ABI over verbs, from C and from threads (about 30 s of guest time).
 VM_TEST_PACKAGES=(${PAGEWIRE_VM_TEST_PACKAGES:-pagewire-transport pagewire-capi})
 echo "== soft-RoCE harness self-test"
 vm_t0=$SECONDS
