@@ -41,7 +41,8 @@ echo "== fuzz took $((SECONDS - fuzz_t0)) s"
 # guest without rxe0 must fail loudly), then the listed packages' test binaries run in ONE
 # guest with rxe0 (veth0) and rxe1 (veth1), RDMA_REQUIRED=1. Extend the list here (each
 # package adds its tests' TCG run time; the VM part must stay under 10 minutes).
-VM_TEST_PACKAGES=(${PAGEWIRE_VM_TEST_PACKAGES:-pagewire-transport})
+# pagewire-capi: the C ABI over verbs, from C and from threads (about 30 s of guest time).
+VM_TEST_PACKAGES=(${PAGEWIRE_VM_TEST_PACKAGES:-pagewire-transport pagewire-capi})
 echo "== soft-RoCE harness self-test"
 vm_t0=$SECONDS
 scripts/rdma-vm.sh selftest
