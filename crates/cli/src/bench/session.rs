@@ -467,3 +467,25 @@ pub fn join_local(
     client?;
     server.context("in-process server")
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A client on another transport is told so first, in words; other differences are
+    /// listed by key.
+    #[test]
+    fn refusals_name_the_difference() {
+        let server = serde_json::json!({"iters": 20, "transport": "tcp", "qps": 1});
+        let client = serde_json::json!({"iters": 30, "transport": "verbs", "qps": 1});
+        let why = diff(&server, &client);
+        assert!(
+            why.starts_with("wrong transport: the server runs tcp, the client verbs"),
+            "{why}"
+        );
+        let client = serde_json::json!({"iters": 30, "transport": "tcp", "qps": 1});
+        let why = diff(&server, &client);
+        assert!(why.contains("iters: server 20, client 30"), "{why}");
+        assert!(!why.contains("qps"), "{why}");
+    }
+}
