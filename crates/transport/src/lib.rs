@@ -64,7 +64,9 @@ pub use wire::{EndpointInfo, QpInfo};
 /// RDMA device inspection (for `pagewire devices`), from the verbs backend.
 #[cfg(feature = "verbs")]
 pub mod verbs {
-    pub use crate::backend::verbs::{GidInfo, GidKind, RdmaDeviceInfo, RdmaPortInfo, list_devices};
+    pub use crate::backend::verbs::{
+        GidInfo, GidKind, NoRdma, RdmaDeviceInfo, RdmaPortInfo, host_rdma_missing, list_devices,
+    };
 }
 
 /// Internals exposed for the `cargo fuzz` targets and property tests; not a stable API.

@@ -1,6 +1,6 @@
 //! The transport conformance suite: written once in `suite`, instantiated per backend by
-//! `backend_suite!` (loopback and tcp always; verbs with the `verbs` feature, reading
-//! `RDMA_DEVICE`, skipping visibly without it and failing with `RDMA_REQUIRED=1`).
+//! `backend_suite!` (loopback and tcp always; verbs with the `verbs` feature: `#[ignore]`d
+//! on a host, run in the soft-RoCE VM with `--include-ignored` and `RDMA_DEVICE`).
 //!
 //! Every transfer is verified byte for byte on the receiving side, with guard bytes
 //! around the target to catch stray writes. `PAGEWIRE_TEST_MAX_BYTES` caps the size
@@ -1137,20 +1137,25 @@ mod suite {
 }
 
 macro_rules! backend_suite {
-    ($name:ident, $kind:expr, $progress:expr, [$($test:ident),* $(,)?]) => {
+    ($name:ident, $kind:expr, $progress:expr, $attrs:tt, [$($test:ident),* $(,)?]) => {
         mod $name {
             use super::*;
-            $(
-                #[test]
-                fn $test() {
-                    common::PROGRESS.set($progress);
-                    if common::runnable($kind, stringify!($test)) {
-                        let t0 = Instant::now();
-                        suite::$test($kind).unwrap();
-                        eprintln!("{}::{} took {:?}", stringify!($name), stringify!($test), t0.elapsed());
-                    }
-                }
-            )*
+            $(suite_test!($attrs, $name, $kind, $progress, $test);)*
+        }
+    };
+}
+
+/// One test of a backend suite, with the suite's attributes (`[#[ignore = ".."]]` or `[]`).
+macro_rules! suite_test {
+    ([$(#[$m:meta])*], $name:ident, $kind:expr, $progress:expr, $test:ident) => {
+        #[test]
+        $(#[$m])*
+        fn $test() {
+            common::PROGRESS.set($progress);
+            common::require($kind, stringify!($test));
+            let t0 = Instant::now();
+            suite::$test($kind).unwrap();
+            eprintln!("{}::{} took {:?}", stringify!($name), stringify!($test), t0.elapsed());
         }
     };
 }
@@ -1162,8 +1167,8 @@ macro_rules! backend_suite {
 /// must follow data on other QPs is posted once that data's completions are reaped, by a
 /// call on the sender's engine), and the handshake tests, which reap nothing.
 macro_rules! caller_driven_suite {
-    ($name:ident, $kind:expr, $progress:expr $(, $extra:ident)* $(,)?) => {
-        backend_suite!($name, $kind, $progress, [
+    ($name:ident, $kind:expr, $progress:expr, $attrs:tt $(, $extra:ident)* $(,)?) => {
+        backend_suite!($name, $kind, $progress, $attrs, [
             layout_plan_pages,
             notify_only,
             blocked_poster_does_not_starve_others,
@@ -1181,12 +1186,13 @@ macro_rules! caller_driven_suite {
 }
 
 macro_rules! all_backends {
-    ($($name:ident => $kind:expr),* $(,)?) => {
+    ($($name:ident => $kind:expr, $attrs:tt),* $(,)?) => {
         $(
             caller_driven_suite!(
                 $name,
                 $kind,
                 pagewire_transport::ProgressMode::Auto,
+                $attrs,
                 write_read_sizes,
                 notifications_in_order,
                 many_small_ops,
@@ -1198,16 +1204,19 @@ macro_rules! all_backends {
     };
 }
 
-all_backends!(loopback => BackendKind::Loopback, tcp => BackendKind::Tcp);
+all_backends!(loopback => BackendKind::Loopback, [], tcp => BackendKind::Tcp, []);
+// Verbs needs a device: reported as ignored on a host, run for real in the soft-RoCE VM
+// (`scripts/rdma-vm.sh test`, which passes --include-ignored).
 #[cfg(feature = "verbs")]
-all_backends!(verbs => BackendKind::Verbs);
+all_backends!(verbs => BackendKind::Verbs, [#[ignore = "needs an RDMA device: runs in scripts/rdma-vm.sh"]]);
 
 // Verbs again with manual progress (no completion thread).
 #[cfg(feature = "verbs")]
 caller_driven_suite!(
     verbs_manual,
     BackendKind::Verbs,
-    pagewire_transport::ProgressMode::Manual
+    pagewire_transport::ProgressMode::Manual,
+    [#[ignore = "needs an RDMA device: runs in scripts/rdma-vm.sh"]],
 );
 
 /// TCP only: a peer *process* killed in the middle of a batch (re-executes this test

@@ -1,10 +1,11 @@
 //! Verbs-specific tests through the public API, on a real RDMA device (soft-RoCE `rxe0` in
 //! the VM: `scripts/rdma-vm.sh test -p pagewire-transport`).
 //!
-//! The device comes from `RDMA_DEVICE`. Without it the device tests print SKIP and pass,
-//! unless `RDMA_REQUIRED=1`, in which case they fail. The two-device test also needs
-//! `RDMA_DEVICE2` (harness option `--two-devices`). The fallback tests at the bottom run
-//! everywhere.
+//! The device tests are `#[ignore]`d with their reason, so a host's `cargo test` lists
+//! them as ignored; the VM harness runs them with `--include-ignored` and the device in
+//! `RDMA_DEVICE` (without it they fail: none passes without having run). The two-device
+//! test also needs `RDMA_DEVICE2` (harness option `--two-devices`). The fallback tests at
+//! the bottom run everywhere.
 #![cfg(feature = "verbs")]
 
 use std::time::{Duration, Instant};
@@ -18,10 +19,10 @@ use pagewire_transport::{
 mod common;
 use common::secs;
 
-/// `RDMA_DEVICE`, or `None` after a SKIP line (a failure with `RDMA_REQUIRED=1`).
-fn device(test: &str) -> Option<String> {
-    common::runnable(BackendKind::Verbs, test)
-        .then(|| std::env::var("RDMA_DEVICE").expect("runnable checked it"))
+/// `RDMA_DEVICE`; a test run without it fails.
+fn device(test: &str) -> String {
+    common::require(BackendKind::Verbs, test);
+    std::env::var("RDMA_DEVICE").expect("require checked it")
 }
 
 fn engine(dev: &str, f: impl FnOnce(EngineConfigBuilder) -> EngineConfigBuilder) -> Result<Engine> {
@@ -56,10 +57,9 @@ fn mib_s(bytes: usize, d: Duration) -> f64 {
 }
 
 #[test]
+#[ignore = "needs an RDMA device: runs in scripts/rdma-vm.sh"]
 fn verbs_engine_reports_device_port_and_gid() -> Result<()> {
-    let Some(dev) = device("verbs_engine_reports_device_port_and_gid") else {
-        return Ok(());
-    };
+    let dev = device("verbs_engine_reports_device_port_and_gid");
     let e = engine(&dev, |b| b)?;
     let info = e.backend_info();
     eprintln!("{info:?}");
@@ -93,10 +93,9 @@ fn verbs_engine_reports_device_port_and_gid() -> Result<()> {
 /// the harness's `--append sr.ip=10.9.9.1/24`), the `gid_index` override (explicit GID 0
 /// connects and moves data), and an override that names no entry (typed config error).
 #[test]
+#[ignore = "needs an RDMA device: runs in scripts/rdma-vm.sh"]
 fn verbs_gid_choice_and_override() -> Result<()> {
-    let Some(dev) = device("verbs_gid_choice_and_override") else {
-        return Ok(());
-    };
+    let dev = device("verbs_gid_choice_and_override");
     let devs = pagewire_transport::verbs::list_devices()?;
     let d = devs
         .iter()
@@ -147,10 +146,9 @@ fn verbs_gid_choice_and_override() -> Result<()> {
 /// Scattered local pages, contiguous remote range: WRs with equal-length SGE lists. Then
 /// READ back into a differently scattered set. Bytes verified on both sides.
 #[test]
+#[ignore = "needs an RDMA device: runs in scripts/rdma-vm.sh"]
 fn verbs_sge_lists_scattered_local_contiguous_remote() -> Result<()> {
-    let Some(dev) = device("verbs_sge_lists_scattered_local_contiguous_remote") else {
-        return Ok(());
-    };
+    let dev = device("verbs_sge_lists_scattered_local_contiguous_remote");
     const PAGE: usize = 4096;
     const PAGES: usize = 96;
     let a = engine(&dev, |b| b.qps_per_peer(2))?;
@@ -203,10 +201,9 @@ fn verbs_sge_lists_scattered_local_contiguous_remote() -> Result<()> {
 /// Eight QPs, 4 MiB sliced at 64 KiB and striped; the receiver checks the bytes right
 /// after the notification (not after the sender's completion).
 #[test]
+#[ignore = "needs an RDMA device: runs in scripts/rdma-vm.sh"]
 fn verbs_many_qps_notification_after_striped_writes() -> Result<()> {
-    let Some(dev) = device("verbs_many_qps_notification_after_striped_writes") else {
-        return Ok(());
-    };
+    let dev = device("verbs_many_qps_notification_after_striped_writes");
     let n = 4 << 20;
     let a = engine(&dev, |b| {
         b.qps_per_peer(8).max_wr_bytes(64 << 10).signal_every(4)
@@ -255,10 +252,9 @@ fn verbs_many_qps_notification_after_striped_writes() -> Result<()> {
 /// side contiguous, so nothing merges): the poster must repeatedly wait for the completion
 /// thread to retire groups, on both QPs, with every byte landing.
 #[test]
+#[ignore = "needs an RDMA device: runs in scripts/rdma-vm.sh"]
 fn verbs_small_window_many_wrs() -> Result<()> {
-    let Some(dev) = device("verbs_small_window_many_wrs") else {
-        return Ok(());
-    };
+    let dev = device("verbs_small_window_many_wrs");
     const PAGE: usize = 4096;
     const PAGES: usize = 512;
     let a = engine(&dev, |b| b.qps_per_peer(2).tx_depth(4).signal_every(3))?;
@@ -301,10 +297,9 @@ fn verbs_small_window_many_wrs() -> Result<()> {
 /// no thread to wake it): a write's wait and a notification that arrives 200 ms into
 /// `poll_notification`. Bytes checked on the receiving side.
 #[test]
+#[ignore = "needs an RDMA device: runs in scripts/rdma-vm.sh"]
 fn verbs_manual_progress_reaps_only_in_calls() -> Result<()> {
-    let Some(dev) = device("verbs_manual_progress_reaps_only_in_calls") else {
-        return Ok(());
-    };
+    let dev = device("verbs_manual_progress_reaps_only_in_calls");
     let manual =
         |b: EngineConfigBuilder| b.progress(ProgressMode::Manual).poll_spin(Duration::ZERO);
     let a = engine(&dev, manual)?;
@@ -367,10 +362,9 @@ fn verbs_manual_progress_reaps_only_in_calls() -> Result<()> {
 /// REM_ACCESS_ERR promptly, the connection is broken (both sides), later submits fail
 /// fast, and after disconnect + connect transfers work again.
 #[test]
+#[ignore = "needs an RDMA device: runs in scripts/rdma-vm.sh"]
 fn verbs_qp_error_fails_promptly_then_reconnects() -> Result<()> {
-    let Some(dev) = device("verbs_qp_error_fails_promptly_then_reconnects") else {
-        return Ok(());
-    };
+    let dev = device("verbs_qp_error_fails_promptly_then_reconnects");
     let n = 1 << 20;
     let a = engine(&dev, |b| b)?;
     let b = engine(&dev, |b| b)?;
@@ -416,10 +410,9 @@ fn verbs_qp_error_fails_promptly_then_reconnects() -> Result<()> {
 /// boundaries on both sides is resolved into per-MR pieces and lands intact. Registering
 /// the same range again is free.
 #[test]
+#[ignore = "needs an RDMA device: runs in scripts/rdma-vm.sh"]
 fn verbs_registration_split_at_max_mr() -> Result<()> {
-    let Some(dev) = device("verbs_registration_split_at_max_mr") else {
-        return Ok(());
-    };
+    let dev = device("verbs_registration_split_at_max_mr");
     let n = 1 << 20;
     let a = engine(&dev, |b| b.max_mr_bytes(64 << 10))?;
     let b = engine(&dev, |b| b.max_mr_bytes(96 << 10))?;
@@ -449,14 +442,13 @@ fn verbs_registration_split_at_max_mr() -> Result<()> {
 
 /// Two rxe devices on a veth pair: the bytes really cross a (virtual) wire.
 #[test]
+#[ignore = "needs two RDMA devices: runs in scripts/rdma-vm.sh --two-devices"]
 fn verbs_two_devices_over_veth() -> Result<()> {
-    let Some(dev) = device("verbs_two_devices_over_veth") else {
-        return Ok(());
-    };
-    let Some(dev2) = std::env::var("RDMA_DEVICE2").ok().filter(|d| !d.is_empty()) else {
-        eprintln!("SKIP verbs_two_devices_over_veth: RDMA_DEVICE2 not set (harness --two-devices)");
-        return Ok(());
-    };
+    let dev = device("verbs_two_devices_over_veth");
+    let dev2 = std::env::var("RDMA_DEVICE2")
+        .ok()
+        .filter(|d| !d.is_empty())
+        .context("RDMA_DEVICE2 is not set: run with scripts/rdma-vm.sh --two-devices")?;
     let n = 2 << 20;
     let a = engine(&dev, |b| b.qps_per_peer(4))?;
     let b = engine(&dev2, |b| b.qps_per_peer(4))?;
@@ -527,10 +519,9 @@ fn auto_without_device_falls_back_to_tcp() -> Result<()> {
     Ok(())
 }
 
-/// dma-buf registration: a typed error (never a crash) for an fd that is not a dma-buf on
-/// a verbs device (rxe has no dma-buf support at all), and `Unsupported` on TCP.
+/// dma-buf registration on TCP: `Unsupported`, never a crash.
 #[test]
-fn dmabuf_registration_errors_are_typed() -> Result<()> {
+fn tcp_dmabuf_registration_is_unsupported() -> Result<()> {
     use std::os::fd::AsFd;
     let f = std::fs::File::open("/dev/null")?;
     let tcp = Engine::new(
@@ -544,9 +535,17 @@ fn dmabuf_registration_errors_are_typed() -> Result<()> {
         Err(Error::Unsupported { .. }) => {}
         other => bail!("tcp register_dmabuf: {other:?}"),
     }
-    let Some(dev) = device("dmabuf_registration_errors_are_typed") else {
-        return Ok(());
-    };
+    Ok(())
+}
+
+/// The verbs half: `ibv_reg_dmabuf_mr` refuses an fd that is not a dma-buf with a typed
+/// error (rxe has no dma-buf support at all).
+#[test]
+#[ignore = "needs an RDMA device: runs in scripts/rdma-vm.sh"]
+fn verbs_dmabuf_registration_error_is_typed() -> Result<()> {
+    use std::os::fd::AsFd;
+    let f = std::fs::File::open("/dev/null")?;
+    let dev = device("verbs_dmabuf_registration_error_is_typed");
     let e = engine(&dev, |b| b)?;
     // SAFETY: /dev/null is not a dma-buf, so `ibv_reg_dmabuf_mr` must refuse it; nothing
     // is registered and no memory is ever touched.
