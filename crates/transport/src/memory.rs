@@ -211,17 +211,26 @@ impl HostBuffer {
     pub const ALIGN: usize = 4096;
 
     /// Allocates `len` zeroed bytes (`len > 0`).
+    ///
+    /// A length that is zero, or whose size rounded up to whole pages is not a valid
+    /// allocation (it overflows `usize` or exceeds `isize::MAX`), is
+    /// [`Error::InvalidRange`]; an allocation the system refuses is
+    /// [`Error::Registration`].
     pub fn new(len: usize) -> Result<Self> {
+        let invalid = || Error::InvalidRange {
+            addr: 0,
+            len: len as u64,
+        };
         if len == 0 {
-            return Err(Error::InvalidRange { addr: 0, len: 0 });
+            return Err(invalid());
         }
-        let size = len.div_ceil(Self::ALIGN) * Self::ALIGN;
-        let layout =
-            Layout::from_size_align(size, Self::ALIGN).map_err(|_| Error::InvalidRange {
-                addr: 0,
-                len: len as u64,
-            })?;
-        // SAFETY: `layout` has non-zero size (len > 0 checked above).
+        // Checked: a wrapped size would allocate less than `len` (the release profile has
+        // no overflow checks).
+        let size = len
+            .checked_next_multiple_of(Self::ALIGN)
+            .ok_or_else(invalid)?;
+        let layout = Layout::from_size_align(size, Self::ALIGN).map_err(|_| invalid())?;
+        // SAFETY: `layout` is valid and has a non-zero size (`size >= len > 0`).
         let raw = unsafe { std::alloc::alloc_zeroed(layout) };
         let ptr = NonNull::new(raw).ok_or_else(|| Error::Registration {
             addr: 0,
