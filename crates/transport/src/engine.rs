@@ -1234,7 +1234,7 @@ fn set_timeouts(s: &TcpStream, deadline: Instant) -> std::io::Result<()> {
 }
 
 /// Constant-time comparison (the token is a secret).
-fn ct_eq(a: &[u8], b: &[u8]) -> bool {
+pub(crate) fn ct_eq(a: &[u8], b: &[u8]) -> bool {
     if a.len() != b.len() {
         return false;
     }

@@ -574,30 +574,6 @@ impl RemoteTable {
     }
 }
 
-/// Views registered memory as bytes.
-///
-/// # Safety
-/// `[addr, addr+len)` must be allocated, initialised memory that stays valid for `'a`
-/// (in this crate: a range validated against a region that is pinned for `'a`). Other
-/// writers (peers, the NIC) may change the bytes concurrently; callers treat the
-/// contents as opaque payload.
-pub(crate) unsafe fn raw_slice<'a>(addr: u64, len: usize) -> &'a [u8] {
-    // SAFETY: forwarded to the caller (see `# Safety`).
-    unsafe { std::slice::from_raw_parts(addr as *const u8, len) }
-}
-
-/// Views registered memory as writable bytes.
-///
-/// # Safety
-/// As for [`raw_slice`], and no other Rust reference into the range may be used while
-/// the returned slice is alive (the range is a transfer target owned by the transport
-/// until the batch completes).
-#[allow(clippy::mut_from_ref)]
-pub(crate) unsafe fn raw_slice_mut<'a>(addr: u64, len: usize) -> &'a mut [u8] {
-    // SAFETY: forwarded to the caller (see `# Safety`).
-    unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len) }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -27,6 +27,7 @@ use crate::memory::{Access, Registry};
 pub(crate) use crate::wire::{EndpointInfo, QpInfo};
 
 pub(crate) mod loopback;
+mod rawio;
 pub(crate) mod tcp;
 #[cfg(feature = "verbs")]
 pub(crate) mod verbs;

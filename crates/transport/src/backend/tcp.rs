@@ -14,7 +14,9 @@
 //! The responder checks every request against its own registry (range inside one
 //! registered chunk with the right remote access and matching key) before touching
 //! memory, then reads WRITE payload straight into the destination region (no staging
-//! buffer) and acks only once it is all there. A refused WRITE's payload is drained into
+//! buffer) and acks only once it is all there. Payload moves between sockets and
+//! registered memory through raw pointers only ([`super::rawio`]): never a slice over
+//! memory that a peer may write. A refused WRITE's payload is drained into
 //! a scratch buffer so the stream stays usable; a malformed header drops the stream.
 //!
 //! Ops are cut into `max_wr_bytes` chunks striped round-robin over the streams. A
@@ -24,7 +26,7 @@
 //! pending batch with `PeerGone`.
 
 use std::collections::HashMap;
-use std::io::{ErrorKind, IoSlice, Read, Write};
+use std::io::{ErrorKind, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
@@ -33,15 +35,16 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
 
+use super::rawio::{self, IoVec};
 use super::{
     Backend, BackendInfo, BackendInit, BackendMr, BatchState, Conn, ConnCtx, EndpointInfo,
     NotifySink, PendingConn, ResolvedOps, lock,
 };
 use crate::batch::Op;
 use crate::config::{BackendKind, EngineConfig};
-use crate::engine::{PeerId, random_u64};
+use crate::engine::{PeerId, ct_eq, random_u64};
 use crate::error::{Error, HandshakeError, Result};
-use crate::memory::{Access, Registry, raw_slice, raw_slice_mut};
+use crate::memory::{Access, Registry};
 use crate::wire::MAX_STREAMS;
 
 const STREAM_MAGIC: u32 = u32::from_le_bytes(*b"PGWS");
@@ -406,9 +409,10 @@ impl ConnShared {
     /// Sends queued jobs in gathers: up to `GATHER` requests (headers and WRITE payloads
     /// straight from registered memory) per `writev`. All but the last request of a
     /// gather carry the "more follows" flag, so the responder batches its acks too.
-    fn send_loop(self: Arc<Self>, mut sock: TcpStream, jobs: Receiver<Job>, inflight: Sender<Job>) {
+    fn send_loop(self: Arc<Self>, sock: TcpStream, jobs: Receiver<Job>, inflight: Sender<Job>) {
         let mut gather: Vec<Job> = Vec::with_capacity(GATHER);
         let mut hdrs: Vec<[u8; REQ_LEN]> = Vec::with_capacity(GATHER);
+        let mut iov: Vec<IoVec> = Vec::with_capacity(2 * GATHER);
         while let Ok(first) = jobs.recv() {
             let mut bytes = 0u64;
             let mut next = Some(first);
@@ -435,16 +439,12 @@ impl ConnShared {
             for (i, job) in gather.iter().enumerate() {
                 hdrs.push(encode_request(job, i + 1 < n));
             }
-            let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(2 * n);
+            iov.clear();
             for (job, h) in gather.iter().zip(&hdrs) {
-                slices.push(IoSlice::new(h));
+                iov.push(IoVec::from_slice(h));
                 if job.kind == Kind::Data(Op::Write) {
-                    // SAFETY: the engine validated `[local, local+len)` against a registered
-                    // local region, which the job's batch keeps pinned; `batches` below holds
-                    // every batch of the gather until the write has finished.
-                    slices.push(IoSlice::new(unsafe {
-                        raw_slice(job.local, job.len as usize)
-                    }));
+                    // Payload straight from registered memory, as a raw pointer.
+                    iov.push(IoVec::raw(job.local as *const u8, job.len as usize));
                 }
             }
             // Queue before sending so the receiver always knows what a response answers.
@@ -457,11 +457,16 @@ impl ConnShared {
                 }
             }
             let res = if queued {
-                write_all_vectored(&mut sock, &mut slices)
+                // SAFETY: the header entries point into `hdrs`, untouched until the next
+                // gather; each payload entry is a range the engine validated against a
+                // registered local region, which its batch keeps pinned (so registered and
+                // allocated), and `batches` holds every batch of the gather until `write_all`
+                // returned.
+                unsafe { rawio::write_all(&sock, &mut iov) }
             } else {
                 Err(ErrorKind::BrokenPipe.into())
             };
-            drop(slices);
+            iov.clear();
             if let Err(e) = res {
                 self.break_all(format!("send failed: {e}"));
                 for b in batches {
@@ -562,8 +567,8 @@ impl ConnShared {
                 }
                 // SAFETY: the engine validated `[local, local+len)` against a registered
                 // region with LOCAL_WRITE, pinned by `job.batch` for this whole call.
-                let dst = unsafe { raw_slice_mut(job.local, job.len as usize) };
-                read_full(sock, dst, io_timeout).map_err(|e| format!("receive failed: {e}"))?;
+                unsafe { read_full_raw(sock, job.local as *mut u8, job.len as usize, io_timeout) }
+                    .map_err(|e| format!("receive failed: {e}"))?;
             }
             _ if len != 0 => return Err("unexpected payload".into()),
             _ => {}
@@ -729,7 +734,8 @@ fn serve_stream(b: &TcpShared, mut s: TcpStream) -> Result<(), String> {
     let mut token = vec![0u8; tlen];
     s.read_exact(&mut token)
         .map_err(|e| format!("stream hello: {e}"))?;
-    if token != b.token {
+    // Constant time, as on the control plane: the token is a secret.
+    if !ct_eq(&token, &b.token) {
         return Err("stream token mismatch".into());
     }
     let session = lock(&b.sessions)
@@ -844,8 +850,8 @@ fn serve_request(
                     // SAFETY: `[addr, addr+len)` lies in a registered region with
                     // REMOTE_WRITE (checked above) that `_pin` keeps registered, hence
                     // allocated, until the payload is in place.
-                    let dst = unsafe { raw_slice_mut(addr, n) };
-                    read_full(s, dst, b.io_timeout).map_err(|e| format!("payload: {e}"))?;
+                    unsafe { read_full_raw(s, addr as *mut u8, n, b.io_timeout) }
+                        .map_err(|e| format!("payload: {e}"))?;
                     acks.extend_from_slice(&response(seq, S_OK, 0));
                     Ok(())
                 }
@@ -864,11 +870,16 @@ fn serve_request(
                 }
                 (_, Ok(_pin)) => {
                     let h = response(seq, S_OK, len as u32);
-                    // SAFETY: `[addr, addr+len)` lies in a registered region with
-                    // REMOTE_READ that `_pin` keeps registered while we send.
-                    let src = unsafe { raw_slice(addr, n) };
-                    let mut bufs = [IoSlice::new(acks), IoSlice::new(&h), IoSlice::new(src)];
-                    write_all_vectored(s, &mut bufs).map_err(|e| format!("payload: {e}"))?;
+                    let mut iov = [
+                        IoVec::from_slice(acks),
+                        IoVec::from_slice(&h),
+                        IoVec::raw(addr as *const u8, n),
+                    ];
+                    // SAFETY: `acks` and `h` are ours; `[addr, addr+len)` lies in a
+                    // registered region with REMOTE_READ that `_pin` keeps registered,
+                    // hence allocated, until the write returned.
+                    unsafe { rawio::write_all(&*s, &mut iov) }
+                        .map_err(|e| format!("payload: {e}"))?;
                     acks.clear();
                     Ok(())
                 }
@@ -899,20 +910,38 @@ fn encode_request(job: &Job, more: bool) -> [u8; REQ_LEN] {
     hdr
 }
 
-/// `write_all` for a list of slices (`Write::write_all_vectored` is unstable).
-fn write_all_vectored(s: &mut TcpStream, mut bufs: &mut [IoSlice<'_>]) -> std::io::Result<()> {
-    while !bufs.is_empty() {
-        match s.write_vectored(bufs) {
-            Ok(0) => return Err(ErrorKind::WriteZero.into()),
-            Ok(n) => IoSlice::advance_slices(&mut bufs, n),
-            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+/// `read_full` into `len` bytes at `ptr` (registered memory), through raw pointers.
+///
+/// # Safety
+/// `[ptr, ptr+len)` must be valid for writes until the call returns.
+unsafe fn read_full_raw(
+    s: &TcpStream,
+    ptr: *mut u8,
+    len: usize,
+    timeout: Duration,
+) -> std::io::Result<()> {
+    let mut got = 0;
+    let mut last = Instant::now();
+    while got < len {
+        // SAFETY: `got < len`, so `[ptr+got, ptr+len)` is inside the caller's range.
+        match unsafe { rawio::read(s, ptr.add(got), len - got) } {
+            Ok(0) => return Err(ErrorKind::UnexpectedEof.into()),
+            Ok(n) => {
+                got += n;
+                last = Instant::now();
+            }
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
+                if last.elapsed() >= timeout {
+                    return Err(ErrorKind::TimedOut.into());
+                }
+            }
             Err(e) => return Err(e),
         }
     }
     Ok(())
 }
 
-/// `read_exact` with a deadline of `timeout` of no progress.
+/// `read_exact` into our own buffer with a deadline of `timeout` of no progress.
 fn read_full(s: &mut TcpStream, buf: &mut [u8], timeout: Duration) -> std::io::Result<()> {
     let mut got = 0;
     let mut last = Instant::now();
