@@ -170,6 +170,9 @@ struct Inner {
     handshakes: AtomicUsize,
     handshakes_by_ip: Mutex<HashMap<std::net::IpAddr, usize>>,
     listener: Mutex<Option<JoinHandle<()>>>,
+    /// Held for the whole of [`Inner::shutdown`] (`true` once done), so that a second,
+    /// concurrent call returns only when the engine is quiet too.
+    shut: Mutex<bool>,
 }
 
 /// A transfer engine. Cheap to clone (an `Arc`); the engine shuts down when the last
@@ -177,6 +180,18 @@ struct Inner {
 #[derive(Clone)]
 pub struct Engine {
     inner: Arc<Inner>,
+    /// Shared by the application's clones only (engine threads hold `Inner`): the drop
+    /// of the last one shuts the engine down before it returns.
+    _owner: Arc<Owner>,
+}
+
+/// Shuts the engine down when the application's last [`Engine`] goes.
+struct Owner(Arc<Inner>);
+
+impl Drop for Owner {
+    fn drop(&mut self) {
+        self.0.shutdown();
+    }
 }
 
 impl fmt::Debug for Engine {
@@ -238,6 +253,7 @@ impl Engine {
             handshakes: AtomicUsize::new(0),
             handshakes_by_ip: Mutex::new(HashMap::new()),
             listener: Mutex::new(None),
+            shut: Mutex::new(false),
         });
         let weak = Arc::downgrade(&inner);
         let t = std::thread::Builder::new()
@@ -245,7 +261,10 @@ impl Engine {
             .spawn(move || listen_loop(listener, weak))
             .map_err(|e| Error::io("spawn control listener", e))?;
         *inner.listener.lock().unwrap_or_else(|p| p.into_inner()) = Some(t);
-        Ok(Engine { inner })
+        Ok(Engine {
+            _owner: Arc::new(Owner(inner.clone())),
+            inner,
+        })
     }
 
     /// Engine with defaults plus environment overrides.
@@ -292,10 +311,22 @@ impl Engine {
     /// returns that region's id (each call still needs its own `deregister`).
     /// Regions larger than the backend's MR limit are split into several MRs.
     ///
+    /// The memory is the caller's again once [`deregister`](Engine::deregister) (or
+    /// [`deregister_wait`](Engine::deregister_wait)) succeeded, or once the engine shut
+    /// down: when [`shutdown`](Engine::shutdown) returns, or the drop of the last
+    /// `Engine` clone, no thread of this engine and no peer's operation touches it again,
+    /// even if a peer keeps sending.
+    ///
+    /// While it is registered, the engine and its peers write and read it at any time
+    /// (peers: with `REMOTE_WRITE` / `REMOTE_READ`). Access it only through raw pointers
+    /// then, and read bytes after the batch that brought them completed or its
+    /// notification arrived: a `&[u8]` or `&mut [u8]` over it would be undefined behaviour
+    /// while a transfer writes it.
+    ///
     /// # Safety
     /// `[ptr, ptr+len)` must be valid, initialised memory that stays allocated (and is
-    /// not unmapped or remapped) until the region is deregistered and no batch uses it.
-    /// Peers may write it at any time while it is registered with `REMOTE_WRITE`.
+    /// not unmapped or remapped) until the region is deregistered or the engine has shut
+    /// down, as above.
     pub unsafe fn register_raw(
         &self,
         ptr: *mut u8,
@@ -313,9 +344,13 @@ impl Engine {
     /// name local addresses in that range. `fd` may be closed after the call (each MR keeps
     /// its own reference to the buffer). Split into several MRs like other regions.
     ///
+    /// Like [`register_raw`](Engine::register_raw)'s memory, the range is the caller's
+    /// again once it was deregistered or the engine shut down (`shutdown` returned, or
+    /// the last clone was dropped): the NIC's registrations are gone then.
+    ///
     /// # Safety
     /// `fd` must be a dma-buf whose `[offset, offset+len)` stays allocated until the region
-    /// is deregistered and no batch uses it.
+    /// is deregistered or the engine has shut down.
     pub unsafe fn register_dmabuf(
         &self,
         fd: std::os::fd::BorrowedFd<'_>,
@@ -583,6 +618,13 @@ impl Engine {
 
     /// Closes every connection, stops the listener and releases all registrations.
     /// Pending batches fail. Idempotent.
+    ///
+    /// When it returns (also from a second call that raced the first), no thread of this
+    /// engine runs that could touch registered memory, and no peer's operation does: the
+    /// TCP stream threads and loopback workers are joined, a loopback peer's copy into our
+    /// memory has stopped, and the verbs memory registrations are gone. Memory registered
+    /// with [`register_raw`](Engine::register_raw) may be freed then. Batches of ours that
+    /// were in flight may have moved part of their bytes.
     pub fn shutdown(&self) {
         self.inner.shutdown();
     }
@@ -776,10 +818,16 @@ impl Inner {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .insert(peer.local_session, peer.id);
-        self.peers
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(peer.id, peer);
+        let mut peers = self.peers.write().unwrap_or_else(|e| e.into_inner());
+        // Checked under the lock that `shutdown` drains the table with (after setting the
+        // flag): a handshake that finishes during shutdown closes its connection here
+        // instead of leaving it behind.
+        if self.shutdown.load(Ordering::Acquire) {
+            drop(peers);
+            peer.conn.close();
+            return;
+        }
+        peers.insert(peer.id, peer);
     }
 
     /// Serves one incoming control connection. Errors are logged by the caller.
@@ -1075,10 +1123,16 @@ impl Inner {
         Ok((p, pins, resolved, bytes))
     }
 
+    /// See [`Engine::shutdown`]. The order matters: first our connections are closed
+    /// (their threads joined), then the backend's own threads stop (responders, the verbs
+    /// completion thread), then every region is revoked and the peers' ops on it are
+    /// waited for, and only then are the registrations released.
     fn shutdown(&self) {
-        if self.shutdown.swap(true, Ordering::AcqRel) {
+        let mut done = self.shut.lock().unwrap_or_else(|e| e.into_inner());
+        if *done {
             return;
         }
+        self.shutdown.store(true, Ordering::Release);
         let peers: Vec<_> = self
             .peers
             .write()
@@ -1109,6 +1163,7 @@ impl Inner {
         for mr in self.registry.drain() {
             self.backend.deregister(mr);
         }
+        *done = true;
         tracing::debug!(engine = format_args!("{:#x}", self.id), "engine shut down");
     }
 }

@@ -11,6 +11,11 @@
 //! refuses with [`Error::RegionBusy`] while a pin exists, so memory is never handed
 //! back to the caller while a backend may still read or write it.
 //!
+//! A peer's op that the engine serves itself (TCP responder, a loopback peer's copy) holds
+//! a [`PeerPin`]. Shutdown revokes every region and waits until no peer pin is left
+//! ([`Registry::drain`]); a holder checks [`Region::revoked`] between slices, so that wait
+//! is short, and once it is over no peer op touches the memory again.
+//!
 //! [`Engine::deregister`]: crate::Engine::deregister
 
 use std::alloc::Layout;
@@ -19,7 +24,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 use std::ops::{BitOr, BitOrAssign, Deref, DerefMut};
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
 use crate::backend::BackendMr;
@@ -308,6 +313,10 @@ pub(crate) struct Region {
     pub mrs: Mutex<Vec<BackendMr>>,
     /// Batches (and incoming TCP ops) currently using the region.
     busy: AtomicUsize,
+    /// Of those, peer ops served by this process ([`PeerPin`]s).
+    peer_busy: AtomicUsize,
+    /// Set by [`Registry::drain`] (shutdown): peer ops must stop touching the memory.
+    revoked: AtomicBool,
     /// How many `register` calls returned this id.
     registrations: AtomicUsize,
     /// Keeps caller memory alive (HostBuffer) while registered.
@@ -327,6 +336,11 @@ impl Region {
 
     pub fn busy(&self) -> usize {
         self.busy.load(Ordering::Acquire)
+    }
+
+    /// Whether the engine shut down: a [`PeerPin`] holder must stop before its next slice.
+    pub fn revoked(&self) -> bool {
+        self.revoked.load(Ordering::Acquire)
     }
 }
 
@@ -360,6 +374,30 @@ impl Drop for RegionPin {
 impl fmt::Debug for RegionPin {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "RegionPin({})", self.0.id)
+    }
+}
+
+/// A pin taken for a peer's op that this process serves (TCP responder, loopback copy).
+/// Shutdown waits until every one is dropped ([`Registry::drain`]); its holder checks
+/// [`Region::revoked`] between slices and stops when it is set.
+pub(crate) struct PeerPin(RegionPin);
+
+impl PeerPin {
+    pub fn region(&self) -> &Region {
+        self.0.region()
+    }
+}
+
+impl Drop for PeerPin {
+    fn drop(&mut self) {
+        // Release: whatever the holder wrote happens before `drain` sees the count drop.
+        self.0.0.peer_busy.fetch_sub(1, Ordering::Release);
+    }
+}
+
+impl fmt::Debug for PeerPin {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "PeerPin({})", self.0.0.id)
     }
 }
 
@@ -459,6 +497,8 @@ impl Registry {
             chunks,
             mrs: Mutex::new(mrs),
             busy: AtomicUsize::new(0),
+            peer_busy: AtomicUsize::new(0),
+            revoked: AtomicBool::new(false),
             registrations: AtomicUsize::new(1),
             _keepalive: keepalive,
         });
@@ -501,6 +541,21 @@ impl Registry {
         Ok(RegionPin(r.clone()))
     }
 
+    /// [`Self::pin`] for a peer's op served by this process (see [`PeerPin`]). Taken
+    /// under the registry lock, so [`Self::drain`] either counts it or removed the region
+    /// before we looked.
+    pub fn pin_for_peer(&self, addr: u64, len: u64, needed: Access) -> Result<PeerPin> {
+        let end = checked_end(addr, len)?;
+        let inner = self.read();
+        let r = Self::containing(&inner, addr, end).ok_or(Error::Unregistered { addr, len })?;
+        if !r.access.contains(needed) {
+            return Err(Error::PermissionDenied { addr, len, needed });
+        }
+        r.busy.fetch_add(1, Ordering::AcqRel);
+        r.peer_busy.fetch_add(1, Ordering::AcqRel);
+        Ok(PeerPin(RegionPin(r.clone())))
+    }
+
     /// Every region, sorted by address.
     pub fn list(&self) -> Vec<RegionInfo> {
         self.read()
@@ -530,12 +585,30 @@ impl Registry {
         out
     }
 
-    /// Drains every region (engine shutdown), returning the backend handles.
+    /// Drains every region (engine shutdown) and returns the backend handles, once no
+    /// peer op touches any of them: every region is revoked, then this waits until the
+    /// last [`PeerPin`] is dropped (its holder stops within one slice of the revocation).
+    /// Batch pins are not waited for: the engine stops its own I/O before draining.
     pub fn drain(&self) -> Vec<BackendMr> {
-        let mut inner = self.write();
-        inner.by_start.clear();
+        let regions: Vec<Arc<Region>> = {
+            let mut inner = self.write();
+            inner.by_start.clear();
+            inner.by_id.drain().map(|(_, r)| r).collect()
+        };
+        for r in &regions {
+            r.revoked.store(true, Ordering::Release);
+        }
+        let mut nap = std::time::Duration::from_micros(20);
+        // Acquire: pairs with `PeerPin::drop`, so the holders' writes are done.
+        while regions
+            .iter()
+            .any(|r| r.peer_busy.load(Ordering::Acquire) > 0)
+        {
+            std::thread::sleep(nap);
+            nap = (nap * 2).min(std::time::Duration::from_millis(1));
+        }
         let mut out = Vec::new();
-        for (_, r) in inner.by_id.drain() {
+        for r in regions {
             out.append(&mut r.mrs.lock().unwrap_or_else(|p| p.into_inner()));
         }
         out

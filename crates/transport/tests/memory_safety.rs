@@ -1,9 +1,109 @@
 //! What the engine promises about memory, deadlines and errors, each checked through the
 //! public API by attacking it the way a hostile peer or a careless application would:
 //!
-//! * `HostBuffer::new` refuses lengths it cannot allocate (no wrapped size).
+//! * `HostBuffer::new` refuses lengths it cannot allocate (no wrapped size);
+//! * after `Engine::shutdown` returns, nothing touches memory that was registered, even
+//!   while a peer keeps writing (the application may free it at once).
+//!
+//! Memory that an engine may write is touched here only through raw pointers (`RawMem`),
+//! as an application must.
 
-use pagewire_transport::{Error, HostBuffer};
+mod common;
+
+use std::alloc::Layout;
+use std::io::Write;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail, ensure};
+use common::*;
+use pagewire_transport::{Access, BackendKind, Batch, Error, HostBuffer, Op, TransferOp};
+
+/// The tests of this file count the engine's threads: one at a time.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn serial() -> MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Threads of this process named `pagewire-*` (every engine thread is).
+fn engine_threads() -> usize {
+    std::fs::read_dir("/proc/self/task")
+        .map(|d| {
+            d.filter_map(|t| t.ok())
+                .filter(|t| {
+                    std::fs::read_to_string(t.path().join("comm"))
+                        .is_ok_and(|c| c.starts_with("pagewire"))
+                })
+                .count()
+        })
+        .unwrap_or(0)
+}
+
+/// Waits up to `within` for the engine thread count to drop to `base`.
+fn threads_back_to(base: usize, within: Duration) -> Result<()> {
+    let end = Instant::now() + within;
+    loop {
+        let n = engine_threads();
+        if n <= base {
+            return Ok(());
+        }
+        if Instant::now() >= end {
+            bail!("{n} engine threads left, {base} before");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Page-aligned memory for `register_raw`, read and written only through raw pointers.
+/// It is never freed implicitly: a test that fails because an engine still writes it must
+/// not turn that into a use after free in the test process (`free` after the checks).
+struct RawMem {
+    ptr: *mut u8,
+    len: usize,
+}
+
+impl RawMem {
+    fn new(len: usize) -> RawMem {
+        let layout = Layout::from_size_align(len, 4096).expect("layout");
+        // SAFETY: `len > 0` in every caller.
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        assert!(!ptr.is_null(), "allocation failed");
+        RawMem { ptr, len }
+    }
+
+    fn addr(&self) -> u64 {
+        self.ptr as u64
+    }
+
+    fn fill(&self, v: u8) {
+        // SAFETY: `[ptr, ptr+len)` is our allocation; no reference to it exists.
+        unsafe { std::ptr::write_bytes(self.ptr, v, self.len) }
+    }
+
+    fn snapshot(&self) -> Vec<u8> {
+        let mut v = vec![0u8; self.len];
+        // SAFETY: as in `fill`; `v` is a separate allocation of the same length.
+        unsafe { std::ptr::copy_nonoverlapping(self.ptr, v.as_mut_ptr(), self.len) };
+        v
+    }
+
+    fn byte(&self, i: usize) -> u8 {
+        assert!(i < self.len);
+        // SAFETY: in bounds (checked above); a volatile read forms no reference.
+        unsafe { std::ptr::read_volatile(self.ptr.add(i)) }
+    }
+
+    /// # Safety
+    /// No engine may still use the memory (it was deregistered, or its engine shut down).
+    unsafe fn free(self) {
+        let layout = Layout::from_size_align(self.len, 4096).expect("layout");
+        // SAFETY: allocated in `new` with this layout; the caller vouches that nothing uses it.
+        unsafe { std::alloc::dealloc(self.ptr, layout) }
+    }
+}
 
 // ----------------------------------------------------------------- HostBuffer::new
 
@@ -40,4 +140,260 @@ fn host_buffer_new_refuses_impossible_lengths() {
         Err(Error::InvalidRange { .. })
     ));
     assert_eq!(HostBuffer::new(1).expect("one byte").len(), 1);
+}
+
+// ----------------------------------------------------------------- shutdown fence
+
+/// Issue 19, defect 2: `register_raw` memory is handed back when `shutdown` returns. A
+/// peer writes into it without pause; right after `shutdown` the test poisons the memory
+/// (as an application reusing it would) and lets the peer go on writing: not one byte may
+/// change, and no engine thread may be left.
+fn shutdown_fences_registered_memory(kind: BackendKind) -> Result<()> {
+    let _serial = serial();
+    let base = engine_threads();
+    let n = (max_bytes() as usize / 2).clamp(64 << 10, 4 << 20);
+    for round in 0..5 {
+        // Many streams, each with payload queued when the victim shuts down; small slices,
+        // so the peer's loopback worker copies one op in many steps.
+        let cfg = || config(kind).tcp_streams(16);
+        let victim = engine_with(cfg())?;
+        let peer = engine_with(match kind {
+            BackendKind::Loopback => cfg().max_wr_bytes(64 << 10),
+            _ => cfg(),
+        })?;
+        let mem = RawMem::new(n);
+        // SAFETY: `mem` stays allocated until after `victim` shut down (and is leaked if
+        // the test fails).
+        unsafe { victim.register_raw(mem.ptr, n, Access::ALL)? };
+        let src = HostBuffer::new(n)?;
+        // SAFETY: `src` is ours and not registered yet; a raw fill forms no reference.
+        unsafe { std::ptr::write_bytes(src.as_mut_ptr(), 0x11, n) };
+        peer.register(&src, Access::LOCAL_WRITE)?;
+        let (pv, _) = connect(&peer, &victim)?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let writer = {
+            let (peer, stop) = (peer.clone(), stop.clone());
+            let (from, to) = (src.addr(), mem.addr());
+            std::thread::spawn(move || {
+                while !stop.load(Ordering::Acquire) {
+                    // 16 passes over the whole region: one long job on loopback, many
+                    // chunks on TCP and verbs.
+                    let b: Batch = (0..16)
+                        .map(|_| TransferOp {
+                            op: Op::Write,
+                            local: from,
+                            remote: to,
+                            len: n as u64,
+                        })
+                        .collect();
+                    match peer.submit(pv, b.timeout(Duration::from_secs(3))) {
+                        Ok(h) => {
+                            let _ = h.wait(secs(10));
+                        }
+                        Err(_) => std::thread::sleep(Duration::from_millis(1)),
+                    }
+                }
+            })
+        };
+        let t0 = Instant::now();
+        while mem.byte(n - 1) != 0x11 {
+            ensure!(t0.elapsed() < Duration::from_secs(20), "no write landed");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        victim.shutdown();
+        // The application takes its memory back.
+        mem.fill(0xA5);
+        std::thread::sleep(Duration::from_millis(300));
+        // Reading it is as wrong as writing it.
+        let back = HostBuffer::new(4096)?;
+        peer.register(&back, Access::LOCAL_WRITE)?;
+        if let Ok(h) = peer.submit(
+            pv,
+            Batch::new()
+                .read(back.addr(), mem.addr(), 4096)
+                .timeout(Duration::from_secs(3)),
+        ) {
+            ensure!(
+                h.wait(secs(10)).is_err(),
+                "round {round}: a READ of memory registered on a shut-down engine succeeded"
+            );
+        }
+        stop.store(true, Ordering::Release);
+        writer.join().expect("writer");
+        let after = mem.snapshot();
+        let changed = after.iter().filter(|&&b| b != 0xA5).count();
+        ensure!(
+            changed == 0,
+            "round {round}: {changed} bytes written after shutdown returned"
+        );
+        peer.shutdown();
+        drop((victim, peer));
+        // SAFETY: both engines shut down and nothing wrote after the victim's shutdown.
+        unsafe { mem.free() };
+    }
+    threads_back_to(base, Duration::from_secs(5))
+}
+
+#[test]
+fn loopback_shutdown_fences_registered_memory() {
+    shutdown_fences_registered_memory(BackendKind::Loopback).unwrap();
+}
+
+#[test]
+fn tcp_shutdown_fences_registered_memory() {
+    shutdown_fences_registered_memory(BackendKind::Tcp).unwrap();
+}
+
+const ROLE_ENV: &str = "PAGEWIRE_TEST_ROLE";
+
+/// The same over TCP with the victim in a process of its own, where it can also count
+/// its threads the moment `shutdown` returns: none may be left to touch the memory.
+#[test]
+fn tcp_shutdown_fences_registered_memory_in_another_process() {
+    shutdown_in_another_process().unwrap();
+}
+
+/// The victim's role: only active in the child process.
+#[test]
+fn victim_role_helper() {
+    if std::env::var(ROLE_ENV).as_deref() != Ok("tcp-victim") {
+        return;
+    }
+    let n = 4 << 20;
+    let e = engine_with(config(BackendKind::Tcp).tcp_streams(16)).expect("engine");
+    let mem = RawMem::new(n);
+    // SAFETY: `mem` is never freed in this process.
+    unsafe { e.register_raw(mem.ptr, n, Access::ALL) }.expect("register");
+    println!("VICTIM {} {:#x} {n}", e.local_addr(), mem.addr());
+    std::io::stdout().flush().ok();
+    let mut cmd = String::new();
+    std::io::stdin().read_line(&mut cmd).expect("command");
+    e.shutdown();
+    let left = live_engine_threads();
+    mem.fill(0xA5);
+    std::thread::sleep(Duration::from_millis(300));
+    let changed = mem.snapshot().iter().filter(|&&b| b != 0xA5).count();
+    println!("RESULT changed={changed} left={}", left.join(","));
+    std::io::stdout().flush().ok();
+}
+
+/// Names of the threads of this process named `pagewire-*` that still run code: a thread
+/// that was joined may linger in the kernel's exit path for a moment, flagged exiting.
+fn live_engine_threads() -> Vec<String> {
+    const PF_EXITING: u64 = 0x4;
+    let Ok(dir) = std::fs::read_dir("/proc/self/task") else {
+        return Vec::new();
+    };
+    dir.filter_map(|t| t.ok())
+        .filter_map(|t| {
+            let comm = std::fs::read_to_string(t.path().join("comm")).ok()?;
+            let stat = std::fs::read_to_string(t.path().join("stat")).ok()?;
+            // After the parenthesised name: state, ppid, pgrp, session, tty, tpgid, flags.
+            let flags: u64 = stat
+                .rsplit(')')
+                .next()?
+                .split_whitespace()
+                .nth(6)?
+                .parse()
+                .ok()?;
+            (comm.starts_with("pagewire") && flags & PF_EXITING == 0)
+                .then(|| comm.trim().to_string())
+        })
+        .collect()
+}
+
+fn shutdown_in_another_process() -> Result<()> {
+    let _serial = serial();
+    for round in 0..3 {
+        shutdown_in_a_child().with_context(|| format!("round {round}"))?;
+    }
+    Ok(())
+}
+
+fn shutdown_in_a_child() -> Result<()> {
+    use std::io::BufRead;
+    use std::process::{Command, Stdio};
+    let mut child = Command::new(std::env::current_exe()?)
+        .args([
+            "--exact",
+            "victim_role_helper",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(ROLE_ENV, "tcp-victim")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()?;
+    let mut stdin = child.stdin.take().context("child stdin")?;
+    let mut lines = std::io::BufReader::new(child.stdout.take().context("child stdout")?).lines();
+    let mut next_with = |tag: &str| -> Result<String> {
+        loop {
+            let line = lines.next().context("the victim exited")??;
+            // libtest prints "test victim_role_helper ... " on the same line first.
+            if let Some(rest) = line.split(tag).nth(1) {
+                return Ok(rest.to_string());
+            }
+        }
+    };
+    let hello = next_with("VICTIM ")?;
+    let mut it = hello.split_whitespace();
+    let addr: SocketAddr = it.next().context("addr")?.parse()?;
+    let to = u64::from_str_radix(it.next().context("mem")?.trim_start_matches("0x"), 16)?;
+    let n: usize = it.next().context("len")?.parse()?;
+
+    let peer = engine_with(config(BackendKind::Tcp).tcp_streams(16))?;
+    let src = HostBuffer::new(n)?;
+    // SAFETY: `src` is ours and not registered yet.
+    unsafe { std::ptr::write_bytes(src.as_mut_ptr(), 0x11, n) };
+    peer.register(&src, Access::LOCAL_WRITE)?;
+    let pv = peer.connect(addr)?;
+    let pass = || -> Batch {
+        (0..16)
+            .map(|_| TransferOp {
+                op: Op::Write,
+                local: src.addr(),
+                remote: to,
+                len: n as u64,
+            })
+            .collect::<Batch>()
+            .timeout(Duration::from_secs(3))
+    };
+    // Writes land before the victim shuts down.
+    peer.submit(pv, pass())?.wait(secs(20))?;
+    let stop = Arc::new(AtomicBool::new(false));
+    let writer = {
+        let (peer, stop) = (peer.clone(), stop.clone());
+        let b = pass();
+        std::thread::spawn(move || {
+            while !stop.load(Ordering::Acquire) {
+                match peer.submit(pv, b.clone()) {
+                    Ok(h) => {
+                        let _ = h.wait(secs(10));
+                    }
+                    Err(_) => std::thread::sleep(Duration::from_millis(1)),
+                }
+            }
+        })
+    };
+    std::thread::sleep(Duration::from_millis(50));
+    writeln!(stdin, "SHUTDOWN")?;
+    let result = next_with("RESULT ");
+    stop.store(true, Ordering::Release);
+    writer.join().expect("writer");
+    let _ = child.wait();
+    let result = result?;
+    ensure!(
+        result.trim() == "changed=0 left=",
+        "after the victim's shutdown returned: {result}"
+    );
+    Ok(())
+}
+
+#[cfg(feature = "verbs")]
+#[test]
+fn verbs_shutdown_fences_registered_memory() {
+    if runnable(BackendKind::Verbs, "shutdown_fences_registered_memory") {
+        shutdown_fences_registered_memory(BackendKind::Verbs).unwrap();
+    }
 }

@@ -6,12 +6,15 @@
 //! against the peer's *current* registrations (and their keys) and pins the peer region
 //! for the copy, so a peer that deregisters or shuts down mid-batch makes the batch
 //! fail instead of writing into freed memory. One worker thread per connection runs
-//! batches in order, in slices of `max_wr_bytes`, checking cancel/deadline between
-//! slices.
+//! batches in order, in slices of `max_wr_bytes`, checking cancel/deadline, our close and
+//! the peer's shutdown between slices. Closing the connection joins its worker, and the
+//! peer's shutdown waits for the pin on its memory to be dropped, so neither engine's
+//! memory is touched after its shutdown returned.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::thread::JoinHandle;
 
 use crossbeam_channel::Sender;
 
@@ -23,7 +26,7 @@ use crate::batch::Op;
 use crate::config::{BackendKind, EngineConfig};
 use crate::engine::PeerId;
 use crate::error::{Error, HandshakeError, Result};
-use crate::memory::{Access, RegionPin, Registry};
+use crate::memory::{Access, PeerPin, Registry};
 
 type ConnKey = (u64, u64);
 
@@ -132,7 +135,7 @@ impl PendingConn for Pending {
             slice: self.slice,
         });
         let worker = shared.clone();
-        std::thread::Builder::new()
+        let thread = std::thread::Builder::new()
             .name("pagewire-loop".into())
             .spawn(move || {
                 for job in rx {
@@ -143,6 +146,7 @@ impl PendingConn for Pending {
         Ok(Arc::new(LoopConn {
             shared,
             tx: Mutex::new(Some(tx)),
+            worker: Mutex::new(Some(thread)),
         }))
     }
 }
@@ -177,7 +181,7 @@ impl Shared {
             return;
         }
         // One pin is reused while consecutive ops stay in the same peer region.
-        let mut pin: Option<RegionPin> = None;
+        let mut pin: Option<PeerPin> = None;
         for op in &job.ops {
             if b.should_stop() {
                 return;
@@ -202,7 +206,7 @@ impl Shared {
     }
 
     /// One resolved op: validate against the peer's live registry, pin, copy.
-    fn copy(&self, b: &BatchState, pin: &mut Option<RegionPin>, op: &ResolvedOp) -> Result<()> {
+    fn copy(&self, b: &BatchState, pin: &mut Option<PeerPin>, op: &ResolvedOp) -> Result<()> {
         let needed = match op.op {
             Op::Write => Access::REMOTE_WRITE,
             Op::Read => Access::REMOTE_READ,
@@ -219,7 +223,7 @@ impl Shared {
                 .and_then(Weak::upgrade)
                 .ok_or_else(|| self.gone("peer engine shut down"))?;
             let p = registry
-                .pin(op.remote, op.len, needed)
+                .pin_for_peer(op.remote, op.len, needed)
                 .map_err(|e| self.refused(e.to_string()))?;
             *pin = Some(p);
         }
@@ -234,6 +238,13 @@ impl Shared {
         while off < op.len {
             if b.should_stop() {
                 return Ok(());
+            }
+            // Our close waits for this worker, the peer's shutdown for `pin`: stop at once.
+            if self.broken.load(Ordering::Acquire) {
+                return Err(self.gone("connection closed"));
+            }
+            if region.revoked() {
+                return Err(self.gone("peer engine shut down"));
             }
             let n = (op.len - off).min(self.slice);
             let (src, dst) = match op.op {
@@ -265,6 +276,8 @@ impl Shared {
 struct LoopConn {
     shared: Arc<Shared>,
     tx: Mutex<Option<Sender<Job>>>,
+    /// Joined on close: after that, nothing of this connection touches memory.
+    worker: Mutex<Option<JoinHandle<()>>>,
 }
 
 impl Conn for LoopConn {
@@ -292,5 +305,18 @@ impl Conn for LoopConn {
         self.shared.broken.store(true, Ordering::Release);
         lock(&self.tx).take();
         lock(sinks()).remove(&self.shared.local);
+        // The worker fails what is queued and stops within one slice.
+        let t = lock(&self.worker).take();
+        if let Some(t) = t
+            && t.thread().id() != std::thread::current().id()
+        {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for LoopConn {
+    fn drop(&mut self) {
+        self.close();
     }
 }

@@ -24,6 +24,11 @@
 //! surfaces the tag only when all bytes are in its memory. A stream error (reset, EOF,
 //! `io_timeout` with a request outstanding) breaks the whole connection and fails every
 //! pending batch with `PeerGone`.
+//!
+//! Every thread that moves payload is joined before memory is handed back: closing a
+//! connection joins its sender and receiver threads, and shutdown joins every responder
+//! thread. Between two reads into registered memory a thread checks whether its
+//! connection or session was closed, so a peer that keeps sending cannot keep it writing.
 
 use std::collections::HashMap;
 use std::io::{ErrorKind, Read, Write};
@@ -85,6 +90,7 @@ pub(crate) fn open(config: &EngineConfig, init: &BackendInit) -> Result<Arc<dyn 
         next_key: AtomicU32::new((random_u64() as u32) | 1),
         shutdown: AtomicBool::new(false),
         listener: Mutex::new(None),
+        serving: Mutex::new(Serving::default()),
     });
     let weak = Arc::downgrade(&shared);
     let t = std::thread::Builder::new()
@@ -107,6 +113,34 @@ struct TcpShared {
     next_key: AtomicU32,
     shutdown: AtomicBool,
     listener: Mutex<Option<JoinHandle<()>>>,
+    /// Responder threads, joined at shutdown.
+    serving: Mutex<Serving>,
+}
+
+/// Responder threads, each with a clone of its stream (to shut it down) until it ends.
+/// Never detached: the ones that ended are joined at the next accept, the rest at
+/// shutdown.
+#[derive(Default)]
+struct Serving {
+    next: u64,
+    threads: HashMap<u64, (Option<TcpStream>, Option<JoinHandle<()>>)>,
+}
+
+impl Serving {
+    /// Joins the threads that have ended (at once: they have).
+    fn reap(&mut self) {
+        let done: Vec<u64> = self
+            .threads
+            .iter()
+            .filter(|(_, (_, t))| t.as_ref().is_some_and(JoinHandle::is_finished))
+            .map(|(id, _)| *id)
+            .collect();
+        for id in done {
+            if let Some((_, Some(t))) = self.threads.remove(&id) {
+                let _ = t.join();
+            }
+        }
+    }
 }
 
 /// Our side of one connection as the data listener sees it.
@@ -198,6 +232,15 @@ impl Backend for TcpBackend {
         }
         let _ = TcpStream::connect_timeout(&wake, Duration::from_millis(200));
         if let Some(t) = lock(&s.listener).take() {
+            let _ = t.join();
+        }
+        // No responder starts now; stop and join the ones left (their sessions are closed,
+        // so each stops before its next read into memory).
+        let serving = std::mem::take(&mut lock(&s.serving).threads);
+        for stream in serving.values().filter_map(|(s, _)| s.as_ref()) {
+            let _ = stream.shutdown(Shutdown::Both);
+        }
+        for t in serving.into_values().filter_map(|(_, t)| t) {
             let _ = t.join();
         }
     }
@@ -319,6 +362,8 @@ struct ConnShared {
     seq: AtomicU64,
     broken: AtomicBool,
     reason: Mutex<Option<String>>,
+    /// Sender and receiver threads, joined on close.
+    threads: Mutex<Vec<JoinHandle<()>>>,
 }
 
 impl ConnShared {
@@ -348,26 +393,54 @@ impl ConnShared {
             seq: AtomicU64::new(1),
             broken: AtomicBool::new(false),
             reason: Mutex::new(None),
+            threads: Mutex::new(Vec::new()),
         });
         for (i, (sock, rx)) in socks.into_iter().zip(rxs).enumerate() {
             // Unbounded: the socket's own buffers are the back-pressure; a bounded queue
             // could block the sender between queueing a gather and writing it.
             let (in_tx, in_rx) = crossbeam_channel::unbounded::<Job>();
-            let rsock = sock
-                .try_clone()
-                .map_err(|e| Error::io("clone data stream", e))?;
+            let rsock = match sock.try_clone() {
+                Ok(r) => r,
+                Err(e) => {
+                    conn.close_and_join("cannot clone a data stream".into());
+                    return Err(Error::io("clone data stream", e));
+                }
+            };
             let c = conn.clone();
-            std::thread::Builder::new()
+            let tx = std::thread::Builder::new()
                 .name(format!("pagewire-tcp-tx{i}"))
-                .spawn(move || c.send_loop(sock, rx, in_tx))
-                .map_err(|e| Error::io("spawn TCP sender", e))?;
+                .spawn(move || c.send_loop(sock, rx, in_tx));
             let c = conn.clone();
-            std::thread::Builder::new()
+            let rx = std::thread::Builder::new()
                 .name(format!("pagewire-tcp-rx{i}"))
-                .spawn(move || c.recv_loop(rsock, in_rx, io_timeout))
-                .map_err(|e| Error::io("spawn TCP receiver", e))?;
+                .spawn(move || c.recv_loop(rsock, in_rx, io_timeout));
+            match (tx, rx) {
+                (Ok(t), Ok(r)) => lock(&conn.threads).extend([t, r]),
+                (t, r) => {
+                    let err = t.as_ref().err().or(r.as_ref().err()).map(|e| e.kind());
+                    lock(&conn.threads).extend(t.ok().into_iter().chain(r.ok()));
+                    conn.close_and_join("cannot spawn a stream thread".into());
+                    return Err(Error::io(
+                        "spawn TCP stream threads",
+                        err.unwrap_or(ErrorKind::Other).into(),
+                    ));
+                }
+            }
         }
         Ok(conn)
+    }
+
+    /// Breaks the connection and waits for its threads: when this returns, nothing of
+    /// the connection touches local memory again.
+    fn close_and_join(&self, reason: String) {
+        self.break_all(reason);
+        let threads = std::mem::take(&mut *lock(&self.threads));
+        let me = std::thread::current().id();
+        for t in threads {
+            if t.thread().id() != me {
+                let _ = t.join();
+            }
+        }
     }
 
     fn gone(&self) -> Error {
@@ -567,8 +640,16 @@ impl ConnShared {
                 }
                 // SAFETY: the engine validated `[local, local+len)` against a registered
                 // region with LOCAL_WRITE, pinned by `job.batch` for this whole call.
-                unsafe { read_full_raw(sock, job.local as *mut u8, job.len as usize, io_timeout) }
-                    .map_err(|e| format!("receive failed: {e}"))?;
+                unsafe {
+                    read_full_raw(
+                        sock,
+                        job.local as *mut u8,
+                        job.len as usize,
+                        io_timeout,
+                        &self.broken,
+                    )
+                }
+                .map_err(|e| format!("receive failed: {e}"))?;
             }
             _ if len != 0 => return Err("unexpected payload".into()),
             _ => {}
@@ -671,7 +752,7 @@ impl Conn for TcpConn {
     }
 
     fn close(&self) {
-        self.conn.break_all("connection closed locally".into());
+        self.conn.close_and_join("connection closed locally".into());
         self.session.close();
         if let Some(b) = self.backend.upgrade() {
             lock(&b.sessions).remove(&self.session.id);
@@ -697,18 +778,43 @@ fn accept_loop(listener: TcpListener, shared: Weak<TcpShared>) {
             std::thread::sleep(Duration::from_millis(10));
             continue;
         };
+        // Tracked before it starts, so shutdown can stop and join it.
+        let Ok(clone) = s.try_clone() else { continue };
+        let id = {
+            let mut serving = lock(&b.serving);
+            serving.reap();
+            serving.next += 1;
+            let id = serving.next;
+            serving.threads.insert(id, (Some(clone), None));
+            id
+        };
+        let b2 = b.clone();
         let spawned = std::thread::Builder::new()
             .name("pagewire-tcp-serve".into())
             .spawn(move || {
                 let from = s.peer_addr().ok();
-                if let Err(e) = serve_stream(&b, s)
-                    && !b.shutdown.load(Ordering::Acquire)
+                if let Err(e) = serve_stream(&b2, s)
+                    && !b2.shutdown.load(Ordering::Acquire)
                 {
                     tracing::warn!(?from, error = %e, "TCP data stream dropped");
                 }
+                // Close the clone too; the handle stays, to be joined.
+                if let Some(e) = lock(&b2.serving).threads.get_mut(&id) {
+                    e.0 = None;
+                }
             });
-        if let Err(e) = spawned {
-            tracing::warn!(error = %e, "cannot spawn TCP stream thread");
+        match spawned {
+            // Unless shutdown took the entry meanwhile (it joins what it found).
+            Ok(t) => match lock(&b.serving).threads.get_mut(&id) {
+                Some(e) => e.1 = Some(t),
+                None => {
+                    let _ = t.join();
+                }
+            },
+            Err(e) => {
+                lock(&b.serving).threads.remove(&id);
+                tracing::warn!(error = %e, "cannot spawn TCP stream thread");
+            }
         }
     }
 }
@@ -850,7 +956,7 @@ fn serve_request(
                     // SAFETY: `[addr, addr+len)` lies in a registered region with
                     // REMOTE_WRITE (checked above) that `_pin` keeps registered, hence
                     // allocated, until the payload is in place.
-                    unsafe { read_full_raw(s, addr as *mut u8, n, b.io_timeout) }
+                    unsafe { read_full_raw(s, addr as *mut u8, n, b.io_timeout, &session.closed) }
                         .map_err(|e| format!("payload: {e}"))?;
                     acks.extend_from_slice(&response(seq, S_OK, 0));
                     Ok(())
@@ -910,7 +1016,9 @@ fn encode_request(job: &Job, more: bool) -> [u8; REQ_LEN] {
     hdr
 }
 
-/// `read_full` into `len` bytes at `ptr` (registered memory), through raw pointers.
+/// `read_full` into `len` bytes at `ptr` (registered memory), through raw pointers. It
+/// stops with `ConnectionAborted` before any read once `stop` is set (the connection or
+/// session closed): bytes still queued in the socket must not land after a close.
 ///
 /// # Safety
 /// `[ptr, ptr+len)` must be valid for writes until the call returns.
@@ -919,10 +1027,14 @@ unsafe fn read_full_raw(
     ptr: *mut u8,
     len: usize,
     timeout: Duration,
+    stop: &AtomicBool,
 ) -> std::io::Result<()> {
     let mut got = 0;
     let mut last = Instant::now();
     while got < len {
+        if stop.load(Ordering::Acquire) {
+            return Err(ErrorKind::ConnectionAborted.into());
+        }
         // SAFETY: `got < len`, so `[ptr+got, ptr+len)` is inside the caller's range.
         match unsafe { rawio::read(s, ptr.add(got), len - got) } {
             Ok(0) => return Err(ErrorKind::UnexpectedEof.into()),
