@@ -3,7 +3,9 @@
 //!
 //! * `HostBuffer::new` refuses lengths it cannot allocate (no wrapped size);
 //! * after `Engine::shutdown` returns, nothing touches memory that was registered, even
-//!   while a peer keeps writing (the application may free it at once).
+//!   while a peer keeps writing (the application may free it at once);
+//! * a TCP READ that misses its batch deadline lands nothing after the batch failed, lets
+//!   go of its target within the I/O timeout, and breaks its connection.
 //!
 //! Memory that an engine may write is touched here only through raw pointers (`RawMem`),
 //! as an application must.
@@ -11,15 +13,17 @@
 mod common;
 
 use std::alloc::Layout;
-use std::io::Write;
-use std::net::SocketAddr;
+use std::io::{Read, Write};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
 use common::*;
-use pagewire_transport::{Access, BackendKind, Batch, Error, HostBuffer, Op, TransferOp};
+use pagewire_transport::{
+    Access, BackendKind, Batch, EndpointInfo, Error, HostBuffer, Op, TransferOp,
+};
 
 /// The tests of this file count the engine's threads: one at a time.
 static SERIAL: Mutex<()> = Mutex::new(());
@@ -396,4 +400,173 @@ fn verbs_shutdown_fences_registered_memory() {
     if runnable(BackendKind::Verbs, "shutdown_fences_registered_memory") {
         shutdown_fences_registered_memory(BackendKind::Verbs).unwrap();
     }
+}
+
+// ----------------------------------------------------------------- READ deadline
+
+/// Relays connections from `listener` to `to` until `stop`. Bytes towards the client pass
+/// freely for the first `free` bytes of each connection, then one every `gap`: a peer that
+/// trickles.
+fn relay(listener: TcpListener, to: SocketAddr, free: usize, gap: Duration, stop: Arc<AtomicBool>) {
+    std::thread::spawn(move || {
+        for c in listener.incoming() {
+            if stop.load(Ordering::Acquire) {
+                return;
+            }
+            let Ok(client) = c else { continue };
+            let Ok(server) = TcpStream::connect(to) else {
+                continue;
+            };
+            let (c2, s2) = (
+                client.try_clone().expect("clone"),
+                server.try_clone().expect("clone"),
+            );
+            let st = stop.clone();
+            std::thread::spawn(move || pipe(client, server, usize::MAX, gap, &st));
+            let st = stop.clone();
+            std::thread::spawn(move || pipe(s2, c2, free, gap, &st));
+        }
+    });
+}
+
+fn pipe(mut from: TcpStream, mut to: TcpStream, free: usize, gap: Duration, stop: &AtomicBool) {
+    let _ = from.set_read_timeout(Some(Duration::from_millis(50)));
+    let mut buf = vec![0u8; 64 << 10];
+    let mut sent = 0usize;
+    while !stop.load(Ordering::Acquire) {
+        let n = match from.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => n,
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                continue;
+            }
+            Err(_) => break,
+        };
+        for (i, b) in buf[..n].iter().enumerate() {
+            if stop.load(Ordering::Acquire) {
+                break;
+            }
+            if sent < free {
+                let k = (free - sent).min(n - i);
+                if to.write_all(&buf[i..i + k]).is_err() {
+                    return;
+                }
+                sent += k;
+                if i + k == n {
+                    break;
+                }
+                continue;
+            }
+            if sent >= free && to.write_all(std::slice::from_ref(b)).is_err() {
+                return;
+            }
+            sent += 1;
+            std::thread::sleep(gap);
+        }
+    }
+    let _ = to.shutdown(std::net::Shutdown::Both);
+}
+
+/// Issue 19, defect 8: a peer that trickles a READ's payload. The batch fails with
+/// `Timeout` at its deadline; from then on not one more byte lands in its target, the
+/// target's region can be deregistered within the I/O timeout, and the connection, which
+/// could not keep the deadline, is reported broken.
+#[test]
+fn tcp_read_past_its_deadline_lands_nothing() {
+    read_past_deadline().unwrap();
+}
+
+fn read_past_deadline() -> Result<()> {
+    let _serial = serial();
+    let io = Duration::from_millis(1000);
+    let n = 1 << 20;
+    let b = engine(BackendKind::Tcp)?;
+    let src = HostBuffer::new(n)?;
+    // SAFETY: `src` is ours and not registered yet.
+    unsafe { std::ptr::write_bytes(src.as_mut_ptr(), 0x11, n) };
+    b.register(&src, Access::ALL)?;
+    // B's data port, as any peer learns it.
+    let data_port = {
+        let probe = engine(BackendKind::Tcp)?;
+        let p = probe.connect(b.local_addr())?;
+        let EndpointInfo::Tcp { data_port, .. } = probe.peer_info(p)?.remote_endpoint else {
+            bail!("not a TCP endpoint");
+        };
+        probe.shutdown();
+        data_port
+    };
+    // Relays on 127.0.0.2: the control port as is, and B's data port (A dials the data
+    // port on the address it reached the control port at), trickled towards A after the
+    // first 64 KiB.
+    let stop = Arc::new(AtomicBool::new(false));
+    let relay_ip = IpAddr::V4(Ipv4Addr::new(127, 0, 0, 2));
+    let ctrl = TcpListener::bind((relay_ip, 0))?;
+    let ctrl_addr = ctrl.local_addr()?;
+    let data = TcpListener::bind((relay_ip, data_port))
+        .context("relay on B's data port number at 127.0.0.2")?;
+    relay(
+        ctrl,
+        b.local_addr(),
+        usize::MAX,
+        Duration::ZERO,
+        stop.clone(),
+    );
+    let b_data = SocketAddr::new(b.local_addr().ip(), data_port);
+    relay(
+        data,
+        b_data,
+        64 << 10,
+        Duration::from_millis(20),
+        stop.clone(),
+    );
+
+    let a = engine_with(config(BackendKind::Tcp).tcp_streams(1).io_timeout(io))?;
+    let mem = RawMem::new(n + 8192);
+    mem.fill(GUARD);
+    // SAFETY: `mem` outlives `a` (leaked if the test fails).
+    let region = unsafe { a.register_raw(mem.ptr, n + 8192, Access::LOCAL_WRITE)? };
+    let ab = a.connect(ctrl_addr)?;
+    let h = a.submit(
+        ab,
+        Batch::new()
+            .read(mem.addr() + 4096, src.addr(), n as u64)
+            .timeout(Duration::from_millis(300)),
+    )?;
+    let got = h.wait(secs(20));
+    let failed_at = Instant::now();
+    ensure!(
+        matches!(got, Err(Error::Timeout { .. })),
+        "trickled READ: {got:?}"
+    );
+    let snap = mem.snapshot();
+    ensure!(snap[4096] == 0x11, "the READ never started landing");
+    ensure!(
+        all_eq(&snap[..4096], GUARD) && all_eq(&snap[4096 + n..], GUARD),
+        "bytes outside the target"
+    );
+    // The peer goes on trickling: nothing of it may land now.
+    std::thread::sleep(Duration::from_millis(400));
+    let later = mem.snapshot();
+    let landed = snap.iter().zip(&later).filter(|(x, y)| x != y).count();
+    ensure!(landed == 0, "{landed} bytes landed after the batch failed");
+    a.deregister_wait(region, failed_at + io + Duration::from_millis(500))
+        .context("the failed READ's target is still pinned after the I/O timeout")?;
+    ensure!(
+        !a.peer_alive(ab)?,
+        "a connection that missed a deadline by the I/O timeout is still reported alive"
+    );
+    stop.store(true, Ordering::Release);
+    a.shutdown();
+    b.shutdown();
+    // Wake the relays' accept loops so they see `stop`.
+    let _ = TcpStream::connect(ctrl_addr);
+    let _ = TcpStream::connect((relay_ip, data_port));
+    // SAFETY: `a` shut down; the region was deregistered before.
+    unsafe { mem.free() };
+    Ok(())
 }

@@ -251,6 +251,11 @@ impl Shared {
                 Op::Write => (op.local + off, op.remote + off),
                 Op::Read => (op.remote + off, op.local + off),
             };
+            // Held for the slice: a failure or cancellation reported from now on waits for
+            // it, and none is given after one, so nothing lands after it is reported.
+            let Some(_landing) = b.landing() else {
+                return Ok(());
+            };
             // SAFETY: the local range was validated by the engine against a registered
             // region that the batch pins (it cannot be deregistered while `b` lives); the
             // remote range was validated against the peer's registry and is pinned by

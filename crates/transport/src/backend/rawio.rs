@@ -9,6 +9,7 @@
 
 use std::io;
 use std::os::fd::AsRawFd;
+use std::time::Duration;
 
 /// One `(pointer, length)` entry of a gather list. Building one reads nothing; the
 /// pointer must be valid for reads when the list is passed to [`write_all`].
@@ -43,6 +44,48 @@ pub(crate) unsafe fn read(fd: &impl AsRawFd, ptr: *mut u8, len: usize) -> io::Re
         let n = unsafe { libc::read(fd.as_raw_fd(), ptr.cast(), len) };
         if n >= 0 {
             return Ok(n as usize);
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
+}
+
+/// One `recv(2)` of at most `len` bytes into `ptr` that does not wait (`MSG_DONTWAIT`):
+/// `Err(WouldBlock)` when nothing is queued, `Ok(0)` at end of stream.
+///
+/// # Safety
+/// As for [`read`].
+pub(crate) unsafe fn recv_now(fd: &impl AsRawFd, ptr: *mut u8, len: usize) -> io::Result<usize> {
+    loop {
+        // SAFETY: as in `read`: the kernel writes at most `len` bytes at `ptr`.
+        let n = unsafe { libc::recv(fd.as_raw_fd(), ptr.cast(), len, libc::MSG_DONTWAIT) };
+        if n >= 0 {
+            return Ok(n as usize);
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
+}
+
+/// Waits until `fd` has bytes to read (or end of stream, or an error), at most `timeout`;
+/// `Ok(false)` when the time ran out.
+pub(crate) fn wait_readable(fd: &impl AsRawFd, timeout: Duration) -> io::Result<bool> {
+    let mut p = libc::pollfd {
+        fd: fd.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // Round up, so a wait never ends early and spins.
+    let ms = timeout.as_micros().div_ceil(1000).min(i32::MAX as u128) as libc::c_int;
+    loop {
+        // SAFETY: `p` is one valid `pollfd` that lives across the call.
+        let n = unsafe { libc::poll(&mut p, 1, ms) };
+        if n >= 0 {
+            return Ok(n > 0);
         }
         let e = io::Error::last_os_error();
         if e.kind() != io::ErrorKind::Interrupted {
@@ -91,7 +134,7 @@ pub(crate) unsafe fn write_all(fd: &impl AsRawFd, mut iov: &mut [IoVec]) -> io::
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::io::Read;
+    use std::io::{Read, Write};
     use std::net::{TcpListener, TcpStream};
 
     fn pair() -> (TcpStream, TcpStream) {
@@ -123,5 +166,20 @@ mod tests {
         assert_eq!(&all[..4], b"head");
         assert_eq!(&all[4..4 + big.len()], &big[..]);
         assert_eq!(&all[4 + big.len()..], b"tail");
+
+        let (mut c, d) = pair();
+        assert!(!wait_readable(&d, Duration::from_millis(1)).unwrap());
+        let mut buf = [0u8; 8];
+        // SAFETY: `buf` is ours and writable.
+        let e = unsafe { recv_now(&d, buf.as_mut_ptr(), 8) }.unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::WouldBlock);
+        c.write_all(b"abc").unwrap();
+        assert!(wait_readable(&d, Duration::from_secs(5)).unwrap());
+        // SAFETY: as above.
+        assert_eq!(unsafe { read(&d, buf.as_mut_ptr(), 8) }.unwrap(), 3);
+        assert_eq!(&buf[..3], b"abc");
+        drop(c);
+        // SAFETY: as above.
+        assert_eq!(unsafe { recv_now(&d, buf.as_mut_ptr(), 8) }.unwrap(), 0);
     }
 }

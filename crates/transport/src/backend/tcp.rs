@@ -25,6 +25,12 @@
 //! `io_timeout` with a request outstanding) breaks the whole connection and fails every
 //! pending batch with `PeerGone`.
 //!
+//! Deadlines: a response must come within `io_timeout` of the last byte received and no
+//! later than `io_timeout` after its batch's deadline; a connection that misses either
+//! breaks. A READ lands its payload only while its batch is pending (under
+//! [`BatchState::landing`]): once the batch failed or was cancelled, the rest of the
+//! payload is read into a scratch buffer, so nothing lands after the failure is reported.
+//!
 //! Every thread that moves payload is joined before memory is handed back: closing a
 //! connection joins its sender and receiver threads, and shutdown joins every responder
 //! thread. Between two reads into registered memory a thread checks whether its
@@ -560,6 +566,7 @@ impl ConnShared {
         let mut failed: Option<Error> = None;
         let mut group: Vec<Job> = Vec::with_capacity(GATHER);
         let mut buf = vec![0u8; GATHER * RESP_LEN];
+        let mut scratch = Vec::new();
         while let Ok(first) = inflight.recv() {
             let mut last_is_read = first.kind == Kind::Data(Op::Read);
             group.push(first);
@@ -579,14 +586,12 @@ impl ConnShared {
                 continue;
             }
             let hdrs = &mut buf[..group.len() * RESP_LEN];
-            let res = read_full(&mut sock, hdrs, io_timeout)
-                .map_err(|e| format!("receive failed: {e}"))
-                .and_then(|()| {
-                    for (j, h) in group.iter().zip(hdrs.chunks_exact(RESP_LEN)) {
-                        self.recv_one(&mut sock, j, h, io_timeout)?;
-                    }
-                    Ok(())
-                });
+            let res = read_headers(&mut sock, hdrs, &group, io_timeout).and_then(|()| {
+                for (j, h) in group.iter().zip(hdrs.chunks_exact(RESP_LEN)) {
+                    self.recv_one(&sock, j, h, io_timeout, &mut scratch)?;
+                }
+                Ok(())
+            });
             if let Err(e) = res {
                 self.break_all(e);
                 let err = self.gone();
@@ -603,10 +608,11 @@ impl ConnShared {
     /// the stream is unusable.
     fn recv_one(
         &self,
-        sock: &mut TcpStream,
+        sock: &TcpStream,
         job: &Job,
         h: &[u8],
         io_timeout: Duration,
+        scratch: &mut Vec<u8>,
     ) -> Result<(), String> {
         let seq = u64::from_le_bytes(h[0..8].try_into().expect("8 bytes"));
         let status = u32::from_le_bytes(h[8..12].try_into().expect("4 bytes"));
@@ -638,18 +644,10 @@ impl ConnShared {
                 if u64::from(len) != job.len {
                     return Err(format!("READ response of {len} bytes for {}", job.len));
                 }
-                // SAFETY: the engine validated `[local, local+len)` against a registered
-                // region with LOCAL_WRITE, pinned by `job.batch` for this whole call.
-                unsafe {
-                    read_full_raw(
-                        sock,
-                        job.local as *mut u8,
-                        job.len as usize,
-                        io_timeout,
-                        &self.broken,
-                    )
+                if !self.land_read(sock, job, io_timeout, scratch)? {
+                    // The batch failed or was cancelled meanwhile; the stream is in sync.
+                    return Ok(());
                 }
-                .map_err(|e| format!("receive failed: {e}"))?;
             }
             _ if len != 0 => return Err("unexpected payload".into()),
             _ => {}
@@ -664,6 +662,70 @@ impl ConnShared {
             Kind::Notify(_) => job.batch.succeed(),
         }
         Ok(())
+    }
+
+    /// Reads a READ response's payload (`job.len` bytes) into `job.local`, only while the
+    /// batch is pending, each copy under its landing guard; the rest goes to `scratch`.
+    /// At the batch deadline it fails the batch itself (with `Timeout`). `Ok(true)` when
+    /// all of it landed; an `Err` (no progress for `io_timeout`, the payload not in by
+    /// `io_timeout` after the batch deadline, closed) breaks the connection.
+    fn land_read(
+        &self,
+        sock: &TcpStream,
+        job: &Job,
+        io_timeout: Duration,
+        scratch: &mut Vec<u8>,
+    ) -> Result<bool, String> {
+        let (len, deadline) = (job.len as usize, job.batch.deadline());
+        let mut land = true;
+        let mut got = 0;
+        let mut last = Instant::now();
+        while got < len {
+            if self.broken.load(Ordering::Acquire) {
+                return Err("connection closed".into());
+            }
+            let now = Instant::now();
+            let limit = (last + io_timeout).min(deadline + io_timeout);
+            if now >= limit {
+                return Err(missed(now, last, deadline, io_timeout));
+            }
+            if land && now >= deadline {
+                job.batch.expire_if_due(now);
+            }
+            let read = match land.then(|| job.batch.landing()).flatten() {
+                // SAFETY: the engine validated `[local, local+len)` against a registered
+                // region with LOCAL_WRITE that `job.batch` keeps pinned (registered, hence
+                // allocated); `got < len`. Only this thread writes there, and only while
+                // the batch is pending (the guard).
+                Some(_g) => unsafe {
+                    rawio::recv_now(sock, (job.local as *mut u8).add(got), len - got)
+                },
+                None => {
+                    land = false;
+                    if scratch.is_empty() {
+                        scratch.resize(64 << 10, 0);
+                    }
+                    let n = (len - got).min(scratch.len());
+                    // SAFETY: `scratch` is ours and holds at least `n` bytes.
+                    unsafe { rawio::recv_now(sock, scratch.as_mut_ptr(), n) }
+                }
+            };
+            match read {
+                Ok(0) => return Err("receive failed: end of stream".into()),
+                Ok(n) => {
+                    got += n;
+                    last = now;
+                }
+                Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                    // Wake at the batch deadline too, to fail it on time.
+                    let wake = if land { limit.min(deadline) } else { limit };
+                    rawio::wait_readable(sock, wake.saturating_duration_since(now))
+                        .map_err(|e| format!("receive failed: {e}"))?;
+                }
+                Err(e) => return Err(format!("receive failed: {e}")),
+            }
+        }
+        Ok(land)
     }
 
     /// Every chunk of the batch is acknowledged: send the notification or finish.
@@ -1048,6 +1110,51 @@ unsafe fn read_full_raw(
                 }
             }
             Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// Why a response broke the connection: no progress, or too late for its batch.
+fn missed(now: Instant, last: Instant, deadline: Instant, io: Duration) -> String {
+    if now >= last + io {
+        format!("receive failed: no progress for {io:?}")
+    } else {
+        format!(
+            "the peer's response missed its batch deadline by {:?}",
+            now.saturating_duration_since(deadline)
+        )
+    }
+}
+
+/// Reads the response headers of `group` (in order, `RESP_LEN` bytes each): each within
+/// `io` of the last byte received and of its batch's deadline. The socket's read timeout
+/// (`io`) bounds each wait.
+fn read_headers(
+    s: &mut TcpStream,
+    buf: &mut [u8],
+    group: &[Job],
+    io: Duration,
+) -> Result<(), String> {
+    let mut got = 0;
+    let mut last = Instant::now();
+    while got < buf.len() {
+        match s.read(&mut buf[got..]) {
+            Ok(0) => return Err("receive failed: end of stream".into()),
+            Ok(n) => {
+                got += n;
+                last = Instant::now();
+            }
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
+            Err(e) => return Err(format!("receive failed: {e}")),
+        }
+        if let Some(job) = group.get(got / RESP_LEN) {
+            let now = Instant::now();
+            let deadline = job.batch.deadline();
+            if now >= (last + io).min(deadline + io) {
+                return Err(missed(now, last, deadline, io));
+            }
         }
     }
     Ok(())
