@@ -412,8 +412,10 @@ impl Engine {
     // ---------------------------------------------------------------- connections
 
     /// Connects to a peer's control listener and runs the handshake. Connections are
-    /// meant to be set up once and reused for every batch.
+    /// meant to be set up once and reused for every batch. A peer that does not answer
+    /// in time is [`Error::Timeout`].
     pub fn connect(&self, addr: impl ToSocketAddrs) -> Result<PeerId> {
+        let started = Instant::now();
         self.inner.check_open()?;
         let mut last = None;
         let addrs = addr.to_socket_addrs().map_err(|e| Error::Connect {
@@ -423,7 +425,7 @@ impl Engine {
         for a in addrs {
             match self.inner.connect_one(a) {
                 Ok(p) => return Ok(p),
-                Err(e) => last = Some(e),
+                Err(e) => last = Some(e.deadline_as_timeout(started)),
             }
         }
         Err(last.unwrap_or_else(|| Error::Connect {
@@ -473,9 +475,13 @@ impl Engine {
         Ok(self.inner.peer(peer)?.table().regions().to_vec())
     }
 
-    /// Fetches a peer's exposed regions again (after it registered more memory).
+    /// Fetches a peer's exposed regions again (after it registered more memory). A peer
+    /// that does not answer in time is [`Error::Timeout`].
     pub fn redescribe(&self, peer: PeerId) -> Result<Vec<RemoteRegion>> {
-        self.inner.redescribe(peer)
+        let started = Instant::now();
+        self.inner
+            .redescribe(peer)
+            .map_err(|e| e.deadline_as_timeout(started))
     }
 
     /// Closes the connection to a peer; its pending batches fail.

@@ -5,7 +5,8 @@
 //! * after `Engine::shutdown` returns, nothing touches memory that was registered, even
 //!   while a peer keeps writing (the application may free it at once);
 //! * a TCP READ that misses its batch deadline lands nothing after the batch failed, lets
-//!   go of its target within the I/O timeout, and breaks its connection.
+//!   go of its target within the I/O timeout, and breaks its connection;
+//! * deadlines surface as `Error::Timeout`, not as an I/O error of kind `WouldBlock`.
 //!
 //! Memory that an engine may write is touched here only through raw pointers (`RawMem`),
 //! as an application must.
@@ -569,4 +570,48 @@ fn read_past_deadline() -> Result<()> {
     // SAFETY: `a` shut down; the region was deregistered before.
     unsafe { mem.free() };
     Ok(())
+}
+
+// ----------------------------------------------------------------- timeouts
+
+/// Issue 19: a deadline that passes is `Error::Timeout`. A control port that accepts the
+/// connection and never answers makes `connect` fail with `Timeout` within about the
+/// handshake timeout (it was `Handshake(Io { kind: WouldBlock })`).
+fn silent_peer_is_a_timeout(kind: BackendKind) -> Result<()> {
+    let silent = TcpListener::bind("127.0.0.1:0")?;
+    let addr = silent.local_addr()?;
+    let held = Arc::new(Mutex::new(Vec::new()));
+    {
+        let held = held.clone();
+        std::thread::spawn(move || {
+            for s in silent.incoming().flatten() {
+                held.lock().unwrap_or_else(|p| p.into_inner()).push(s);
+            }
+        });
+    }
+    let hs = Duration::from_millis(300);
+    let a = engine_with(config(kind).handshake_timeout(hs))?;
+    let t0 = Instant::now();
+    match a.connect(addr) {
+        Err(Error::Timeout { after }) => {
+            ensure!(after >= hs / 2, "Timeout reports {after:?}");
+        }
+        other => bail!("connect to a silent peer: {other:?}"),
+    }
+    ensure!(
+        t0.elapsed() < hs + Duration::from_secs(2),
+        "took {:?}",
+        t0.elapsed()
+    );
+    Ok(())
+}
+
+#[test]
+fn loopback_silent_peer_is_a_timeout() {
+    silent_peer_is_a_timeout(BackendKind::Loopback).unwrap();
+}
+
+#[test]
+fn tcp_silent_peer_is_a_timeout() {
+    silent_peer_is_a_timeout(BackendKind::Tcp).unwrap();
 }
