@@ -6,7 +6,9 @@
 //!   while a peer keeps writing (the application may free it at once);
 //! * a TCP READ that misses its batch deadline lands nothing after the batch failed, lets
 //!   go of its target within the I/O timeout, and breaks its connection;
-//! * deadlines surface as `Error::Timeout`, not as an I/O error of kind `WouldBlock`.
+//! * deadlines surface as `Error::Timeout`, not as an I/O error of kind `WouldBlock`;
+//! * the TCP backend forms no Rust reference over registered memory, and `HostBuffer` has
+//!   no safe slice view of it.
 //!
 //! Memory that an engine may write is touched here only through raw pointers (`RawMem`),
 //! as an application must.
@@ -614,4 +616,59 @@ fn loopback_silent_peer_is_a_timeout() {
 #[test]
 fn tcp_silent_peer_is_a_timeout() {
     silent_peer_is_a_timeout(BackendKind::Tcp).unwrap();
+}
+
+// ----------------------------------------------------------------- no references
+
+/// Issue 19, defect 10: the engine never forms a Rust reference (`&[u8]`/`&mut [u8]`) over
+/// memory a peer or a NIC may write. Checked on the source: the backends move bytes with
+/// raw pointers only, and `HostBuffer` has no safe slice view (`Deref`).
+#[test]
+fn no_slices_over_registered_memory() -> Result<()> {
+    let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut files = vec![src.clone()];
+    let mut offenders = Vec::new();
+    while let Some(p) = files.pop() {
+        if p.is_dir() {
+            for e in std::fs::read_dir(&p)? {
+                files.push(e?.path());
+            }
+            continue;
+        }
+        if p.extension().is_none_or(|x| x != "rs") {
+            continue;
+        }
+        let text = std::fs::read_to_string(&p)?;
+        let rel = p.strip_prefix(&src)?.display().to_string();
+        for (i, line) in text.lines().enumerate() {
+            let code = line.split("//").next().unwrap_or("");
+            let slice_view = code.contains("from_raw_parts") || code.contains("raw_slice");
+            // `HostBuffer`'s `unsafe fn as_slice`/`as_mut_slice` carry the contract.
+            let allowed = rel == "memory.rs" && slice_view && is_in_unsafe_view(&text, i);
+            if (slice_view && !allowed)
+                || code.contains("Deref for HostBuffer")
+                || code.contains("DerefMut for HostBuffer")
+            {
+                offenders.push(format!("{rel}:{}: {}", i + 1, line.trim()));
+            }
+        }
+    }
+    ensure!(
+        offenders.is_empty(),
+        "slices over registered memory:\n{}",
+        offenders.join("\n")
+    );
+    Ok(())
+}
+
+/// Whether line `i` of `text` lies in the body of `unsafe fn as_slice` / `as_mut_slice`.
+fn is_in_unsafe_view(text: &str, i: usize) -> bool {
+    let lines: Vec<&str> = text.lines().collect();
+    lines[..=i]
+        .iter()
+        .rev()
+        .find(|l| l.contains(" fn "))
+        .is_some_and(|l| {
+            l.contains("pub unsafe fn as_slice(") || l.contains("pub unsafe fn as_mut_slice(")
+        })
 }

@@ -722,7 +722,7 @@ fn server(a: &PagesArgs, listener: std::net::TcpListener, quiet: bool) -> anyhow
     ch.set_timeout(timeout)?;
     let mut outcome = Ok(());
     if a.verify && a.op == PageOp::Write {
-        let v = verify_pool(a, g, &local.buf[..])?;
+        let v = verify_pool(a, g, &local.buf.to_vec())?;
         let (ok, detail) = match &v {
             Ok(d) => (true, d.clone()),
             Err(d) => (false, d.clone()),
@@ -772,7 +772,8 @@ fn server_setup(
     // The source pool holds the seeded pattern; the destination is written once so every
     // page is faulted in before the clock starts.
     if a.op == PageOp::Read {
-        super::pattern::fill(&mut local.buf[..], source_seed(a));
+        let len = local.buf.len();
+        super::pattern::fill_buf(&mut local.buf, 0, len, source_seed(a));
     } else {
         local.buf.fill(0);
     }
@@ -813,7 +814,8 @@ fn client(
     );
     let mut local = session::Local::new(&engine, bytes)?;
     if a.op == PageOp::Write {
-        super::pattern::fill(&mut local.buf[..], source_seed(a));
+        let len = local.buf.len();
+        super::pattern::fill_buf(&mut local.buf, 0, len, source_seed(a));
     } else {
         local.buf.fill(0);
     }
@@ -863,7 +865,7 @@ fn client(
     let verified = if !a.verify {
         None
     } else if a.op == PageOp::Read {
-        Some(verify_pool(a, g, &local.buf[..])?.map_err(|e| format!("client: {e}")))
+        Some(verify_pool(a, g, &local.buf.to_vec())?.map_err(|e| format!("client: {e}")))
     } else {
         let (ok, detail) = ch.recv_verified()?;
         Some(if ok {
