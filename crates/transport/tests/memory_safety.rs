@@ -251,6 +251,78 @@ fn tcp_shutdown_fences_registered_memory() {
     shutdown_fences_registered_memory(BackendKind::Tcp).unwrap();
 }
 
+/// For AddressSanitizer: a peer writes without pause, and the victim's memory is freed
+/// the moment `shutdown` returns, so a later touch by any engine thread is reported as a
+/// heap-use-after-free (ASan intercepts `read`/`recv`/`writev`/`memmove`). Ignored in
+/// ordinary runs, where nothing would see the touch. Run with
+/// `RUSTFLAGS=-Zsanitizer=address cargo +nightly test -p pagewire-transport --test
+/// memory_safety --target x86_64-unknown-linux-gnu -- --ignored asan_`.
+fn free_right_after_shutdown(kind: BackendKind) -> Result<()> {
+    let _serial = serial();
+    let n = 4 << 20;
+    for _round in 0..3 {
+        let cfg = || config(kind).tcp_streams(16);
+        let victim = engine_with(cfg())?;
+        let peer = engine_with(match kind {
+            BackendKind::Loopback => cfg().max_wr_bytes(64 << 10),
+            _ => cfg(),
+        })?;
+        let mem = RawMem::new(n);
+        // SAFETY: freed only after `victim.shutdown()` returned, which is the point.
+        unsafe { victim.register_raw(mem.ptr, n, Access::ALL)? };
+        let src = HostBuffer::new(n)?;
+        // SAFETY: `src` is ours and not registered yet.
+        unsafe { std::ptr::write_bytes(src.as_mut_ptr(), 0x11, n) };
+        peer.register(&src, Access::LOCAL_WRITE)?;
+        let (pv, _) = connect(&peer, &victim)?;
+        let pass = (0..16)
+            .map(|_| TransferOp {
+                op: Op::Write,
+                local: src.addr(),
+                remote: mem.addr(),
+                len: n as u64,
+            })
+            .collect::<Batch>()
+            .timeout(Duration::from_secs(3));
+        peer.submit(pv, pass.clone())?.wait(secs(20))?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let writer = {
+            let (peer, stop) = (peer.clone(), stop.clone());
+            std::thread::spawn(move || {
+                while !stop.load(Ordering::Acquire) {
+                    match peer.submit(pv, pass.clone()) {
+                        Ok(h) => {
+                            let _ = h.wait(secs(10));
+                        }
+                        Err(_) => std::thread::sleep(Duration::from_millis(1)),
+                    }
+                }
+            })
+        };
+        std::thread::sleep(Duration::from_millis(20));
+        victim.shutdown();
+        // SAFETY: the victim shut down; this is what the fence promises to allow.
+        unsafe { mem.free() };
+        std::thread::sleep(Duration::from_millis(300));
+        stop.store(true, Ordering::Release);
+        writer.join().expect("writer");
+        peer.shutdown();
+    }
+    Ok(())
+}
+
+#[test]
+#[ignore = "for AddressSanitizer runs (see free_right_after_shutdown)"]
+fn asan_loopback_free_right_after_shutdown() {
+    free_right_after_shutdown(BackendKind::Loopback).unwrap();
+}
+
+#[test]
+#[ignore = "for AddressSanitizer runs (see free_right_after_shutdown)"]
+fn asan_tcp_free_right_after_shutdown() {
+    free_right_after_shutdown(BackendKind::Tcp).unwrap();
+}
+
 const ROLE_ENV: &str = "PAGEWIRE_TEST_ROLE";
 
 /// The same over TCP with the victim in a process of its own, where it can also count

@@ -547,7 +547,13 @@ impl ConnShared {
             };
             iov.clear();
             if let Err(e) = res {
-                self.break_all(format!("send failed: {e}"));
+                // A write timeout is the peer taking no bytes for `io_timeout`.
+                self.break_all(match e.kind() {
+                    ErrorKind::WouldBlock | ErrorKind::TimedOut => {
+                        "send failed: the peer took no bytes within the I/O timeout".into()
+                    }
+                    _ => format!("send failed: {e}"),
+                });
                 for b in batches {
                     b.fail(self.gone());
                 }
