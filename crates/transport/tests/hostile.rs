@@ -63,7 +63,7 @@ fn settle(pid: &str, base: (usize, usize), within: Duration) -> (usize, usize) {
 
 /// A copy of a buffer's bytes (one place to adapt if buffer access changes).
 fn snapshot(b: &HostBuffer) -> Vec<u8> {
-    b[..].to_vec()
+    b.to_vec()
 }
 
 /// A TCP connection to `dst` from source address `src` (any 127.0.0.0/8 address works on

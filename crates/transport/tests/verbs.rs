@@ -48,7 +48,7 @@ fn pattern(n: usize, seed: u8) -> Vec<u8> {
 
 fn filled(n: usize, seed: u8) -> Result<HostBuffer> {
     let mut b = HostBuffer::new(n)?;
-    b.copy_from_slice(&pattern(n, seed));
+    b.write_at(0, &pattern(n, seed));
     Ok(b)
 }
 
@@ -133,7 +133,7 @@ fn verbs_gid_choice_and_override() -> Result<()> {
     let peer = a.connect(b.local_addr())?;
     a.submit(peer, Batch::new().write(src.addr(), dst.addr(), n as u64))?
         .wait(secs(30))?;
-    ensure!(dst[..] == src[..]);
+    ensure!(dst.to_vec() == src.to_vec());
     match engine(&dev, |b| b.gid_index(4000)) {
         Err(e) => match e.downcast_ref::<Error>() {
             Some(Error::Config { key, .. }) if key == "gid_index" => Ok(()),
@@ -173,9 +173,9 @@ fn verbs_sge_lists_scattered_local_contiguous_remote() -> Result<()> {
     let n = b.poll_notification(secs(10)).context("notification")?;
     ensure!(n.tag == 5);
     for i in 0..PAGES {
-        let want = &src[(3 * i + 1) * PAGE..(3 * i + 2) * PAGE];
+        let want = src.read_vec((3 * i + 1) * PAGE..(3 * i + 2) * PAGE);
         ensure!(
-            &dst[i * PAGE..(i + 1) * PAGE] == want,
+            dst.read_vec(i * PAGE..(i + 1) * PAGE) == want,
             "write page {i} differs"
         );
     }
@@ -191,7 +191,8 @@ fn verbs_sge_lists_scattered_local_contiguous_remote() -> Result<()> {
     a.submit(peer, rb)?.wait(secs(30))?;
     for i in 0..PAGES {
         ensure!(
-            back[2 * i * PAGE..(2 * i + 1) * PAGE] == dst[i * PAGE..(i + 1) * PAGE],
+            back.read_vec(2 * i * PAGE..(2 * i + 1) * PAGE)
+                == dst.read_vec(i * PAGE..(i + 1) * PAGE),
             "read page {i} differs"
         );
     }
@@ -227,7 +228,7 @@ fn verbs_many_qps_notification_after_striped_writes() -> Result<()> {
         let dt = t0.elapsed();
         ensure!(note.tag == 100 + round, "tag {}", note.tag);
         ensure!(
-            dst[..] == src[..],
+            dst.to_vec() == src.to_vec(),
             "round {round}: bytes differ at notification time"
         );
         h.wait(secs(30))?;
@@ -243,7 +244,7 @@ fn verbs_many_qps_notification_after_striped_writes() -> Result<()> {
     a.submit(peer, Batch::new().read(back.addr(), dst.addr(), n as u64))?
         .wait(secs(60))?;
     let dt = t0.elapsed();
-    ensure!(back[..] == src[..]);
+    ensure!(back.to_vec() == src.to_vec());
     eprintln!("8 QPs: 4 MiB READ in {dt:?} ({:.1} MiB/s)", mib_s(n, dt));
     Ok(())
 }
@@ -280,11 +281,11 @@ fn verbs_small_window_many_wrs() -> Result<()> {
     for i in 0..PAGES {
         let d = (2 * (PAGES - 1 - i) + 1) * PAGE;
         ensure!(
-            dst[d..d + PAGE] == src[2 * i * PAGE..(2 * i + 1) * PAGE],
+            dst.read_vec(d..d + PAGE) == src.read_vec(2 * i * PAGE..(2 * i + 1) * PAGE),
             "page {i}"
         );
         ensure!(
-            dst[d - PAGE..d].iter().all(|&x| x == 0),
+            dst.read_vec(d - PAGE..d).iter().all(|&x| x == 0),
             "gap before page {i} written"
         );
     }
@@ -318,7 +319,10 @@ fn verbs_manual_progress_reaps_only_in_calls() -> Result<()> {
     // Nobody reaps: still pending after rxe has long finished the 4 KiB write.
     let h = a.submit(peer, Batch::new().write(src.addr(), dst.addr(), 4096))?;
     std::thread::sleep(Duration::from_millis(200));
-    ensure!(dst[..4096] == src[..4096], "the write itself did not land");
+    ensure!(
+        dst.read_vec(..4096) == src.read_vec(..4096),
+        "the write itself did not land"
+    );
     ensure!(
         matches!(h.status(), BatchStatus::Pending),
         "something reaped without a call: {:?}",
@@ -337,7 +341,7 @@ fn verbs_manual_progress_reaps_only_in_calls() -> Result<()> {
     // The waits' slow phase reaps by itself.
     a.submit(peer, Batch::new().write(src.addr(), dst.addr(), N as u64))?
         .wait(secs(30))?;
-    ensure!(dst[..] == src[..], "64 KiB write");
+    ensure!(dst.to_vec() == src.to_vec(), "64 KiB write");
     std::thread::scope(|s| -> Result<()> {
         let sender = s.spawn(|| -> Result<()> {
             std::thread::sleep(Duration::from_millis(200));
@@ -354,7 +358,7 @@ fn verbs_manual_progress_reaps_only_in_calls() -> Result<()> {
         ensure!(n.tag == 91, "{n:?}");
         sender.join().expect("sender panicked")
     })?;
-    ensure!(dst[..512] == src[..512]);
+    ensure!(dst.read_vec(..512) == src.read_vec(..512));
     Ok(())
 }
 
@@ -402,7 +406,7 @@ fn verbs_qp_error_fails_promptly_then_reconnects() -> Result<()> {
     )?
     .wait(secs(30))?;
     ensure!(b.poll_notification(secs(10)).context("notification")?.tag == 9);
-    ensure!(dst[..] == src[..]);
+    ensure!(dst.to_vec() == src.to_vec());
     Ok(())
 }
 
@@ -435,7 +439,8 @@ fn verbs_registration_split_at_max_mr() -> Result<()> {
     )?
     .wait(secs(30))?;
     ensure!(
-        dst[off as usize / 2..(off / 2 + len) as usize] == src[off as usize..(off + len) as usize]
+        dst.read_vec(off as usize / 2..(off / 2 + len) as usize)
+            == src.read_vec(off as usize..(off + len) as usize)
     );
     Ok(())
 }
@@ -467,7 +472,7 @@ fn verbs_two_devices_over_veth() -> Result<()> {
     .wait(secs(60))?;
     let dt = t0.elapsed();
     ensure!(b.poll_notification(secs(10)).context("notification")?.tag == 2);
-    ensure!(dst[..] == src[..]);
+    ensure!(dst.to_vec() == src.to_vec());
     eprintln!(
         "{dev} -> {dev2} over veth: 2 MiB in {dt:?} ({:.1} MiB/s)",
         mib_s(n, dt)

@@ -464,10 +464,6 @@ impl End {
         self.local.base()
     }
 
-    fn buf_mut(&mut self) -> &mut [u8] {
-        &mut self.local.buf[..]
-    }
-
     /// One bandwidth size: fill, barrier, measure, barrier, verify, exchange results.
     /// Returns the row to print and the verification verdict.
     fn bw_size(
@@ -492,10 +488,10 @@ impl End {
         let (half, n) = (self.half as usize, size as usize);
         // Always, not only with --verify: it also faults every page in before the clock starts.
         if src_here {
-            pattern::fill(&mut self.buf_mut()[..n], src_seed);
+            pattern::fill_buf(&mut self.local.buf, 0, n, src_seed);
         }
         if land_here {
-            self.buf_mut()[half..half + n].fill(0);
+            self.local.buf.fill_range(half..half + n, 0);
         }
         self.ch.barrier(step)?;
         let mine_result = if initiates {
@@ -572,7 +568,7 @@ impl End {
         let mut verdict: anyhow::Result<()> = Ok(());
         if a.end.verify
             && land_here
-            && let Err(m) = pattern::check(&self.local.buf[half..half + n], land_seed)
+            && let Err(m) = pattern::check_buf(&self.local.buf, half, n, land_seed)
         {
             verdict = Err(anyhow!(
                 "verification failed on the {} at size {size}: {m}",
@@ -706,8 +702,8 @@ impl End {
         let src_seed = pattern::seed_for("lat", size, mine);
         let land_seed = pattern::seed_for("lat", size, theirs);
         let (half, n) = (self.half as usize, size as usize);
-        pattern::fill(&mut self.buf_mut()[..n], src_seed);
-        self.buf_mut()[half..half + n].fill(0);
+        pattern::fill_buf(&mut self.local.buf, 0, n, src_seed);
+        self.local.buf.fill_range(half..half + n, 0);
         let (src, dst) = (self.lower(), self.remote.addr + self.half);
         self.ch.barrier(step)?;
         let poll = a.poll_memory;
@@ -739,7 +735,7 @@ impl End {
                 self.wait_ping(poll, tag, half + n - 1, mark(i))?;
             }
             if poll {
-                self.buf_mut()[n - 1] = mark(i);
+                self.local.buf.write_at(n - 1, &[mark(i)]);
             }
             // One clock read per ping, as perftest's one cycle-counter read: the post
             // time, which also anchors the deadlines.
@@ -798,20 +794,18 @@ impl End {
         if poll {
             // The last byte carried the marks; the rest must still be the pattern.
             let want = mark(iters - 1);
-            let got = self.local.buf[half + n - 1];
+            let got = peek(&self.local.buf, half + n - 1);
             if a.end.verify && got != want {
                 bail!("the last ping's final byte is {got:#04x}, expected {want:#04x}");
             }
-            self.buf_mut()[half + n - 1] = {
-                let mut tail = [0u8; 1];
-                pattern::fill_at_byte(&mut tail, land_seed, n as u64 - 1);
-                tail[0]
-            };
+            let mut tail = [0u8; 1];
+            pattern::fill_at_byte(&mut tail, land_seed, n as u64 - 1);
+            self.local.buf.write_at(half + n - 1, &tail);
         }
         self.ch.barrier(step + 1)?;
         let mut verdict: anyhow::Result<()> = Ok(());
         if a.end.verify
-            && let Err(m) = pattern::check(&self.local.buf[half..half + n], land_seed)
+            && let Err(m) = pattern::check_buf(&self.local.buf, half, n, land_seed)
         {
             verdict = Err(anyhow!(
                 "verification failed on the {} at size {size}: {m}",

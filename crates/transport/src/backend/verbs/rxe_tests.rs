@@ -551,14 +551,13 @@ fn rxe_lanes_lend_window_space_and_give_it_back() {
     drop((ms, md));
 }
 
-/// Issue 19, defect 7 on verbs: a connection that breaks while a poster holds one of its
-/// QPs cannot move that QP to ERR at once. The next health check must, and from then on
-/// the peer lands neither a WRITE nor a notification through it.
+/// A connection that breaks while a poster holds one of its QPs cannot move that QP to
+/// ERR at once. The next health check must, and from then on the peer lands neither a
+/// WRITE nor a notification through it.
 #[test]
+#[ignore = "needs an RDMA device: runs in scripts/rdma-vm.sh"]
 fn rxe_break_while_posting_still_stops_every_qp() {
-    let Some(dev) = device("rxe_break_while_posting_still_stops_every_qp") else {
-        return;
-    };
+    let dev = device("rxe_break_while_posting_still_stops_every_qp");
     let p = pair(&dev, 2);
     let mut src = pattern(4096, 3);
     let mut dst = vec![0u8; 4096];
