@@ -18,6 +18,9 @@ mod convert;
 mod errors;
 mod layout;
 mod transport;
+// Transport bindings' helpers and the Mooncake-compatible engine.
+mod memcheck;
+mod transport_errors;
 
 /// The extension module. Each submodule of this crate adds its classes and functions here.
 #[pymodule]
