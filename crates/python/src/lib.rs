@@ -19,6 +19,8 @@ mod errors;
 mod layout;
 mod transport;
 // Transport bindings' helpers and the Mooncake-compatible engine.
+mod compat;
+mod compat_mail;
 mod memcheck;
 mod transport_errors;
 
@@ -30,5 +32,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     convert::register(m)?;
     layout::register(m)?;
     transport::register(m)?;
+    compat::register(m)?;
     Ok(())
 }

@@ -10,6 +10,8 @@ pagewire.mooncake_compat, ``mooncake`` for the real Mooncake wheel), registers a
 * ``digest OFF LEN`` - the SHA-256 of those bytes;
 * ``bytes OFF LEN`` - those bytes as hex;
 * ``notifies`` - the notifications received so far, ``[[name, msg], ...]``;
+* ``waitnote TIMEOUT OFF LEN`` - polls ``get_notifies`` until one arrives (or TIMEOUT
+  seconds), then at once the SHA-256 of those bytes: ``{"notifies", "sha256"}``;
 * ``write SID PEER_ADDR OFF LEN`` - ``transfer_sync_write`` from its buffer;
 * ``quit``.
 """
@@ -20,6 +22,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 
 def pattern(seed: int, n: int) -> bytes:
@@ -68,12 +71,41 @@ def _serve(impl: str, protocol: str, size: int) -> None:
             out = {"hex": ctypes.string_at(addr + off, n).hex()}
         elif cmd[0] == "notifies":
             out = {"notifies": [[n.name, n.msg] for n in te.get_notifies()]}
+        elif cmd[0] == "waitnote":
+            until = time.monotonic() + float(cmd[1])
+            off, n = int(cmd[2]), int(cmd[3])
+            notes = []
+            while not notes and time.monotonic() < until:
+                notes = te.get_notifies()
+            digest = hashlib.sha256(ctypes.string_at(addr + off, n)).hexdigest()
+            out = {"notifies": [[x.name, x.msg] for x in notes], "sha256": digest}
         elif cmd[0] == "write":
             sid_, peer, off, n = cmd[1], int(cmd[2]), int(cmd[3]), int(cmd[4])
             out = {"rc": te.transfer_sync_write(sid_, addr + off, peer, n)}
         else:
             out = {"error": f"unknown command {cmd[0]}"}
         print(json.dumps(out), flush=True)
+
+
+def stop_process(pid: int, timeout: float = 5.0) -> None:
+    """SIGSTOPs `pid` and waits until every one of its threads is stopped (the signal is
+    asynchronous: a thread may still answer for a moment after `kill` returns)."""
+    import signal
+
+    os.kill(pid, signal.SIGSTOP)
+    until = time.monotonic() + timeout
+    while time.monotonic() < until:
+        states = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except OSError:
+                continue
+        if states and all(s in ("T", "t") for s in states):
+            return
+        time.sleep(0.005)
+    raise RuntimeError(f"process {pid} did not stop")
 
 
 class PeerProcess:
