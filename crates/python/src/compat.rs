@@ -262,7 +262,6 @@ pub(crate) struct Compat {
     batches: Mutex<HashMap<u64, AsyncBatch>>,
     next_batch: AtomicU64,
     mail: Mailbox,
-    notes: Mutex<VecDeque<(String, String)>>,
     stop: AtomicBool,
     worker: Mutex<Option<JoinHandle<()>>>,
 }
@@ -727,19 +726,28 @@ fn overlap<V>(regions: &BTreeMap<u64, (u64, V)>, addr: u64, end: u64) -> Option<
 /// The notification worker: reads messages, answers ACKs, prunes broken connections.
 fn worker(c: Arc<Compat>) {
     let mut last_prune = Instant::now();
+    // MSG tags not yet read: held back while the application's queue is full, so that a
+    // receiver that never calls get_notifies makes its senders run out of slots instead
+    // of growing without bound.
+    let mut pending: VecDeque<pagewire_transport::Notification> = VecDeque::new();
     while !c.stop.load(Ordering::Acquire) {
+        while c.mail.has_room() {
+            let Some(n) = pending.pop_front() else { break };
+            if let Err(e) = c.mail.on_tag(&c.engine, n.peer, n.tag) {
+                tracing::warn!(peer = %n.peer, error = %e, "notification dropped");
+            }
+        }
         if let Some(n) = c
             .engine
             .poll_notification(Instant::now() + Duration::from_millis(50))
         {
-            match c.mail.on_tag(&c.engine, n.peer, n.tag) {
-                Ok(Some(note)) => c
-                    .notes
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .push_back(note),
-                Ok(None) => {}
-                Err(e) => tracing::warn!(peer = %n.peer, error = %e, "notification dropped"),
+            if matches!(
+                crate::compat_mail::decode(n.tag),
+                crate::compat_mail::Tag::Msg { .. }
+            ) {
+                pending.push_back(n);
+            } else if let Err(e) = c.mail.on_tag(&c.engine, n.peer, n.tag) {
+                tracing::debug!(peer = %n.peer, error = %e, "tag ignored");
             }
         }
         if last_prune.elapsed() > Duration::from_secs(1) {
@@ -890,7 +898,6 @@ fn init(
         batches: Mutex::new(HashMap::new()),
         next_batch: AtomicU64::new(1),
         mail,
-        notes: Mutex::new(VecDeque::new()),
         stop: AtomicBool::new(false),
         worker: Mutex::new(None),
     });
@@ -1544,12 +1551,7 @@ impl MooncakeEngine {
     /// the Python class wraps them in ``TransferNotify``.
     fn _get_notifies(&self) -> Vec<(String, String)> {
         match self.get() {
-            Some(c) => c
-                .notes
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .drain(..)
-                .collect(),
+            Some(c) => c.mail.drain(),
             None => Vec::new(),
         }
     }

@@ -8,163 +8,180 @@
 //! 1. Each compat engine registers an *outbox* of [`SLOTS`] x [`SLOT`] bytes that peers
 //!    may read but not write (the only region a compat engine exposes read-only, which is
 //!    how a receiver finds it among the sender's regions), and a private *inbox*.
-//! 2. The sender writes `header + name + msg` into free outbox slots and submits its data
-//!    batch with the tag `MSG(start, count, generation)`.
-//! 3. The receiver's worker thread, on that tag (so after the data), READs the slots
-//!    into its inbox, checks magic and generation, queues `(name, msg)` for
-//!    `get_notifies`, and answers with the data-less tag `ACK(start, generation)`.
-//! 4. The sender frees the slots on the ACK (only if the lease matches: a stale or
-//!    foreign ACK frees nothing). Leases to peers whose connection broke are reclaimed
-//!    when the outbox runs full.
+//! 2. The sender writes `header + name + msg` into a free slot and submits its data batch
+//!    with the tag `MSG | slot | generation`.
+//! 3. The receiver's worker thread, on that tag (so after the data), READs the slot into
+//!    its inbox, checks magic and generation, queues `(name, msg)` for `get_notifies`,
+//!    and answers with the data-less tag `ACK | slot | generation`.
+//! 4. The sender frees the slot on the ACK (only if the lease matches: a stale or foreign
+//!    ACK frees nothing) and zeroes it. Leases to peers whose connection broke, and
+//!    leases older than [`SLOT_LEASE`], are reclaimed.
 //!
 //! A message is therefore delivered once (one tag per batch), after its data, and never
-//! from a slot that was reused (the generation check drops such a read).
+//! from a slot that was reused (the generation check drops such a read). A receiver whose
+//! application does not call `get_notifies` stops reading after [`QUEUE_MAX`] queued
+//! notifications, so its senders run out of slots instead of either side growing.
+//!
+//! The layout (slot size and count, header, tag bits) is the one of the C ABI's
+//! `libtransfer_engine.so` (`crates/capi`), so that the two kinds of engines can notify
+//! each other (not yet tested together).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use pagewire_transport::{Access, Batch, Engine, HostBuffer, PeerId};
 
 /// Bytes per outbox slot.
-pub(crate) const SLOT: usize = 4096;
-/// Slots per outbox (a message may use several consecutive ones).
+pub(crate) const SLOT: usize = 8192;
+/// Slots per outbox.
 pub(crate) const SLOTS: usize = 256;
-/// Outbox (and inbox) size.
+/// Outbox size (how peers recognise it).
 pub(crate) const BOX_BYTES: usize = SLOT * SLOTS;
-/// Header of a message in the outbox: magic, generation, name length, msg length.
+/// Header of a message in a slot: magic, generation, name length, msg length.
 const HEADER: usize = 16;
 /// Largest `name + msg`, in bytes.
-pub(crate) const MAX_MESSAGE: usize = BOX_BYTES - HEADER;
+pub(crate) const MAX_MESSAGE: usize = SLOT - HEADER;
 const MAGIC: u32 = u32::from_le_bytes(*b"PWNM");
 
-/// Tags with this bit belong to the compat layer.
-const COMPAT_BIT: u32 = 1 << 31;
-/// Set for an ACK, clear for a MSG.
-const ACK_BIT: u32 = 1 << 30;
-const GEN_MASK: u32 = (1 << 14) - 1;
+const KIND_MASK: u32 = 0b11 << 30;
+const KIND_MSG: u32 = 0b10 << 30;
+const KIND_ACK: u32 = 0b11 << 30;
+const GEN_BITS: u32 = 22;
+const GEN_MASK: u32 = (1 << GEN_BITS) - 1;
 
-/// A decoded compat tag.
+/// How long reading a peer's slot may take.
+const IO_TIMEOUT: Duration = Duration::from_secs(2);
+/// A slot held longer than this is reclaimed (its receiver never answered).
+const SLOT_LEASE: Duration = Duration::from_secs(120);
+/// Received notifications queued for the application, at most.
+pub(crate) const QUEUE_MAX: usize = 4096;
+
+/// A decoded tag.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Tag {
-    /// A message in the sender's outbox: slots `start .. start + count`.
-    Msg {
-        start: usize,
-        count: usize,
-        generation: u32,
-    },
-    /// The receiver read the message at `start` with this generation.
-    Ack { start: usize, generation: u32 },
-    /// Not ours (a native pagewire peer's tag).
+    /// A message in the sender's outbox.
+    Msg { slot: usize, generation: u32 },
+    /// The receiver read the message in `slot` with this generation.
+    Ack { slot: usize, generation: u32 },
+    /// Not a notification tag (a native pagewire peer's).
     Other(u32),
 }
 
-fn encode(ack: bool, start: usize, count: usize, generation: u32) -> u32 {
-    debug_assert!(start < SLOTS && (1..=SLOTS).contains(&count));
-    COMPAT_BIT
-        | if ack { ACK_BIT } else { 0 }
-        | (generation & GEN_MASK) << 16
-        | ((count - 1) as u32) << 8
-        | start as u32
+fn encode(kind: u32, slot: usize, generation: u32) -> u32 {
+    debug_assert!(slot < SLOTS);
+    kind | ((slot as u32) << GEN_BITS) | (generation & GEN_MASK)
 }
 
 pub(crate) fn decode(tag: u32) -> Tag {
-    if tag & COMPAT_BIT == 0 {
-        return Tag::Other(tag);
-    }
-    let start = (tag & 0xff) as usize;
-    let count = ((tag >> 8) & 0xff) as usize + 1;
-    let generation = (tag >> 16) & GEN_MASK;
-    if tag & ACK_BIT != 0 {
-        Tag::Ack { start, generation }
-    } else {
-        Tag::Msg {
-            start,
-            count,
-            generation,
-        }
+    let slot = ((tag & !KIND_MASK) >> GEN_BITS) as usize;
+    let generation = tag & GEN_MASK;
+    match tag & KIND_MASK {
+        KIND_MSG => Tag::Msg { slot, generation },
+        KIND_ACK => Tag::Ack { slot, generation },
+        _ => Tag::Other(tag),
     }
 }
 
-/// One message staged in the outbox, until ACKed or released.
+/// A slot that holds an outgoing notification, until ACKed or reclaimed.
 #[derive(Debug, Clone, Copy)]
 struct Lease {
     peer: PeerId,
     generation: u32,
-    count: usize,
+    since: Instant,
 }
 
 #[derive(Debug)]
 struct OutState {
-    /// The lease starting at each slot.
     leases: Vec<Option<Lease>>,
-    /// Which slots are taken.
-    used: Vec<bool>,
     next_gen: u32,
-    cursor: usize,
-}
-
-impl OutState {
-    fn find_run(&self, count: usize) -> Option<usize> {
-        (0..SLOTS)
-            .map(|i| (self.cursor + i) % SLOTS)
-            .find(|&s| s + count <= SLOTS && self.used[s..s + count].iter().all(|u| !u))
-    }
-
-    fn free(&mut self, start: usize) {
-        if let Some(l) = self.leases[start].take() {
-            self.used[start..start + l.count].fill(false);
-        }
-    }
 }
 
 /// A message staged for one batch: its tag, and how to release it if the batch fails.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Staged {
     pub(crate) tag: u32,
-    start: usize,
+    slot: usize,
     generation: u32,
 }
 
-/// The outbox, the inbox, and the receiver's cache of peers' outbox addresses.
+/// The outbox, the inbox, the queue of received notifications, and the receiver's cache
+/// of peers' outbox addresses.
 #[derive(Debug)]
 pub(crate) struct Mailbox {
     outbox: HostBuffer,
     inbox: HostBuffer,
     state: Mutex<OutState>,
     freed: Condvar,
-    /// Receiver side: where each peer's outbox is (worker thread only).
+    /// Received `(name, msg)`, drained by `get_notifies`.
+    queue: Mutex<VecDeque<(String, String)>>,
+    /// Receiver side, worker thread only: where each peer's outbox is, and peers found
+    /// without one (not asked again within a second).
     peer_boxes: Mutex<HashMap<PeerId, u64>>,
+    missing: Mutex<HashMap<PeerId, Instant>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl Mailbox {
-    /// Allocates both boxes and registers them with `engine` (outbox readable by peers,
-    /// inbox private).
+    /// Allocates both boxes and registers them with `engine` (the outbox readable by
+    /// peers, the inbox private).
     pub(crate) fn new(engine: &Engine) -> pagewire_transport::Result<Mailbox> {
         let outbox = HostBuffer::new(BOX_BYTES)?;
-        let inbox = HostBuffer::new(BOX_BYTES)?;
-        engine.register(&outbox, Access::LOCAL_WRITE | Access::REMOTE_READ)?;
+        let inbox = HostBuffer::new(SLOT)?;
+        engine.register(&outbox, Access::REMOTE_READ)?;
         engine.register(&inbox, Access::LOCAL_WRITE)?;
         Ok(Mailbox {
             outbox,
             inbox,
             state: Mutex::new(OutState {
                 leases: vec![None; SLOTS],
-                used: vec![false; SLOTS],
                 next_gen: 1,
-                cursor: 0,
             }),
             freed: Condvar::new(),
+            queue: Mutex::new(VecDeque::new()),
             peer_boxes: Mutex::new(HashMap::new()),
+            missing: Mutex::new(HashMap::new()),
         })
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, OutState> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    /// Writes `bytes` at `off` of the outbox.
+    fn write_outbox(&self, off: usize, bytes: &[u8]) {
+        assert!(off + bytes.len() <= BOX_BYTES, "outbox write out of range");
+        // SAFETY: the range lies inside the outbox allocation (checked above), which
+        // lives as long as `self`; the slot is leased to the caller (under the state
+        // lock), so no other thread writes it, and peers may only read the outbox (it is
+        // registered without REMOTE_WRITE). A raw copy: no Rust reference is formed to
+        // memory the NIC may be reading.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                bytes.as_ptr(),
+                self.outbox.as_mut_ptr().add(off),
+                bytes.len(),
+            )
+        };
     }
 
-    /// Writes `(name, msg)` into free slots for a batch to `peer`; waits for slots until
-    /// `deadline`, reclaiming leases of peers that `alive` says are gone.
+    /// Reclaims leases of peers that `alive` says are gone and leases past their term.
+    fn reclaim(&self, st: &mut OutState, alive: &dyn Fn(PeerId) -> bool) -> bool {
+        let now = Instant::now();
+        let mut any = false;
+        for slot in 0..SLOTS {
+            if st.leases[slot]
+                .is_some_and(|l| !alive(l.peer) || now.duration_since(l.since) > SLOT_LEASE)
+            {
+                st.leases[slot] = None;
+                self.write_outbox(slot * SLOT, &[0u8; HEADER]);
+                any = true;
+            }
+        }
+        any
+    }
+
+    /// Writes `(name, msg)` into a free slot for a batch to `peer`; waits for a slot
+    /// until `deadline`, reclaiming leases of peers that `alive` says are gone.
     pub(crate) fn stage(
         &self,
         peer: PeerId,
@@ -173,273 +190,274 @@ impl Mailbox {
         deadline: Instant,
         alive: impl Fn(PeerId) -> bool,
     ) -> Result<Staged, String> {
-        let total = HEADER + name.len() + msg.len();
-        if total > BOX_BYTES {
+        if name.len() + msg.len() > MAX_MESSAGE {
             return Err(format!(
-                "notification of {} bytes exceeds the {MAX_MESSAGE}-byte limit",
+                "notification of {} bytes (name + msg) exceeds {MAX_MESSAGE}",
                 name.len() + msg.len()
             ));
         }
-        let count = total.div_ceil(SLOT);
-        let mut st = self.lock();
-        let start = loop {
-            if let Some(s) = st.find_run(count) {
-                break s;
+        let mut st = lock(&self.state);
+        let slot = loop {
+            if let Some(i) = st.leases.iter().position(Option::is_none) {
+                break i;
             }
-            // Full: leases to broken connections will never be ACKed.
-            let dead: Vec<usize> = (0..SLOTS)
-                .filter(|&s| st.leases[s].is_some_and(|l| !alive(l.peer)))
-                .collect();
-            if !dead.is_empty() {
-                for s in dead {
-                    st.free(s);
-                }
+            if self.reclaim(&mut st, &alive) {
                 continue;
             }
             let now = Instant::now();
             if now >= deadline {
-                return Err(
-                    "no free notification slot (receivers have not read earlier notifications)"
-                        .into(),
-                );
+                return Err(format!(
+                    "all {SLOTS} notification slots are in flight (receivers are not reading)"
+                ));
             }
             st = self
                 .freed
-                .wait_timeout(st, (deadline - now).min(Duration::from_millis(100)))
+                .wait_timeout(st, (deadline - now).min(Duration::from_millis(50)))
                 .unwrap_or_else(|p| p.into_inner())
                 .0;
         };
-        let generation = st.next_gen;
-        st.next_gen = (st.next_gen + 1) & GEN_MASK;
-        st.used[start..start + count].fill(true);
-        st.leases[start] = Some(Lease {
+        let generation = st.next_gen & GEN_MASK;
+        st.next_gen = st.next_gen.wrapping_add(1);
+        st.leases[slot] = Some(Lease {
             peer,
             generation,
-            count,
+            since: Instant::now(),
         });
-        st.cursor = (start + count) % SLOTS;
-        let mut bytes = Vec::with_capacity(total);
+        let mut bytes = Vec::with_capacity(HEADER + name.len() + msg.len());
         bytes.extend_from_slice(&MAGIC.to_le_bytes());
         bytes.extend_from_slice(&generation.to_le_bytes());
         bytes.extend_from_slice(&(name.len() as u32).to_le_bytes());
         bytes.extend_from_slice(&(msg.len() as u32).to_le_bytes());
         bytes.extend_from_slice(name);
         bytes.extend_from_slice(msg);
-        // SAFETY: the slots `start..start+count` are leased to this call (under the lock),
-        // so no other thread writes them, and peers may only read the outbox (it is
-        // registered without REMOTE_WRITE). `total <= count * SLOT` bytes fit, and the
-        // range lies inside the outbox allocation. A raw copy: no Rust reference is formed
-        // to memory the NIC may be reading.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                bytes.as_ptr(),
-                self.outbox.as_mut_ptr().add(start * SLOT),
-                total,
-            )
-        };
+        self.write_outbox(slot * SLOT, &bytes);
         Ok(Staged {
-            tag: encode(false, start, count, generation),
-            start,
+            tag: encode(KIND_MSG, slot, generation),
+            slot,
             generation,
         })
     }
 
-    /// Frees a staged message whose batch failed (its tag was not delivered, or will be
-    /// dropped by the receiver's generation check once the slots are reused).
-    pub(crate) fn release(&self, s: Staged) {
-        let mut st = self.lock();
-        if st.leases[s.start].is_some_and(|l| l.generation == s.generation) {
-            st.free(s.start);
-            self.freed.notify_all();
-        }
-    }
-
-    /// An ACK from `peer`: frees the lease if it is that peer's and that generation's.
-    fn on_ack(&self, peer: PeerId, start: usize, generation: u32) {
-        let mut st = self.lock();
-        if st.leases[start].is_some_and(|l| l.peer == peer && l.generation == generation) {
-            st.free(start);
-            self.freed.notify_all();
-        }
-    }
-
-    /// Where `peer`'s outbox is: the start of a run of read-only exposed regions
-    /// covering [`BOX_BYTES`] (one region, unless the MR limit split it).
-    fn peer_box(&self, engine: &Engine, peer: PeerId) -> Option<u64> {
-        if let Some(&a) = self
-            .peer_boxes
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(&peer)
+    /// Frees a slot if its lease is `generation`'s (and `peer`'s, when given), zeroing
+    /// it: peers can read the outbox, so the text does not stay there.
+    fn free(&self, peer: Option<PeerId>, slot: usize, generation: u32) {
+        let mut st = lock(&self.state);
+        if st
+            .leases
+            .get(slot)
+            .copied()
+            .flatten()
+            .is_some_and(|l| l.generation == generation && peer.is_none_or(|p| p == l.peer))
         {
+            st.leases[slot] = None;
+            self.write_outbox(slot * SLOT, &[0u8; SLOT]);
+            self.freed.notify_all();
+        }
+    }
+
+    /// Frees a staged message whose batch failed (its tag was not delivered, or will be
+    /// dropped by the receiver's generation check).
+    pub(crate) fn release(&self, s: Staged) {
+        self.free(None, s.slot, s.generation);
+    }
+
+    /// Whether the application has drained enough for the worker to read more.
+    pub(crate) fn has_room(&self) -> bool {
+        lock(&self.queue).len() < QUEUE_MAX
+    }
+
+    /// Takes every received notification.
+    pub(crate) fn drain(&self) -> Vec<(String, String)> {
+        lock(&self.queue).drain(..).collect()
+    }
+
+    /// Where `peer`'s outbox is: the start of a run of read-only exposed regions of
+    /// exactly [`BOX_BYTES`] (one region, unless the MR limit split it).
+    fn peer_box(&self, engine: &Engine, peer: PeerId) -> Option<u64> {
+        if let Some(&a) = lock(&self.peer_boxes).get(&peer) {
             return Some(a);
         }
-        let find = |regions: Vec<pagewire_transport::RemoteRegion>| -> Option<u64> {
-            let read_only =
-                |a: Access| a.contains(Access::REMOTE_READ) && !a.contains(Access::REMOTE_WRITE);
-            let mut i = 0;
-            while i < regions.len() {
-                if read_only(regions[i].access) {
-                    let base = regions[i].addr;
-                    let mut end = regions[i].end();
-                    let mut j = i + 1;
-                    while end - base < BOX_BYTES as u64
-                        && j < regions.len()
-                        && regions[j].addr == end
-                        && read_only(regions[j].access)
-                    {
-                        end = regions[j].end();
-                        j += 1;
-                    }
-                    if end - base == BOX_BYTES as u64 {
-                        return Some(base);
-                    }
-                    i = j;
-                } else {
-                    i += 1;
-                }
+        if lock(&self.missing)
+            .get(&peer)
+            .is_some_and(|t| t.elapsed() < Duration::from_secs(1))
+        {
+            return None;
+        }
+        let found = engine
+            .peer_regions(peer)
+            .ok()
+            .and_then(|r| find_outbox(&r))
+            .or_else(|| {
+                crate::compat::redescribe(engine, peer)
+                    .ok()
+                    .and_then(|r| find_outbox(&r))
+            });
+        match found {
+            Some(a) => {
+                lock(&self.peer_boxes).insert(peer, a);
+                Some(a)
             }
-            None
-        };
-        let mut regions = engine.peer_regions(peer).ok()?;
-        regions.sort_by_key(|r| r.addr);
-        let found = find(regions).or_else(|| {
-            let mut r = crate::compat::redescribe(engine, peer).ok()?;
-            r.sort_by_key(|r| r.addr);
-            find(r)
-        })?;
-        self.peer_boxes
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(peer, found);
-        Some(found)
-    }
-
-    /// Handles one notification on the receiver's worker thread. Returns a delivered
-    /// `(name, msg)`, `Ok(None)` for tags that carry none, or why a message was dropped.
-    pub(crate) fn on_tag(
-        &self,
-        engine: &Engine,
-        peer: PeerId,
-        tag: u32,
-    ) -> Result<Option<(String, String)>, String> {
-        match decode(tag) {
-            Tag::Other(t) => Err(format!(
-                "tag {t} from a peer that is not a Mooncake-compat engine"
-            )),
-            Tag::Ack { start, generation } => {
-                self.on_ack(peer, start, generation);
-                Ok(None)
-            }
-            Tag::Msg {
-                start,
-                count,
-                generation,
-            } => {
-                if start + count > SLOTS {
-                    return Err(format!("message slots {start}+{count} out of range"));
-                }
-                // A batch can complete on a connection that the accepting engine publishes
-                // only a moment later (it reads the initiator's last handshake frame on
-                // another thread): wait for the peer to be known before using it.
-                let until = Instant::now() + Duration::from_secs(1);
-                while matches!(
-                    engine.peer_info(peer),
-                    Err(pagewire_transport::Error::UnknownPeer { .. })
-                ) && Instant::now() < until
-                {
-                    std::thread::sleep(Duration::from_millis(1));
-                }
-                let base = self
-                    .peer_box(engine, peer)
-                    .ok_or("the sender exposes no notification outbox")?;
-                let len = (count * SLOT) as u64;
-                let batch = Batch::new()
-                    .read(self.inbox.addr(), base + (start * SLOT) as u64, len)
-                    .timeout(Duration::from_secs(5));
-                let h = engine.submit(peer, batch).map_err(|e| e.to_string())?;
-                h.wait(Instant::now() + Duration::from_secs(5))
-                    .map_err(|e| format!("reading the message: {e}"))?;
-                let mut raw = vec![0u8; count * SLOT];
-                // SAFETY: the inbox is registered LOCAL_WRITE only (no peer can write it),
-                // and the only writer, the READ above, has completed; this thread is the
-                // inbox's only user. `raw` has exactly `count * SLOT <= BOX_BYTES` bytes.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        self.inbox.as_mut_ptr(),
-                        raw.as_mut_ptr(),
-                        raw.len(),
-                    )
-                };
-                let word =
-                    |i: usize| u32::from_le_bytes(raw[i..i + 4].try_into().expect("4 bytes"));
-                let (magic, g, nl, ml) = (word(0), word(4), word(8) as usize, word(12) as usize);
-                // The peer has read it (or it is garbage): either way the slots may go.
-                let _ = engine.submit(
-                    peer,
-                    Batch::new().notify(encode(true, start, count, generation)),
-                );
-                if magic != MAGIC || g != generation {
-                    return Err(format!(
-                        "stale or foreign message in slots {start}+{count} (generation {g}, expected {generation})"
-                    ));
-                }
-                if HEADER + nl + ml > raw.len() {
-                    return Err(format!(
-                        "message lengths {nl}+{ml} exceed its {count} slots"
-                    ));
-                }
-                let name = String::from_utf8_lossy(&raw[HEADER..HEADER + nl]).into_owned();
-                let msg = String::from_utf8_lossy(&raw[HEADER + nl..HEADER + nl + ml]).into_owned();
-                Ok(Some((name, msg)))
+            None => {
+                lock(&self.missing).insert(peer, Instant::now());
+                None
             }
         }
+    }
+
+    /// Handles one notification on the worker thread: frees a slot on an ACK, reads and
+    /// queues a message on a MSG. `Err` says why a message was dropped.
+    pub(crate) fn on_tag(&self, engine: &Engine, peer: PeerId, tag: u32) -> Result<(), String> {
+        let (slot, generation) = match decode(tag) {
+            Tag::Other(t) => return Err(format!("tag {t:#x} is not a notification")),
+            Tag::Ack { slot, generation } => {
+                self.free(Some(peer), slot, generation);
+                return Ok(());
+            }
+            Tag::Msg { slot, generation } => (slot, generation),
+        };
+        // A batch can complete on a connection that the accepting engine publishes only a
+        // moment later (it reads the initiator's last handshake frame on another thread):
+        // wait for the peer to be known before using it.
+        let until = Instant::now() + IO_TIMEOUT;
+        while matches!(
+            engine.peer_info(peer),
+            Err(pagewire_transport::Error::UnknownPeer { .. })
+        ) && Instant::now() < until
+        {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let base = self
+            .peer_box(engine, peer)
+            .ok_or("the sender exposes no notification outbox")?;
+        let deadline = Instant::now() + IO_TIMEOUT;
+        let batch = Batch::new()
+            .read(self.inbox.addr(), base + (slot * SLOT) as u64, SLOT as u64)
+            .deadline(deadline);
+        engine
+            .submit(peer, batch)
+            .and_then(|h| h.wait(deadline))
+            .map_err(|e| format!("reading the message: {e}"))?;
+        let mut raw = vec![0u8; SLOT];
+        // SAFETY: the inbox is registered LOCAL_WRITE only (no peer can write it), and its
+        // only writer, the READ above, has completed; this thread is the inbox's only
+        // user. `raw` has exactly the inbox's length.
+        unsafe { std::ptr::copy_nonoverlapping(self.inbox.as_mut_ptr(), raw.as_mut_ptr(), SLOT) };
+        // The slot may be reused now, whatever it held; the ACK is not waited for.
+        let _ = engine.submit(
+            peer,
+            Batch::new()
+                .notify(encode(KIND_ACK, slot, generation))
+                .timeout(IO_TIMEOUT),
+        );
+        let (name, msg) = parse(&raw, generation).ok_or_else(|| {
+            format!("malformed or stale message in slot {slot} (generation {generation})")
+        })?;
+        lock(&self.queue).push_back((
+            String::from_utf8_lossy(&name).into_owned(),
+            String::from_utf8_lossy(&msg).into_owned(),
+        ));
+        Ok(())
     }
 
     /// Forgets a peer's outbox address (the connection went away).
     pub(crate) fn forget_peer(&self, peer: PeerId) {
-        self.peer_boxes
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(&peer);
+        lock(&self.peer_boxes).remove(&peer);
+        lock(&self.missing).remove(&peer);
     }
+}
+
+/// The start of a run of adjacent read-only regions of exactly [`BOX_BYTES`].
+fn find_outbox(regions: &[pagewire_transport::RemoteRegion]) -> Option<u64> {
+    let mut sorted: Vec<_> = regions.iter().collect();
+    sorted.sort_by_key(|r| r.addr);
+    let mut run: Option<(u64, u64)> = None;
+    for r in sorted {
+        if r.access != Access::REMOTE_READ {
+            run = None;
+            continue;
+        }
+        run = match run {
+            Some((start, end)) if end == r.addr => Some((start, r.end())),
+            _ => Some((r.addr, r.end())),
+        };
+        if let Some((start, end)) = run
+            && end - start == BOX_BYTES as u64
+        {
+            return Some(start);
+        }
+    }
+    None
+}
+
+/// Decodes a slot read from a peer; `None` unless it holds a message of `generation`.
+fn parse(bytes: &[u8], generation: u32) -> Option<(Vec<u8>, Vec<u8>)> {
+    if bytes.len() < HEADER {
+        return None;
+    }
+    let word = |i: usize| u32::from_le_bytes(bytes[i..i + 4].try_into().expect("4 bytes"));
+    if word(0) != MAGIC || word(4) != generation {
+        return None;
+    }
+    let (n, m) = (word(8) as usize, word(12) as usize);
+    if n.checked_add(m)? > bytes.len() - HEADER {
+        return None;
+    }
+    Some((
+        bytes[HEADER..HEADER + n].to_vec(),
+        bytes[HEADER + n..HEADER + n + m].to_vec(),
+    ))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use pagewire_transport::RemoteRegion;
 
     #[test]
     fn tags_round_trip() {
-        for (start, count, generation) in [(0, 1, 1), (255, 1, GEN_MASK), (3, 253, 77), (0, 256, 0)]
-        {
-            let t = encode(false, start, count, generation);
+        for (slot, generation) in [(0, 0), (255, GEN_MASK), (17, 12345)] {
             assert_eq!(
-                decode(t),
-                Tag::Msg {
-                    start,
-                    count,
-                    generation
-                }
+                decode(encode(KIND_MSG, slot, generation)),
+                Tag::Msg { slot, generation }
             );
-            let a = encode(true, start, count, generation);
-            assert_eq!(decode(a), Tag::Ack { start, generation });
+            assert_eq!(
+                decode(encode(KIND_ACK, slot, generation)),
+                Tag::Ack { slot, generation }
+            );
         }
         assert_eq!(decode(42), Tag::Other(42));
+        assert_eq!(decode(1 << 30), Tag::Other(1 << 30));
     }
 
     #[test]
-    fn runs_do_not_wrap_and_respect_used_slots() {
-        let mut st = OutState {
-            leases: vec![None; SLOTS],
-            used: vec![false; SLOTS],
-            next_gen: 1,
-            cursor: SLOTS - 1,
-        };
-        assert_eq!(st.find_run(2), Some(0));
-        st.used[0] = true;
-        assert_eq!(st.find_run(2), Some(1));
-        st.used.fill(true);
-        assert_eq!(st.find_run(1), None);
+    fn parse_refuses_hostile_slots() {
+        let mut s = vec![0u8; SLOT];
+        s[..4].copy_from_slice(&MAGIC.to_le_bytes());
+        s[4..8].copy_from_slice(&9u32.to_le_bytes());
+        s[8..12].copy_from_slice(&2u32.to_le_bytes());
+        s[12..16].copy_from_slice(&3u32.to_le_bytes());
+        s[16..21].copy_from_slice(b"abxyz");
+        assert_eq!(parse(&s, 9), Some((b"ab".to_vec(), b"xyz".to_vec())));
+        assert_eq!(parse(&s, 8), None);
+        s[12..16].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert_eq!(parse(&s, 9), None);
+        s[8..12].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert_eq!(parse(&s, 9), None);
+        s[..4].copy_from_slice(b"HTTP");
+        assert_eq!(parse(&s, 9), None);
+        assert_eq!(parse(&s[..8], 9), None);
+    }
+
+    #[test]
+    fn outbox_is_the_read_only_run_of_the_right_size() {
+        let rw = Access::REMOTE_READ | Access::REMOTE_WRITE;
+        let half = (BOX_BYTES / 2) as u64;
+        let regions = [
+            RemoteRegion::new(0x10_0000, BOX_BYTES as u64, 1, rw),
+            RemoteRegion::new(0x100_0000 + half, half, 3, Access::REMOTE_READ),
+            RemoteRegion::new(0x100_0000, half, 2, Access::REMOTE_READ),
+        ];
+        assert_eq!(find_outbox(&regions), Some(0x100_0000));
+        assert_eq!(find_outbox(&regions[..2]), None);
     }
 }

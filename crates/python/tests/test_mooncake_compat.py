@@ -128,7 +128,7 @@ def test_notifications_once_and_after_data(pair):
     a, b, src, dst, sid = pair
     assert b.get_notifies() == []
     for i in range(5):
-        note = TransferNotify(f"prefill-{i}", "x" * (i * 3000))  # up to several slots
+        note = TransferNotify(f"prefill-{i}", "x" * (i * 2000))  # up to a full 8 KiB slot
         assert a.transfer_sync(sid, src.addr, dst.addr + i, 1000, TransferOpcode.Write, note) == 0
     assert a.batch_transfer_sync(sid, [], [], [], TransferOpcode.Write, TransferNotify("only", "tag")) == 0
     got = []
@@ -136,7 +136,7 @@ def test_notifications_once_and_after_data(pair):
     while len(got) < 6 and time.time() < deadline:
         got += b.get_notifies()
         time.sleep(0.01)
-    assert [(n.name, len(n.msg)) for n in got] == [(f"prefill-{i}", i * 3000) for i in range(5)] + [("only", 3)]
+    assert [(n.name, len(n.msg)) for n in got] == [(f"prefill-{i}", i * 2000) for i in range(5)] + [("only", 3)]
     time.sleep(0.2)
     assert b.get_notifies() == []  # each delivered once
     # many more than the outbox holds at once: slots are recycled on the receiver's ACK
@@ -149,7 +149,25 @@ def test_notifications_once_and_after_data(pair):
         time.sleep(0.01)
     assert [n.msg for n in got] == [str(i) for i in range(300)]
     with pytest.raises(ValueError):
-        a.transfer_sync(sid, src.addr, dst.addr, 8, 1, TransferNotify("big", "x" * (2 * MB)))
+        a.transfer_sync(sid, src.addr, dst.addr, 8, 1, TransferNotify("big", "x" * 8174))  # 8177 > 8176
+
+
+def test_unread_notifications_stop_the_sender(pair, env):
+    """A receiver that never calls get_notifies reads at most 4096; its sender then runs
+    out of outbox slots (the call fails, -1) instead of either side growing; once the
+    receiver drains, notifications flow again."""
+    a, b, src, dst, sid = pair
+    env.setenv("MC_TRANSFER_TIMEOUT", "5")
+    sent = 0
+    t = time.time()
+    while sent < 4096 + 256 + 10 and time.time() - t < 120:
+        if a.transfer_sync(sid, src.addr, dst.addr, 8, 1, TransferNotify("n", str(sent))) != 0:
+            break
+        sent += 1
+    assert 4096 <= sent <= 4096 + 256, sent
+    got = b.get_notifies()
+    assert [n.msg for n in got] == [str(i) for i in range(len(got))] and len(got) == 4096
+    assert a.transfer_sync(sid, src.addr, dst.addr, 8, 1, TransferNotify("n", "after")) == 0
 
 
 def test_async_batches_and_stale_ids(pair):
