@@ -58,6 +58,11 @@ for p in "${VM_TEST_PACKAGES[@]}"; do pkg_args+=(-p "$p"); done
 # --skip asan_: only meaningful in an AddressSanitizer build (tests/memory_safety.rs).
 scripts/rdma-vm.sh --two-devices --cpus 2 --timeout "${PAGEWIRE_VM_TEST_TIMEOUT:-480}" \
     test "${pkg_args[@]}" --locked -- --skip hostonly_ --skip asan_ --skip mooncake_header_agrees
+# The Python package over verbs: pagewire.mooncake_compat between two processes on rxe0,
+# bytes checked in the receiving process (the wheel python-test.sh installed in .venv).
+echo "== python over verbs in the soft-RoCE VM: test_verbs_vm.py"
+scripts/rdma-vm.sh --cpus 2 --timeout "${PAGEWIRE_VM_PY_TIMEOUT:-300}" run -- sh -c \
+    'cd crates/python/tests && ../../../.venv/bin/python -m pytest -q -p no:cacheprovider -rs test_verbs_vm.py'
 echo "== VM part took $((SECONDS - vm_t0)) s"
 
 # One closing line over every libtest binary that ran, on the host and in the guest.

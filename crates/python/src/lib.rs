@@ -19,6 +19,11 @@ mod errors;
 mod ffi;
 mod layout;
 mod transport;
+// Transport bindings' helpers and the Mooncake-compatible engine.
+mod compat;
+mod compat_mail;
+mod memcheck;
+mod transport_errors;
 
 /// The extension module. Each submodule of this crate adds its classes and functions here.
 #[pymodule]
@@ -28,5 +33,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     convert::register(m)?;
     layout::register(m)?;
     transport::register(m)?;
+    compat::register(m)?;
     Ok(())
 }
