@@ -49,7 +49,7 @@ use crossbeam_channel::{Receiver, Sender};
 use super::sys::{self, IoVec};
 use super::{
     Backend, BackendInfo, BackendInit, BackendMr, BatchState, Conn, ConnCtx, EndpointInfo,
-    NotifySink, PendingConn, ResolvedOps, lock,
+    NotifySink, PendingConn, ResolvedOp, ResolvedOps, lock,
 };
 use crate::admission::{Admission, Ticket};
 use crate::batch::Op;
@@ -59,6 +59,7 @@ use crate::engine::{PeerId, ct_eq, random_u64};
 use crate::error::{Error, HandshakeError, Result};
 use crate::memory::{Access, Registry};
 use crate::wire::MAX_STREAMS;
+use smallvec::SmallVec;
 
 const STREAM_MAGIC: u32 = u32::from_le_bytes(*b"PGWS");
 const STREAM_VERSION: u16 = 1;
@@ -66,10 +67,15 @@ const REQ_LEN: usize = 40;
 const RESP_LEN: usize = 16;
 /// Largest chunk a responder accepts (the requester's `max_wr_bytes` is capped at 2 GiB).
 const MAX_CHUNK: u64 = 1 << 31;
-/// Most requests sent with one `writev` (and responses read with one `read`).
+/// Most requests sent with one `sendmsg` (and responses read with one `read`).
 const GATHER: usize = 64;
-/// Stop gathering once this much WRITE payload is queued in one `writev`.
+/// Stop gathering once this much WRITE payload is queued in one `sendmsg`.
 const GATHER_BYTES: u64 = 4 << 20;
+/// A batch of at most this many bytes and chunks is sent as one burst on one stream, by
+/// the submitting thread itself when a stream is free (`ConnShared::send_direct`);
+/// larger ones are striped over the streams by their sender threads.
+const DIRECT_BYTES: u64 = 64 << 10;
+const DIRECT_JOBS: usize = 16;
 
 const K_WRITE: u8 = 1;
 const K_READ: u8 = 2;
@@ -423,11 +429,113 @@ struct Job {
     seq: u64,
 }
 
+impl Job {
+    /// Payload bytes that follow the request header (a WRITE's).
+    fn payload(&self) -> usize {
+        if self.kind == Kind::Data(Op::Write) {
+            self.len as usize
+        } else {
+            0
+        }
+    }
+}
+
+/// The jobs of one small batch, sent together.
+type Jobs = SmallVec<[Job; 2]>;
+
+/// A message to a stream's sender thread.
+enum TxMsg {
+    Job(Job),
+    /// A direct send left bytes over (`TxState::rest`): write them.
+    Rest,
+}
+
+/// One request as it goes on the wire: its header, then `len` payload bytes at `payload`
+/// (registered memory; a WRITE's) or none.
+struct Frame {
+    hdr: [u8; REQ_LEN],
+    payload: u64,
+    len: usize,
+}
+
+impl Frame {
+    /// The frames of `jobs`, all but the last flagged "more follows".
+    fn of<'a>(jobs: impl ExactSizeIterator<Item = &'a Job>, out: &mut impl Extend<Frame>) {
+        let n = jobs.len();
+        out.extend(jobs.enumerate().map(|(i, j)| Frame {
+            hdr: encode_request(j, i + 1 < n),
+            payload: j.local,
+            len: j.payload(),
+        }));
+    }
+
+    /// The gather list of `frames`: each header, then its payload, as raw entries. The
+    /// entries point into `frames` and into the payloads' memory.
+    fn iov(frames: &[Frame], out: &mut impl Extend<IoVec>) {
+        for f in frames {
+            out.extend(std::iter::once(IoVec::from_slice(&f.hdr)));
+            if f.len > 0 {
+                // Payload straight from registered memory, as a raw pointer.
+                out.extend(std::iter::once(IoVec::raw(f.payload as *const u8, f.len)));
+            }
+        }
+    }
+}
+
+/// What the kernel did not take of a direct send at once.
+struct Rest {
+    frames: SmallVec<[Frame; 2]>,
+    /// Bytes of `frames` already sent.
+    sent: usize,
+    /// The batch whose payload `frames` points into: its pins keep that memory registered,
+    /// hence allocated, until the rest is written.
+    _keep: Arc<BatchState>,
+}
+
+impl Rest {
+    /// Writes the rest (blocking; the socket's write timeout bounds each wait).
+    fn write_all(self, sock: &TcpStream) -> std::io::Result<()> {
+        let mut iov: SmallVec<[IoVec; 4]> = SmallVec::new();
+        Frame::iov(&self.frames, &mut iov);
+        let left = sys::advance(&mut iov, self.sent);
+        // SAFETY: header entries point into `self.frames`, alive for the call; payload
+        // entries are ranges the engine validated against registered local regions,
+        // which `self._keep` keeps pinned (registered, hence allocated) until we return.
+        unsafe { sys::write_all(sock, left) }
+    }
+}
+
+struct Live {
+    sock: TcpStream,
+    /// The receiver thread's queue. A request is queued there before its first byte is
+    /// written, so a response always finds its request.
+    inflight: Sender<Job>,
+}
+
+/// One outgoing stream's writing side, shared by its sender thread and by threads that
+/// send a small batch themselves (`ConnShared::send_direct`). Whoever writes holds
+/// `state`, so requests never interleave and the receiver's queue stays in wire order.
+struct StreamTx {
+    state: Mutex<TxState>,
+    /// Requests queued for the receiver whose responses it has not handled yet.
+    outstanding: AtomicUsize,
+}
+
+struct TxState {
+    /// `None` once the connection broke: the socket is closed, and the receiver fails
+    /// what is queued for it and ends.
+    live: Option<Live>,
+    /// Left over from a direct send: the sender thread writes it before anything else,
+    /// and no direct send uses the stream meanwhile.
+    rest: Option<Rest>,
+}
+
 struct ConnShared {
     peer: PeerId,
     chunk: u64,
     /// Job queues of the sender threads; taken on close so they drain and exit.
-    queues: Mutex<Vec<Sender<Job>>>,
+    queues: Mutex<Vec<Sender<TxMsg>>>,
+    streams: Vec<StreamTx>,
     /// Clones of the outgoing streams, to shut them down; released when the connection
     /// breaks (the threads hold the other clones and exit then).
     socks: Mutex<Vec<TcpStream>>,
@@ -452,24 +560,36 @@ impl ConnShared {
         session: Arc<Session>,
         backend: Weak<TcpShared>,
     ) -> Result<Arc<ConnShared>> {
+        let clone = |s: &TcpStream| s.try_clone().map_err(|e| Error::io("clone data stream", e));
         let mut queues = Vec::new();
-        let mut rxs = Vec::new();
-        for _ in &socks {
-            let (tx, rx) = crossbeam_channel::unbounded::<Job>();
+        let mut jobs = Vec::new();
+        let mut streams = Vec::new();
+        let mut receivers = Vec::new();
+        for s in &socks {
+            let (tx, rx) = crossbeam_channel::unbounded::<TxMsg>();
             queues.push(tx);
-            rxs.push(rx);
+            jobs.push(rx);
+            // Unbounded: the socket's own buffers are the back-pressure; a bounded queue
+            // could block a writer between queueing a request and writing it.
+            let (in_tx, in_rx) = crossbeam_channel::unbounded::<Job>();
+            streams.push(StreamTx {
+                state: Mutex::new(TxState {
+                    live: Some(Live {
+                        sock: clone(s)?,
+                        inflight: in_tx,
+                    }),
+                    rest: None,
+                }),
+                outstanding: AtomicUsize::new(0),
+            });
+            receivers.push(in_rx);
         }
         let conn = Arc::new(ConnShared {
             peer,
             chunk,
             queues: Mutex::new(queues),
-            socks: Mutex::new(
-                socks
-                    .iter()
-                    .map(|s| s.try_clone())
-                    .collect::<std::io::Result<_>>()
-                    .map_err(|e| Error::io("clone data stream", e))?,
-            ),
+            streams,
+            socks: Mutex::new(socks.iter().map(clone).collect::<Result<_>>()?),
             session,
             backend,
             next: AtomicUsize::new(0),
@@ -478,25 +598,15 @@ impl ConnShared {
             reason: Mutex::new(None),
             threads: Mutex::new(Vec::new()),
         });
-        for (i, (sock, rx)) in socks.into_iter().zip(rxs).enumerate() {
-            // Unbounded: the socket's own buffers are the back-pressure; a bounded queue
-            // could block the sender between queueing a gather and writing it.
-            let (in_tx, in_rx) = crossbeam_channel::unbounded::<Job>();
-            let rsock = match sock.try_clone() {
-                Ok(r) => r,
-                Err(e) => {
-                    conn.close_and_join("cannot clone a data stream".into());
-                    return Err(Error::io("clone data stream", e));
-                }
-            };
+        for (i, ((rsock, jobs), in_rx)) in socks.into_iter().zip(jobs).zip(receivers).enumerate() {
             let c = conn.clone();
             let tx = std::thread::Builder::new()
                 .name(format!("pagewire-tcp-tx{i}"))
-                .spawn(move || c.send_loop(sock, rx, in_tx));
+                .spawn(move || c.send_loop(i, jobs));
             let c = conn.clone();
             let rx = std::thread::Builder::new()
                 .name(format!("pagewire-tcp-rx{i}"))
-                .spawn(move || c.recv_loop(rsock, in_rx, io_timeout));
+                .spawn(move || c.recv_loop(i, rsock, in_rx, io_timeout));
             match (tx, rx) {
                 (Ok(t), Ok(r)) => lock(&conn.threads).extend([t, r]),
                 (t, r) => {
@@ -540,6 +650,7 @@ impl ConnShared {
     /// thread wakes, fails what it holds and exits, and its descriptors are released.
     /// The peer's session is closed first: once `broken` is visible (`peer_alive` false),
     /// no request of the peer's starts to be served, on an old stream or a new one.
+    /// Never called with a stream's `state` held (it takes each).
     fn break_all(&self, reason: String) {
         {
             let mut r = lock(&self.reason);
@@ -557,6 +668,14 @@ impl ConnShared {
         for s in lock(&self.socks).drain(..) {
             let _ = s.shutdown(Shutdown::Both);
         }
+        // A writer blocked in a write holds its stream's state: the shutdown above ended
+        // that write. Nothing more is queued for the receivers, so each ends once it has
+        // failed what is queued; a left-over rest is dropped unwritten.
+        for s in &self.streams {
+            let mut st = lock(&s.state);
+            st.live = None;
+            st.rest = None;
+        }
     }
 
     fn enqueue(&self, job: Job) -> Result<()> {
@@ -565,69 +684,170 @@ impl ConnShared {
             return Err(self.gone());
         }
         let i = self.next.fetch_add(1, Ordering::Relaxed) % q.len();
-        q[i].send(job).map_err(|_| self.gone())
+        q[i].send(TxMsg::Job(job)).map_err(|_| self.gone())
+    }
+
+    /// Sends `jobs` (the requests of one batch) directly if a stream is free, else queues
+    /// them for the sender threads.
+    fn send(&self, mut jobs: Jobs) -> Result<()> {
+        if self.send_direct(&mut jobs) {
+            return Ok(());
+        }
+        jobs.into_iter().try_for_each(|j| self.enqueue(j))
+    }
+
+    /// Sends `jobs` (the requests of one small batch) on one stream from the calling
+    /// thread, without a hand-off to a sender thread: on a stream whose lock is free and
+    /// that owes nothing (no rest, no queued job), preferring one with no response
+    /// outstanding, lowest index first (a lone caller keeps the same threads warm). The
+    /// requests are queued for the receiver, then sent with one non-blocking `sendmsg`;
+    /// what the kernel does not take at once is left to the stream's sender thread,
+    /// which writes it before anything else. Never blocks. `false` (and `jobs` left as
+    /// they were) when no stream is free or the connection broke: the caller then
+    /// queues them.
+    fn send_direct(&self, jobs: &mut Jobs) -> bool {
+        if jobs.is_empty() || self.broken.load(Ordering::Acquire) {
+            return false;
+        }
+        for quiet in [true, false] {
+            for (i, s) in self.streams.iter().enumerate() {
+                if quiet && s.outstanding.load(Ordering::Acquire) != 0 {
+                    continue;
+                }
+                let st = match s.state.try_lock() {
+                    Ok(g) => g,
+                    Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+                    Err(std::sync::TryLockError::WouldBlock) => continue,
+                };
+                if st.rest.is_some()
+                    || st.live.is_none()
+                    || !lock(&self.queues).get(i).is_some_and(Sender::is_empty)
+                {
+                    continue;
+                }
+                self.write_direct(i, s, st, std::mem::take(jobs));
+                return true;
+            }
+        }
+        false
+    }
+
+    /// The send of [`Self::send_direct`] on stream `i`, whose state `st` is held.
+    fn write_direct(
+        &self,
+        i: usize,
+        s: &StreamTx,
+        mut st: std::sync::MutexGuard<'_, TxState>,
+        jobs: Jobs,
+    ) {
+        debug_assert!(jobs.iter().all(|j| Arc::ptr_eq(&j.batch, &jobs[0].batch)));
+        let keep = jobs[0].batch.clone();
+        let mut frames: SmallVec<[Frame; 2]> = SmallVec::new();
+        Frame::of(jobs.iter(), &mut frames);
+        let Some(live) = st.live.as_ref() else {
+            unreachable!("checked by the caller under the same lock")
+        };
+        s.outstanding.fetch_add(jobs.len(), Ordering::AcqRel);
+        for j in jobs {
+            // The receiver holds its end until every sender is gone (`live` above).
+            if let Err(crossbeam_channel::SendError(j)) = live.inflight.send(j) {
+                s.outstanding.fetch_sub(1, Ordering::AcqRel);
+                j.batch.fail(self.gone());
+            }
+        }
+        let mut iov: SmallVec<[IoVec; 4]> = SmallVec::new();
+        Frame::iov(&frames, &mut iov);
+        let total = sys::iov_len(&iov);
+        // SAFETY: header entries point into `frames`, alive for the call; payload entries
+        // are ranges the engine validated against registered local regions, which `keep`
+        // (the batch) keeps pinned, hence registered and allocated, until we return.
+        let sent = match unsafe { sys::write_now(&live.sock, &iov) } {
+            Ok(n) => n,
+            Err(e) if e.kind() == ErrorKind::WouldBlock => 0,
+            Err(e) => {
+                drop(st);
+                // The receiver fails the queued requests.
+                self.break_all(format!("send failed: {e}"));
+                return;
+            }
+        };
+        if sent < total {
+            st.rest = Some(Rest {
+                frames,
+                sent,
+                _keep: keep,
+            });
+            // Lock order: a stream's state, then the queues (break_all never holds both).
+            if let Some(q) = lock(&self.queues).get(i) {
+                let _ = q.send(TxMsg::Rest);
+            }
+        }
     }
 
     /// Sends queued jobs in gathers: up to `GATHER` requests (headers and WRITE payloads
-    /// straight from registered memory) per `writev`. All but the last request of a
+    /// straight from registered memory) per `sendmsg`. All but the last request of a
     /// gather carry the "more follows" flag, so the responder batches its acks too.
-    fn send_loop(self: Arc<Self>, sock: TcpStream, jobs: Receiver<Job>, inflight: Sender<Job>) {
+    /// Writes a direct send's rest first.
+    fn send_loop(self: Arc<Self>, i: usize, jobs: Receiver<TxMsg>) {
+        let stream = &self.streams[i];
         let mut gather: Vec<Job> = Vec::with_capacity(GATHER);
-        let mut hdrs: Vec<[u8; REQ_LEN]> = Vec::with_capacity(GATHER);
+        let mut frames: Vec<Frame> = Vec::with_capacity(GATHER);
         let mut iov: Vec<IoVec> = Vec::with_capacity(2 * GATHER);
+        let mut keep: Vec<Arc<BatchState>> = Vec::with_capacity(GATHER);
         while let Ok(first) = jobs.recv() {
             let mut bytes = 0u64;
             let mut next = Some(first);
-            while let Some(job) = next.take() {
-                if self.broken.load(Ordering::Acquire) {
-                    job.batch.fail(self.gone());
-                } else if !(matches!(job.kind, Kind::Data(_)) && job.batch.should_stop()) {
-                    bytes += if job.kind == Kind::Data(Op::Write) {
-                        job.len
-                    } else {
-                        0
-                    };
-                    gather.push(job);
+            while let Some(msg) = next.take() {
+                if let TxMsg::Job(job) = msg {
+                    if self.broken.load(Ordering::Acquire) {
+                        job.batch.fail(self.gone());
+                    } else if !(matches!(job.kind, Kind::Data(_)) && job.batch.should_stop()) {
+                        bytes += job.payload() as u64;
+                        gather.push(job);
+                    }
                 }
                 if gather.len() < GATHER && bytes < GATHER_BYTES {
                     next = jobs.try_recv().ok();
                 }
             }
-            if gather.is_empty() {
+            let mut st = lock(&stream.state);
+            let rest = st.rest.take();
+            if rest.is_none() && gather.is_empty() {
                 continue;
             }
-            hdrs.clear();
-            let n = gather.len();
-            for (i, job) in gather.iter().enumerate() {
-                hdrs.push(encode_request(job, i + 1 < n));
-            }
-            iov.clear();
-            for (job, h) in gather.iter().zip(&hdrs) {
-                iov.push(IoVec::from_slice(h));
-                if job.kind == Kind::Data(Op::Write) {
-                    // Payload straight from registered memory, as a raw pointer.
-                    iov.push(IoVec::raw(job.local as *const u8, job.len as usize));
-                }
-            }
-            // Queue before sending so the receiver always knows what a response answers.
-            let batches: Vec<Arc<BatchState>> = gather.iter().map(|j| j.batch.clone()).collect();
-            let mut queued = true;
-            for job in gather.drain(..) {
-                if let Err(crossbeam_channel::SendError(job)) = inflight.send(job) {
-                    job.batch.fail(self.gone());
-                    queued = false;
-                }
-            }
-            let res = if queued {
-                // SAFETY: the header entries point into `hdrs`, untouched until the next
-                // gather; each payload entry is a range the engine validated against a
-                // registered local region, which its batch keeps pinned (so registered and
-                // allocated), and `batches` holds every batch of the gather until `write_all`
-                // returned.
-                unsafe { sys::write_all(&sock, &mut iov) }
-            } else {
-                Err(ErrorKind::BrokenPipe.into())
+            let mut res = match (rest, &st.live) {
+                (Some(r), Some(live)) => r.write_all(&live.sock),
+                _ => Ok(()),
             };
+            if res.is_ok() && !gather.is_empty() {
+                frames.clear();
+                Frame::of(gather.iter(), &mut frames);
+                iov.clear();
+                Frame::iov(&frames, &mut iov);
+                // Queue before sending so the receiver always knows what a response
+                // answers; `keep` holds every batch of the gather until the write returned.
+                keep.extend(gather.iter().map(|j| j.batch.clone()));
+                match st.live.as_ref() {
+                    Some(live) => {
+                        stream.outstanding.fetch_add(gather.len(), Ordering::AcqRel);
+                        for job in gather.drain(..) {
+                            if let Err(crossbeam_channel::SendError(job)) = live.inflight.send(job)
+                            {
+                                stream.outstanding.fetch_sub(1, Ordering::AcqRel);
+                                job.batch.fail(self.gone());
+                            }
+                        }
+                        // SAFETY: the header entries point into `frames`, untouched until
+                        // the next gather; each payload entry is a range the engine
+                        // validated against a registered local region, which its batch
+                        // keeps pinned (so registered and allocated), and `keep` holds
+                        // every batch of the gather until `write_all` returned.
+                        res = unsafe { sys::write_all(&live.sock, &mut iov) };
+                    }
+                    None => res = Err(ErrorKind::BrokenPipe.into()),
+                }
+            }
+            drop(st);
             iov.clear();
             if let Err(e) = res {
                 // A write timeout is the peer taking no bytes for `io_timeout`.
@@ -637,26 +857,70 @@ impl ConnShared {
                     }
                     _ => format!("send failed: {e}"),
                 });
-                for b in batches {
-                    b.fail(self.gone());
+                let err = self.gone();
+                for b in keep.iter().chain(gather.iter().map(|j| &j.batch)) {
+                    b.fail(err.clone());
                 }
+                gather.clear();
             }
+            keep.clear();
         }
     }
 
     /// Reads responses in order. Consecutive responses without payload are read with
-    /// one `read_exact`; a READ's payload goes straight into local memory.
+    /// one `read`; a READ's payload goes straight into local memory. While nothing is
+    /// outstanding the thread waits in a read on the stream itself, so a request's
+    /// response wakes it once, and a stream the peer closes is noticed at once.
     fn recv_loop(
         self: Arc<Self>,
+        i: usize,
         mut sock: TcpStream,
         inflight: Receiver<Job>,
         io_timeout: Duration,
     ) {
-        let mut failed: Option<Error> = None;
+        let stream = &self.streams[i];
         let mut group: Vec<Job> = Vec::with_capacity(GATHER);
         let mut buf = vec![0u8; GATHER * RESP_LEN];
         let mut scratch = Vec::new();
-        while let Ok(first) = inflight.recv() {
+        let err = loop {
+            // Bytes of the first response header already read.
+            let mut have = 0;
+            let first = match inflight.try_recv() {
+                Ok(j) => j,
+                Err(crossbeam_channel::TryRecvError::Disconnected) => break self.gone(),
+                Err(crossbeam_channel::TryRecvError::Empty) => {
+                    // Idle: wait for a response (a request is queued before it is
+                    // written, so its job is there once its response is), or the end.
+                    match sock.read(&mut buf[..RESP_LEN]) {
+                        Ok(0) => {
+                            self.break_all("receive failed: end of stream".into());
+                            break self.gone();
+                        }
+                        Ok(n) => have = n,
+                        Err(e)
+                            if matches!(
+                                e.kind(),
+                                ErrorKind::WouldBlock
+                                    | ErrorKind::TimedOut
+                                    | ErrorKind::Interrupted
+                            ) =>
+                        {
+                            continue;
+                        }
+                        Err(e) => {
+                            self.break_all(format!("receive failed: {e}"));
+                            break self.gone();
+                        }
+                    }
+                    match inflight.try_recv() {
+                        Ok(j) => j,
+                        Err(_) => {
+                            self.break_all("a response to no request".into());
+                            break self.gone();
+                        }
+                    }
+                }
+            };
             let mut last_is_read = first.kind == Kind::Data(Op::Read);
             group.push(first);
             while !last_is_read && group.len() < GATHER {
@@ -668,28 +932,34 @@ impl ConnShared {
                     Err(_) => break,
                 }
             }
-            if let Some(e) = &failed {
-                for j in group.drain(..) {
-                    j.batch.fail(e.clone());
-                }
-                continue;
-            }
             let hdrs = &mut buf[..group.len() * RESP_LEN];
-            let res = read_headers(&mut sock, hdrs, &group, io_timeout).and_then(|()| {
+            let mut handled = 0;
+            let res = read_headers(&mut sock, hdrs, have, &group, io_timeout).and_then(|()| {
                 for (j, h) in group.iter().zip(hdrs.chunks_exact(RESP_LEN)) {
                     self.recv_one(&sock, j, h, io_timeout, &mut scratch)?;
+                    handled += 1;
+                    stream.outstanding.fetch_sub(1, Ordering::AcqRel);
                 }
                 Ok(())
             });
             if let Err(e) = res {
                 self.break_all(e);
                 let err = self.gone();
-                for j in &group {
+                for j in &group[handled..] {
                     j.batch.fail(err.clone());
                 }
-                failed = Some(err);
+                stream
+                    .outstanding
+                    .fetch_sub(group.len() - handled, Ordering::AcqRel);
+                group.clear();
+                break err;
             }
             group.clear();
+        };
+        // Broken: fail what is queued until no sender is left.
+        while let Ok(j) = inflight.recv() {
+            stream.outstanding.fetch_sub(1, Ordering::AcqRel);
+            j.batch.fail(err.clone());
         }
     }
 
@@ -839,7 +1109,8 @@ impl ConnShared {
             len: 0,
             seq: self.seq.fetch_add(1, Ordering::Relaxed),
         };
-        if let Err(e) = self.enqueue(n) {
+        // On this (receiving) thread a direct send never blocks: at worst it queues.
+        if let Err(e) = self.send(smallvec::smallvec![n]) {
             job.batch.fail(e);
         }
     }
@@ -861,6 +1132,7 @@ impl Conn for TcpConn {
             remaining: AtomicUsize::new(chunks),
             notify,
         });
+        let seq = || c.seq.fetch_add(1, Ordering::Relaxed);
         if chunks == 0 {
             // A notification alone (the core refuses an empty batch without one): no data
             // to wait for, so the notify request goes out at once.
@@ -868,7 +1140,7 @@ impl Conn for TcpConn {
                 batch.succeed();
                 return Ok(());
             };
-            return c.enqueue(Job {
+            return c.send(smallvec::smallvec![Job {
                 batch,
                 tracker,
                 kind: Kind::Notify(tag),
@@ -876,24 +1148,33 @@ impl Conn for TcpConn {
                 remote: 0,
                 rkey: 0,
                 len: 0,
-                seq: c.seq.fetch_add(1, Ordering::Relaxed),
-            });
+                seq: seq(),
+            }]);
         }
-        for o in &ops {
-            let mut off = 0;
-            while off < o.len {
-                let n = (o.len - off).min(c.chunk);
-                c.enqueue(Job {
+        let chunks_of = |o: ResolvedOp| {
+            let (batch, tracker) = (batch.clone(), tracker.clone());
+            (0..o.len.div_ceil(c.chunk)).map(move |k| {
+                let off = k * c.chunk;
+                Job {
                     batch: batch.clone(),
                     tracker: tracker.clone(),
                     kind: Kind::Data(o.op),
                     local: o.local + off,
                     remote: o.remote + off,
                     rkey: o.rkey,
-                    len: n,
-                    seq: c.seq.fetch_add(1, Ordering::Relaxed),
-                })?;
-                off += n;
+                    len: (o.len - off).min(c.chunk),
+                    seq: seq(),
+                }
+            })
+        };
+        let bytes = ops.iter().fold(0u64, |a, o| a.saturating_add(o.len));
+        if bytes <= DIRECT_BYTES && chunks <= DIRECT_JOBS {
+            // Small: one burst on one stream, from this thread if a stream is free.
+            return c.send(ops.iter().copied().flat_map(chunks_of).collect());
+        }
+        for &o in &ops {
+            for job in chunks_of(o) {
+                c.enqueue(job)?;
             }
         }
         Ok(())
@@ -1255,16 +1536,19 @@ fn missed(now: Instant, last: Instant, deadline: Instant, io: Duration) -> Strin
     }
 }
 
-/// Reads the response headers of `group` (in order, `RESP_LEN` bytes each): each within
-/// `io` of the last byte received and of its batch's deadline. The socket's read timeout
-/// (`io`) bounds each wait.
+/// Reads the response headers of `group` (in order, `RESP_LEN` bytes each) into `buf`,
+/// whose first `got` bytes are already there: each within `io` of the last byte received
+/// and of its batch's deadline. The socket's read timeout (`io`) bounds each wait.
 fn read_headers(
     s: &mut TcpStream,
     buf: &mut [u8],
+    mut got: usize,
     group: &[Job],
     io: Duration,
 ) -> Result<(), String> {
-    let mut got = 0;
+    if got >= buf.len() {
+        return Ok(());
+    }
     let mut last = Instant::now();
     while got < buf.len() {
         match s.read(&mut buf[got..]) {
@@ -1311,18 +1595,20 @@ fn read_full(s: &mut TcpStream, buf: &mut [u8], timeout: Duration) -> std::io::R
     Ok(())
 }
 
-/// Reads a request header; waiting idle before its first byte is fine. `Ok(false)` on a
-/// clean close (EOF before any byte, or the session closed while idle).
+/// Reads a request header; waiting idle before its first byte is fine. The first read
+/// asks for the whole header (it is all there in the usual case: one system call), never
+/// for more. `Ok(false)` on a clean close (EOF before any byte, or the session closed
+/// while idle).
 fn read_idle(
     s: &mut TcpStream,
     buf: &mut [u8],
     timeout: Duration,
     closed: &AtomicBool,
 ) -> std::io::Result<bool> {
-    loop {
-        match s.read(&mut buf[..1]) {
+    let got = loop {
+        match s.read(buf) {
             Ok(0) => return Ok(false),
-            Ok(_) => break,
+            Ok(n) => break n,
             Err(e) if e.kind() == ErrorKind::Interrupted => {}
             Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
                 if closed.load(Ordering::Acquire) {
@@ -1331,7 +1617,7 @@ fn read_idle(
             }
             Err(e) => return Err(e),
         }
-    }
-    read_full(s, &mut buf[1..], timeout)?;
+    };
+    read_full(s, &mut buf[got..], timeout)?;
     Ok(true)
 }
