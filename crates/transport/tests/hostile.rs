@@ -219,11 +219,11 @@ fn reject_reason(body: &[u8]) -> String {
     String::from_utf8_lossy(&body[2..2 + n]).into_owned()
 }
 
-/// A data-stream hello: "PGWS", version 1, token length, session, token.
+/// A data-stream hello: "PGWS", version 2, token length, session, token.
 fn stream_hello(session: u64, token: &[u8]) -> Vec<u8> {
     let mut h = Vec::new();
     h.extend_from_slice(b"PGWS");
-    h.extend_from_slice(&1u16.to_le_bytes());
+    h.extend_from_slice(&2u16.to_le_bytes());
     h.extend_from_slice(&(token.len() as u16).to_le_bytes());
     h.extend_from_slice(&session.to_le_bytes());
     h.extend_from_slice(token);

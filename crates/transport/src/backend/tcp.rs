@@ -62,7 +62,8 @@ use crate::wire::MAX_STREAMS;
 use smallvec::SmallVec;
 
 const STREAM_MAGIC: u32 = u32::from_le_bytes(*b"PGWS");
-const STREAM_VERSION: u16 = 1;
+/// 2: a NOTIFY may ride in its batch's burst (request flag byte 2, status `S_SKIPPED`).
+const STREAM_VERSION: u16 = 2;
 const REQ_LEN: usize = 40;
 const RESP_LEN: usize = 16;
 /// Largest chunk a responder accepts (the requester's `max_wr_bytes` is capped at 2 GiB).
@@ -88,6 +89,15 @@ const S_NO_SESSION: u32 = 3;
 /// The responder's notification queue was full: the tag was dropped, and the responder
 /// breaks the connection after this response.
 const S_QUEUE_FULL: u32 = 4;
+/// A NOTIFY sent in its batch's burst (flag `F_IN_BURST`) after a request of that burst
+/// was refused: the tag was not surfaced.
+const S_SKIPPED: u32 = 5;
+
+/// Request flag (byte 2), NOTIFY only: it ends a burst that carries its batch's data
+/// (`more` set on every request before it), and the responder surfaces the tag only if
+/// no request of that burst was refused. It is served after them, so their bytes are in
+/// memory by then.
+const F_IN_BURST: u8 = 1;
 
 /// Incoming data streams served before their hello is complete (each has a thread), in
 /// all and from one source address; the excess is closed at once (`admission`). A
@@ -409,13 +419,19 @@ fn open_stream(
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Kind {
     Data(Op),
+    /// Sent once every data chunk of the batch was acknowledged.
     Notify(u32),
+    /// Sent right after the batch's data, in the same burst on the same stream
+    /// (`F_IN_BURST`).
+    NotifyInBurst(u32),
 }
 
 struct Tracker {
     /// Data chunks not yet acknowledged.
     remaining: AtomicUsize,
     notify: Option<u32>,
+    /// The notification went out in the data's burst: its response ends the batch.
+    in_burst: AtomicBool,
 }
 
 struct Job {
@@ -993,6 +1009,7 @@ impl ConnShared {
                 S_QUEUE_FULL => {
                     "the peer's notification queue is full (notification dropped)".into()
                 }
+                S_SKIPPED => "notification not surfaced: a request of its batch was refused".into(),
                 s => format!("status {s}"),
             };
             job.batch.fail(Error::Remote {
@@ -1021,7 +1038,7 @@ impl ConnShared {
                     self.last_data_done(job);
                 }
             }
-            Kind::Notify(_) => job.batch.succeed(),
+            Kind::Notify(_) | Kind::NotifyInBurst(_) => job.batch.succeed(),
         }
         Ok(())
     }
@@ -1092,6 +1109,10 @@ impl ConnShared {
 
     /// Every chunk of the batch is acknowledged: send the notification or finish.
     fn last_data_done(&self, job: &Job) {
+        if job.tracker.in_burst.load(Ordering::Acquire) {
+            // Its response, which follows, ends the batch.
+            return;
+        }
         let Some(tag) = job.tracker.notify else {
             job.batch.succeed();
             return;
@@ -1131,6 +1152,7 @@ impl Conn for TcpConn {
         let tracker = Arc::new(Tracker {
             remaining: AtomicUsize::new(chunks),
             notify,
+            in_burst: AtomicBool::new(false),
         });
         let seq = || c.seq.fetch_add(1, Ordering::Relaxed);
         if chunks == 0 {
@@ -1169,8 +1191,31 @@ impl Conn for TcpConn {
         };
         let bytes = ops.iter().fold(0u64, |a, o| a.saturating_add(o.len));
         if bytes <= DIRECT_BYTES && chunks <= DIRECT_JOBS {
-            // Small: one burst on one stream, from this thread if a stream is free.
-            return c.send(ops.iter().copied().flat_map(chunks_of).collect());
+            // Small: one burst on one stream, from this thread if a stream is free, the
+            // notification last in it (served after the data, so no wait for the acks).
+            let mut jobs: Jobs = ops.iter().copied().flat_map(chunks_of).collect();
+            if let Some(tag) = notify {
+                tracker.in_burst.store(true, Ordering::Release);
+                jobs.push(Job {
+                    batch: batch.clone(),
+                    tracker: tracker.clone(),
+                    kind: Kind::NotifyInBurst(tag),
+                    local: 0,
+                    remote: 0,
+                    rkey: 0,
+                    len: 0,
+                    seq: seq(),
+                });
+            }
+            if c.send_direct(&mut jobs) {
+                return Ok(());
+            }
+            // Queued, the chunks are striped: the notification waits for their acks.
+            if notify.is_some() {
+                jobs.pop();
+                tracker.in_burst.store(false, Ordering::Release);
+            }
+            return jobs.into_iter().try_for_each(|j| c.enqueue(j));
         }
         for &o in &ops {
             for job in chunks_of(o) {
@@ -1333,6 +1378,8 @@ fn serve_requests(b: &TcpShared, session: &Session, s: &mut TcpStream) -> Result
         .map_err(|e| e.to_string())?;
     let mut scratch = Vec::new();
     let mut acks: Vec<u8> = Vec::with_capacity(GATHER * RESP_LEN);
+    // A request of the current burst was refused.
+    let mut refused = false;
     loop {
         let mut req = [0u8; REQ_LEN];
         match read_idle(s, &mut req, b.io_timeout, &session.closed) {
@@ -1344,9 +1391,12 @@ fn serve_requests(b: &TcpShared, session: &Session, s: &mut TcpStream) -> Result
             // The connection broke while this request arrived: serve nothing more.
             return Ok(());
         }
-        serve_request(b, session, s, &req, &mut scratch, &mut acks)?;
+        serve_request(b, session, s, &req, &mut scratch, &mut acks, &mut refused)?;
         // Acks wait while the requester said more requests follow in the same burst.
         let more = req[1] == 1;
+        if !more {
+            refused = false;
+        }
         if !acks.is_empty() && (!more || acks.len() >= GATHER * RESP_LEN) {
             s.write_all(&acks).map_err(|e| format!("respond: {e}"))?;
             acks.clear();
@@ -1363,7 +1413,8 @@ fn response(seq: u64, status: u32, len: u32) -> [u8; RESP_LEN] {
 }
 
 /// Serves one request. Responses without payload are appended to `acks`; a READ's
-/// response is written at once, after the pending acks.
+/// response is written at once, after the pending acks. `refused`: a request of the
+/// current burst was refused (set here; an `F_IN_BURST` NOTIFY is then skipped).
 fn serve_request(
     b: &TcpShared,
     session: &Session,
@@ -1371,6 +1422,7 @@ fn serve_request(
     req: &[u8; REQ_LEN],
     scratch: &mut Vec<u8>,
     acks: &mut Vec<u8>,
+    refused: &mut bool,
 ) -> Result<(), String> {
     let kind = req[0];
     let rkey = u32::from_le_bytes(req[4..8].try_into().expect("4 bytes"));
@@ -1378,7 +1430,13 @@ fn serve_request(
     let addr = u64::from_le_bytes(req[16..24].try_into().expect("8 bytes"));
     let len = u64::from_le_bytes(req[24..32].try_into().expect("8 bytes"));
     let tag = u32::from_le_bytes(req[32..36].try_into().expect("4 bytes"));
-    if req[1] > 1 || req[2..4] != [0; 2] || req[36..40] != [0; 4] {
+    let in_burst = req[2] == F_IN_BURST;
+    if req[1] > 1
+        || req[2] > F_IN_BURST
+        || (in_burst && kind != K_NOTIFY)
+        || req[3] != 0
+        || req[36..40] != [0; 4]
+    {
         return Err("reserved request bytes set".into());
     }
     match kind {
@@ -1386,8 +1444,11 @@ fn serve_request(
             if addr != 0 || len != 0 || rkey != 0 {
                 return Err("malformed NOTIFY".into());
             }
-            // Every WRITE before this NOTIFY was acked, i.e. its bytes are in memory.
+            // Every WRITE before this NOTIFY was acked, i.e. its bytes are in memory; or,
+            // in its burst, was served before it on this stream (so the same holds), and
+            // none of them was refused.
             let status = match session.sink.get().filter(|_| !session.is_closed()) {
+                _ if in_burst && *refused => S_SKIPPED,
                 Some(sink) if sink.notify(tag) => S_OK,
                 Some(_) => S_QUEUE_FULL,
                 None => S_NO_SESSION,
@@ -1422,6 +1483,7 @@ fn serve_request(
                 }
             };
             let n = len as usize;
+            *refused |= status.is_err();
             match (kind, status) {
                 (K_WRITE, Ok(_pin)) => {
                     // SAFETY: `[addr, addr+len)` lies in a registered region with
@@ -1475,10 +1537,13 @@ fn encode_request(job: &Job, more: bool) -> [u8; REQ_LEN] {
     let (kind, tag) = match job.kind {
         Kind::Data(Op::Write) => (K_WRITE, 0),
         Kind::Data(Op::Read) => (K_READ, 0),
-        Kind::Notify(t) => (K_NOTIFY, t),
+        Kind::Notify(t) | Kind::NotifyInBurst(t) => (K_NOTIFY, t),
     };
     hdr[0] = kind;
     hdr[1] = u8::from(more);
+    if matches!(job.kind, Kind::NotifyInBurst(_)) {
+        hdr[2] = F_IN_BURST;
+    }
     hdr[4..8].copy_from_slice(&job.rkey.to_le_bytes());
     hdr[8..16].copy_from_slice(&job.seq.to_le_bytes());
     hdr[16..24].copy_from_slice(&job.remote.to_le_bytes());
