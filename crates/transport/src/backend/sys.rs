@@ -175,6 +175,68 @@ pub(crate) unsafe fn write_now(fd: &impl AsRawFd, iov: &[IoVec]) -> io::Result<u
     unsafe { send_iov(fd, iov, true) }
 }
 
+/// An epoll instance watching at most one socket for input: a stream's receiver thread
+/// waits in it, and a thread that reads the stream itself meanwhile takes the socket out
+/// ([`Epoll::remove`]) so the receiver is not woken by what it reads, then puts it back
+/// (level-triggered: bytes left unread wake the receiver at once).
+#[derive(Debug)]
+pub(crate) struct Epoll(std::os::fd::OwnedFd);
+
+impl Epoll {
+    pub(crate) fn new() -> io::Result<Epoll> {
+        // SAFETY: no pointers; a new descriptor or -1.
+        let fd = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: `fd` is a fresh descriptor that nothing else owns.
+        Ok(Epoll(unsafe { std::os::fd::FromRawFd::from_raw_fd(fd) }))
+    }
+
+    fn ctl(&self, op: libc::c_int, fd: &impl AsRawFd) -> io::Result<()> {
+        let mut ev = libc::epoll_event {
+            events: libc::EPOLLIN as u32,
+            u64: 0,
+        };
+        // SAFETY: both descriptors are open (borrowed from live owners); `ev` is a valid
+        // event that outlives the call (the kernel copies it, and ignores it for DEL).
+        let r = unsafe { libc::epoll_ctl(self.0.as_raw_fd(), op, fd.as_raw_fd(), &mut ev) };
+        if r == 0 {
+            Ok(())
+        } else {
+            Err(io::Error::last_os_error())
+        }
+    }
+
+    /// Watches `fd` for input.
+    pub(crate) fn add(&self, fd: &impl AsRawFd) -> io::Result<()> {
+        self.ctl(libc::EPOLL_CTL_ADD, fd)
+    }
+
+    /// Stops watching `fd`.
+    pub(crate) fn remove(&self, fd: &impl AsRawFd) -> io::Result<()> {
+        self.ctl(libc::EPOLL_CTL_DEL, fd)
+    }
+
+    /// Waits until a watched socket is readable (or at its end, or failed), at most
+    /// `timeout`; `Ok(false)` when the time ran out or a signal interrupted the wait.
+    pub(crate) fn wait(&self, timeout: Duration) -> io::Result<bool> {
+        let mut ev = libc::epoll_event { events: 0, u64: 0 };
+        // Round up, so a wait never ends early and spins.
+        let ms = timeout.as_micros().div_ceil(1000).min(i32::MAX as u128) as libc::c_int;
+        // SAFETY: room for one event at `ev`, which lives across the call.
+        let n = unsafe { libc::epoll_wait(self.0.as_raw_fd(), &mut ev, 1, ms) };
+        if n >= 0 {
+            return Ok(n > 0);
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() == io::ErrorKind::Interrupted {
+            return Ok(false);
+        }
+        Err(e)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -265,6 +327,22 @@ mod tests {
         assert_eq!(&all[..3], b"hdr");
         assert!(all[3..3 + big.len()] == big[..]);
         assert_eq!(&all[3 + big.len()..], b"end");
+    }
+
+    #[test]
+    fn epoll_wakes_on_input_only_while_watching() {
+        let (mut a, b) = pair();
+        let ep = Epoll::new().unwrap();
+        ep.add(&b).unwrap();
+        assert!(!ep.wait(Duration::from_millis(1)).unwrap());
+        a.write_all(b"x").unwrap();
+        assert!(ep.wait(Duration::from_secs(5)).unwrap());
+        // Taken out: the unread byte wakes nobody; put back, it does at once.
+        ep.remove(&b).unwrap();
+        assert!(!ep.wait(Duration::from_millis(20)).unwrap());
+        ep.add(&b).unwrap();
+        assert!(ep.wait(Duration::from_millis(0)).unwrap());
+        drop(b);
     }
 
     #[test]

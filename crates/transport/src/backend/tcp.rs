@@ -52,7 +52,7 @@ use super::{
     NotifySink, PendingConn, ResolvedOp, ResolvedOps, lock,
 };
 use crate::admission::{Admission, Ticket};
-use crate::batch::Op;
+use crate::batch::{Op, Reader};
 use crate::config::{BackendKind, EngineConfig};
 use crate::deadline::{self, Deadlined};
 use crate::engine::{PeerId, ct_eq, random_u64};
@@ -443,6 +443,9 @@ struct Job {
     rkey: u32,
     len: u64,
     seq: u64,
+    /// When its request was handed to the kernel (set by the writer): the receiver's
+    /// no-progress clock for its response starts then.
+    sent: Instant,
 }
 
 impl Job {
@@ -546,12 +549,112 @@ struct TxState {
     rest: Option<Rest>,
 }
 
+/// One outgoing stream's reading side. Its receiver thread reads it, except while a
+/// caller waiting for a batch it sent directly on the stream reads the responses itself
+/// (the batch's [`Reader`]); whoever reads holds `state`.
+struct StreamRx {
+    conn: Weak<ConnShared>,
+    /// The stream's index in its connection.
+    i: usize,
+    /// Requests in wire order (queued by the writers before their first byte is written).
+    inflight: Receiver<Job>,
+    state: Mutex<RxState>,
+}
+
+struct RxState {
+    /// The stream's reading end; `None` once the receiver thread ended.
+    sock: Option<TcpStream>,
+    /// Where the receiver thread waits for the stream to be readable; a caller reading
+    /// the stream takes it out meanwhile. `None` once the receiver thread ended.
+    epoll: Option<Arc<sys::Epoll>>,
+    /// Requests whose responses are being read, in order: their headers are read into
+    /// `buf[..have]` (never past a READ's header: its payload follows it), and the first
+    /// `done` are handled.
+    group: Vec<Job>,
+    buf: Vec<u8>,
+    have: usize,
+    done: usize,
+    /// When the last response byte arrived.
+    last: Instant,
+    scratch: Vec<u8>,
+}
+
+/// What [`ConnShared::pump`] left the stream in.
+enum Pumped {
+    /// Nothing outstanding.
+    Idle,
+    /// A response is due: wait for the stream until at most this instant, past which
+    /// the connection breaks (no progress, or the response's batch deadline missed).
+    Waiting(Instant),
+    /// A caller's read ended: its condition holds, or the next response carries READ
+    /// payload (left to the receiver thread, which lands it).
+    Stopped,
+}
+
+impl Reader for StreamRx {
+    /// Reads the stream for a caller waiting for a batch it sent directly on it: the
+    /// stream is taken out of the receiver thread's epoll instance meanwhile, so the
+    /// responses read here wake only this caller. Returns at once when the receiver
+    /// thread is reading (it holds the state); stops at `until`, when `done()` holds,
+    /// or before a READ's response, and leaves the rest (even half a header) to the
+    /// receiver thread, whose epoll instance gets the stream back (level-triggered:
+    /// unread bytes wake it at once).
+    fn read_until(&self, done: &dyn Fn() -> bool, until: Instant) {
+        let Some(conn) = self.conn.upgrade() else {
+            return;
+        };
+        let mut st = match self.state.try_lock() {
+            Ok(g) => g,
+            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return,
+        };
+        // The receiver thread closes these only under `state`, which we hold.
+        let (Some(epoll), Some(fd)) = (
+            st.epoll.clone(),
+            st.sock.as_ref().map(std::os::fd::AsRawFd::as_raw_fd),
+        ) else {
+            return;
+        };
+        if done() || epoll.remove(&fd).is_err() {
+            return;
+        }
+        loop {
+            match conn.pump(self.i, &mut st, Some(done)) {
+                Ok(Pumped::Waiting(limit)) => {
+                    let now = Instant::now();
+                    if now >= until {
+                        break;
+                    }
+                    let wait = limit.min(until).saturating_duration_since(now);
+                    if let Err(e) = sys::wait_readable(&fd, wait) {
+                        conn.break_all(format!("receive failed: {e}"));
+                        conn.fail_group(self.i, &mut st, &conn.gone());
+                        break;
+                    }
+                }
+                Ok(Pumped::Idle | Pumped::Stopped) => break,
+                Err(e) => {
+                    conn.break_all(e);
+                    conn.fail_group(self.i, &mut st, &conn.gone());
+                    break;
+                }
+            }
+        }
+        if let Err(e) = epoll.add(&fd) {
+            // The receiver thread still wakes every I/O timeout and reads then.
+            tracing::warn!(error = %e, "cannot hand a TCP stream back to its receiver");
+        }
+    }
+}
+
 struct ConnShared {
     peer: PeerId,
     chunk: u64,
+    io_timeout: Duration,
     /// Job queues of the sender threads; taken on close so they drain and exit.
     queues: Mutex<Vec<Sender<TxMsg>>>,
     streams: Vec<StreamTx>,
+    rx: Vec<Arc<StreamRx>>,
     /// Clones of the outgoing streams, to shut them down; released when the connection
     /// breaks (the threads hold the other clones and exit then).
     socks: Mutex<Vec<TcpStream>>,
@@ -580,7 +683,7 @@ impl ConnShared {
         let mut queues = Vec::new();
         let mut jobs = Vec::new();
         let mut streams = Vec::new();
-        let mut receivers = Vec::new();
+        let mut readers = Vec::new();
         for s in &socks {
             let (tx, rx) = crossbeam_channel::unbounded::<TxMsg>();
             queues.push(tx);
@@ -598,14 +701,41 @@ impl ConnShared {
                 }),
                 outstanding: AtomicUsize::new(0),
             });
-            receivers.push(in_rx);
+            // The descriptor in the epoll instance is the one `read_until` names.
+            let rsock = clone(s)?;
+            let epoll = sys::Epoll::new()
+                .and_then(|e| e.add(&rsock).map(|()| e))
+                .map_err(|e| Error::io("epoll for a data stream", e))?;
+            readers.push((in_rx, rsock, Arc::new(epoll)));
         }
-        let conn = Arc::new(ConnShared {
+        let conn = Arc::new_cyclic(|me: &Weak<ConnShared>| ConnShared {
             peer,
             chunk,
+            io_timeout,
             queues: Mutex::new(queues),
             streams,
-            socks: Mutex::new(socks.iter().map(clone).collect::<Result<_>>()?),
+            rx: readers
+                .into_iter()
+                .enumerate()
+                .map(|(i, (inflight, sock, epoll))| {
+                    Arc::new(StreamRx {
+                        conn: me.clone(),
+                        i,
+                        inflight,
+                        state: Mutex::new(RxState {
+                            sock: Some(sock),
+                            epoll: Some(epoll),
+                            group: Vec::with_capacity(GATHER),
+                            buf: vec![0u8; GATHER * RESP_LEN],
+                            have: 0,
+                            done: 0,
+                            last: Instant::now(),
+                            scratch: Vec::new(),
+                        }),
+                    })
+                })
+                .collect(),
+            socks: Mutex::new(socks),
             session,
             backend,
             next: AtomicUsize::new(0),
@@ -614,7 +744,7 @@ impl ConnShared {
             reason: Mutex::new(None),
             threads: Mutex::new(Vec::new()),
         });
-        for (i, ((rsock, jobs), in_rx)) in socks.into_iter().zip(jobs).zip(receivers).enumerate() {
+        for (i, jobs) in jobs.into_iter().enumerate() {
             let c = conn.clone();
             let tx = std::thread::Builder::new()
                 .name(format!("pagewire-tcp-tx{i}"))
@@ -622,7 +752,7 @@ impl ConnShared {
             let c = conn.clone();
             let rx = std::thread::Builder::new()
                 .name(format!("pagewire-tcp-rx{i}"))
-                .spawn(move || c.recv_loop(i, rsock, in_rx, io_timeout));
+                .spawn(move || c.recv_loop(i));
             match (tx, rx) {
                 (Ok(t), Ok(r)) => lock(&conn.threads).extend([t, r]),
                 (t, r) => {
@@ -741,7 +871,7 @@ impl ConnShared {
                 {
                     continue;
                 }
-                self.write_direct(i, s, st, std::mem::take(jobs));
+                self.write_direct(i, s, st, std::mem::take(jobs), quiet);
                 return true;
             }
         }
@@ -749,22 +879,32 @@ impl ConnShared {
     }
 
     /// The send of [`Self::send_direct`] on stream `i`, whose state `st` is held.
+    /// `quiet`: no response was outstanding on the stream, so this batch's responses
+    /// come first, and a caller waiting for the batch may read them itself (unless one
+    /// carries READ payload, which only the receiver thread lands).
     fn write_direct(
         &self,
         i: usize,
         s: &StreamTx,
         mut st: std::sync::MutexGuard<'_, TxState>,
         jobs: Jobs,
+        quiet: bool,
     ) {
         debug_assert!(jobs.iter().all(|j| Arc::ptr_eq(&j.batch, &jobs[0].batch)));
         let keep = jobs[0].batch.clone();
+        if quiet && jobs.iter().all(|j| j.kind != Kind::Data(Op::Read)) {
+            let reader: Weak<dyn Reader> = Arc::downgrade(&self.rx[i]) as Weak<StreamRx>;
+            keep.set_reader(reader);
+        }
         let mut frames: SmallVec<[Frame; 2]> = SmallVec::new();
         Frame::of(jobs.iter(), &mut frames);
         let Some(live) = st.live.as_ref() else {
             unreachable!("checked by the caller under the same lock")
         };
         s.outstanding.fetch_add(jobs.len(), Ordering::AcqRel);
-        for j in jobs {
+        let now = Instant::now();
+        for mut j in jobs {
+            j.sent = now;
             // The receiver holds its end until every sender is gone (`live` above).
             if let Err(crossbeam_channel::SendError(j)) = live.inflight.send(j) {
                 s.outstanding.fetch_sub(1, Ordering::AcqRel);
@@ -846,7 +986,9 @@ impl ConnShared {
                 match st.live.as_ref() {
                     Some(live) => {
                         stream.outstanding.fetch_add(gather.len(), Ordering::AcqRel);
-                        for job in gather.drain(..) {
+                        let now = Instant::now();
+                        for mut job in gather.drain(..) {
+                            job.sent = now;
                             if let Err(crossbeam_channel::SendError(job)) = live.inflight.send(job)
                             {
                                 stream.outstanding.fetch_sub(1, Ordering::AcqRel);
@@ -883,99 +1025,162 @@ impl ConnShared {
         }
     }
 
-    /// Reads responses in order. Consecutive responses without payload are read with
-    /// one `read`; a READ's payload goes straight into local memory. While nothing is
-    /// outstanding the thread waits in a read on the stream itself, so a request's
-    /// response wakes it once, and a stream the peer closes is noticed at once.
-    fn recv_loop(
-        self: Arc<Self>,
-        i: usize,
-        mut sock: TcpStream,
-        inflight: Receiver<Job>,
-        io_timeout: Duration,
-    ) {
-        let stream = &self.streams[i];
-        let mut group: Vec<Job> = Vec::with_capacity(GATHER);
-        let mut buf = vec![0u8; GATHER * RESP_LEN];
-        let mut scratch = Vec::new();
+    /// The receiver thread of stream `i`: waits until the stream is readable (in its
+    /// epoll instance, not on a queue: requests are queued without waking it), then
+    /// handles what arrived ([`Self::pump`]). While a caller reads the stream itself
+    /// (`StreamRx::read_until`) the stream is out of the epoll instance, so the
+    /// responses the caller reads do not wake this thread. It also wakes every
+    /// `io_timeout` (and when a response is due) to apply the deadlines.
+    fn recv_loop(self: Arc<Self>, i: usize) {
+        let rx = &self.rx[i];
+        let Some(epoll) = lock(&rx.state).epoll.clone() else {
+            return;
+        };
         let err = loop {
-            // Bytes of the first response header already read.
-            let mut have = 0;
-            let first = match inflight.try_recv() {
-                Ok(j) => j,
-                Err(crossbeam_channel::TryRecvError::Disconnected) => break self.gone(),
-                Err(crossbeam_channel::TryRecvError::Empty) => {
-                    // Idle: wait for a response (a request is queued before it is
-                    // written, so its job is there once its response is), or the end.
-                    match sock.read(&mut buf[..RESP_LEN]) {
-                        Ok(0) => {
-                            self.break_all("receive failed: end of stream".into());
-                            break self.gone();
-                        }
-                        Ok(n) => have = n,
-                        Err(e)
-                            if matches!(
-                                e.kind(),
-                                ErrorKind::WouldBlock
-                                    | ErrorKind::TimedOut
-                                    | ErrorKind::Interrupted
-                            ) =>
-                        {
-                            continue;
-                        }
-                        Err(e) => {
-                            self.break_all(format!("receive failed: {e}"));
-                            break self.gone();
-                        }
-                    }
-                    match inflight.try_recv() {
-                        Ok(j) => j,
-                        Err(_) => {
-                            self.break_all("a response to no request".into());
-                            break self.gone();
-                        }
-                    }
+            let mut st = lock(&rx.state);
+            let wait = match self.pump(i, &mut st, None) {
+                Ok(Pumped::Waiting(limit)) => limit.saturating_duration_since(Instant::now()),
+                Ok(_) => self.io_timeout,
+                Err(e) => {
+                    self.break_all(e);
+                    let err = self.gone();
+                    self.fail_group(i, &mut st, &err);
+                    break err;
                 }
             };
-            let mut last_is_read = first.kind == Kind::Data(Op::Read);
-            group.push(first);
-            while !last_is_read && group.len() < GATHER {
+            drop(st);
+            if let Err(e) = epoll.wait(wait) {
+                self.break_all(format!("receive failed: {e}"));
+                let err = self.gone();
+                self.fail_group(i, &mut lock(&rx.state), &err);
+                break err;
+            }
+        };
+        // Broken: fail what is queued until no sender is left, then close the stream.
+        while let Ok(j) = rx.inflight.recv() {
+            self.streams[i].outstanding.fetch_sub(1, Ordering::AcqRel);
+            j.batch.fail(err.clone());
+        }
+        let mut st = lock(&rx.state);
+        self.fail_group(i, &mut st, &err);
+        st.sock = None;
+        st.epoll = None;
+    }
+
+    /// Fails the requests of `st`'s group not handled yet and empties it.
+    fn fail_group(&self, i: usize, st: &mut RxState, err: &Error) {
+        let left = st.group.len() - st.done;
+        for j in st.group.drain(..).skip(st.done) {
+            j.batch.fail(err.clone());
+        }
+        (st.have, st.done) = (0, 0);
+        self.streams[i]
+            .outstanding
+            .fetch_sub(left, Ordering::AcqRel);
+    }
+
+    /// Reads and handles what stream `i` holds for its reader (`st` held), without
+    /// waiting for bytes, except for a READ's payload, which the receiver thread lands
+    /// as it comes ([`Self::land_read`]). Responses come in request order; runs of
+    /// responses without payload are read with one `recv`. With `done` (a caller
+    /// reading for its own batch) it stops once `done()` holds, and before a READ's
+    /// response. An `Err` means the stream is unusable.
+    fn pump(
+        &self,
+        i: usize,
+        st: &mut RxState,
+        done: Option<&dyn Fn() -> bool>,
+    ) -> Result<Pumped, String> {
+        let io = self.io_timeout;
+        let RxState {
+            sock,
+            group,
+            buf,
+            have,
+            done: handled,
+            last,
+            scratch,
+            ..
+        } = st;
+        let Some(sock) = sock.as_ref() else {
+            return Err("connection closed".into());
+        };
+        let inflight = &self.rx[i].inflight;
+        let fill = |group: &mut Vec<Job>| {
+            while group.len() < GATHER {
                 match inflight.try_recv() {
                     Ok(j) => {
-                        last_is_read = j.kind == Kind::Data(Op::Read);
+                        let read = j.kind == Kind::Data(Op::Read);
                         group.push(j);
+                        if read {
+                            break;
+                        }
                     }
                     Err(_) => break,
                 }
             }
-            let hdrs = &mut buf[..group.len() * RESP_LEN];
-            let mut handled = 0;
-            let res = read_headers(&mut sock, hdrs, have, &group, io_timeout).and_then(|()| {
-                for (j, h) in group.iter().zip(hdrs.chunks_exact(RESP_LEN)) {
-                    self.recv_one(&sock, j, h, io_timeout, &mut scratch)?;
-                    handled += 1;
-                    stream.outstanding.fetch_sub(1, Ordering::AcqRel);
-                }
-                Ok(())
-            });
-            if let Err(e) = res {
-                self.break_all(e);
-                let err = self.gone();
-                for j in &group[handled..] {
-                    j.batch.fail(err.clone());
-                }
-                stream
-                    .outstanding
-                    .fetch_sub(group.len() - handled, Ordering::AcqRel);
-                group.clear();
-                break err;
-            }
-            group.clear();
         };
-        // Broken: fail what is queued until no sender is left.
-        while let Ok(j) = inflight.recv() {
-            stream.outstanding.fetch_sub(1, Ordering::AcqRel);
-            j.batch.fail(err.clone());
+        loop {
+            if done.is_some_and(|d| d()) {
+                return Ok(Pumped::Stopped);
+            }
+            if group.is_empty() {
+                fill(group);
+                if group.is_empty() {
+                    // Nothing outstanding; but see whether the stream ended (the peer
+                    // left, or we shut it down): bytes now answer no request.
+                    // SAFETY: `buf` is ours and holds at least RESP_LEN bytes.
+                    match unsafe { sys::recv_now(sock, buf.as_mut_ptr(), RESP_LEN) } {
+                        Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(Pumped::Idle),
+                        Err(e) => return Err(format!("receive failed: {e}")),
+                        Ok(0) => return Err("receive failed: end of stream".into()),
+                        Ok(n) => {
+                            *have = n;
+                            *last = Instant::now();
+                        }
+                    }
+                    // A request is queued before it is written: its job is there now.
+                    fill(group);
+                    if group.is_empty() {
+                        return Err("a response to no request".into());
+                    }
+                }
+            }
+            let job = &group[*handled];
+            if done.is_some() && job.kind == Kind::Data(Op::Read) {
+                return Ok(Pumped::Stopped);
+            }
+            let end = (*handled + 1) * RESP_LEN;
+            if *have < end {
+                let want = group.len() * RESP_LEN;
+                // SAFETY: `buf` is ours and holds `want` bytes (`have < want`).
+                match unsafe { sys::recv_now(sock, buf.as_mut_ptr().add(*have), want - *have) } {
+                    Ok(0) => return Err("receive failed: end of stream".into()),
+                    Ok(n) => {
+                        *have += n;
+                        *last = Instant::now();
+                        continue;
+                    }
+                    Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                        let now = Instant::now();
+                        let since = job.sent.max(*last);
+                        let deadline = job.batch.deadline();
+                        let limit = (since + io).min(deadline + io);
+                        if now >= limit {
+                            return Err(missed(now, since, deadline, io));
+                        }
+                        return Ok(Pumped::Waiting(limit));
+                    }
+                    Err(e) => return Err(format!("receive failed: {e}")),
+                }
+            }
+            self.recv_one(sock, job, &buf[end - RESP_LEN..end], io, scratch)?;
+            *handled += 1;
+            self.streams[i].outstanding.fetch_sub(1, Ordering::AcqRel);
+            if *handled == group.len() {
+                group.clear();
+                (*have, *handled) = (0, 0);
+            }
         }
     }
 
@@ -1129,6 +1334,7 @@ impl ConnShared {
             rkey: 0,
             len: 0,
             seq: self.seq.fetch_add(1, Ordering::Relaxed),
+            sent: Instant::now(),
         };
         // On this (receiving) thread a direct send never blocks: at worst it queues.
         if let Err(e) = self.send(smallvec::smallvec![n]) {
@@ -1155,6 +1361,8 @@ impl Conn for TcpConn {
             in_burst: AtomicBool::new(false),
         });
         let seq = || c.seq.fetch_add(1, Ordering::Relaxed);
+        // Overwritten by the writer; a clock read per batch, not per chunk.
+        let now = Instant::now();
         if chunks == 0 {
             // A notification alone (the core refuses an empty batch without one): no data
             // to wait for, so the notify request goes out at once.
@@ -1171,6 +1379,7 @@ impl Conn for TcpConn {
                 rkey: 0,
                 len: 0,
                 seq: seq(),
+                sent: now,
             }]);
         }
         let chunks_of = |o: ResolvedOp| {
@@ -1186,11 +1395,17 @@ impl Conn for TcpConn {
                     rkey: o.rkey,
                     len: (o.len - off).min(c.chunk),
                     seq: seq(),
+                    sent: now,
                 }
             })
         };
         let bytes = ops.iter().fold(0u64, |a, o| a.saturating_add(o.len));
         if bytes <= DIRECT_BYTES && chunks <= DIRECT_JOBS {
+            if batch.should_stop() {
+                // Expired (now failed) or cancelled before anything went out: as the
+                // sender threads do, send none of it.
+                return Ok(());
+            }
             // Small: one burst on one stream, from this thread if a stream is free, the
             // notification last in it (served after the data, so no wait for the acks).
             let mut jobs: Jobs = ops.iter().copied().flat_map(chunks_of).collect();
@@ -1205,6 +1420,7 @@ impl Conn for TcpConn {
                     rkey: 0,
                     len: 0,
                     seq: seq(),
+                    sent: now,
                 });
             }
             if c.send_direct(&mut jobs) {
@@ -1599,42 +1815,6 @@ fn missed(now: Instant, last: Instant, deadline: Instant, io: Duration) -> Strin
             now.saturating_duration_since(deadline)
         )
     }
-}
-
-/// Reads the response headers of `group` (in order, `RESP_LEN` bytes each) into `buf`,
-/// whose first `got` bytes are already there: each within `io` of the last byte received
-/// and of its batch's deadline. The socket's read timeout (`io`) bounds each wait.
-fn read_headers(
-    s: &mut TcpStream,
-    buf: &mut [u8],
-    mut got: usize,
-    group: &[Job],
-    io: Duration,
-) -> Result<(), String> {
-    if got >= buf.len() {
-        return Ok(());
-    }
-    let mut last = Instant::now();
-    while got < buf.len() {
-        match s.read(&mut buf[got..]) {
-            Ok(0) => return Err("receive failed: end of stream".into()),
-            Ok(n) => {
-                got += n;
-                last = Instant::now();
-            }
-            Err(e) if e.kind() == ErrorKind::Interrupted => {}
-            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
-            Err(e) => return Err(format!("receive failed: {e}")),
-        }
-        if let Some(job) = group.get(got / RESP_LEN) {
-            let now = Instant::now();
-            let deadline = job.batch.deadline();
-            if now >= (last + io).min(deadline + io) {
-                return Err(missed(now, last, deadline, io));
-            }
-        }
-    }
-    Ok(())
 }
 
 /// `read_exact` into our own buffer with a deadline of `timeout` of no progress.
