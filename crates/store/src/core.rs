@@ -141,7 +141,6 @@ struct ClientState {
 
 #[derive(Debug)]
 struct Segment {
-    owner: u64,
     endpoint: Arc<str>,
     base: u64,
     alloc: Allocator,
@@ -387,7 +386,6 @@ impl MasterCore {
         self.segments.insert(
             id,
             Segment {
-                owner: client,
                 endpoint,
                 base,
                 alloc,
