@@ -81,6 +81,8 @@ pub enum BenchCmd {
     Lat(PerfArgs),
     /// KV page transfer between two engines, using real layout plans.
     Pages(super::pages::PagesArgs),
+    /// Put and get of KV page batches through the store (pagewire-store), with p50/p99.
+    Store(super::store::StoreBenchArgs),
 }
 
 /// perftest's common flags plus pagewire's own (`--transport`, `--verify`, `--json`).

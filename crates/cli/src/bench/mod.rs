@@ -16,6 +16,7 @@ mod perf;
 mod report;
 mod session;
 mod stats;
+mod store;
 
 pub use args::BenchArgs;
 use args::{BenchCmd, TestKind};
@@ -26,6 +27,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         BenchCmd::Read(a) => perf::run(TestKind::Read, a),
         BenchCmd::Lat(a) => perf::run(TestKind::Lat, a),
         BenchCmd::Pages(a) => pages::run(a),
+        BenchCmd::Store(a) => store::run(a),
     }
 }
 
@@ -54,7 +56,7 @@ mod tests {
             BenchCmd::Write(a) => (TestKind::Write, a),
             BenchCmd::Read(a) => (TestKind::Read, a),
             BenchCmd::Lat(a) => (TestKind::Lat, a),
-            BenchCmd::Pages(_) => panic!("pages"),
+            _ => panic!("not a perftest-style command"),
         }
     }
 

@@ -41,7 +41,7 @@ impl Preset {
     }
 
     /// (kind, layers, heads, head_dim, v_head_dim or kv_dim)
-    fn shape(self) -> (PoolKind, u64, u64, u64, u64) {
+    pub fn shape(self) -> (PoolKind, u64, u64, u64, u64) {
         match self {
             Preset::Llama3_8b => (PoolKind::Mha, 32, 8, 128, 128),
             Preset::Llama3_70b => (PoolKind::Mha, 80, 8, 128, 128),
