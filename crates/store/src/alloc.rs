@@ -86,7 +86,9 @@ impl Allocator {
             debug_assert!(false, "free of an impossible length {len}");
             return;
         };
-        debug_assert!(off % ALIGN == 0 && off.checked_add(len).is_some_and(|e| e <= self.size));
+        debug_assert!(
+            off.is_multiple_of(ALIGN) && off.checked_add(len).is_some_and(|e| e <= self.size)
+        );
         debug_assert!(
             self.by_off
                 .range(..off + len)

@@ -1020,12 +1020,12 @@ impl<'c> Reservation<'c> {
         let mut done = Vec::new();
         let mut done_idx = Vec::new();
         let mut revoked = Vec::new();
-        for i in 0..n {
-            if self.items[i].is_ok() {
+        for (i, (item, key)) in self.items.iter().zip(&self.keys).enumerate() {
+            if item.is_ok() {
                 if failed[i] {
-                    revoked.push(self.keys[i].clone());
+                    revoked.push(key.clone());
                 } else {
-                    done.push(self.keys[i].clone());
+                    done.push(key.clone());
                     done_idx.push(i);
                 }
             }

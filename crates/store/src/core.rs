@@ -889,7 +889,7 @@ impl MasterCore {
                 (soft, o.last_access, k.clone())
             })
             .collect();
-        cands.sort_unstable_by(|a, b| (a.0, a.1).cmp(&(b.0, b.1)));
+        cands.sort_unstable_by_key(|a| (a.0, a.1));
         let mut freed = 0u64;
         let mut n = 0;
         for (_, _, k) in cands {

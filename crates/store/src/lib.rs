@@ -1,4 +1,56 @@
-//! A distributed KV page store on pagewire (Mooncake-Store-style).
+//! A distributed KV page store on pagewire, in the manner of Mooncake Store: storage nodes
+//! pool their memory, a master keeps `key -> replicas` and decides where bytes go, and
+//! clients move the bytes themselves, zero-copy, with one pagewire batch per storage node.
+//!
+//! * [`Master`]: membership, object metadata, allocation over mounted segments, read
+//!   leases, eviction, reclaiming unfinished puts. Never on the data path. Its decisions
+//!   live in [`core::MasterCore`], which does no I/O.
+//! * A storage node is a [`StoreClient`] that contributes a segment
+//!   ([`ClientConfig::segment_size`]); it allocates and registers it once.
+//! * [`StoreClient`]: `put` (reserve, write every replica, publish), `get` (lease, read),
+//!   `exist`, `remove`, all batched: many keys per round trip to the master.
+//! * The control protocol ([`proto`]) is versioned, size-capped and decoded as hostile.
+//!
+//! ```
+//! use pagewire_store::{ClientConfig, Master, MasterConfig, PutOptions, Span, StoreClient};
+//! use pagewire_transport::{BackendKind, EngineConfig};
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let master = Master::start(MasterConfig {
+//!     listen: "127.0.0.1:0".parse()?,
+//!     ..MasterConfig::default()
+//! })?;
+//! let cfg = |segment| -> Result<ClientConfig, pagewire_transport::Error> {
+//!     let mut c = ClientConfig::new(master.local_addr().to_string());
+//!     c.engine = EngineConfig::builder()
+//!         .backend(BackendKind::Loopback)
+//!         .listen("127.0.0.1:0".parse().unwrap())
+//!         .build()?;
+//!     c.segment_size = segment;
+//!     Ok(c)
+//! };
+//! let node = StoreClient::connect(cfg(16 << 20)?)?; // offers 16 MiB
+//! let client = StoreClient::connect(cfg(0)?)?;
+//!
+//! // Pages live in memory registered with the client (a host KV pool, say).
+//! let mut pool = vec![0u8; 2 * 4096];
+//! pool[..4].copy_from_slice(b"page");
+//! // SAFETY: `pool` outlives the client (it is closed below) and is not reallocated.
+//! unsafe { client.register_buffer(pool.as_mut_ptr(), pool.len())? };
+//! let base = pool.as_ptr() as u64;
+//!
+//! let put = client.put(&["h0_0_k"], &[[Span::new(base, 4096)]], &PutOptions::default())?;
+//! assert_eq!(put, [Ok(())]);
+//! let got = client.get(&["h0_0_k"], &[[Span::new(base + 4096, 4096)]])?;
+//! assert_eq!(got, [Ok(4096)]);
+//! client.close();
+//! assert_eq!(&pool[4096..4100], b"page");
+//! # node.close();
+//! # Ok(()) }
+//! ```
+//!
+//! `docs/store.md` describes the roles, the protocol, what readers can observe when
+//! things fail, the configuration, and how the design scales past one master.
 #![warn(missing_docs)]
 
 pub mod alloc;

@@ -239,8 +239,8 @@ fn bench(
     client: &StoreClient,
     local: bool,
 ) -> anyhow::Result<()> {
-    let mut src = HostPool::new(g.clone(), client)?;
-    let mut dst = HostPool::new(g.clone(), client)?;
+    let mut src = HostPool::new(*g, client)?;
+    let mut dst = HostPool::new(*g, client)?;
     let src_objs = src.objects(a.pages)?;
     let dst_objs = dst.objects(a.pages)?;
     let per_page = src_objs.len() / a.pages as usize;
