@@ -93,9 +93,10 @@ fn client_cfg() -> Result<ClientConfig> {
 fn run_node() -> Result<()> {
     let c = StoreClient::connect(client_cfg()?)?;
     say(format!(
-        "READY {} {}",
+        "READY {} {} {}",
         c.endpoint(),
-        c.segment_id()?.unwrap_or(0)
+        c.segment_id()?.unwrap_or(0),
+        c.engine().backend_kind()
     ));
     wait_stdin_closed();
     c.close();
@@ -122,7 +123,11 @@ fn run_client() -> Result<()> {
     let cap = env_u64("PW_BUF", 32 << 20) as usize;
     let mut src = Buf::new(&c, cap);
     let dst = Buf::new(&c, cap);
-    say(format!("READY {}", c.endpoint()));
+    say(format!(
+        "READY {} {}",
+        c.endpoint(),
+        c.engine().backend_kind()
+    ));
     let mut pending: Option<(Reservation<'_>, Vec<String>, usize)> = None;
     let stdin = std::io::stdin();
     for line in stdin.lock().lines() {
@@ -441,7 +446,10 @@ impl Cluster {
             let mut env = c.env(c.setup.node_device.clone());
             env.push(("PW_SEGMENT", c.setup.segment.to_string()));
             let mut p = Proc::spawn(&format!("node{i}"), "node", &env)?;
-            let ep = p.ready()?[0].clone();
+            let w = p.ready()?;
+            let want = c.setup.backend;
+            ensure!(w[2] == want, "node{i} runs on {} instead of {want}", w[2]);
+            let ep = w[0].clone();
             c.nodes.push((p, ep));
         }
         Ok(c)
@@ -473,7 +481,9 @@ impl Cluster {
 
     fn client(&self, name: &str) -> Result<Proc> {
         let mut p = Proc::spawn(name, "client", &self.env(self.setup.client_device.clone()))?;
-        p.ready()?;
+        let w = p.ready()?;
+        let want = self.setup.backend;
+        ensure!(w[1] == want, "{name} runs on {} instead of {want}", w[1]);
         Ok(p)
     }
 
