@@ -24,11 +24,25 @@ cargo test --workspace --locked
 echo "== python suite: wheel + pytest in .venv"
 bash scripts/python-test.sh
 
+# Fuzzing for a bounded time (PAGEWIRE_FUZZ_SECONDS per target, 60 by default) when a nightly
+# toolchain is installed; scripts/fuzz.sh says SKIPPED and why otherwise (the host suite's
+# corpus replay, tests/fuzz_corpus.rs, ran either way). It writes what it finds back into
+# crates/transport/tests/data/*.corpus.
+echo "== fuzz: cargo fuzz, ${PAGEWIRE_FUZZ_SECONDS:-60} s per target"
+if rustup toolchain list 2>/dev/null | grep -q '^nightly' &&
+    ! cargo +nightly fuzz --version >/dev/null 2>&1; then
+    cargo install cargo-fuzz --locked || echo "fuzz: installing cargo-fuzz failed"
+fi
+fuzz_t0=$SECONDS
+bash scripts/fuzz.sh
+echo "== fuzz took $((SECONDS - fuzz_t0)) s"
+
 # Verbs suite on soft-RoCE: first the harness checks itself (a failing job must fail, a
 # guest without rxe0 must fail loudly), then the listed packages' test binaries run in ONE
 # guest with rxe0 (veth0) and rxe1 (veth1), RDMA_REQUIRED=1. Extend the list here (each
 # package adds its tests' TCG run time; the VM part must stay under 10 minutes).
-VM_TEST_PACKAGES=(${PAGEWIRE_VM_TEST_PACKAGES:-pagewire-transport})
+# pagewire-capi: the C ABI over verbs, from C and from threads (about 30 s of guest time).
+VM_TEST_PACKAGES=(${PAGEWIRE_VM_TEST_PACKAGES:-pagewire-transport pagewire-capi})
 echo "== soft-RoCE harness self-test"
 vm_t0=$SECONDS
 scripts/rdma-vm.sh selftest

@@ -16,6 +16,7 @@ use pyo3::prelude::*;
 
 mod convert;
 mod errors;
+mod ffi;
 mod layout;
 mod transport;
 

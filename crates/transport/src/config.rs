@@ -25,6 +25,7 @@
 //! | `PAGEWIRE_BATCH_TIMEOUT_MS` | `batch_timeout` | `30000` | default batch deadline |
 //! | `PAGEWIRE_IO_TIMEOUT_MS` | `io_timeout` | `10000` | TCP data-stream read/write timeout |
 //! | `PAGEWIRE_PROGRESS` | `progress` | `auto` | verbs: `auto` (a completion thread reaps whatever callers leave) or `manual` (only callers reap: waits, `Engine::progress`) |
+//! | `PAGEWIRE_NOTIFY_QUEUE` | `notify_queue` | `65536` | most notifications queued for the application (1..=16M); at the bound a notification is dropped, counted, and its peer's connection broken |
 //! | `PAGEWIRE_POLL_SPIN_US` | `poll_spin` | `5000` | verbs: completion thread keeps polling this long after the last post or completion; a waiting caller busy-polls this long without a completion before it blocks (0..=10 s) |
 //!
 //! Sizes accept a plain byte count or a `K`/`M`/`G` suffix (powers of 1024).
@@ -179,6 +180,10 @@ pub struct EngineConfig {
     pub poll_spin: Duration,
     /// Verbs: a completion thread, or only callers, reap completions.
     pub progress: ProgressMode,
+    /// Most notifications queued for the application. A notification that arrives while
+    /// this many are queued is dropped, counted ([`crate::Engine::notifications_dropped`])
+    /// and its peer's connection is broken, so no peer grows the queue without bound.
+    pub notify_queue: usize,
 }
 
 impl Default for EngineConfig {
@@ -203,6 +208,7 @@ impl Default for EngineConfig {
             io_timeout: Duration::from_secs(10),
             poll_spin: Duration::from_millis(5),
             progress: ProgressMode::Auto,
+            notify_queue: 1 << 16,
         }
     }
 }
@@ -241,6 +247,7 @@ impl EngineConfig {
             range("max_mr_bytes", m, 4096, u64::MAX)?;
         }
         range("tcp_streams", self.tcp_streams.into(), 1, 64)?;
+        range("notify_queue", self.notify_queue as u64, 1, 1 << 24)?;
         if self.poll_spin > Duration::from_secs(10) {
             return Err(Error::config(
                 "poll_spin",
@@ -325,6 +332,8 @@ impl EngineConfigBuilder {
         poll_spin: Duration);
     setter!(/// Verbs: completion thread (`Auto`) or caller-driven (`Manual`) progress.
         progress: ProgressMode);
+    setter!(/// Most notifications queued for the application.
+        notify_queue: usize);
 
     /// Shared secret.
     pub fn token(mut self, t: impl Into<String>) -> Self {
@@ -417,6 +426,9 @@ impl EngineConfigBuilder {
                 *field = Duration::from_millis(parse_num(key, &v)?);
             }
         }
+        if let Some(v) = get("PAGEWIRE_NOTIFY_QUEUE") {
+            c.notify_queue = parse_num("PAGEWIRE_NOTIFY_QUEUE", &v)?;
+        }
         if let Some(v) = get("PAGEWIRE_POLL_SPIN_US") {
             c.poll_spin = Duration::from_micros(parse_num("PAGEWIRE_POLL_SPIN_US", &v)?);
         }
@@ -479,6 +491,7 @@ mod tests {
             ("PAGEWIRE_BATCH_TIMEOUT_MS", "1500"),
             ("PAGEWIRE_POLL_SPIN_US", "250"),
             ("PAGEWIRE_PROGRESS", "Manual"),
+            ("PAGEWIRE_NOTIFY_QUEUE", "1024"),
         ]
         .into_iter()
         .collect();
@@ -494,6 +507,15 @@ mod tests {
         assert_eq!(cfg.batch_timeout, Duration::from_millis(1500));
         assert_eq!(cfg.poll_spin, Duration::from_micros(250));
         assert_eq!(cfg.progress, ProgressMode::Manual);
+        assert_eq!(cfg.notify_queue, 1024);
+        assert!(
+            EngineConfig::builder()
+                .notify_queue(0)
+                .build()
+                .unwrap_err()
+                .to_string()
+                .contains("notify_queue")
+        );
         assert_eq!(EngineConfig::default().progress, ProgressMode::Auto);
     }
 

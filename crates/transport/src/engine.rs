@@ -9,19 +9,21 @@ use std::collections::HashMap;
 use std::fmt;
 use std::io::Read;
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
 
+use crate::admission::Admission;
 use crate::backend::{
     self, Backend, BackendInfo, BackendInit, BackendMr, Conn, ConnCtx, NotifySink, NotifyWait,
     Progress, ResolvedOp, ResolvedOps, Yield, busy_poll, poll_with_naps,
 };
 use crate::batch::{Batch, BatchState, Op, TransferHandle, TransferOp};
 use crate::config::{BackendKind, EngineConfig};
+use crate::deadline::{self, Deadlined};
 use crate::error::{Error, HandshakeError, Result};
 use crate::memory::{
     Access, Chunk, HostBuffer, InsertPlan, RegionId, RegionInfo, Registry, RemoteRegion,
@@ -32,10 +34,11 @@ use crate::wire::{self, EndpointInfo, Frame, Hello, Welcome};
 
 /// Most handshakes served at the same time from one source IP, so a single host holding
 /// half-open connections cannot starve the others.
-const MAX_HANDSHAKES_PER_IP: usize = 16;
+pub(crate) const MAX_HANDSHAKES_PER_IP: usize = 16;
 
-/// Most handshakes served at the same time; further connections are dropped at once.
-const MAX_CONCURRENT_HANDSHAKES: usize = 64;
+/// Most handshakes served at the same time; further connections are dropped at once,
+/// unless they take over a slot of a busier address (see `admission`).
+pub(crate) const MAX_CONCURRENT_HANDSHAKES: usize = 64;
 
 /// Id of a connected peer, unique within one engine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -163,12 +166,14 @@ struct Inner {
     next_batch: AtomicU64,
     notify_tx: Sender<Notification>,
     notify_rx: Receiver<Notification>,
+    /// Notifications dropped at the queue's bound.
+    notify_dropped: Arc<AtomicU64>,
     accept_tx: Sender<PeerId>,
     accept_rx: Receiver<PeerId>,
     local_addr: SocketAddr,
     shutdown: AtomicBool,
-    handshakes: AtomicUsize,
-    handshakes_by_ip: Mutex<HashMap<std::net::IpAddr, usize>>,
+    /// Slots of the handshakes in progress.
+    handshakes: Arc<Admission>,
     listener: Mutex<Option<JoinHandle<()>>>,
 }
 
@@ -215,6 +220,14 @@ impl Engine {
         let local_addr = listener
             .local_addr()
             .map_err(|e| Error::io("control listener address", e))?;
+        if config.token.is_none() && !local_addr.ip().is_loopback() {
+            tracing::warn!(
+                listen = %local_addr,
+                "no token set on an engine listening beyond loopback: any host that reaches \
+                 this port can connect and read or write the memory it exposes \
+                 (set PAGEWIRE_TOKEN; docs/transport.md, \"Threat model\")"
+            );
+        }
         let (notify_tx, notify_rx) = crossbeam_channel::unbounded();
         let (accept_tx, accept_rx) = crossbeam_channel::unbounded();
         let progress = backend.progress();
@@ -231,12 +244,12 @@ impl Engine {
             next_batch: AtomicU64::new(1),
             notify_tx,
             notify_rx,
+            notify_dropped: Arc::new(AtomicU64::new(0)),
             accept_tx,
             accept_rx,
             local_addr,
             shutdown: AtomicBool::new(false),
-            handshakes: AtomicUsize::new(0),
-            handshakes_by_ip: Mutex::new(HashMap::new()),
+            handshakes: Admission::new(MAX_CONCURRENT_HANDSHAKES, MAX_HANDSHAKES_PER_IP),
             listener: Mutex::new(None),
         });
         let weak = Arc::downgrade(&inner);
@@ -576,9 +589,19 @@ impl Engine {
     }
 
     /// The notification queue itself (for `select!` with other channels). Every clone
-    /// drains the same queue.
+    /// drains the same queue. It holds at most `EngineConfig::notify_queue`
+    /// notifications; see [`Engine::notifications_dropped`].
     pub fn notifications(&self) -> Receiver<Notification> {
         self.inner.notify_rx.clone()
+    }
+
+    /// How many notifications were dropped because the queue held
+    /// `EngineConfig::notify_queue` of them that the application had not taken. Each drop
+    /// also broke the connection of the peer that sent it (`peer_alive` false there; on
+    /// TCP and loopback its batch failed with `Remote`), so no notification is lost
+    /// silently: the peer knows, and so does the application through this count.
+    pub fn notifications_dropped(&self) -> u64 {
+        self.inner.notify_dropped.load(Ordering::Relaxed)
     }
 
     /// Closes every connection, stops the listener and releases all registrations.
@@ -689,14 +712,17 @@ impl Inner {
         }
     }
 
-    fn new_ctx(&self, peer: PeerId, remote_ip: std::net::IpAddr) -> ConnCtx {
+    fn new_ctx(&self, peer: PeerId, remote_ip: std::net::IpAddr, deadline: Instant) -> ConnCtx {
         ConnCtx {
             peer,
             remote_ip,
+            deadline,
             notify: NotifySink {
                 peer,
                 engine: self.id,
                 tx: self.notify_tx.clone(),
+                cap: self.config.notify_queue,
+                dropped: self.notify_dropped.clone(),
             },
             registry: self.registry.clone(),
             config: self.config.clone(),
@@ -704,14 +730,15 @@ impl Inner {
     }
 
     fn connect_one(&self, addr: SocketAddr) -> Result<PeerId> {
-        let to = self.config.handshake_timeout;
-        let deadline = Instant::now() + to;
-        let mut s = TcpStream::connect_timeout(&addr, to).map_err(|e| Error::Connect {
+        // One deadline for the whole attempt: connect, frames, the backend's own setup
+        // (TCP data streams, verbs probe), however the peer paces its bytes.
+        let deadline = Instant::now() + self.config.handshake_timeout;
+        let s = deadline::connect_by(&addr, deadline).map_err(|e| Error::Connect {
             addr: addr.to_string(),
             source: Arc::new(e),
         })?;
         let _ = s.set_nodelay(true);
-        set_timeouts(&s, deadline).map_err(HandshakeError::from)?;
+        let mut s = Deadlined::new(&s, deadline);
         let (pending, ep) = self.backend.prepare()?;
         let local_session = random_u64();
         let hello = Frame::Hello(Hello {
@@ -723,7 +750,6 @@ impl Inner {
             regions: self.registry.exposed(),
         });
         wire::write_frame(&mut s, &hello)?;
-        set_timeouts(&s, deadline).map_err(HandshakeError::from)?;
         let w = match wire::read_frame(&mut s, self.config.handshake_max_bytes)? {
             Frame::Welcome(w) => w,
             Frame::Reject { reason } => return Err(HandshakeError::Rejected { reason }.into()),
@@ -743,7 +769,7 @@ impl Inner {
             .into());
         }
         let id = PeerId(self.next_peer.fetch_add(1, Ordering::Relaxed));
-        let conn = pending.complete(&w.endpoint, self.new_ctx(id, addr.ip()))?;
+        let conn = pending.complete(&w.endpoint, self.new_ctx(id, addr.ip(), deadline))?;
         // The acceptor's QPs are ready (it completed before its Welcome): prove the path
         // before telling it we are.
         if let Err(e) = conn.probe(deadline) {
@@ -783,13 +809,13 @@ impl Inner {
     }
 
     /// Serves one incoming control connection. Errors are logged by the caller.
-    fn serve(&self, mut s: TcpStream) -> Result<(), HandshakeError> {
-        let from = s.peer_addr()?;
-        let deadline = Instant::now() + self.config.handshake_timeout;
-        let _ = s.set_nodelay(true);
-        set_timeouts(&s, deadline)?;
+    /// `deadline` (from the accept) bounds the whole exchange, however the client paces it.
+    fn serve(&self, stream: TcpStream, deadline: Instant) -> Result<(), HandshakeError> {
+        let from = stream.peer_addr()?;
+        let _ = stream.set_nodelay(true);
+        let mut s = Deadlined::new(&stream, deadline);
         match wire::read_frame(&mut s, self.config.handshake_max_bytes)? {
-            Frame::Hello(h) => self.accept_hello(s, from, h, deadline),
+            Frame::Hello(h) => self.accept_hello(&mut s, from, h, deadline),
             Frame::Describe { token, session } => {
                 if !ct_eq(&token, self.token()) {
                     let _ = reject(&mut s, "token mismatch");
@@ -818,21 +844,38 @@ impl Inner {
 
     fn accept_hello(
         &self,
-        mut s: TcpStream,
+        s: &mut Deadlined<'_>,
         from: SocketAddr,
         h: Hello,
         deadline: Instant,
     ) -> Result<(), HandshakeError> {
         if !ct_eq(&h.token, self.token()) {
-            let _ = reject(&mut s, "token mismatch");
+            let _ = reject(s, "token mismatch");
             return Err(HandshakeError::TokenMismatch);
         }
+        // Completing a TCP connection dials the data port the Hello names, on the
+        // client's address. Without a token nothing vouches for the client, so it may
+        // only name a port its data listener could have been given (an ephemeral one),
+        // not a service's port on its host.
+        if let EndpointInfo::Tcp { data_port, .. } = h.endpoint
+            && self.config.token.is_none()
+            && !crate::backend::tcp::ephemeral_ports().contains(&data_port)
+        {
+            let _ = reject(s, "data port outside the ephemeral port range");
+            let r = crate::backend::tcp::ephemeral_ports();
+            return Err(HandshakeError::BadField {
+                field: "data port",
+                value: format!("{data_port} (ephemeral range {}-{})", r.start(), r.end()),
+            });
+        }
+        // Reasons sent to the client are fixed texts: what failed inside stays in our log
+        // (the error returned here), not in a stranger's hands.
         let (pending, ep) = match self.backend.prepare() {
             Ok(x) => x,
             Err(e) => {
-                let _ = reject(&mut s, &format!("cannot prepare connection: {e}"));
+                let _ = reject(s, "connection setup failed");
                 return Err(HandshakeError::Rejected {
-                    reason: e.to_string(),
+                    reason: format!("cannot prepare connection: {e}"),
                 });
             }
         };
@@ -841,16 +884,16 @@ impl Inner {
                 ours: ep.backend_name().into(),
                 theirs: h.endpoint.backend_name().into(),
             };
-            let _ = reject(&mut s, &e.to_string());
+            let _ = reject(s, &e.to_string());
             return Err(e);
         }
         let id = PeerId(self.next_peer.fetch_add(1, Ordering::Relaxed));
-        let conn = match pending.complete(&h.endpoint, self.new_ctx(id, from.ip())) {
+        let conn = match pending.complete(&h.endpoint, self.new_ctx(id, from.ip(), deadline)) {
             Ok(c) => c,
             Err(e) => {
-                let _ = reject(&mut s, &format!("cannot complete connection: {e}"));
+                let _ = reject(s, "connection setup failed");
                 return Err(HandshakeError::Rejected {
-                    reason: e.to_string(),
+                    reason: format!("cannot complete connection: {e}"),
                 });
             }
         };
@@ -861,9 +904,8 @@ impl Inner {
             endpoint: ep.clone(),
             regions: self.registry.exposed(),
         });
-        let ready = wire::write_frame(&mut s, &welcome)
-            .and_then(|()| set_timeouts(&s, deadline).map_err(HandshakeError::from))
-            .and_then(|()| wire::read_frame(&mut s, self.config.handshake_max_bytes));
+        let ready = wire::write_frame(s, &welcome)
+            .and_then(|()| wire::read_frame(s, self.config.handshake_max_bytes));
         match ready {
             Ok(Frame::Ready) => {
                 if let Err(e) = conn.probe(deadline) {
@@ -906,14 +948,12 @@ impl Inner {
     fn redescribe(&self, peer: PeerId) -> Result<Vec<RemoteRegion>> {
         self.check_open()?;
         let p = self.peer(peer)?;
-        let to = self.config.handshake_timeout;
-        let deadline = Instant::now() + to;
-        let mut s =
-            TcpStream::connect_timeout(&p.control_addr, to).map_err(|e| Error::Connect {
-                addr: p.control_addr.to_string(),
-                source: Arc::new(e),
-            })?;
-        set_timeouts(&s, deadline).map_err(HandshakeError::from)?;
+        let deadline = Instant::now() + self.config.handshake_timeout;
+        let s = deadline::connect_by(&p.control_addr, deadline).map_err(|e| Error::Connect {
+            addr: p.control_addr.to_string(),
+            source: Arc::new(e),
+        })?;
+        let mut s = Deadlined::new(&s, deadline);
         wire::write_frame(
             &mut s,
             &Frame::Describe {
@@ -921,7 +961,6 @@ impl Inner {
                 session: p.remote_session,
             },
         )?;
-        set_timeouts(&s, deadline).map_err(HandshakeError::from)?;
         let regions = match wire::read_frame(&mut s, self.config.handshake_max_bytes)? {
             Frame::Regions(r) => r,
             Frame::Reject { reason } => return Err(HandshakeError::Rejected { reason }.into()),
@@ -1136,101 +1175,41 @@ fn listen_loop(listener: TcpListener, inner: Weak<Inner>) {
                 continue;
             }
         };
-        let Some(slot) = HandshakeSlot::take(&engine, &s) else {
+        let Some(ticket) = engine.handshakes.admit(&s) else {
             tracing::warn!(from = ?s.peer_addr().ok(), "too many concurrent handshakes; dropping");
             let _ = s.shutdown(Shutdown::Both);
             continue;
         };
-        drop(engine);
+        // The handshake's one deadline starts at the accept.
+        let deadline = Instant::now() + engine.config.handshake_timeout;
         let spawned = std::thread::Builder::new()
             .name("pagewire-hs".into())
             .spawn(move || {
+                let _slot = ticket;
                 let from = s.peer_addr().ok();
-                if let Err(e) = slot.engine.serve(s)
-                    && !slot.engine.shutdown.load(Ordering::Acquire)
+                if let Err(e) = engine.serve(s, deadline)
+                    && !engine.shutdown.load(Ordering::Acquire)
                 {
                     tracing::warn!(?from, error = %e, "control connection dropped");
                 }
             });
         if let Err(e) = spawned {
-            // The closure (and the slot in it) was dropped: the counts are released.
+            // The closure (and the ticket in it) was dropped: the slot is released.
             tracing::warn!(error = %e, "cannot spawn handshake thread");
         }
     }
 }
 
-/// One admitted handshake: counted globally and per source IP until dropped.
-struct HandshakeSlot {
-    engine: Arc<Inner>,
-    ip: Option<std::net::IpAddr>,
-}
-
-impl HandshakeSlot {
-    fn take(engine: &Arc<Inner>, s: &TcpStream) -> Option<HandshakeSlot> {
-        if engine.handshakes.fetch_add(1, Ordering::AcqRel) >= MAX_CONCURRENT_HANDSHAKES {
-            engine.handshakes.fetch_sub(1, Ordering::AcqRel);
-            return None;
-        }
-        let ip = s.peer_addr().ok().map(|a| a.ip());
-        if let Some(ip) = ip {
-            let mut by_ip = engine
-                .handshakes_by_ip
-                .lock()
-                .unwrap_or_else(|p| p.into_inner());
-            let n = by_ip.entry(ip).or_insert(0);
-            if *n >= MAX_HANDSHAKES_PER_IP {
-                drop(by_ip);
-                engine.handshakes.fetch_sub(1, Ordering::AcqRel);
-                return None;
-            }
-            *n += 1;
-        }
-        Some(HandshakeSlot {
-            engine: engine.clone(),
-            ip,
-        })
-    }
-}
-
-impl Drop for HandshakeSlot {
-    fn drop(&mut self) {
-        if let Some(ip) = self.ip {
-            let mut by_ip = self
-                .engine
-                .handshakes_by_ip
-                .lock()
-                .unwrap_or_else(|p| p.into_inner());
-            if let Some(n) = by_ip.get_mut(&ip) {
-                *n -= 1;
-                if *n == 0 {
-                    by_ip.remove(&ip);
-                }
-            }
-        }
-        self.engine.handshakes.fetch_sub(1, Ordering::AcqRel);
-    }
-}
-
-fn reject(s: &mut TcpStream, reason: &str) -> Result<(), HandshakeError> {
+fn reject(s: &mut Deadlined<'_>, reason: &str) -> Result<(), HandshakeError> {
     wire::write_frame(
         s,
         &Frame::Reject {
             reason: reason.into(),
         },
     )?;
-    // Let the peer read the reason before the close.
-    let _ = s.shutdown(Shutdown::Write);
+    let _ = s.stream().shutdown(Shutdown::Write);
     let _ = s.read(&mut [0u8; 64]);
     Ok(())
-}
-
-/// Read/write timeouts set to what is left until `deadline` (at least 1 ms).
-fn set_timeouts(s: &TcpStream, deadline: Instant) -> std::io::Result<()> {
-    let left = deadline
-        .saturating_duration_since(Instant::now())
-        .max(Duration::from_millis(1));
-    s.set_read_timeout(Some(left))?;
-    s.set_write_timeout(Some(left))
 }
 
 /// Constant-time comparison (the token is a secret).

@@ -42,11 +42,14 @@
 pub mod config;
 pub mod error;
 
+mod admission;
 mod backend;
 mod batch;
+mod deadline;
 mod engine;
 mod memory;
 pub mod prepared;
+mod sockopt;
 mod wire;
 
 pub use backend::BackendInfo;

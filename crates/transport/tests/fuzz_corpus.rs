@@ -1,7 +1,8 @@
 //! Replays the minimized `cargo fuzz` corpus of the handshake decoder through the fuzz
 //! target's own entry points, on stable Rust, so every test run (CI included) checks the
-//! inputs that fuzzing found to reach new code. Fuzzing itself needs nightly and is run by
-//! hand (docs/transport.md, "Fuzzing"); this keeps what it found.
+//! inputs that fuzzing found to reach new code. Fuzzing itself needs nightly:
+//! `scripts/fuzz.sh` (run by `scripts/test.sh` when nightly is installed) fuzzes for a
+//! bounded time and writes what it found back into this corpus.
 
 use pagewire_transport::fuzzing;
 

@@ -10,3 +10,10 @@ from pagewire._native import __version__
 from pagewire.errors import PagewireError
 
 __all__ = ["__version__", "errors", "PagewireError"]
+
+# --- layout: pools, page lists, transfer plans (pagewire_layout) ---------------------
+from pagewire._native import Geometry, Pool, TransferPlan, pd_connector_plan, plan
+from pagewire.errors import LayoutError
+
+__all__ += ["Geometry", "Pool", "TransferPlan", "plan", "pd_connector_plan", "LayoutError"]
+# --- end layout ----------------------------------------------------------------------

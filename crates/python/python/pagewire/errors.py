@@ -8,3 +8,9 @@ True
 from pagewire._native import PagewireError
 
 __all__ = ["PagewireError"]
+
+# --- layout --------------------------------------------------------------------------
+from pagewire._native import LayoutError  # noqa: E402  (PagewireError, ValueError)
+
+__all__ += ["LayoutError"]
+# --- end layout ----------------------------------------------------------------------

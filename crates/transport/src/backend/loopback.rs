@@ -37,6 +37,14 @@ fn sinks() -> &'static Mutex<HashMap<ConnKey, NotifySink>> {
     T.get_or_init(Default::default)
 }
 
+/// Every live connection end, so that closing or breaking one end breaks the other: a
+/// departed peer is noticed (and its worker released) without a `disconnect`, and a peer
+/// we consider gone can no longer copy into our memory.
+fn links() -> &'static Mutex<HashMap<ConnKey, Weak<Shared>>> {
+    static T: OnceLock<Mutex<HashMap<ConnKey, Weak<Shared>>>> = OnceLock::new();
+    T.get_or_init(Default::default)
+}
+
 pub(crate) fn open(config: &EngineConfig, init: &BackendInit) -> Result<Arc<dyn Backend>> {
     lock(engines()).insert(init.engine_id, Arc::downgrade(&init.registry));
     Ok(Arc::new(LoopbackBackend {
@@ -130,7 +138,9 @@ impl PendingConn for Pending {
             remote: (engine_id, conn),
             broken: AtomicBool::new(false),
             slice: self.slice,
+            tx: Mutex::new(Some(tx)),
         });
+        lock(links()).insert(self.key, Arc::downgrade(&shared));
         let worker = shared.clone();
         std::thread::Builder::new()
             .name("pagewire-loop".into())
@@ -140,10 +150,7 @@ impl PendingConn for Pending {
                 }
             })
             .map_err(|e| Error::io("spawn loopback worker", e))?;
-        Ok(Arc::new(LoopConn {
-            shared,
-            tx: Mutex::new(Some(tx)),
-        }))
+        Ok(Arc::new(LoopConn { shared }))
     }
 }
 
@@ -159,14 +166,35 @@ struct Shared {
     remote: ConnKey,
     broken: AtomicBool,
     slice: u64,
+    /// The worker's queue; taken when the connection breaks, so the worker drains what
+    /// is queued (failing it) and exits.
+    tx: Mutex<Option<Sender<Job>>>,
 }
 
 impl Shared {
+    /// Breaks this end and the peer's.
     fn gone(&self, why: &str) -> Error {
-        self.broken.store(true, Ordering::Release);
+        self.break_both();
         Error::PeerGone {
             peer: self.peer,
             reason: why.into(),
+        }
+    }
+
+    /// Marks this end broken: no more batches, no more notifications into it, the worker
+    /// exits once its queue is drained.
+    fn break_local(&self) {
+        self.broken.store(true, Ordering::Release);
+        lock(&self.tx).take();
+        lock(sinks()).remove(&self.local);
+        lock(links()).remove(&self.local);
+    }
+
+    fn break_both(&self) {
+        self.break_local();
+        let peer = lock(links()).get(&self.remote).and_then(Weak::upgrade);
+        if let Some(p) = peer {
+            p.break_local();
         }
     }
 
@@ -191,7 +219,16 @@ impl Shared {
         if let Some(tag) = job.notify {
             let sink = lock(sinks()).get(&self.remote).cloned();
             match sink {
-                Some(s) => s.notify(tag),
+                Some(s) => {
+                    if !s.notify(tag) {
+                        // Broken before the batch reports, so its waiter sees both.
+                        self.break_both();
+                        b.fail(self.refused(
+                            "the peer's notification queue is full (notification dropped)".into(),
+                        ));
+                        return;
+                    }
+                }
                 None => {
                     b.fail(self.gone("peer connection closed before the notification"));
                     return;
@@ -235,6 +272,9 @@ impl Shared {
             if b.should_stop() {
                 return Ok(());
             }
+            if self.broken.load(Ordering::Acquire) {
+                return Err(self.gone("connection closed"));
+            }
             let n = (op.len - off).min(self.slice);
             let (src, dst) = match op.op {
                 Op::Write => (op.local + off, op.remote + off),
@@ -264,13 +304,18 @@ impl Shared {
 
 struct LoopConn {
     shared: Arc<Shared>,
-    tx: Mutex<Option<Sender<Job>>>,
+}
+
+impl Drop for LoopConn {
+    fn drop(&mut self) {
+        self.shared.break_both();
+    }
 }
 
 impl Conn for LoopConn {
     fn post(&self, batch: BatchState, ops: ResolvedOps, notify: Option<u32>) -> Result<()> {
         let batch = Arc::new(batch);
-        let tx = lock(&self.tx);
+        let tx = lock(&self.shared.tx);
         let Some(tx) = tx.as_ref().filter(|_| !self.is_broken()) else {
             return Err(Error::PeerGone {
                 peer: self.shared.peer,
@@ -289,8 +334,6 @@ impl Conn for LoopConn {
     }
 
     fn close(&self) {
-        self.shared.broken.store(true, Ordering::Release);
-        lock(&self.tx).take();
-        lock(sinks()).remove(&self.shared.local);
+        self.shared.break_both();
     }
 }

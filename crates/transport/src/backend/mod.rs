@@ -13,6 +13,7 @@
 use std::any::Any;
 use std::fmt;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::Sender;
@@ -128,12 +129,21 @@ pub(crate) struct NotifySink {
     /// The engine's id (see [`NotifyWait`]).
     pub(crate) engine: u64,
     pub(crate) tx: Sender<Notification>,
+    /// Most notifications the queue holds (`EngineConfig::notify_queue`).
+    pub(crate) cap: usize,
+    /// Notifications dropped because the queue was full (`Engine::notifications_dropped`).
+    pub(crate) dropped: Arc<AtomicU64>,
 }
 
 impl NotifySink {
     /// Surfaces a notification from this connection's peer. Call only once every byte of
     /// the batch it ends is in local memory.
-    pub(crate) fn notify(&self, tag: u32) {
+    ///
+    /// `false`: the queue holds `cap` notifications the application has not taken, so
+    /// this one is dropped (and counted); the caller breaks the peer's connection, which
+    /// is how the peer learns that it outran the application.
+    #[must_use]
+    pub(crate) fn notify(&self, tag: u32) -> bool {
         let n = Notification {
             peer: self.peer,
             tag,
@@ -148,10 +158,21 @@ impl NotifySink {
             }
             _ => true,
         });
-        if queued {
-            // The receiver lives as long as the engine; an error means it is shutting down.
-            let _ = self.tx.send(n);
+        if !queued {
+            return true;
         }
+        if self.tx.len() >= self.cap {
+            self.dropped.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(
+                peer = %self.peer,
+                cap = self.cap,
+                "notification queue full: notification dropped, breaking the peer's connection"
+            );
+            return false;
+        }
+        // The receiver lives as long as the engine; an error means it is shutting down.
+        let _ = self.tx.send(n);
+        true
     }
 }
 
@@ -208,6 +229,9 @@ pub(crate) struct ConnCtx {
     /// The peer's IP as seen on the control connection (where its data listener is).
     #[allow(dead_code)]
     pub remote_ip: std::net::IpAddr,
+    /// The handshake's deadline: the backend's own setup (TCP data streams) ends by it.
+    #[allow(dead_code)]
+    pub deadline: Instant,
     /// Where incoming notifications go.
     pub notify: NotifySink,
     /// The local registry (for backends that check incoming ops themselves).

@@ -37,11 +37,14 @@ use super::{
     Backend, BackendInfo, BackendInit, BackendMr, BatchState, Conn, ConnCtx, EndpointInfo,
     NotifySink, PendingConn, ResolvedOps, lock,
 };
+use crate::admission::{Admission, Ticket};
 use crate::batch::Op;
 use crate::config::{BackendKind, EngineConfig};
+use crate::deadline::{self, Deadlined};
 use crate::engine::{PeerId, random_u64};
 use crate::error::{Error, HandshakeError, Result};
 use crate::memory::{Access, Registry, raw_slice, raw_slice_mut};
+use crate::sockopt;
 use crate::wire::MAX_STREAMS;
 
 const STREAM_MAGIC: u32 = u32::from_le_bytes(*b"PGWS");
@@ -63,6 +66,33 @@ const S_OK: u32 = 0;
 const S_REFUSED: u32 = 1;
 const S_BAD_KEY: u32 = 2;
 const S_NO_SESSION: u32 = 3;
+/// The responder's notification queue was full: the tag was dropped, and the responder
+/// breaks the connection after this response.
+const S_QUEUE_FULL: u32 = 4;
+
+/// Incoming data streams served before their hello is complete (each has a thread), in
+/// all and from one source address; the excess is closed at once (`admission`). A
+/// legitimate peer has at most one stream in its hello per handshake in progress.
+const MAX_UNAUTHENTICATED: usize = crate::engine::MAX_CONCURRENT_HANDSHAKES;
+const MAX_UNAUTHENTICATED_PER_IP: usize = crate::engine::MAX_HANDSHAKES_PER_IP;
+
+/// The ports a data listener can be given (it binds port 0): the kernel's ephemeral range
+/// (`net.ipv4.ip_local_port_range`, Linux's default 32768-60999 if unreadable). A
+/// tokenless peer may only name a data port in it (see `Inner::accept_hello`).
+pub(crate) fn ephemeral_ports() -> std::ops::RangeInclusive<u16> {
+    static RANGE: OnceLock<(u16, u16)> = OnceLock::new();
+    let &(lo, hi) = RANGE.get_or_init(|| {
+        std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+            .ok()
+            .and_then(|s| {
+                let mut it = s.split_whitespace().map(str::parse::<u16>);
+                Some((it.next()?.ok()?, it.next()?.ok()?))
+            })
+            .filter(|(lo, hi)| 0 < *lo && lo <= hi)
+            .unwrap_or((32768, 60999))
+    });
+    lo..=hi
+}
 
 pub(crate) fn open(config: &EngineConfig, init: &BackendInit) -> Result<Arc<dyn Backend>> {
     let listener = TcpListener::bind(SocketAddr::new(config.listen.ip(), 0))
@@ -82,6 +112,7 @@ pub(crate) fn open(config: &EngineConfig, init: &BackendInit) -> Result<Arc<dyn 
         next_key: AtomicU32::new((random_u64() as u32) | 1),
         shutdown: AtomicBool::new(false),
         listener: Mutex::new(None),
+        unauthenticated: Admission::new(MAX_UNAUTHENTICATED, MAX_UNAUTHENTICATED_PER_IP),
     });
     let weak = Arc::downgrade(&shared);
     let t = std::thread::Builder::new()
@@ -104,6 +135,8 @@ struct TcpShared {
     next_key: AtomicU32,
     shutdown: AtomicBool,
     listener: Mutex<Option<JoinHandle<()>>>,
+    /// Slots of incoming streams that have not completed their hello.
+    unauthenticated: Arc<Admission>,
 }
 
 /// Our side of one connection as the data listener sees it.
@@ -115,6 +148,9 @@ struct Session {
     incoming: Mutex<Vec<(u64, TcpStream)>>,
     next_stream: AtomicU64,
     closed: AtomicBool,
+    /// Our connection to the same peer, once complete: the peer closing all its streams
+    /// to us (it departed) breaks it, and breaking it closes this session.
+    conn: OnceLock<Weak<ConnShared>>,
 }
 
 impl Session {
@@ -122,6 +158,23 @@ impl Session {
         self.closed.store(true, Ordering::Release);
         for (_, s) in lock(&self.incoming).drain(..) {
             let _ = s.shutdown(Shutdown::Both);
+        }
+    }
+
+    fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::Acquire)
+    }
+
+    /// Breaks our connection to this session's peer; before the connection is complete,
+    /// closes the session, which `complete` then finds.
+    fn break_conn(&self, reason: String) {
+        match self.conn.get() {
+            Some(c) => {
+                if let Some(c) = c.upgrade() {
+                    c.break_all(reason);
+                }
+            }
+            None => self.close(),
         }
     }
 }
@@ -165,6 +218,7 @@ impl Backend for TcpBackend {
             incoming: Mutex::new(Vec::new()),
             next_stream: AtomicU64::new(0),
             closed: AtomicBool::new(false),
+            conn: OnceLock::new(),
         });
         lock(&self.shared.sessions).insert(session.id, session.clone());
         let ep = EndpointInfo::Tcp {
@@ -236,39 +290,50 @@ impl PendingConn for Pending {
         let addr = SocketAddr::new(ctx.remote_ip, data_port);
         let mut socks = Vec::with_capacity(n.into());
         for _ in 0..n {
-            socks.push(open_stream(&shared, addr, remote_session)?);
+            socks.push(open_stream(&shared, addr, remote_session, ctx.deadline)?);
         }
-        let conn = ConnShared::start(ctx.peer, shared.chunk, shared.io_timeout, socks)?;
+        let conn = ConnShared::start(
+            ctx.peer,
+            shared.chunk,
+            shared.io_timeout,
+            socks,
+            session.clone(),
+            Arc::downgrade(&shared),
+        )?;
+        let _ = session.conn.set(Arc::downgrade(&conn));
         // Completed: the session now lives until the connection closes.
         self.session = None;
-        Ok(Arc::new(TcpConn {
-            conn,
-            session,
-            backend: Arc::downgrade(&shared),
-        }))
+        if session.is_closed() {
+            // The peer's streams came and went before we were linked to them.
+            conn.break_all("the peer closed its data streams during the handshake".into());
+        }
+        Ok(Arc::new(TcpConn { conn }))
     }
 }
 
-/// Opens one data stream to the peer and authenticates it.
-fn open_stream(shared: &TcpShared, addr: SocketAddr, session: u64) -> Result<TcpStream> {
-    let hs = shared.handshake_timeout;
-    let mut s = TcpStream::connect_timeout(&addr, hs).map_err(|e| Error::Connect {
+/// Opens one data stream to the peer and authenticates it, by the handshake's `deadline`
+/// (the time left of the connection attempt, not a timeout per step).
+fn open_stream(
+    shared: &TcpShared,
+    addr: SocketAddr,
+    session: u64,
+    deadline: Instant,
+) -> Result<TcpStream> {
+    let s = deadline::connect_by(&addr, deadline).map_err(|e| Error::Connect {
         addr: addr.to_string(),
         source: Arc::new(e),
     })?;
     let _ = s.set_nodelay(true);
-    s.set_read_timeout(Some(hs))
-        .and_then(|()| s.set_write_timeout(Some(hs)))
-        .map_err(|e| Error::io("data stream timeouts", e))?;
+    let mut io = Deadlined::new(&s, deadline);
     let mut hello = Vec::with_capacity(18 + shared.token.len());
     hello.extend_from_slice(&STREAM_MAGIC.to_le_bytes());
     hello.extend_from_slice(&STREAM_VERSION.to_le_bytes());
     hello.extend_from_slice(&(shared.token.len() as u16).to_le_bytes());
     hello.extend_from_slice(&session.to_le_bytes());
     hello.extend_from_slice(&shared.token);
-    s.write_all(&hello).map_err(HandshakeError::from)?;
+    io.write_all(&hello).map_err(HandshakeError::from)?;
     let mut ack = [0u8; 4];
-    s.read_exact(&mut ack).map_err(HandshakeError::from)?;
+    io.read_exact(&mut ack).map_err(HandshakeError::from)?;
     if &ack != b"OK\0\0" {
         return Err(HandshakeError::Rejected {
             reason: "data stream refused".into(),
@@ -277,7 +342,8 @@ fn open_stream(shared: &TcpShared, addr: SocketAddr, session: u64) -> Result<Tcp
     }
     s.set_read_timeout(Some(shared.io_timeout))
         .and_then(|()| s.set_write_timeout(Some(shared.io_timeout)))
-        .map_err(|e| Error::io("data stream timeouts", e))?;
+        .and_then(|()| sockopt::set_keepalive(&s, shared.io_timeout))
+        .map_err(|e| Error::io("data stream options", e))?;
     Ok(s)
 }
 
@@ -311,7 +377,13 @@ struct ConnShared {
     chunk: u64,
     /// Job queues of the sender threads; taken on close so they drain and exit.
     queues: Mutex<Vec<Sender<Job>>>,
-    socks: Vec<TcpStream>,
+    /// Clones of the outgoing streams, to shut them down; released when the connection
+    /// breaks (the threads hold the other clones and exit then).
+    socks: Mutex<Vec<TcpStream>>,
+    /// The session of the peer's streams to us: closed when this connection breaks, so
+    /// a peer we consider gone can no longer write or notify through it.
+    session: Arc<Session>,
+    backend: Weak<TcpShared>,
     next: AtomicUsize,
     seq: AtomicU64,
     broken: AtomicBool,
@@ -324,6 +396,8 @@ impl ConnShared {
         chunk: u64,
         io_timeout: Duration,
         socks: Vec<TcpStream>,
+        session: Arc<Session>,
+        backend: Weak<TcpShared>,
     ) -> Result<Arc<ConnShared>> {
         let mut queues = Vec::new();
         let mut rxs = Vec::new();
@@ -336,11 +410,15 @@ impl ConnShared {
             peer,
             chunk,
             queues: Mutex::new(queues),
-            socks: socks
-                .iter()
-                .map(|s| s.try_clone())
-                .collect::<std::io::Result<_>>()
-                .map_err(|e| Error::io("clone data stream", e))?,
+            socks: Mutex::new(
+                socks
+                    .iter()
+                    .map(|s| s.try_clone())
+                    .collect::<std::io::Result<_>>()
+                    .map_err(|e| Error::io("clone data stream", e))?,
+            ),
+            session,
+            backend,
             next: AtomicUsize::new(0),
             seq: AtomicU64::new(1),
             broken: AtomicBool::new(false),
@@ -377,8 +455,10 @@ impl ConnShared {
         }
     }
 
-    /// Marks the connection broken and shuts every stream down, so each thread wakes,
-    /// fails what it holds and exits.
+    /// Marks the connection broken and shuts every stream down, both ways, so each
+    /// thread wakes, fails what it holds and exits, and its descriptors are released.
+    /// The peer's session is closed first: once `broken` is visible (`peer_alive` false),
+    /// no request of the peer's starts to be served, on an old stream or a new one.
     fn break_all(&self, reason: String) {
         {
             let mut r = lock(&self.reason);
@@ -387,9 +467,13 @@ impl ConnShared {
                 *r = Some(reason);
             }
         }
+        self.session.close();
+        if let Some(b) = self.backend.upgrade() {
+            lock(&b.sessions).remove(&self.session.id);
+        }
         self.broken.store(true, Ordering::Release);
         lock(&self.queues).clear();
-        for s in &self.socks {
+        for s in lock(&self.socks).drain(..) {
             let _ = s.shutdown(Shutdown::Both);
         }
     }
@@ -547,6 +631,9 @@ impl ConnShared {
                 ),
                 S_BAD_KEY => format!("rkey {:#x} does not match at {:#x}", job.rkey, job.remote),
                 S_NO_SESSION => "notification before the connection completed".into(),
+                S_QUEUE_FULL => {
+                    "the peer's notification queue is full (notification dropped)".into()
+                }
                 s => format!("status {s}"),
             };
             job.batch.fail(Error::Remote {
@@ -607,8 +694,6 @@ impl ConnShared {
 
 struct TcpConn {
     conn: Arc<ConnShared>,
-    session: Arc<Session>,
-    backend: Weak<TcpShared>,
 }
 
 impl Conn for TcpConn {
@@ -667,10 +752,6 @@ impl Conn for TcpConn {
 
     fn close(&self) {
         self.conn.break_all("connection closed locally".into());
-        self.session.close();
-        if let Some(b) = self.backend.upgrade() {
-            lock(&b.sessions).remove(&self.session.id);
-        }
     }
 }
 
@@ -692,11 +773,17 @@ fn accept_loop(listener: TcpListener, shared: Weak<TcpShared>) {
             std::thread::sleep(Duration::from_millis(10));
             continue;
         };
+        let Some(ticket) = b.unauthenticated.admit(&s) else {
+            tracing::debug!(from = ?s.peer_addr().ok(), "too many unauthenticated data streams; dropping");
+            let _ = s.shutdown(Shutdown::Both);
+            continue;
+        };
+        let deadline = Instant::now() + b.handshake_timeout;
         let spawned = std::thread::Builder::new()
             .name("pagewire-tcp-serve".into())
             .spawn(move || {
                 let from = s.peer_addr().ok();
-                if let Err(e) = serve_stream(&b, s)
+                if let Err(e) = serve_stream(&b, s, ticket, deadline)
                     && !b.shutdown.load(Ordering::Acquire)
                 {
                     tracing::warn!(?from, error = %e, "TCP data stream dropped");
@@ -708,14 +795,19 @@ fn accept_loop(listener: TcpListener, shared: Weak<TcpShared>) {
     }
 }
 
-/// Authenticates an incoming stream, then serves its requests until it closes.
-fn serve_stream(b: &TcpShared, mut s: TcpStream) -> Result<(), String> {
+/// Authenticates an incoming stream, then serves its requests until it closes. The
+/// hello must be complete by `deadline` (the accept plus the handshake timeout), however
+/// the client paces its bytes.
+fn serve_stream(
+    b: &TcpShared,
+    mut s: TcpStream,
+    ticket: Ticket,
+    deadline: Instant,
+) -> Result<(), String> {
     let _ = s.set_nodelay(true);
-    s.set_read_timeout(Some(b.handshake_timeout))
-        .and_then(|()| s.set_write_timeout(Some(b.handshake_timeout)))
-        .map_err(|e| e.to_string())?;
     let mut h = [0u8; 16];
-    s.read_exact(&mut h)
+    Deadlined::new(&s, deadline)
+        .read_exact(&mut h)
         .map_err(|e| format!("stream hello: {e}"))?;
     let magic = u32::from_le_bytes(h[0..4].try_into().expect("4 bytes"));
     let version = u16::from_le_bytes(h[4..6].try_into().expect("2 bytes"));
@@ -727,7 +819,8 @@ fn serve_stream(b: &TcpShared, mut s: TcpStream) -> Result<(), String> {
         ));
     }
     let mut token = vec![0u8; tlen];
-    s.read_exact(&mut token)
+    Deadlined::new(&s, deadline)
+        .read_exact(&mut token)
         .map_err(|e| format!("stream hello: {e}"))?;
     if token != b.token {
         return Err("stream token mismatch".into());
@@ -744,10 +837,30 @@ fn serve_stream(b: &TcpShared, mut s: TcpStream) -> Result<(), String> {
         }
         inc.push((sid, s.try_clone().map_err(|e| e.to_string())?));
     }
+    // Authenticated: the stream now counts against its session's limit.
+    drop(ticket);
+    // A peer that vanishes without a FIN (host down, network gone) fails the idle read.
+    sockopt::set_keepalive(&s, b.io_timeout).map_err(|e| e.to_string())?;
+    // The `OK` is the hello's last step: bounded by the same deadline.
+    let left = deadline.saturating_duration_since(Instant::now());
+    s.set_write_timeout(Some(left.max(Duration::from_millis(1))))
+        .map_err(|e| e.to_string())?;
     let r = serve_requests(b, &session, &mut s);
     // Close for real (the clone in `incoming` would keep the socket open) and forget it.
     let _ = s.shutdown(Shutdown::Both);
-    lock(&session.incoming).retain(|(id, _)| *id != sid);
+    let last = {
+        let mut inc = lock(&session.incoming);
+        inc.retain(|(id, _)| *id != sid);
+        inc.is_empty()
+    };
+    // The peer's streams end only when its connection does (close, break, exit): once
+    // the last one is gone, the peer is, and our connection to it is released too.
+    if last && !session.is_closed() {
+        session.break_conn(match &r {
+            Ok(()) => "the peer closed its data streams".into(),
+            Err(e) => format!("the peer's data stream failed: {e}"),
+        });
+    }
     r
 }
 
@@ -765,6 +878,10 @@ fn serve_requests(b: &TcpShared, session: &Session, s: &mut TcpStream) -> Result
             Ok(true) => {}
             Ok(false) => return Ok(()), // clean close between requests
             Err(e) => return Err(format!("request: {e}")),
+        }
+        if session.is_closed() {
+            // The connection broke while this request arrived: serve nothing more.
+            return Ok(());
         }
         serve_request(b, session, s, &req, &mut scratch, &mut acks)?;
         // Acks wait while the requester said more requests follow in the same burst.
@@ -809,14 +926,19 @@ fn serve_request(
                 return Err("malformed NOTIFY".into());
             }
             // Every WRITE before this NOTIFY was acked, i.e. its bytes are in memory.
-            let status = match session.sink.get() {
-                Some(sink) => {
-                    sink.notify(tag);
-                    S_OK
-                }
+            let status = match session.sink.get().filter(|_| !session.is_closed()) {
+                Some(sink) if sink.notify(tag) => S_OK,
+                Some(_) => S_QUEUE_FULL,
                 None => S_NO_SESSION,
             };
             acks.extend_from_slice(&response(seq, status, 0));
+            if status == S_QUEUE_FULL {
+                // Tell the peer why, then stop serving it: it outran the application.
+                let _ = s.write_all(acks);
+                acks.clear();
+                session.break_conn("our notification queue is full".into());
+                return Err("notification queue full".into());
+            }
             Ok(())
         }
         K_WRITE | K_READ => {

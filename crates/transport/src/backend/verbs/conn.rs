@@ -117,13 +117,14 @@ impl Lanes {
 
 /// Where `(peer, tag)` notifications of incoming WRITE_WITH_IMM go.
 pub(crate) trait TagSink: Send + Sync {
-    /// `bytes` is the length of the WRITE_WITH_IMM that carried the tag.
-    fn notify(&self, tag: u32, bytes: u32);
+    /// `bytes` is the length of the WRITE_WITH_IMM that carried the tag. `false`: the
+    /// tag was dropped (the engine's queue is full) and the connection must break.
+    fn notify(&self, tag: u32, bytes: u32) -> bool;
 }
 
 impl TagSink for NotifySink {
-    fn notify(&self, tag: u32, _bytes: u32) {
-        NotifySink::notify(self, tag);
+    fn notify(&self, tag: u32, _bytes: u32) -> bool {
+        NotifySink::notify(self, tag)
     }
 }
 
@@ -259,9 +260,18 @@ struct QpSlot {
     /// The health check's view of `progress`: the value it last saw, and when it saw it
     /// change.
     watch: Mutex<(u64, Instant)>,
+    /// Moved to ERR (the connection broke or closed): it accepts nothing from the peer.
+    errored: AtomicBool,
 }
 
 impl QpSlot {
+    /// Moves the QP (whose post lock the caller holds as `qp`) to ERR, once.
+    fn to_error(&self, qp: &mut RcQp) {
+        if !self.errored.swap(true, Ordering::AcqRel) {
+            qp.move_to_error();
+        }
+    }
+
     fn progressed(&self) {
         self.progress.fetch_add(1, Ordering::Release);
     }
@@ -360,6 +370,7 @@ impl VerbsConn {
                     progress: AtomicU64::new(0),
                     lane_wrs: AtomicU32::new(0),
                     watch: Mutex::new((0, Instant::now())),
+                    errored: AtomicBool::new(false),
                 }
             })
             .collect();
@@ -910,10 +921,20 @@ impl VerbsConn {
             }
         }
         // Stop the QPs (no more DMA, the peer's QPs see errors). A QP busy posting is
-        // skipped: its poster sees `broken` next and `close` moves it later.
+        // skipped: its poster sees `broken` next, and the next health check (or `close`)
+        // moves it, so a broken connection accepts no WRITE or notification for longer
+        // than one health-check period.
+        self.stop_qps();
+    }
+
+    /// Moves every QP not yet in ERR whose post lock is free to ERR.
+    fn stop_qps(&self) {
         for slot in &self.qps {
+            if slot.errored.load(Ordering::Acquire) {
+                continue;
+            }
             if let Ok(mut q) = slot.qp.try_lock() {
-                q.move_to_error();
+                slot.to_error(&mut q);
             }
         }
     }
@@ -922,8 +943,20 @@ impl VerbsConn {
     pub fn close(&self, err: Error) {
         self.stop(err, true);
         for slot in &self.qps {
-            lock(&slot.qp).move_to_error();
+            slot.to_error(&mut lock(&slot.qp));
         }
+    }
+
+    /// Holds QP `i`'s post lock, as a poster in the middle of a post does.
+    #[cfg(test)]
+    pub fn hold_qp(&self, i: usize) -> std::sync::MutexGuard<'_, RcQp> {
+        lock(&self.qps[i].qp)
+    }
+
+    /// Whether QP `i` is in ERR (its real state).
+    #[cfg(test)]
+    pub fn qp_in_error(&self, i: usize) -> bool {
+        lock(&self.qps[i].qp).query_state() == Some(QueuePairState::Error)
     }
 
     /// Keeps every other thread (the completion thread included) from reaping this
@@ -1052,12 +1085,23 @@ impl VerbsConn {
             self.break_conn(self.completion_error(wc, qi));
             return;
         }
+        // A broken connection surfaces nothing more from its peer (its QPs are in ERR or
+        // about to be; a RECV completed meanwhile is dropped).
         if wc.opcode == WC_RECV_RDMA_WITH_IMM
+            && !self.is_broken()
             && let Some(n) = &self.notify
         {
             let tag = u32::from_be(wc.imm);
             tracing::trace!(conn = %self.label, tag, bytes = wc.byte_len, "notification");
-            n.notify(tag, wc.byte_len);
+            if !n.notify(tag, wc.byte_len) {
+                // The WRITE_WITH_IMM was acknowledged already: the sender learns of the
+                // drop only from the connection breaking.
+                self.break_conn(Error::PeerGone {
+                    peer: self.peer,
+                    reason: "our notification queue is full: the peer's notification was dropped"
+                        .into(),
+                });
+            }
         }
         self.qps[qi].recv_owed.fetch_add(1, Ordering::AcqRel);
     }
@@ -1094,6 +1138,8 @@ impl VerbsConn {
     /// receives still learns that its peer died.
     pub fn health_check(&self) {
         if self.is_broken() {
+            // Finish the break: a QP that a poster held when it broke is still RTS.
+            self.stop_qps();
             return;
         }
         for (qi, slot) in self.qps.iter().enumerate() {

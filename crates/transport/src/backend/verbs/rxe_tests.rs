@@ -79,9 +79,10 @@ impl Sink {
 #[derive(Default)]
 struct Tags(Mutex<Vec<u32>>, Mutex<Vec<u32>>);
 impl TagSink for Tags {
-    fn notify(&self, tag: u32, bytes: u32) {
+    fn notify(&self, tag: u32, bytes: u32) -> bool {
         self.0.lock().unwrap().push(tag);
         self.1.lock().unwrap().push(bytes);
+        true
     }
 }
 
@@ -556,5 +557,72 @@ fn rxe_lanes_lend_window_space_and_give_it_back() {
     assert!(matches!(e, Error::Shutdown), "{e}");
     assert!(p.ab.post_lane(&l1, None).is_err());
     p.ab.drop_lane(&l1);
+    drop((ms, md));
+}
+
+/// Issue 19, defect 7 on verbs: a connection that breaks while a poster holds one of its
+/// QPs cannot move that QP to ERR at once. The next health check must, and from then on
+/// the peer lands neither a WRITE nor a notification through it.
+#[test]
+fn rxe_break_while_posting_still_stops_every_qp() {
+    let Some(dev) = device("rxe_break_while_posting_still_stops_every_qp") else {
+        return;
+    };
+    let p = pair(&dev, 2);
+    let mut src = pattern(4096, 3);
+    let mut dst = vec![0u8; 4096];
+    let ms = reg(&p.a, &mut src);
+    let md = reg(&p.b, &mut dst);
+    {
+        let held = p.ba.hold_qp(0);
+        p.ba.break_conn(Error::PeerGone {
+            peer: PeerId(2),
+            reason: "test".into(),
+        });
+        assert!(p.ba.is_broken());
+        assert!(
+            held.query_state() != Some(sideway::ibverbs::queue_pair::QueuePairState::Error),
+            "a held QP was moved under its poster"
+        );
+        assert!(p.ba.qp_in_error(1), "the free QP was not moved to ERR");
+    }
+    p.ba.health_check();
+    assert!(
+        p.ba.qp_in_error(0),
+        "the health check left a broken connection's QP in RTS"
+    );
+    // The peer (whose side knows nothing yet) writes 4 KiB with a notification; the ops
+    // are striped, so QP 0 carries part of them.
+    let ops: Vec<PlanOp> = (0..4)
+        .map(|i| PlanOp {
+            dir: Dir::Write,
+            local: src.as_ptr() as u64 + i * 1024,
+            lkey: ms.lkey(),
+            remote: dst.as_ptr() as u64 + i * 1024,
+            rkey: md.rkey(),
+            len: 1024,
+        })
+        .collect();
+    let sink = Arc::new(Sink::default());
+    p.ab.post(
+        sink.clone(),
+        &ops,
+        Some(0xBAD),
+        Instant::now() + Duration::from_secs(20),
+    )
+    .expect("post");
+    assert!(
+        sink.wait(Duration::from_secs(25)).is_err(),
+        "a WRITE into a broken connection succeeded"
+    );
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(
+        dst.iter().all(|&b| b == 0),
+        "bytes landed through a broken connection"
+    );
+    assert!(
+        p.tags_b.0.lock().unwrap().is_empty(),
+        "a notification arrived through a broken connection"
+    );
     drop((ms, md));
 }

@@ -1,0 +1,986 @@
+//! Mooncake's `transfer_engine_c.h`: its types (`#[repr(C)]`, byte-identical; checked
+//! against the header by a C compiler in `tests/c_abi.rs`) and its 27 functions.
+//!
+//! Return conventions are Mooncake's: `int` functions return 0 or a negative `ERR_*`;
+//! `submitTransfer`, `submitTransferWithNotify`, `getTransferStatus` and `freeBatchID`
+//! return a positive status code (0 = OK); `allocateBatchID` returns `INVALID_BATCH` on
+//! failure; `createTransferEngine` returns NULL. Where Mooncake would crash (an unknown
+//! or freed handle, a null pointer), these return an error. `pw_last_error()` from
+//! `pagewire.h` tells why the last call on the thread failed.
+#![allow(non_snake_case, non_camel_case_types)]
+
+use std::ffi::{c_char, c_int, c_void};
+use std::sync::{Arc, Mutex};
+
+use pagewire_transport::BackendKind;
+
+use super::{bytes_arg, guard, slice_arg, str_arg, write_cstr};
+use crate::codes::Code;
+use crate::handles::HandleTable;
+use crate::te::{Request, TeEngine};
+
+/// `segment_id_t` / `segment_handle_t` (macros for `int32_t` in the header).
+pub type segment_id_t = i32;
+/// `batch_id_t` (a macro for `uint64_t` in the header).
+pub type batch_id_t = u64;
+/// `transfer_engine_t`: an opaque handle (a table token here, not a pointer).
+pub type transfer_engine_t = *mut c_void;
+/// `transport_t`: opaque.
+pub type transport_t = *mut c_void;
+
+/// `LOCAL_SEGMENT`.
+pub const LOCAL_SEGMENT: segment_id_t = 0;
+/// `INVALID_BATCH`.
+pub const INVALID_BATCH: batch_id_t = u64::MAX;
+/// `OPCODE_READ`.
+pub const OPCODE_READ: c_int = 0;
+/// `OPCODE_WRITE`.
+pub const OPCODE_WRITE: c_int = 1;
+/// `STATUS_WAITING`.
+pub const STATUS_WAITING: c_int = 0;
+/// `STATUS_PENDING`.
+pub const STATUS_PENDING: c_int = 1;
+/// `STATUS_INVALID`.
+pub const STATUS_INVALID: c_int = 2;
+/// `STATUS_CANCELED`.
+pub const STATUS_CANCELED: c_int = 3;
+/// `STATUS_COMPLETED`.
+pub const STATUS_COMPLETED: c_int = 4;
+/// `STATUS_TIMEOUT`.
+pub const STATUS_TIMEOUT: c_int = 5;
+/// `STATUS_FAILED`.
+pub const STATUS_FAILED: c_int = 6;
+
+/// `struct transfer_request`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct transfer_request {
+    /// `OPCODE_READ` or `OPCODE_WRITE`.
+    pub opcode: c_int,
+    /// Local address (inside memory registered on this engine).
+    pub source: *mut c_void,
+    /// Target segment (from `openSegment`, or `LOCAL_SEGMENT`).
+    pub target_id: segment_id_t,
+    /// Remote address: the peer's virtual address, as Mooncake uses it.
+    pub target_offset: u64,
+    /// Bytes.
+    pub length: u64,
+}
+
+/// `struct notify_msg`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct notify_msg {
+    /// Sender's name (NUL-terminated).
+    pub name: *mut c_char,
+    /// Message (NUL-terminated).
+    pub msg: *mut c_char,
+}
+
+/// `struct transfer_status`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct transfer_status {
+    /// `STATUS_*`.
+    pub status: c_int,
+    /// Bytes moved (the task's length once completed).
+    pub transferred_bytes: u64,
+}
+
+/// The `rdma` member of `segment_desc`'s union.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct segment_desc_rdma {
+    /// Buffer address.
+    pub addr: *mut c_void,
+    /// Buffer size.
+    pub size: u64,
+    /// Location string.
+    pub location: *const c_char,
+}
+
+/// The `nvmeof` member of `segment_desc`'s union.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct segment_desc_nvmeof {
+    /// File path.
+    pub file_path: *const c_char,
+    /// Subsystem name.
+    pub subsystem_name: *const c_char,
+    /// Protocol.
+    pub proto: *const c_char,
+    /// IP.
+    pub ip: *const c_char,
+    /// Port.
+    pub port: u64,
+}
+
+/// `segment_desc`'s anonymous union `desc_`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub union segment_desc_union {
+    /// RDMA form.
+    pub rdma: segment_desc_rdma,
+    /// NVMe-oF form.
+    pub nvmeof: segment_desc_nvmeof,
+}
+
+impl std::fmt::Debug for segment_desc_union {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("segment_desc_union { .. }")
+    }
+}
+
+/// `struct segment_desc` (declared by the header; no function takes it).
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct segment_desc {
+    /// RDMA / NVMe-oF.
+    pub type_: c_int,
+    /// The description.
+    pub desc_: segment_desc_union,
+}
+
+/// `struct buffer_entry`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct buffer_entry {
+    /// Start.
+    pub addr: *mut c_void,
+    /// Length.
+    pub length: usize,
+}
+
+/// `struct nic_load_stat`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct nic_load_stat {
+    /// Device name, NUL-terminated.
+    pub device_name: [c_char; 64],
+    /// Bytes in flight.
+    pub inflight_bytes: u64,
+    /// Smoothed bandwidth.
+    pub ewma_bandwidth_bps: f64,
+}
+
+/// `notify_msg_t`.
+pub type notify_msg_t = notify_msg;
+/// `transfer_request_t`.
+pub type transfer_request_t = transfer_request;
+/// `transfer_status_t`.
+pub type transfer_status_t = transfer_status;
+/// `buffer_entry_t`.
+pub type buffer_entry_t = buffer_entry;
+/// `segment_desc_t`.
+pub type segment_desc_t = segment_desc;
+/// `nic_load_stat_t`.
+pub type nic_load_stat_t = nic_load_stat;
+
+// ---------------------------------------------------------------------------- engines
+
+static ENGINES: Mutex<HandleTable<Arc<TeEngine>>> = Mutex::new(HandleTable::new(0x7077));
+
+fn engines() -> std::sync::MutexGuard<'static, HandleTable<Arc<TeEngine>>> {
+    ENGINES.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn engine(e: transfer_engine_t) -> Option<Arc<TeEngine>> {
+    let found = engines().get(e as usize as u64).cloned();
+    if found.is_none() {
+        crate::set_last_error("unknown or destroyed transfer_engine_t");
+    }
+    found
+}
+
+/// Ends an `int` function: 0, or the code as a negative `ERR_*` (with a message if the
+/// failure did not leave one).
+fn int_result(r: Result<(), Code>) -> c_int {
+    match r {
+        Ok(()) => 0,
+        Err(c) => {
+            if !crate::has_last_error() {
+                crate::set_last_error(c.describe());
+            }
+            c.err()
+        }
+    }
+}
+
+/// Ends a `Status` function: 0, or the code as a positive status.
+fn status_result(r: Result<(), Code>) -> c_int {
+    match r {
+        Ok(()) => 0,
+        Err(c) => {
+            if !crate::has_last_error() {
+                crate::set_last_error(c.describe());
+            }
+            c.status()
+        }
+    }
+}
+
+/// Creates an engine. `metadata_conn_string` must be `"P2PHANDSHAKE"`;
+/// `local_server_name` gives the host (an IP or a name, any `:port` is ignored as in
+/// Mooncake's P2P mode); `ip_or_host_name`, `rpc_port` and `auto_discover` are ignored:
+/// the backend is verbs when an RDMA device is usable, TCP otherwise
+/// (`PAGEWIRE_TRANSPORT` or `MC_FORCE_TCP=1` choose). NULL on failure.
+///
+/// # Safety
+/// String arguments are null or NUL-terminated.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn createTransferEngine(
+    metadata_conn_string: *const c_char,
+    local_server_name: *const c_char,
+    ip_or_host_name: *const c_char,
+    rpc_port: u64,
+    auto_discover: c_int,
+) -> transfer_engine_t {
+    let _ = (ip_or_host_name, rpc_port, auto_discover);
+    guard(std::ptr::null_mut(), || {
+        // SAFETY: per this function's contract.
+        let (Some(meta), Some(local)) = (unsafe { str_arg(metadata_conn_string) }, unsafe {
+            str_arg(local_server_name)
+        }) else {
+            crate::set_last_error("createTransferEngine: null or non-UTF-8 string argument");
+            return std::ptr::null_mut();
+        };
+        match TeEngine::create(meta, local) {
+            Ok(te) => match engines().insert(te.clone()) {
+                Some(token) => token as usize as transfer_engine_t,
+                None => {
+                    te.destroy();
+                    crate::set_last_error("createTransferEngine: too many engines");
+                    std::ptr::null_mut()
+                }
+            },
+            Err(c) => {
+                if !crate::has_last_error() {
+                    crate::set_last_error(format_args!(
+                        "createTransferEngine: {} (metadata must be \"P2PHANDSHAKE\", local_server_name a host)",
+                        c.describe()
+                    ));
+                }
+                std::ptr::null_mut()
+            }
+        }
+    })
+}
+
+/// Nothing to discover (the backend was chosen at creation): 0 for a live engine.
+///
+/// # Safety
+/// None beyond passing what `createTransferEngine` returned (anything else is refused).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn discoverTopology(engine_: transfer_engine_t) -> c_int {
+    guard(Code::Context.err(), || {
+        int_result(engine(engine_).map(drop).ok_or(Code::InvalidArgument))
+    })
+}
+
+/// Writes this engine's segment name `host:port` (what peers pass to `openSegment`)
+/// into `buf_out`. -1 if the engine is unknown, `buf_out` is null, or the name did not
+/// fit (it is then truncated, as `snprintf` would).
+///
+/// # Safety
+/// `buf_out` is null or valid for `buf_len` bytes.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn getLocalIpAndPort(
+    engine_: transfer_engine_t,
+    buf_out: *mut c_char,
+    buf_len: usize,
+) -> c_int {
+    guard(Code::Context.err(), || {
+        let Some(te) = engine(engine_) else {
+            return Code::InvalidArgument.err();
+        };
+        // SAFETY: per this function's contract.
+        let fitted = unsafe { write_cstr(buf_out, buf_len, te.name()) };
+        int_result(if fitted {
+            Ok(())
+        } else {
+            Err(Code::InvalidArgument)
+        })
+    })
+}
+
+fn proto_matches(te: &TeEngine, proto: &str) -> bool {
+    matches!(
+        (te.engine().backend_kind(), proto),
+        (BackendKind::Verbs, "rdma") | (BackendKind::Tcp, "tcp")
+    )
+}
+
+/// The backend is fixed at creation: returns a non-null handle when `proto` names it
+/// (`"rdma"` for verbs, `"tcp"`), NULL otherwise.
+///
+/// # Safety
+/// `proto` is null or NUL-terminated; `args` is not read.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn installTransport(
+    engine_: transfer_engine_t,
+    proto: *const c_char,
+    args: *mut *mut c_void,
+) -> transport_t {
+    let _ = args;
+    guard(std::ptr::null_mut(), || {
+        let Some(te) = engine(engine_) else {
+            return std::ptr::null_mut();
+        };
+        // SAFETY: per this function's contract.
+        match unsafe { str_arg(proto) } {
+            Some(p) if proto_matches(&te, p) => engine_,
+            _ => {
+                crate::set_last_error(format_args!(
+                    "installTransport: this engine runs {}",
+                    te.engine().backend_kind()
+                ));
+                std::ptr::null_mut()
+            }
+        }
+    })
+}
+
+/// 0 when `proto` names the engine's backend (which stays until destruction), -1
+/// otherwise.
+///
+/// # Safety
+/// `proto` is null or NUL-terminated.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn uninstallTransport(
+    engine_: transfer_engine_t,
+    proto: *const c_char,
+) -> c_int {
+    guard(Code::Context.err(), || {
+        let Some(te) = engine(engine_) else {
+            return Code::InvalidArgument.err();
+        };
+        // SAFETY: per this function's contract.
+        let ok = unsafe { str_arg(proto) }.is_some_and(|p| proto_matches(&te, p));
+        int_result(if ok {
+            Ok(())
+        } else {
+            Err(Code::InvalidArgument)
+        })
+    })
+}
+
+fn open(engine_: transfer_engine_t, name: Option<&str>, refresh: bool) -> segment_id_t {
+    let Some(te) = engine(engine_) else {
+        return Code::InvalidArgument.err();
+    };
+    let Some(name) = name else {
+        crate::set_last_error("segment name is null or not UTF-8");
+        return Code::InvalidArgument.err();
+    };
+    match te.open_segment(name, refresh) {
+        Ok(id) => id,
+        Err(c) => {
+            if !crate::has_last_error() {
+                crate::set_last_error(format_args!("openSegment({name:?}): {}", c.describe()));
+            }
+            c.err()
+        }
+    }
+}
+
+/// Connects to the engine whose segment name is `segment_name` (`host:port`, `[v6]:port`)
+/// and returns its segment id (> 0; this engine's own name gives `LOCAL_SEGMENT`). The
+/// same name returns the same id while the connection lives. Negative `ERR_*` on
+/// failure (-1 malformed, -101 name not resolved, -102 unreachable, -104 handshake
+/// refused), within the handshake timeout.
+///
+/// # Safety
+/// `segment_name` is null or NUL-terminated.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn openSegment(
+    engine_: transfer_engine_t,
+    segment_name: *const c_char,
+) -> segment_id_t {
+    guard(Code::Context.err(), || {
+        // SAFETY: per this function's contract.
+        let name = unsafe { str_arg(segment_name) };
+        open(engine_, name, false)
+    })
+}
+
+/// `openSegment`, fetching the peer's registered buffers again if already connected.
+///
+/// # Safety
+/// `segment_name` is null or NUL-terminated.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn openSegmentNoCache(
+    engine_: transfer_engine_t,
+    segment_name: *const c_char,
+) -> segment_id_t {
+    guard(Code::Context.err(), || {
+        // SAFETY: per this function's contract.
+        let name = unsafe { str_arg(segment_name) };
+        open(engine_, name, true)
+    })
+}
+
+/// Disconnects from a segment; its pending transfers fail. -1 for an unknown id.
+///
+/// # Safety
+/// None beyond passing an engine handle.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn closeSegment(
+    engine_: transfer_engine_t,
+    segment_id: segment_id_t,
+) -> c_int {
+    guard(Code::Context.err(), || {
+        int_result(
+            engine(engine_)
+                .ok_or(Code::InvalidArgument)
+                .and_then(|te| te.close_segment(segment_id)),
+        )
+    })
+}
+
+/// No EFA here: 0 for a live engine and a non-null name, as Mooncake off EFA.
+///
+/// # Safety
+/// `segment_name` is null or NUL-terminated.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn warmupEfaSegment(
+    engine_: transfer_engine_t,
+    segment_name: *const c_char,
+) -> c_int {
+    guard(Code::Context.err(), || {
+        let ok = engine(engine_).is_some() && !segment_name.is_null();
+        int_result(if ok {
+            Ok(())
+        } else {
+            Err(Code::InvalidArgument)
+        })
+    })
+}
+
+/// With the P2P handshake there is no metadata store to remove a segment from: 0 for a
+/// live engine and a non-null name.
+///
+/// # Safety
+/// `segment_name` is null or NUL-terminated.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn removeLocalSegment(
+    engine_: transfer_engine_t,
+    segment_name: *const c_char,
+) -> c_int {
+    guard(Code::Context.err(), || {
+        let ok = engine(engine_).is_some() && !segment_name.is_null();
+        int_result(if ok {
+            Ok(())
+        } else {
+            Err(Code::InvalidArgument)
+        })
+    })
+}
+
+/// Destroys an engine: lets go of every registered buffer (waiting up to 1 s for
+/// transfers that still use one), closes every connection, fails pending batches. The
+/// handle is dead afterwards; destroying it again does nothing.
+///
+/// # Safety
+/// None beyond passing an engine handle.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn destroyTransferEngine(engine_: transfer_engine_t) {
+    guard((), || {
+        let te = engines().remove(engine_ as usize as u64);
+        if let Some(te) = te {
+            te.destroy();
+        }
+    })
+}
+
+/// Registers `[addr, addr+length)`. `remote_accessible` non-zero exposes it to peers for
+/// READ and WRITE. 0, -1 (null, zero length, not host memory on TCP), -7 (overlaps a
+/// registered buffer, including the same one twice), or the backend's failure.
+///
+/// # Safety
+/// The buffer stays allocated until it is unregistered or the engine destroyed.
+/// `location` is null or NUL-terminated (it is not used).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn registerLocalMemory(
+    engine_: transfer_engine_t,
+    addr: *mut c_void,
+    length: usize,
+    location: *const c_char,
+    remote_accessible: c_int,
+) -> c_int {
+    let _ = location;
+    guard(Code::Context.err(), || {
+        int_result(
+            engine(engine_)
+                .ok_or(Code::InvalidArgument)
+                .and_then(|te| te.register(addr as u64, length as u64, remote_accessible != 0)),
+        )
+    })
+}
+
+/// Unregisters the buffer that starts at `addr`. -3 if none does; -4 if transfers still
+/// use it after waiting 1 s for them.
+///
+/// # Safety
+/// None beyond passing an engine handle.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn unregisterLocalMemory(
+    engine_: transfer_engine_t,
+    addr: *mut c_void,
+) -> c_int {
+    guard(Code::Context.err(), || {
+        int_result(
+            engine(engine_)
+                .ok_or(Code::InvalidArgument)
+                .and_then(|te| te.unregister(addr as u64)),
+        )
+    })
+}
+
+/// Registers several buffers (remote-accessible). All or nothing: on the first failure
+/// the ones registered by this call are unregistered and its code returned.
+///
+/// # Safety
+/// `buffer_list` is null or valid for `buffer_len` entries; each buffer as for
+/// `registerLocalMemory`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn registerLocalMemoryBatch(
+    engine_: transfer_engine_t,
+    buffer_list: *mut buffer_entry_t,
+    buffer_len: usize,
+    location: *const c_char,
+) -> c_int {
+    let _ = location;
+    guard(Code::Context.err(), || {
+        let Some(te) = engine(engine_) else {
+            return Code::InvalidArgument.err();
+        };
+        // SAFETY: per this function's contract.
+        let Some(list) = (unsafe { slice_arg(buffer_list.cast_const(), buffer_len) }) else {
+            return int_result(Err(Code::InvalidArgument));
+        };
+        for (i, b) in list.iter().enumerate() {
+            if let Err(c) = te.register(b.addr as u64, b.length as u64, true) {
+                for done in &list[..i] {
+                    let _ = te.unregister(done.addr as u64);
+                }
+                return int_result(Err(c));
+            }
+        }
+        0
+    })
+}
+
+/// Unregisters several buffers; tries all and returns the first failure's code.
+///
+/// # Safety
+/// `addr_list` is null or valid for `addr_len` entries.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn unregisterLocalMemoryBatch(
+    engine_: transfer_engine_t,
+    addr_list: *mut *mut c_void,
+    addr_len: usize,
+) -> c_int {
+    guard(Code::Context.err(), || {
+        let Some(te) = engine(engine_) else {
+            return Code::InvalidArgument.err();
+        };
+        // SAFETY: per this function's contract.
+        let Some(list) = (unsafe { slice_arg(addr_list.cast_const(), addr_len) }) else {
+            return int_result(Err(Code::InvalidArgument));
+        };
+        let mut first = Ok(());
+        for &a in list {
+            if let Err(c) = te.unregister(a as u64) {
+                first = first.and(Err(c));
+            }
+        }
+        int_result(first)
+    })
+}
+
+/// A batch id for up to `batch_size` transfer requests; `INVALID_BATCH` for an unknown
+/// engine, a size of 0 or above 2^20, or too many live batches.
+///
+/// # Safety
+/// None beyond passing an engine handle.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn allocateBatchID(
+    engine_: transfer_engine_t,
+    batch_size: usize,
+) -> batch_id_t {
+    guard(INVALID_BATCH, || {
+        let Some(te) = engine(engine_) else {
+            return INVALID_BATCH;
+        };
+        te.allocate_batch(batch_size).unwrap_or_else(|| {
+            crate::set_last_error(
+                "allocateBatchID: batch_size must be 1..=1048576 (or too many live batches)",
+            );
+            INVALID_BATCH
+        })
+    })
+}
+
+/// Reads the requests of a submit; `Err` for null or an absurd count.
+///
+/// # Safety
+/// `entries` is null or valid for `count` reads.
+unsafe fn requests(entries: *const transfer_request, count: usize) -> Result<Vec<Request>, Code> {
+    if count > crate::te::MAX_BATCH_SIZE {
+        return Err(Code::TooManyRequests);
+    }
+    // SAFETY: per this function's contract.
+    let list = unsafe { slice_arg(entries, count) }.ok_or(Code::InvalidArgument)?;
+    Ok(list
+        .iter()
+        .map(|r| Request {
+            opcode: r.opcode,
+            source: r.source as u64,
+            target_id: r.target_id,
+            target_offset: r.target_offset,
+            length: r.length,
+        })
+        .collect())
+}
+
+/// Posts `count` requests into a batch. Returns a status code: 0, 1 (unknown engine or
+/// batch, null entries, bad opcode, unknown segment, overflow), 2 (over the batch's
+/// capacity), 3 (a local range outside registered memory, or a remote range outside the
+/// peer's registered buffers), 102 (peer gone). Every request is checked before any is
+/// posted; on error nothing moves and the batch is unchanged.
+///
+/// # Safety
+/// `entries` is null or valid for `count` requests; their `source` ranges lie in memory
+/// registered on this engine (checked).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn submitTransfer(
+    engine_: transfer_engine_t,
+    batch_id: batch_id_t,
+    entries: *mut transfer_request,
+    count: usize,
+) -> c_int {
+    guard(Code::Context.status(), || {
+        let Some(te) = engine(engine_) else {
+            return Code::InvalidArgument.status();
+        };
+        // SAFETY: per this function's contract.
+        let reqs = unsafe { requests(entries, count) };
+        status_result(reqs.and_then(|r| te.submit(batch_id, &r, None)))
+    })
+}
+
+/// `submitTransfer`, then `notify_msg` is delivered to the target after all of the
+/// data (every request must target one segment). `name` and `msg` together may hold up
+/// to 8176 bytes.
+///
+/// # Safety
+/// As `submitTransfer`; `notify_msg`'s strings are null or NUL-terminated.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn submitTransferWithNotify(
+    engine_: transfer_engine_t,
+    batch_id: batch_id_t,
+    entries: *mut transfer_request,
+    count: usize,
+    notify_msg: notify_msg_t,
+) -> c_int {
+    guard(Code::Context.status(), || {
+        let Some(te) = engine(engine_) else {
+            return Code::InvalidArgument.status();
+        };
+        // SAFETY: per this function's contract.
+        let (Some(name), Some(msg)) = (unsafe { bytes_arg(notify_msg.name) }, unsafe {
+            bytes_arg(notify_msg.msg)
+        }) else {
+            crate::set_last_error("submitTransferWithNotify: null name or msg");
+            return Code::InvalidArgument.status();
+        };
+        // SAFETY: per this function's contract.
+        let reqs = unsafe { requests(entries, count) };
+        status_result(reqs.and_then(|r| te.submit(batch_id, &r, Some((name, msg)))))
+    })
+}
+
+/// Notifications received since the last call: a `malloc`ed array of `*size` entries
+/// with `malloc`ed strings (free with `freeNotifsMsgBuf`), or NULL with `*size == 0`.
+///
+/// # Safety
+/// `size` is null or valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn getNotifsFromEngine(
+    engine_: transfer_engine_t,
+    size: *mut c_int,
+) -> *mut notify_msg_t {
+    guard(std::ptr::null_mut(), || {
+        if size.is_null() {
+            crate::set_last_error("getNotifsFromEngine: size is null");
+            return std::ptr::null_mut();
+        }
+        // SAFETY: `size` is non-null and writable per this function's contract.
+        unsafe { *size = 0 };
+        let Some(te) = engine(engine_) else {
+            return std::ptr::null_mut();
+        };
+        let notes = te.take_notifications();
+        if notes.is_empty() {
+            return std::ptr::null_mut();
+        }
+        let n = notes.len().min(c_int::MAX as usize);
+        // SAFETY: plain allocation of `n` entries, checked for null below.
+        let arr = unsafe { libc::calloc(n, size_of::<notify_msg_t>()) }.cast::<notify_msg_t>();
+        if arr.is_null() {
+            crate::set_last_error("getNotifsFromEngine: out of memory (notifications lost)");
+            return std::ptr::null_mut();
+        }
+        for (i, (name, msg)) in notes.iter().take(n).enumerate() {
+            let entry = notify_msg {
+                name: malloc_cstr(name),
+                msg: malloc_cstr(msg),
+            };
+            // SAFETY: `i < n`, inside the array allocated above.
+            unsafe { arr.add(i).write(entry) };
+        }
+        // SAFETY: as above.
+        unsafe { *size = n as c_int };
+        arr
+    })
+}
+
+/// A `malloc`ed NUL-terminated copy of `bytes` (cut at an interior NUL); null if out of
+/// memory.
+fn malloc_cstr(bytes: &[u8]) -> *mut c_char {
+    let n = bytes.iter().position(|&b| b == 0).unwrap_or(bytes.len());
+    // SAFETY: plain allocation, checked for null.
+    let p = unsafe { libc::malloc(n + 1) }.cast::<u8>();
+    if !p.is_null() {
+        // SAFETY: `p` holds `n + 1` bytes; `bytes` is a distinct Rust slice of >= n bytes.
+        unsafe {
+            std::ptr::copy_nonoverlapping(bytes.as_ptr(), p, n);
+            *p.add(n) = 0;
+        }
+    }
+    p.cast()
+}
+
+/// Frees what `getNotifsFromEngine` returned (`free` on each string and the array).
+/// NULL is fine; a negative size is -1.
+///
+/// # Safety
+/// `msg` is null or an array returned by `getNotifsFromEngine` with its `size`, freed once.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn freeNotifsMsgBuf(msg: *mut notify_msg_t, size: c_int) -> c_int {
+    guard(Code::Context.err(), || {
+        if size < 0 {
+            return Code::InvalidArgument.err();
+        }
+        if msg.is_null() {
+            return 0;
+        }
+        for i in 0..size as usize {
+            // SAFETY: `msg` has `size` entries whose strings came from `malloc` (or are
+            // null), per this function's contract.
+            unsafe {
+                let e = msg.add(i).read();
+                libc::free(e.name.cast());
+                libc::free(e.msg.cast());
+            }
+        }
+        // SAFETY: the array came from `calloc`.
+        unsafe { libc::free(msg.cast()) };
+        0
+    })
+}
+
+/// Sends a notification alone to segment `target_id` and waits (up to 5 s) until the
+/// peer's engine has it. 0 or a negative `ERR_*`.
+///
+/// # Safety
+/// `notify_msg`'s strings are null or NUL-terminated.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn genNotifyInEngine(
+    engine_: transfer_engine_t,
+    target_id: u64,
+    notify_msg: notify_msg_t,
+) -> c_int {
+    guard(Code::Context.err(), || {
+        let Some(te) = engine(engine_) else {
+            return Code::InvalidArgument.err();
+        };
+        // SAFETY: per this function's contract.
+        let (Some(name), Some(msg)) = (unsafe { bytes_arg(notify_msg.name) }, unsafe {
+            bytes_arg(notify_msg.msg)
+        }) else {
+            crate::set_last_error("genNotifyInEngine: null name or msg");
+            return Code::InvalidArgument.err();
+        };
+        let Ok(target) = i32::try_from(target_id) else {
+            return int_result(Err(Code::InvalidArgument));
+        };
+        int_result(te.notify(target, name, msg))
+    })
+}
+
+/// The status of task `task_id` (the index of a request among all submitted to the
+/// batch): `STATUS_WAITING` while pending, `STATUS_COMPLETED`, `STATUS_FAILED` (including
+/// a timeout), `STATUS_CANCELED`. Returns 0 and fills `status`, or 1 (unknown engine or
+/// batch, freed batch, `INVALID_BATCH`, task out of range, null `status`), leaving
+/// `status` untouched. Never blocks.
+///
+/// # Safety
+/// `status` is null or valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn getTransferStatus(
+    engine_: transfer_engine_t,
+    batch_id: batch_id_t,
+    task_id: usize,
+    status: *mut transfer_status,
+) -> c_int {
+    guard(Code::Context.status(), || {
+        let Some(te) = engine(engine_) else {
+            return Code::InvalidArgument.status();
+        };
+        if status.is_null() {
+            crate::set_last_error("getTransferStatus: status is null");
+            return Code::InvalidArgument.status();
+        }
+        match te.task_status(batch_id, task_id) {
+            Ok((s, bytes)) => {
+                // SAFETY: non-null and writable per this function's contract.
+                unsafe {
+                    status.write(transfer_status {
+                        status: s,
+                        transferred_bytes: bytes,
+                    })
+                };
+                0
+            }
+            Err(c) => status_result(Err(c)),
+        }
+    })
+}
+
+/// Frees a batch id. 0, 1 (unknown, freed or `INVALID_BATCH`), 4 (a task still pending).
+///
+/// # Safety
+/// None beyond passing an engine handle.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn freeBatchID(engine_: transfer_engine_t, batch_id: batch_id_t) -> c_int {
+    guard(Code::Context.status(), || {
+        let Some(te) = engine(engine_) else {
+            return Code::InvalidArgument.status();
+        };
+        status_result(te.free_batch(batch_id))
+    })
+}
+
+/// Fetches every open segment's registered buffers again. 0 or the first failure.
+///
+/// # Safety
+/// None beyond passing an engine handle.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn syncSegmentCache(engine_: transfer_engine_t) -> c_int {
+    guard(Code::Context.err(), || {
+        int_result(
+            engine(engine_)
+                .ok_or(Code::InvalidArgument)
+                .and_then(|te| te.sync_segments()),
+        )
+    })
+}
+
+/// pagewire keeps no per-NIC load figures: `*count` becomes 0 and nothing is written.
+/// -1 for null arguments or an unknown engine.
+///
+/// # Safety
+/// `count` is null or valid for a read and a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn getNicLoadStats(
+    engine_: transfer_engine_t,
+    stats: *mut nic_load_stat_t,
+    count: *mut usize,
+) -> c_int {
+    guard(Code::Context.err(), || {
+        if stats.is_null() || count.is_null() || engine(engine_).is_none() {
+            return Code::InvalidArgument.err();
+        }
+        // SAFETY: non-null and writable per this function's contract.
+        unsafe { *count = 0 };
+        0
+    })
+}
+
+/// Destruction is always graceful here (buffers are released only once no transfer
+/// uses them): nothing to enable.
+///
+/// # Safety
+/// None.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn enableGracefulShutdown(engine_: transfer_engine_t) {
+    guard((), || {
+        let _ = engine(engine_);
+    })
+}
+
+/// Describes the engine and its open segments (text, or JSON when `json` is non-zero)
+/// into `buf_out`. 0, or -1 for null arguments, an unknown engine, or truncation.
+///
+/// # Safety
+/// `buf_out` is null or valid for `buf_len` bytes.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn showLinks(
+    engine_: transfer_engine_t,
+    buf_out: *mut c_char,
+    buf_len: usize,
+    json: c_int,
+) -> c_int {
+    guard(Code::Context.err(), || {
+        if buf_out.is_null() || buf_len == 0 {
+            return Code::InvalidArgument.err();
+        }
+        let Some(te) = engine(engine_) else {
+            return Code::InvalidArgument.err();
+        };
+        let text = links_text(&te, json != 0);
+        // SAFETY: per this function's contract.
+        let fitted = unsafe { write_cstr(buf_out, buf_len, &text) };
+        int_result(if fitted {
+            Ok(())
+        } else {
+            Err(Code::InvalidArgument)
+        })
+    })
+}
+
+fn links_text(te: &TeEngine, json: bool) -> String {
+    let e = te.engine();
+    let segs = te.segment_list();
+    let alive =
+        |p: Option<pagewire_transport::PeerId>| p.is_some_and(|p| e.peer_alive(p).unwrap_or(false));
+    if json {
+        let esc = |s: &str| s.replace('\\', "\\\\").replace('"', "\\\"");
+        let links: Vec<String> = segs
+            .iter()
+            .map(|(id, name, p)| {
+                format!(
+                    "{{\"segment_id\":{id},\"name\":\"{}\",\"connected\":{}}}",
+                    esc(name),
+                    alive(*p)
+                )
+            })
+            .collect();
+        format!(
+            "{{\"local\":\"{}\",\"backend\":\"{}\",\"links\":[{}]}}",
+            esc(te.name()),
+            e.backend_kind(),
+            links.join(",")
+        )
+    } else {
+        let mut s = format!("local {} backend {}\n", te.name(), e.backend_kind());
+        for (id, name, p) in &segs {
+            s += &format!(
+                "segment {id} {name} {}\n",
+                if alive(*p) { "connected" } else { "idle" }
+            );
+        }
+        s
+    }
+}

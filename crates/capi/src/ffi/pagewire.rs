@@ -1,0 +1,725 @@
+//! `pagewire.h`: pagewire's own C API. Handles are opaque (table tokens behind typed
+//! pointers); every function returns a [`PwStatus`] and leaves the reason of a failure in
+//! `pw_last_error()`.
+#![allow(non_camel_case_types)]
+
+use std::ffi::{c_char, c_void};
+
+use super::{guard, slice_arg, str_arg, write_cstr};
+pub use crate::native::PwStatus;
+use crate::native::{self, PoolDesc, PwResult};
+
+/// Opaque engine (`pw_engine`).
+#[repr(C)]
+#[derive(Debug)]
+pub struct pw_engine {
+    _private: [u8; 0],
+}
+/// Opaque registered region (`pw_region`).
+#[repr(C)]
+#[derive(Debug)]
+pub struct pw_region {
+    _private: [u8; 0],
+}
+/// Opaque connected peer (`pw_peer`).
+#[repr(C)]
+#[derive(Debug)]
+pub struct pw_peer {
+    _private: [u8; 0],
+}
+/// Opaque batch (`pw_batch`).
+#[repr(C)]
+#[derive(Debug)]
+pub struct pw_batch {
+    _private: [u8; 0],
+}
+
+/// `pw_pool_desc`: a host KV pool (geometry, layout, base addresses).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct pw_pool_desc {
+    /// `PW_POOL_MHA` (0), `PW_POOL_MHA_SPLIT` (1), `PW_POOL_MLA` (2).
+    pub kind: u32,
+    /// `PW_LAYOUT_LAYER_FIRST` (0), `_PAGE_FIRST` (1), `_PAGE_FIRST_DIRECT` (2), `_PAGE_HEAD` (3).
+    pub layout: u32,
+    /// Layers.
+    pub layers: u64,
+    /// Tokens per page.
+    pub page_size: u64,
+    /// Heads (MHA kinds; 0 for MLA).
+    pub heads: u64,
+    /// K head dim (MHA kinds; 0 for MLA).
+    pub head_dim: u64,
+    /// V head dim (0 = `head_dim`).
+    pub v_head_dim: u64,
+    /// MLA latent width (0 for MHA kinds).
+    pub kv_dim: u64,
+    /// Bytes per element.
+    pub dtype_bytes: u64,
+    /// Token slots (a multiple of `page_size`).
+    pub capacity: u64,
+    /// Address of the pool (of its K buffer for MHA kinds).
+    pub base: u64,
+    /// Address of the V buffer, when `has_v_base` is non-zero.
+    pub v_base: u64,
+    /// Whether `v_base` is given (required for `PW_POOL_MHA_SPLIT`).
+    pub has_v_base: u32,
+    /// `PW_CHECKS_STRICT` (0) or `PW_CHECKS_SGLANG` (1).
+    pub checks: u32,
+}
+
+impl pw_pool_desc {
+    fn model(&self) -> PoolDesc {
+        PoolDesc {
+            kind: self.kind,
+            layout: self.layout,
+            layers: self.layers,
+            page_size: self.page_size,
+            heads: self.heads,
+            head_dim: self.head_dim,
+            v_head_dim: self.v_head_dim,
+            kv_dim: self.kv_dim,
+            dtype_bytes: self.dtype_bytes,
+            capacity: self.capacity,
+            base: self.base,
+            v_base: self.v_base,
+            has_v_base: self.has_v_base != 0,
+            sglang_checks: self.checks == 1,
+        }
+    }
+}
+
+fn status(r: PwResult<()>) -> PwStatus {
+    match r {
+        Ok(()) => PwStatus::Ok,
+        Err(s) => {
+            if s != PwStatus::Pending && !crate::has_last_error() {
+                crate::set_last_error(s.describe().to_string_lossy());
+            }
+            s
+        }
+    }
+}
+
+fn token<T>(p: *const T) -> u64 {
+    p as usize as u64
+}
+
+fn null_arg<T>(what: &str) -> PwResult<T> {
+    PwStatus::InvalidArgument.fail(format_args!("{what} is null"))
+}
+
+/// Writes a new handle to `out`.
+///
+/// # Safety
+/// `out` is null (an error) or valid for a write.
+unsafe fn put<T>(out: *mut *mut T, r: PwResult<u64>) -> PwResult<()> {
+    if out.is_null() {
+        return null_arg("out");
+    }
+    let t = r?;
+    // SAFETY: non-null and writable per the caller's contract.
+    unsafe { out.write(t as usize as *mut T) };
+    Ok(())
+}
+
+/// Writes a value to an out-pointer.
+///
+/// # Safety
+/// `out` is null (an error) or valid for a write.
+unsafe fn put_val<T>(out: *mut T, what: &str, v: T) -> PwResult<()> {
+    if out.is_null() {
+        return null_arg(what);
+    }
+    // SAFETY: non-null and writable per the caller's contract.
+    unsafe { out.write(v) };
+    Ok(())
+}
+
+// ------------------------------------------------------------------------- errors
+
+/// A static description of a status (never null; "unknown status" for other values).
+/// Takes an `int`, not the enum, so that any value C passes is defined behaviour.
+#[unsafe(no_mangle)]
+pub extern "C" fn pw_status_str(status: std::ffi::c_int) -> *const c_char {
+    PwStatus::from_raw(status).map_or(c"unknown status".as_ptr(), |s| s.describe().as_ptr())
+}
+
+/// Why the last call on this thread failed: a NUL-terminated message valid until the
+/// thread's next call into the library, or NULL if it succeeded.
+#[unsafe(no_mangle)]
+pub extern "C" fn pw_last_error() -> *const c_char {
+    crate::with_last_error(|e| e.map_or(std::ptr::null(), |c| c.as_ptr()))
+}
+
+/// The library's version, e.g. `"0.1.0"`.
+#[unsafe(no_mangle)]
+pub extern "C" fn pw_version() -> *const c_char {
+    concat!(env!("CARGO_PKG_VERSION"), "\0").as_ptr().cast()
+}
+
+// ------------------------------------------------------------------------- engines
+
+/// Creates an engine. `backend`: `"auto"`, `"verbs"`, `"tcp"`, `"loopback"` or NULL
+/// (`PAGEWIRE_TRANSPORT`, else auto); `listen`: the control listener `"ip:port"` or NULL
+/// (`PAGEWIRE_LISTEN`, else `0.0.0.0:0`). Other settings come from `PAGEWIRE_*`.
+///
+/// # Safety
+/// Strings are null or NUL-terminated; `out` is valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn pw_engine_new(
+    backend: *const c_char,
+    listen: *const c_char,
+    out: *mut *mut pw_engine,
+) -> PwStatus {
+    guard(PwStatus::Internal, || {
+        // SAFETY: per this function's contract.
+        let (b, l) = unsafe { (str_arg(backend), str_arg(listen)) };
+        if (!backend.is_null() && b.is_none()) || (!listen.is_null() && l.is_none()) {
+            return status(PwStatus::InvalidArgument.fail("string argument is not UTF-8"));
+        }
+        // SAFETY: per this function's contract.
+        status(unsafe { put(out, native::engine_new(b, l)) })
+    })
+}
+
+/// Shuts an engine down and frees its handle: connections close, pending batches fail,
+/// registrations are released. Handles derived from it report `PW_ERR_SHUTDOWN`.
+///
+/// # Safety
+/// None (any value is checked).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn pw_engine_free(engine: *mut pw_engine) -> PwStatus {
+    guard(PwStatus::Internal, || {
+        status(native::engine_free(token(engine)))
+    })
+}
+
+/// Writes the control listener's `"ip:port"` (what peers connect to).
+///
+/// # Safety
+/// `buf` is null or valid for `len` bytes.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn pw_engine_local_addr(
+    engine: *const pw_engine,
+    buf: *mut c_char,
+    len: usize,
+) -> PwStatus {
+    guard(PwStatus::Internal, || {
+        status(native::engine(token(engine)).and_then(|e| {
+            let s = e.engine.local_addr().to_string();
+            // SAFETY: per this function's contract.
+            write_fitted(unsafe { write_cstr(buf, len, &s) }, s.len())
+        }))
+    })
+}
+
+/// Writes the backend in use: `"verbs"`, `"tcp"` or `"loopback"`.
+///
+/// # Safety
+/// `buf` is null or valid for `len` bytes.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn pw_engine_backend(
+    engine: *const pw_engine,
+    buf: *mut c_char,
+    len: usize,
+) -> PwStatus {
+    guard(PwStatus::Internal, || {
+        status(native::engine(token(engine)).and_then(|e| {
+            let s = e.engine.backend_kind().as_str();
+            // SAFETY: per this function's contract.
+            write_fitted(unsafe { write_cstr(buf, len, s) }, s.len())
+        }))
+    })
+}
+
+fn write_fitted(fitted: bool, need: usize) -> PwResult<()> {
+    if fitted {
+        Ok(())
+    } else {
+        PwStatus::BufferTooSmall.fail(format_args!("needs {} bytes", need + 1))
+    }
+}
+
+/// Waits up to `timeout_ms` for a remote notification: the peer number (see
+/// `pw_peer_id`) and the tag. `PW_ERR_TIMEOUT` if none came.
+///
+/// # Safety
+/// `peer_id` and `tag` are valid for writes.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn pw_engine_poll_notification(
+    engine: *mut pw_engine,
+    timeout_ms: u32,
+    peer_id: *mut u64,
+    tag: *mut u32,
+) -> PwStatus {
+    guard(PwStatus::Internal, || {
+        if peer_id.is_null() || tag.is_null() {
+            return status(null_arg("peer_id or tag"));
+        }
+        status(
+            native::poll_notification(token(engine), timeout_ms).and_then(|(p, t)| {
+                // SAFETY: both checked non-null; writable per this function's contract.
+                unsafe {
+                    put_val(peer_id, "peer_id", p)?;
+                    put_val(tag, "tag", t)
+                }
+            }),
+        )
+    })
+}
+
+/// Reaps completions once on this thread (needed with `PAGEWIRE_PROGRESS=manual`);
+/// `reaped` (nullable) receives how many.
+///
+/// # Safety
+/// `reaped` is null or valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn pw_engine_progress(
+    engine: *mut pw_engine,
+    reaped: *mut usize,
+) -> PwStatus {
+    guard(PwStatus::Internal, || {
+        status(native::progress(token(engine)).and_then(|n| {
+            if reaped.is_null() {
+                return Ok(());
+            }
+            // SAFETY: non-null and writable per this function's contract.
+            unsafe { put_val(reaped, "reaped", n) }
+        }))
+    })
+}
+
+// ------------------------------------------------------------------------- regions
+
+/// Registers `[addr, addr+len)` with `access` (`PW_ACCESS_*` bits). Registering a range
+/// inside a region with no more access returns a handle to the same registration
+/// (each handle is deregistered on its own).
+///
+/// # Safety
+/// The memory stays allocated until the region is deregistered or the engine freed;
+/// peers may write it at any time while it is registered with `PW_ACCESS_REMOTE_WRITE`.
+/// `out` is valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn pw_region_register(
+    engine: *mut pw_engine,
+    addr: *mut c_void,
+    len: usize,
+    access: u32,
+    out: *mut *mut pw_region,
+) -> PwStatus {
+    guard(PwStatus::Internal, || {
+        if out.is_null() {
+            return status(null_arg("out"));
+        }
+        let r = native::region_register(token(engine), addr as u64, len as u64, access);
+        // SAFETY: per this function's contract.
+        status(unsafe { put(out, r) })
+    })
+}
+
+/// Deregisters a region, waiting up to `timeout_ms` for batches that use it
+/// (`PW_ERR_TIMEOUT` then, and the handle stays valid). Frees the handle on success.
+///
+/// # Safety
+/// None (any value is checked).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn pw_region_deregister(region: *mut pw_region, timeout_ms: u32) -> PwStatus {
+    guard(PwStatus::Internal, || {
+        status(native::region_deregister(token(region), timeout_ms))
+    })
+}
+
+// ------------------------------------------------------------------------- peers
+
+/// Connects to the engine listening at `addr` (`"host:port"`) and runs the handshake
+/// (within `PAGEWIRE_HANDSHAKE_TIMEOUT_MS`).
+///
+/// # Safety
+/// `addr` is null or NUL-terminated; `out` is valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn pw_peer_connect(
+    engine: *mut pw_engine,
+    addr: *const c_char,
+    out: *mut *mut pw_peer,
+) -> PwStatus {
+    guard(PwStatus::Internal, || {
+        // SAFETY: per this function's contract.
+        let Some(a) = (unsafe { str_arg(addr) }) else {
+            return status(null_arg("addr"));
+        };
+        if out.is_null() {
+            return status(null_arg("out"));
+        }
+        // SAFETY: per this function's contract.
+        status(unsafe { put(out, native::peer_connect(token(engine), a)) })
+    })
+}
+
+/// Waits up to `timeout_ms` for a peer to connect to this engine.
+///
+/// # Safety
+/// `out` is valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn pw_peer_accept(
+    engine: *mut pw_engine,
+    timeout_ms: u32,
+    out: *mut *mut pw_peer,
+) -> PwStatus {
+    guard(PwStatus::Internal, || {
+        if out.is_null() {
+            return status(null_arg("out"));
+        }
+        // SAFETY: per this function's contract.
+        status(unsafe { put(out, native::peer_accept(token(engine), timeout_ms)) })
+    })
+}
+
+/// The peer's number on this engine (as `pw_engine_poll_notification` reports it).
+///
+/// # Safety
+/// `id` is valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn pw_peer_id(peer: *const pw_peer, id: *mut u64) -> PwStatus {
+    guard(PwStatus::Internal, || {
+        status(native::peer_id(token(peer)).and_then(|v| {
+            // SAFETY: per this function's contract.
+            unsafe { put_val(id, "id", v) }
+        }))
+    })
+}
+
+/// Fetches the regions the peer exposes again (after it registered more memory).
+///
+/// # Safety
+/// None (any value is checked).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn pw_peer_refresh(peer: *mut pw_peer) -> PwStatus {
+    guard(PwStatus::Internal, || {
+        status(native::peer_refresh(token(peer)))
+    })
+}
+
+/// Disconnects (the peer's pending batches fail) and frees the handle.
+///
+/// # Safety
+/// None (any value is checked).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn pw_peer_close(peer: *mut pw_peer) -> PwStatus {
+    guard(PwStatus::Internal, || {
+        status(native::peer_close(token(peer)))
+    })
+}
+
+// ------------------------------------------------------------------------- batches
+
+/// A new, empty batch.
+///
+/// # Safety
+/// `out` is valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn pw_batch_new(out: *mut *mut pw_batch) -> PwStatus {
+    guard(PwStatus::Internal, || {
+        // SAFETY: per this function's contract.
+        status(unsafe { put(out, native::batch_new()) })
+    })
+}
+
+/// Appends an op: `PW_OP_WRITE` moves `len` bytes from local `local` to the peer's
+/// `remote`; `PW_OP_READ` the other way. Refused while the batch runs.
+///
+/// # Safety
+/// None (addresses are checked at submit).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn pw_batch_add(
+    batch: *mut pw_batch,
+    op: u32,
+    local: u64,
+    remote: u64,
+    len: u64,
+) -> PwStatus {
+    guard(PwStatus::Internal, || {
+        status(native::batch_add(token(batch), op, local, remote, len))
+    })
+}
+
+/// Appends a transfer plan (`pw_plan`'s output, in data-flow order): for `PW_OP_WRITE`
+/// `srcs` are local and `dsts` remote, for `PW_OP_READ` the reverse.
+///
+/// # Safety
+/// The three arrays are valid for `n` reads.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn pw_batch_add_plan(
+    batch: *mut pw_batch,
+    op: u32,
+    srcs: *const u64,
+    dsts: *const u64,
+    lens: *const u64,
+    n: usize,
+) -> PwStatus {
+    guard(PwStatus::Internal, || {
+        // SAFETY: per this function's contract.
+        let (Some(s), Some(d), Some(l)) =
+            (unsafe { (slice_arg(srcs, n), slice_arg(dsts, n), slice_arg(lens, n)) })
+        else {
+            return status(null_arg("srcs, dsts or lens"));
+        };
+        let b = token(batch);
+        for i in 0..n {
+            let (local, remote) = if op == 1 { (s[i], d[i]) } else { (d[i], s[i]) };
+            if let Err(e) = native::batch_add(b, op, local, remote, l[i]) {
+                return status(Err(e));
+            }
+        }
+        PwStatus::Ok
+    })
+}
+
+/// Asks for a remote notification with `tag` once every byte of the batch landed.
+///
+/// # Safety
+/// None.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn pw_batch_set_notify(batch: *mut pw_batch, tag: u32) -> PwStatus {
+    guard(PwStatus::Internal, || {
+        status(native::batch_set_notify(token(batch), tag))
+    })
+}
+
+/// The batch's deadline, relative to its submission (0 = `PAGEWIRE_BATCH_TIMEOUT_MS`).
+///
+/// # Safety
+/// None.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn pw_batch_set_timeout(batch: *mut pw_batch, timeout_ms: u32) -> PwStatus {
+    guard(PwStatus::Internal, || {
+        status(native::batch_set_timeout(token(batch), timeout_ms))
+    })
+}
+
+/// Validates every op (local ranges registered, remote ranges exposed by the peer, with
+/// the needed access) and posts the batch; on error nothing is posted. A batch can be
+/// submitted again once it finished.
+///
+/// # Safety
+/// None (any value is checked).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn pw_batch_submit(batch: *mut pw_batch, peer: *mut pw_peer) -> PwStatus {
+    guard(PwStatus::Internal, || {
+        status(native::batch_submit(token(batch), token(peer)))
+    })
+}
+
+/// `PW_OK` (done), `PW_PENDING`, or why it failed. Never blocks.
+///
+/// # Safety
+/// None.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn pw_batch_status(batch: *mut pw_batch) -> PwStatus {
+    guard(PwStatus::Internal, || {
+        status(native::batch_status(token(batch)))
+    })
+}
+
+/// Waits up to `timeout_ms`: `PW_OK`, `PW_PENDING` (still running), or the failure.
+///
+/// # Safety
+/// None.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn pw_batch_wait(batch: *mut pw_batch, timeout_ms: u32) -> PwStatus {
+    guard(PwStatus::Internal, || {
+        status(native::batch_wait(token(batch), timeout_ms))
+    })
+}
+
+/// Cancels a running batch (best effort: bytes in flight may still land).
+///
+/// # Safety
+/// None.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn pw_batch_cancel(batch: *mut pw_batch) -> PwStatus {
+    guard(PwStatus::Internal, || {
+        status(native::batch_cancel(token(batch)))
+    })
+}
+
+/// Bytes completed so far.
+///
+/// # Safety
+/// `bytes` is valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn pw_batch_bytes_done(batch: *mut pw_batch, bytes: *mut u64) -> PwStatus {
+    guard(PwStatus::Internal, || {
+        status(native::batch_bytes_done(token(batch)).and_then(|v| {
+            // SAFETY: per this function's contract.
+            unsafe { put_val(bytes, "bytes", v) }
+        }))
+    })
+}
+
+/// Empties a batch that is not running (ops, notification, timeout).
+///
+/// # Safety
+/// None.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn pw_batch_reset(batch: *mut pw_batch) -> PwStatus {
+    guard(PwStatus::Internal, || {
+        status(native::batch_reset(token(batch)))
+    })
+}
+
+/// Frees a batch handle. A running batch carries on to its end.
+///
+/// # Safety
+/// None.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn pw_batch_free(batch: *mut pw_batch) -> PwStatus {
+    guard(PwStatus::Internal, || {
+        status(native::batch_free(token(batch)))
+    })
+}
+
+// ------------------------------------------------------------------------- layout
+
+/// Copies `(ptrs, lens)` out, or reports the size needed.
+///
+/// # Safety
+/// Output arrays are valid for `capacity` writes; `n_out` for one.
+unsafe fn put_lists(
+    lists: &[&[u64]],
+    outs: &[*mut u64],
+    capacity: usize,
+    n_out: *mut usize,
+) -> PwResult<()> {
+    if n_out.is_null() {
+        return null_arg("n_out");
+    }
+    let n = lists[0].len();
+    // SAFETY: non-null and writable per the caller's contract.
+    unsafe { n_out.write(n) };
+    if n > capacity {
+        return PwStatus::BufferTooSmall
+            .fail(format_args!("needs {n} entries, capacity {capacity}"));
+    }
+    if n > 0 && outs.iter().any(|p| p.is_null()) {
+        return null_arg("an output array");
+    }
+    for (list, &out) in lists.iter().zip(outs) {
+        // SAFETY: `n <= capacity` elements are writable per the caller's contract, and a
+        // Rust vector cannot overlap C's arrays.
+        unsafe { std::ptr::copy_nonoverlapping(list.as_ptr(), out, n) };
+    }
+    Ok(())
+}
+
+/// `pw_page_meta` and `pw_page_meta_for_pages`.
+///
+/// # Safety
+/// As `pw_page_meta`.
+#[allow(clippy::too_many_arguments)] // the C signature's, plus the flavour
+unsafe fn page_meta_impl(
+    pool: *const pw_pool_desc,
+    indices: *const u64,
+    n_indices: usize,
+    ptrs: *mut u64,
+    lens: *mut u64,
+    capacity: usize,
+    n_out: *mut usize,
+    pages: bool,
+) -> PwStatus {
+    if pool.is_null() {
+        return status(null_arg("pool"));
+    }
+    // SAFETY: non-null; readable per the caller's contract (the struct is plain data).
+    let desc = unsafe { pool.read() }.model();
+    // SAFETY: per the caller's contract.
+    let Some(idx) = (unsafe { slice_arg(indices, n_indices) }) else {
+        return status(null_arg("indices"));
+    };
+    status(native::page_meta(&desc, idx, pages).and_then(|(p, l)| {
+        // SAFETY: per the caller's contract.
+        unsafe { put_lists(&[&p, &l], &[ptrs, lens], capacity, n_out) }
+    }))
+}
+
+/// SGLang's `get_page_buffer_meta`: for token slot `indices` (whole pages, `page_size`
+/// consecutive slots each), the `(ptr, len)` of every page's K/V (or latent) bytes. On
+/// success `*n_out` entries are written; `PW_ERR_BUFFER_TOO_SMALL` sets `*n_out` to the
+/// entries needed and writes nothing.
+///
+/// # Safety
+/// `pool` is valid for a read; `indices` for `n_indices` reads; `ptrs` and `lens` for
+/// `capacity` writes; `n_out` for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn pw_page_meta(
+    pool: *const pw_pool_desc,
+    indices: *const u64,
+    n_indices: usize,
+    ptrs: *mut u64,
+    lens: *mut u64,
+    capacity: usize,
+    n_out: *mut usize,
+) -> PwStatus {
+    guard(PwStatus::Internal, || {
+        // SAFETY: per this function's contract.
+        unsafe { page_meta_impl(pool, indices, n_indices, ptrs, lens, capacity, n_out, false) }
+    })
+}
+
+/// `pw_page_meta` for page indices (page `p` is token slots `p*page_size ..`).
+///
+/// # Safety
+/// As `pw_page_meta`, with `pages` for `n_pages` reads.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn pw_page_meta_for_pages(
+    pool: *const pw_pool_desc,
+    pages: *const u64,
+    n_pages: usize,
+    ptrs: *mut u64,
+    lens: *mut u64,
+    capacity: usize,
+    n_out: *mut usize,
+) -> PwStatus {
+    guard(PwStatus::Internal, || {
+        // SAFETY: per this function's contract.
+        unsafe { page_meta_impl(pool, pages, n_pages, ptrs, lens, capacity, n_out, true) }
+    })
+}
+
+/// The transfer plan moving `src_pages` of pool `src` to `dst_pages` of pool `dst`:
+/// coalesced `(srcs[i], dsts[i], lens[i])` copies. Buffer handling as `pw_page_meta`.
+///
+/// # Safety
+/// `src`, `dst` valid for reads; the page arrays for `n_pages` reads; outputs for
+/// `capacity` writes; `n_out` for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn pw_plan(
+    src: *const pw_pool_desc,
+    dst: *const pw_pool_desc,
+    src_pages: *const u64,
+    dst_pages: *const u64,
+    n_pages: usize,
+    srcs: *mut u64,
+    dsts: *mut u64,
+    lens: *mut u64,
+    capacity: usize,
+    n_out: *mut usize,
+) -> PwStatus {
+    guard(PwStatus::Internal, || {
+        if src.is_null() || dst.is_null() {
+            return status(null_arg("src or dst"));
+        }
+        // SAFETY: non-null; readable per this function's contract.
+        let (s, d) = unsafe { (src.read().model(), dst.read().model()) };
+        // SAFETY: per this function's contract.
+        let (Some(sp), Some(dp)) =
+            (unsafe { (slice_arg(src_pages, n_pages), slice_arg(dst_pages, n_pages)) })
+        else {
+            return status(null_arg("src_pages or dst_pages"));
+        };
+        status(native::plan(&s, &d, sp, dp).and_then(|(a, b, c)| {
+            // SAFETY: per this function's contract.
+            unsafe { put_lists(&[&a, &b, &c], &[srcs, dsts, lens], capacity, n_out) }
+        }))
+    })
+}
