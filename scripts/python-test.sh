@@ -17,6 +17,21 @@ fi
 "$venv/bin/pip" install -q --disable-pip-version-check \
     maturin==1.16.0 pytest==8.4.2 numpy==2.3.5
 
+# --- Mooncake reference (differential test of pagewire.mooncake_compat) ------------------
+# The real Mooncake wheel, for tests/test_mooncake_diff.py (which fails, never skips,
+# without it). Its engine.so links libibverbs.so.1 even for TCP, so that library must be
+# installed (rdma-core's libibverbs1; scripts/setup.sh --vm installs it too).
+if ! dpkg-query -W -f='${Status}' libibverbs1 2>/dev/null | grep -q "install ok installed"; then
+    echo "python: installing libibverbs1 (needed by the Mooncake wheel)"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends libibverbs1 \
+        >/dev/null 2>&1 ||
+        { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+            --no-install-recommends libibverbs1 >/dev/null; }
+fi
+"$venv/bin/pip" install -q --disable-pip-version-check \
+    mooncake-transfer-engine-non-cuda==0.3.13.post1
+# --- end Mooncake reference ----------------------------------------------------------------
+
 echo "== python: maturin build (profile wheel)"
 rm -rf target/wheels
 (cd crates/python && ../../"$venv"/bin/maturin build --locked --profile wheel \

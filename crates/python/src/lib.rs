@@ -18,6 +18,7 @@ mod convert;
 mod errors;
 mod ffi;
 mod layout;
+mod store;
 mod transport;
 
 /// The extension module. Each submodule of this crate adds its classes and functions here.
@@ -28,5 +29,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     convert::register(m)?;
     layout::register(m)?;
     transport::register(m)?;
+    store::register(m)?;
     Ok(())
 }

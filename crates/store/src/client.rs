@@ -708,7 +708,8 @@ impl StoreClient {
         Ok(out)
     }
 
-    /// Whether complete objects exist (no lease).
+    /// Whether complete objects exist. Each object found is leased, as Mooncake's
+    /// `is_exist` does.
     pub fn exist<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<Vec<Result<bool, Code>>> {
         let deadline = deadline_of(self.inner.cfg.timeout);
         let mut out = Vec::with_capacity(keys.len());

@@ -702,11 +702,18 @@ impl MasterCore {
         found
     }
 
-    /// Whether complete objects exist (`Ok` / `NotFound`); grants no lease.
-    pub fn exist(&self, keys: &[Vec<u8>]) -> Vec<Code> {
+    /// Whether complete objects exist (`Ok` / `NotFound`). Like Mooncake's `ExistKey`,
+    /// this leases every object found (a caller that checks, then reads, keeps what it
+    /// saw) and counts as a use for eviction.
+    pub fn exist(&mut self, now: Millis, keys: &[Vec<u8>]) -> Vec<Code> {
+        let until = now.saturating_add(self.cfg.lease_ttl_ms);
         keys.iter()
-            .map(|k| match self.objects.get(&**k) {
-                Some(o) if o.state == State::Complete => Code::Ok,
+            .map(|k| match self.objects.get_mut(&**k) {
+                Some(o) if o.state == State::Complete => {
+                    o.lease_until = o.lease_until.max(until);
+                    o.last_access = now;
+                    Code::Ok
+                }
                 _ => Code::NotFound,
             })
             .collect()

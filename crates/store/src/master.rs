@@ -499,7 +499,7 @@ fn handle(shared: &Shared, client: u64, req: Request) -> Response {
             Err(c) => err(c),
         },
         Request::Get { lease, keys } => Response::Found(core.get(now, &keys, lease)),
-        Request::Exist { keys } => Response::Codes(core.exist(&keys)),
+        Request::Exist { keys } => Response::Codes(core.exist(now, &keys)),
         Request::Remove { force, keys } => Response::Codes(core.remove(now, &keys, force)),
         Request::RemoveAll { force } => Response::Count(core.remove_all(now, force)),
         Request::Stats => Response::Stats(core.stats()),

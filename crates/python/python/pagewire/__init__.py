@@ -17,3 +17,10 @@ from pagewire.errors import LayoutError
 
 __all__ += ["Geometry", "Pool", "TransferPlan", "plan", "pd_connector_plan", "LayoutError"]
 # --- end layout ----------------------------------------------------------------------
+
+# --- store: the KV page store (pagewire_store) -----------------------------------------
+from pagewire._native import StoreClient, StoreMaster  # noqa: E402
+from pagewire.errors import StoreError  # noqa: E402
+
+__all__ += ["StoreClient", "StoreMaster", "StoreError"]
+# --- end store -------------------------------------------------------------------------

@@ -14,3 +14,9 @@ from pagewire._native import LayoutError  # noqa: E402  (PagewireError, ValueErr
 
 __all__ += ["LayoutError"]
 # --- end layout ----------------------------------------------------------------------
+
+# --- store ---------------------------------------------------------------------------
+from pagewire._native import StoreError  # noqa: E402  (PagewireError; `.code`: Mooncake's number)
+
+__all__ += ["StoreError"]
+# --- end store -----------------------------------------------------------------------

@@ -75,8 +75,12 @@ impl World {
         let keys: Vec<Vec<u8>> = keys.iter().map(|k| k.as_bytes().to_vec()).collect();
         self.core.get(self.now, &keys, lease)
     }
+    /// Whether the key is visible, without leasing it (the model's view).
     fn exists(&self, key: &str) -> bool {
-        self.core.exist(&[key.as_bytes().to_vec()]) == [Code::Ok]
+        self.core
+            .objects
+            .get(key.as_bytes())
+            .is_some_and(|o| o.state == State::Complete)
     }
     fn remove(&mut self, key: &str, force: bool) -> Code {
         let r = self
@@ -198,7 +202,10 @@ fn replicas_go_to_distinct_segments_on_distinct_endpoints_first() {
 
 #[test]
 fn leases_block_removal_and_eviction_until_they_end() {
-    let mut w = World::new(cfg());
+    let mut w = World::new(CoreConfig {
+        client_ttl_ms: 60_000,
+        ..cfg()
+    });
     w.node("n1:1", 0, 8 * MIB);
     let c = w.client("c:1");
     w.put(c, "a", 4096).unwrap();
@@ -211,6 +218,15 @@ fn leases_block_removal_and_eviction_until_they_end() {
     w.advance(2);
     assert_eq!(w.remove("a", false), Code::Ok);
     assert_eq!(w.remove("a", false), Code::NotFound);
+    // An existence check leases too (Mooncake's ExistKey does).
+    w.put(c, "e", 64).unwrap();
+    assert_eq!(
+        w.core.exist(w.now, &[b"e".to_vec(), b"none".to_vec()]),
+        [Code::Ok, Code::NotFound]
+    );
+    assert_eq!(w.remove("e", false), Code::HasLease);
+    w.advance(1_001);
+    assert_eq!(w.remove("e", false), Code::Ok);
     // A forced removal frees the space only when the lease ends.
     w.put(c, "b", 4096).unwrap();
     w.get(&["b"], true);
