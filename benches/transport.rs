@@ -43,7 +43,7 @@ fn write_vs_memcpy(c: &mut Criterion) {
         let mut plain = vec![0u8; size];
         g.bench_with_input(BenchmarkId::new("memcpy", size), &size, |bench, &size| {
             bench.iter(|| {
-                plain.copy_from_slice(&src[..size]);
+                src.read_at(0, &mut plain[..size]);
                 black_box(&plain);
             });
         });

@@ -173,7 +173,8 @@ fn run_prefill(
 ) -> Result<()> {
     let g = geometry(a)?;
     let mut pool = HostBuffer::new(pool_bytes(&g))?;
-    fill_prefill_pool(&mut pool);
+    // SAFETY: not registered yet, so nothing else reads or writes it while we fill it.
+    fill_prefill_pool(unsafe { pool.as_mut_slice() });
     e.register(&pool, Access::LOCAL_WRITE)?;
     let mailbox = HostBuffer::new(MAILBOX)?;
     e.register(&mailbox, Access::LOCAL_WRITE | Access::REMOTE_WRITE)?;
@@ -199,7 +200,9 @@ fn run_prefill(
             note.peer == peer && note.tag & REQ_TAG != 0,
             "unexpected notification {note:?}"
         );
+        // Copied out: the peer writes the mailbox, so it is never borrowed as a slice.
         let words: Vec<u64> = mailbox
+            .to_vec()
             .chunks_exact(8)
             .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
             .collect();
@@ -281,7 +284,7 @@ fn run_decode(a: &Args, e: &Engine, prefill: &str) -> Result<()> {
         words.extend(&src_pages);
         words.extend(&dst_pages);
         for (i, w) in words.iter().enumerate() {
-            req[i * 8..i * 8 + 8].copy_from_slice(&w.to_le_bytes());
+            req.write_at(i * 8, &w.to_le_bytes());
         }
         let t0 = Instant::now();
         e.submit(
@@ -308,16 +311,16 @@ fn run_decode(a: &Args, e: &Engine, prefill: &str) -> Result<()> {
             expect.resize(t.len as usize, 0);
             expected_bytes(t.src, &mut expect);
             ensure!(
-                pool[d..d + t.len as usize] == expect[..],
+                pool.read_vec(d..d + t.len as usize) == expect,
                 "round {round}: bytes differ at decode offset {d} ({} B from prefill offset {})",
                 t.len,
                 t.src
             );
-            pool[d..d + t.len as usize].fill(0xEE);
+            pool.fill_range(d..d + t.len as usize, 0xEE);
             touched += t.len;
         }
         ensure!(
-            pool.iter().all(|&b| b == 0xEE),
+            pool.to_vec().iter().all(|&b| b == 0xEE),
             "round {round}: bytes outside the pages changed"
         );
         total.0 += touched;
@@ -333,7 +336,7 @@ fn run_decode(a: &Args, e: &Engine, prefill: &str) -> Result<()> {
     }
     // Goodbye: an empty request.
     for (i, w) in [MAGIC, u64::from(a.rounds + 1), 0, 0].iter().enumerate() {
-        req[i * 8..i * 8 + 8].copy_from_slice(&w.to_le_bytes());
+        req.write_at(i * 8, &w.to_le_bytes());
     }
     e.submit(
         peer,

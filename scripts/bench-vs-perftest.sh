@@ -3,10 +3,16 @@
 # backend vs iperf3 on loopback. Prints side-by-side tables (markdown) with the ratio
 # pagewire/perftest per message size: median of N runs, with the min and max.
 #
-#   scripts/rdma-vm.sh run -- scripts/bench-vs-perftest.sh            # RDMA part, in the soft-RoCE VM
-#   scripts/bench-vs-perftest.sh --section tcp                        # TCP part, on the host
+#   scripts/bench-vs-perftest.sh --report                             # everything: the tables of docs/benchmarks.md
+#   scripts/rdma-vm.sh run -- scripts/bench-vs-perftest.sh            # RDMA part only, in the soft-RoCE VM
+#   scripts/bench-vs-perftest.sh --section tcp                        # TCP part only, on the host
 #
 # Options:
+#   --report                 run the TCP and TCP pages sections here, then the paired and
+#                            verbs pages sections in the soft-RoCE VM (scripts/rdma-vm.sh
+#                            --cpus 2), and write one markdown report of all the tables
+#                            (report.md in --out). The VM part takes about 2.5 min per
+#                            --pair-rounds round on a 2-core TCG host, plus a minute.
 #   --section S              rdma | paired | tcp | pages | all, or a list such as "rdma pages"
 #                            (default: "rdma pages" if an RDMA device is visible, else
 #                            "tcp pages"). pages: `bench pages` (Llama-3-8B preset, random
@@ -54,12 +60,13 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-section="" pages_n="" page_iters="" runs=3 pair_rounds=5 pair_mib=32 pair_small_iters=5000 iters=50 lat_iters=1000 dev="${RDMA_DEVICE:-rxe0}" tcp_size=1M tcp_secs=5
+report=0 section="" pages_n="" page_iters="" runs=3 pair_rounds=5 pair_mib=32 pair_small_iters=5000 iters=50 lat_iters=1000 dev="${RDMA_DEVICE:-rxe0}" tcp_size=1M tcp_secs=5
 streams="1 4" out="" pw="target/release/pagewire" raw="target/release/examples/raw_verbs_lat"
 pair_sizes="65536 131072 262144 524288 1048576 2097152 4194304 8388608" pair_small="2 8 64 512"
 pool_dirs=()
 while (($#)); do
     case "$1" in
+        --report) report=1; shift ;;
         --section) section="$2"; shift 2 ;;
         --runs) runs="$2"; shift 2 ;;
         --pair-rounds) pair_rounds="$2"; shift 2 ;;
@@ -125,6 +132,7 @@ machine() {
     echo "- date: $(date -u '+%Y-%m-%d %H:%M UTC')"
     echo "- kernel: $(uname -r)"
     echo "- CPU: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//') ($(nproc) online)"
+    echo "- load average at the start: $(cut -d' ' -f1-3 /proc/loadavg)"
     echo "- pagewire: $("$pw" --version 2>/dev/null), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
     echo
 }
@@ -523,8 +531,8 @@ pages_section() {
         echo "pages run $r/$runs ($transport)" >&2
         next_port
         pair "$out/raw/pages_$r.json" \
-            "$pw bench pages --server ${dflag[*]} --transport $transport --model llama3-8b --pattern random --page-size 16 --pages $p -n $n -p $port --json" \
-            "$pw bench pages 127.0.0.1 ${dflag[*]} --transport $transport --model llama3-8b --pattern random --page-size 16 --pages $p -n $n -p $port --json"
+            "$pw bench pages --server ${dflag[*]} --transport $transport --model llama3-8b --pattern random --page-size 16 --pages $p --pool-pages $((4 * p)) -n $n -p $port --json" \
+            "$pw bench pages 127.0.0.1 ${dflag[*]} --transport $transport --model llama3-8b --pattern random --page-size 16 --pages $p --pool-pages $((4 * p)) -n $n -p $port --json"
         next_port
         pair "$out/raw/pages_write_$r.json" \
             "$pw bench write --server ${dflag[*]} --transport $transport -s 1M -n $wr_total -p $port --json" \
@@ -570,6 +578,43 @@ PY
     } >"$out/pages.md"
     cat "$out/pages.md"
 }
+
+# --report: the host's sections here, the RDMA ones in the VM, one report of all tables.
+if ((report)); then
+    here_args=(--runs "$runs" --tcp-secs "$tcp_secs" --tcp-size "$tcp_size" --streams "$streams")
+    [[ -n "$pages_n" ]] && here_args+=(--pages "$pages_n")
+    [[ -n "$page_iters" ]] && here_args+=(--page-iters "$page_iters")
+    abs_out="$(cd "$out" && pwd)"
+    t0=$SECONDS
+    echo "report: TCP sections on this host" >&2
+    bash "$0" --section "tcp pages" --out "$abs_out/host" --pagewire "$pw" "${here_args[@]}" >/dev/null
+    rc_host=$?
+    echo "report: paired and pages sections in the soft-RoCE VM ($pair_rounds rounds)" >&2
+    vm_timeout=$((600 + pair_rounds * 240))
+    scripts/rdma-vm.sh --quiet --cpus 2 --timeout "$vm_timeout" --out "$abs_out" run -- \
+        scripts/bench-vs-perftest.sh --section "paired pages" --out "$abs_out/vm" --pagewire "$pw" \
+        --pair-rounds "$pair_rounds" --pair-mib "$pair_mib" --pair-small-iters "$pair_small_iters" \
+        --lat-iters "$lat_iters" --device "$dev" "${here_args[@]}" >"$abs_out/vm.log" 2>&1
+    rc_vm=$?
+    {
+        echo "# pagewire benchmark report"
+        echo
+        echo "\`scripts/bench-vs-perftest.sh --report --pair-rounds $pair_rounds --runs $runs\`, $((SECONDS - t0)) s in all."
+        echo
+        echo "Host:"
+        echo
+        sed '1,2d' "$abs_out/host/machine.md"
+        echo "Soft-RoCE guest (\`scripts/rdma-vm.sh --cpus 2\`):"
+        echo
+        sed '1,2d' "$abs_out/vm/machine.md" 2>/dev/null || echo "- (no output: see vm.log)"
+        for f in vm/paired.md vm/pages.md host/tcp.md host/pages.md; do
+            [[ -f "$abs_out/$f" ]] && { echo; cat "$abs_out/$f"; }
+        done
+    } >"$abs_out/report.md"
+    cat "$abs_out/report.md"
+    echo "report: $abs_out/report.md (host exit $rc_host, VM exit $rc_vm)" >&2
+    exit $((rc_host || rc_vm))
+fi
 
 if ((pool_only)); then
     raws=()

@@ -5,7 +5,9 @@
 #
 # Each binary runs as under `cargo test`: cwd = its package directory, CARGO_MANIFEST_DIR
 # set, plus RDMA_REQUIRED=1, RDMA_DEVICE=rxe0 (RDMA_DEVICE2=rxe1 with --two-devices) and
-# RUST_BACKTRACE=1. Prints which binaries ran, their libtest output, and a closing
+# RUST_BACKTRACE=1, and with --include-ignored (unless the libtest args already choose
+# --ignored or --include-ignored): the tests that need an RDMA device are #[ignore]d on a
+# host and run here. Prints which binaries ran, their libtest output, and a closing
 # "test binaries: N passed, M failed". Exit: 0 all passed, 1 a test failed or nothing ran,
 # 123/124/125 guest setup failure / timeout / crash (see run-vm.sh).
 # SOFTROCE_ENV_FILE may name a file of `export` lines added to the job (rdma-vm.sh uses it).
@@ -25,6 +27,12 @@ while (($#)); do
     if [[ "$1" == -- ]]; then shift; test_args=("$@"); break; fi
     cargo_args+=("$1"); shift
 done
+
+# The hardware tests are ignored on a host; here they run (see above).
+case " ${test_args[*]} " in
+    *" --ignored "* | *" --include-ignored "*) ;;
+    *) test_args=(--include-ignored "${test_args[@]}") ;;
+esac
 
 cd "$repo" || exit 1
 export PATH="$HOME/.cargo/bin:$PATH"

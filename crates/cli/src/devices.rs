@@ -8,7 +8,14 @@ use serde_json::{Value, json};
 
 use pagewire_gpudirect::{GpuPath, PathDecision, probe};
 
+const EXAMPLES: &str = "\
+Examples:
+  pagewire devices                  # RDMA devices, GPUs and GPU paths, or why there are none
+  pagewire devices --json           # the same as one JSON object
+  pagewire devices --no-pair-test   # do not open the devices to test GPU registration";
+
 #[derive(Debug, Args)]
+#[command(after_help = EXAMPLES)]
 pub struct DevicesArgs {
     /// Print one JSON object instead of text.
     #[arg(long)]
@@ -27,9 +34,27 @@ struct Rdma {
     text: Vec<String>,
 }
 
+/// Why there is no RDMA device: a stable code and the sentence.
+struct NoRdma {
+    code: &'static str,
+    reason: String,
+}
+
+/// The devices, or why this host has none.
 #[cfg(feature = "verbs")]
-fn rdma_devices() -> Result<Vec<Rdma>, String> {
-    let list = pagewire_transport::verbs::list_devices().map_err(|e| e.to_string())?;
+fn rdma_devices() -> Result<Vec<Rdma>, NoRdma> {
+    use pagewire_transport::verbs;
+    let list = verbs::list_devices().map_err(|e| NoRdma {
+        code: "error",
+        reason: e.to_string(),
+    })?;
+    if list.is_empty() {
+        let why = verbs::host_rdma_missing().unwrap_or(verbs::NoRdma::NoDevice);
+        return Err(NoRdma {
+            code: why.code(),
+            reason: why.to_string(),
+        });
+    }
     Ok(list
         .into_iter()
         .map(|d| {
@@ -85,8 +110,11 @@ fn rdma_devices() -> Result<Vec<Rdma>, String> {
 }
 
 #[cfg(not(feature = "verbs"))]
-fn rdma_devices() -> Result<Vec<Rdma>, String> {
-    Err("built without the `verbs` feature".into())
+fn rdma_devices() -> Result<Vec<Rdma>, NoRdma> {
+    Err(NoRdma {
+        code: "not_built",
+        reason: "built without the `verbs` feature".into(),
+    })
 }
 
 /// The path GPU `ordinal` would take through RDMA device `dev`.
@@ -149,9 +177,23 @@ pub fn run(args: DevicesArgs) -> anyhow::Result<()> {
 
     if args.json {
         let out = json!({
+            // `available`: at least one device is listed; `usable`: one has an ACTIVE
+            // port. Without a device, `reason` says why (`reason_code` for scripts).
             "rdma": match &rdma {
-                Ok(devs) => json!({"available": true, "devices": devs.iter().map(|d| d.json.clone()).collect::<Vec<_>>()}),
-                Err(e) => json!({"available": false, "reason": e}),
+                Ok(devs) => json!({
+                    "available": true,
+                    "usable": devs.iter().any(|d| d.active),
+                    "reason": devs.iter().all(|d| !d.active).then_some("no device has an ACTIVE port"),
+                    "reason_code": devs.iter().all(|d| !d.active).then_some("no_active_port"),
+                    "devices": devs.iter().map(|d| d.json.clone()).collect::<Vec<_>>(),
+                }),
+                Err(e) => json!({
+                    "available": false,
+                    "usable": false,
+                    "reason": e.reason,
+                    "reason_code": e.code,
+                    "devices": [],
+                }),
             },
             "cuda": match &cuda {
                 Ok(info) => json!({
@@ -178,19 +220,17 @@ pub fn run(args: DevicesArgs) -> anyhow::Result<()> {
 
     println!("RDMA devices:");
     match &rdma {
-        Ok(devs) if devs.is_empty() => {
-            println!(
-                "  none found (no RDMA device: no kernel RDMA stack, no libibverbs, or no NIC)"
-            )
-        }
         Ok(devs) => {
             for d in devs {
                 for line in &d.text {
                     println!("  {line}");
                 }
             }
+            if devs.iter().all(|d| !d.active) {
+                println!("  none usable: no device has an ACTIVE port");
+            }
         }
-        Err(e) => println!("  unavailable ({e})"),
+        Err(e) => println!("  none: {}", e.reason),
     }
     println!("GPUs:");
     match &cuda {
@@ -228,8 +268,7 @@ pub fn run(args: DevicesArgs) -> anyhow::Result<()> {
     println!("GPU paths:");
     match (&rdma, &cuda) {
         (_, Err(e)) => println!("  none (no GPU: {e})"),
-        (Err(e), Ok(_)) => println!("  every GPU: staged (RDMA unavailable: {e})"),
-        (Ok(d), Ok(_)) if d.is_empty() => println!("  every GPU: staged (no RDMA device)"),
+        (Err(e), Ok(_)) => println!("  every GPU: staged (no RDMA device: {})", e.reason),
         _ => {
             for (g, d, p) in &pairs {
                 println!("  GPU {g} <-> {d}: {} ({})", p.path, p.reason);
@@ -243,6 +282,19 @@ pub fn run(args: DevicesArgs) -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Text and JSON say the same thing: devices listed, or none and why (never
+    /// `available: true` with an empty list).
+    #[test]
+    fn text_and_json_agree() {
+        let rdma = rdma_devices();
+        match &rdma {
+            Ok(devs) => assert!(!devs.is_empty(), "an empty list is reported as a reason"),
+            Err(e) => {
+                assert!(!e.reason.is_empty() && !e.code.is_empty());
+            }
+        }
+    }
 
     #[test]
     fn answers_without_devices_and_exits_ok() {

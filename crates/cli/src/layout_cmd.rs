@@ -15,19 +15,62 @@ use pagewire_layout::{
 };
 use serde::Serialize;
 
+const LAYOUT_EXAMPLES: &str = "\
+Examples:
+  pagewire layout meta --model llama3-8b --layout page_first --capacity 64 --base 0x1000 --indices 0..32
+  pagewire layout pd-plan --src-k 0x1000 --dst-k 0x9000 --k-item-len 256 --src-pages 0,1 --dst-pages 4,5
+  pagewire layout plan --model deepseek-v3 --src-layout layer_first --dst-layout page_first \\
+      --src-capacity 64 --dst-capacity 64 --src-base 0 --dst-base 0x10000000 --src-pages 0..4 --dst-pages 4..8";
+
+const META_EXAMPLES: &str = "\
+Examples:
+  # a model preset gives the geometry (page size 16, bf16 unless told otherwise)
+  pagewire layout meta --model llama3-8b --layout page_first --capacity 64 --base 0x1000 --indices 0..32
+  # every geometry flag by hand (what SGLang's get_page_buffer_meta is called with)
+  pagewire layout meta --pool mha --layers 2 --page-size 4 --heads 2 --head-dim 3 --dtype-bytes 2 \\
+      --layout page_first --capacity 32 --base 0x1000 --indices 8..16 --json
+  pagewire layout meta --model deepseek-v3 --layout layer_first --capacity 64 --base 0 --indices 0..16 --coalesce";
+
+const PD_PLAN_EXAMPLES: &str = "\
+Examples:
+  pagewire layout pd-plan --src-k 0x1000,0x2000 --dst-k 0x9000,0xa000 --k-item-len 256 \\
+      --src-pages 0,1,5 --dst-pages 3,4,9 --json
+  pagewire layout pd-plan --src-k 0x1000 --dst-k 0x9000 --src-v 0x5000 --dst-v 0xd000 \\
+      --k-item-len 256 --v-item-len 128 --src-pages 0..4 --dst-pages 4..8";
+
+const PLAN_EXAMPLES: &str = "\
+Examples:
+  pagewire layout plan --model llama3-8b --src-layout layer_first --dst-layout page_first \\
+      --src-capacity 64 --dst-capacity 64 --src-base 0x100000 --dst-base 0x10000000 \\
+      --src-pages 0,1,2 --dst-pages 7,8,9
+  # TP 2 -> TP 1: the source rank holds heads 4..8 of the destination's 8
+  pagewire layout plan --model llama3-8b --src-heads 4 --dst-heads 8 --src-tp-rank 1 \\
+      --src-layout page_head --dst-layout page_head --src-capacity 64 --dst-capacity 64 \\
+      --src-base 0 --dst-base 0x10000000 --src-pages 0..2 --dst-pages 2..4 --json";
+
 #[derive(Debug, Subcommand)]
+#[command(after_help = LAYOUT_EXAMPLES)]
 pub enum LayoutCommand {
     /// SGLang's get_page_buffer_meta (or split-heads meta) for a host pool: {"ptrs","lens"}.
+    #[command(after_help = META_EXAMPLES)]
     Meta(Box<MetaArgs>),
     /// SGLang's PD Mooncake connector plan over per-layer bases: {"srcs","dsts","lens"}.
+    #[command(after_help = PD_PLAN_EXAMPLES)]
     PdPlan(Box<PdPlanArgs>),
     /// A transfer plan between two pools of any layouts and TP shards: {"srcs","dsts","lens"}.
+    #[command(after_help = PLAN_EXAMPLES)]
     Plan(Box<PlanArgs>),
 }
 
-/// Model geometry shared by `meta` and `plan`.
+/// Model geometry shared by `meta` and `plan`: a preset (`--model`), or every flag by
+/// hand; a flag given with a preset overrides the preset's value.
 #[derive(Debug, Args)]
 pub struct GeometryArgs {
+    /// Model preset, the same as `bench pages --model`: llama3-8b, llama3-70b,
+    /// deepseek-v3, mimo-v2. It sets --pool, --layers, --heads, --head-dim, --v-head-dim
+    /// or --kv-dim, and defaults --page-size to 16 and --dtype-bytes to 2 (bf16).
+    #[arg(long, value_enum, value_name = "MODEL")]
+    model: Option<crate::bench::Preset>,
     /// Pool kind: mha | mha-split | mla.
     #[arg(long, value_name = "KIND")]
     pool: Option<String>,
@@ -208,6 +251,21 @@ struct PlanJson<'a> {
 }
 
 fn meta(a: &MetaArgs) -> Result<String> {
+    let mut need = a.geometry.missing();
+    for (v, flag) in [
+        (&a.layout, "--layout"),
+        (&a.capacity, "--capacity"),
+        (&a.base, "--base"),
+        (&a.indices, "--indices"),
+    ] {
+        if v.is_none() {
+            need.push(flag);
+        }
+    }
+    if a.heads.is_none() && a.geometry.needs_heads() {
+        need.push("--heads");
+    }
+    missing(&need)?;
     let layout: Layout = parse_named(&a.layout, "--layout")?;
     let geometry = a.geometry.build(
         opt_u64(&a.heads, "--heads")?,
@@ -324,6 +382,19 @@ fn meta(a: &MetaArgs) -> Result<String> {
 }
 
 fn pd_plan(a: &PdPlanArgs) -> Result<String> {
+    let mut need = Vec::new();
+    for (v, flag) in [
+        (&a.src_k, "--src-k"),
+        (&a.dst_k, "--dst-k"),
+        (&a.k_item_len, "--k-item-len"),
+        (&a.src_pages, "--src-pages"),
+        (&a.dst_pages, "--dst-pages"),
+    ] {
+        if v.is_none() {
+            need.push(flag);
+        }
+    }
+    missing(&need)?;
     let src_k = req_parsed(&a.src_k, "--src-k", parse_addrs)?;
     let dst_k = req_parsed(&a.dst_k, "--dst-k", parse_addrs)?;
     let k_item = req_u64(&a.k_item_len, "--k-item-len")?;
@@ -370,6 +441,22 @@ fn pd_plan(a: &PdPlanArgs) -> Result<String> {
 }
 
 fn plan(a: &PlanArgs) -> Result<String> {
+    let mut need = a.geometry.missing();
+    for (v, flag) in [
+        (&a.src_layout, "--src-layout"),
+        (&a.dst_layout, "--dst-layout"),
+        (&a.src_capacity, "--src-capacity"),
+        (&a.dst_capacity, "--dst-capacity"),
+        (&a.src_base, "--src-base"),
+        (&a.dst_base, "--dst-base"),
+        (&a.src_pages, "--src-pages"),
+        (&a.dst_pages, "--dst-pages"),
+    ] {
+        if v.is_none() {
+            need.push(flag);
+        }
+    }
+    missing(&need)?;
     let (hs, hd) = match (&a.heads, &a.src_heads, &a.dst_heads) {
         (h, None, None) => (opt_u64(h, "--heads")?, opt_u64(h, "--heads")?),
         (None, s, d) => (opt_u64(s, "--src-heads")?, opt_u64(d, "--dst-heads")?),
@@ -444,27 +531,106 @@ impl PlanArgs {
     }
 }
 
+/// The preset's values as the flags would give them: (pool, layers, heads, head_dim,
+/// v_head_dim, kv_dim).
+type PresetGeometry = (
+    &'static str,
+    u64,
+    Option<u64>,
+    Option<u64>,
+    Option<u64>,
+    Option<u64>,
+);
+
+fn preset_geometry(m: crate::bench::Preset) -> PresetGeometry {
+    let (kind, layers, heads, d, dv) = m.shape();
+    match kind {
+        PoolKind::Mla => ("mla", layers, None, None, None, Some(d)),
+        PoolKind::MhaSplit => ("mha-split", layers, Some(heads), Some(d), Some(dv), None),
+        _ => ("mha", layers, Some(heads), Some(d), None, None),
+    }
+}
+
+/// Page size and element bytes a preset implies unless told (as `bench pages`).
+const PRESET_PAGE_SIZE: u64 = 16;
+const PRESET_DTYPE_BYTES: u64 = 2;
+
 impl GeometryArgs {
+    /// Required geometry flags that are missing (none with a preset).
+    fn missing(&self) -> Vec<&'static str> {
+        if self.model.is_some() {
+            return Vec::new();
+        }
+        [
+            (&self.pool, "--pool"),
+            (&self.layers, "--layers"),
+            (&self.page_size, "--page-size"),
+            (&self.dtype_bytes, "--dtype-bytes"),
+        ]
+        .into_iter()
+        .filter(|(v, _)| v.is_none())
+        .map(|(_, f)| f)
+        .collect()
+    }
+
+    /// Whether the heads must come from a flag (an MHA pool without a preset).
+    fn needs_heads(&self) -> bool {
+        self.model.is_none() && self.pool.as_deref().is_some_and(|p| p != "mla")
+    }
+
     fn build(&self, heads: Option<u64>, capacity: u64) -> Result<PoolGeometry> {
-        let kind: PoolKind = parse_named(&self.pool, "--pool")?;
+        let preset = self.model.map(preset_geometry);
+        let kind: PoolKind = match (&self.pool, preset) {
+            (None, Some((p, ..))) => p.parse().expect("preset pool kinds parse"),
+            (v, _) => parse_named(v, "--pool")?,
+        };
+        let or = |v: Option<u64>, d: Option<u64>| v.or(d);
+        let layers = or(opt_u64(&self.layers, "--layers")?, preset.map(|p| p.1));
+        let page_size = or(
+            opt_u64(&self.page_size, "--page-size")?,
+            preset.map(|_| PRESET_PAGE_SIZE),
+        );
+        let dtype_bytes = or(
+            opt_u64(&self.dtype_bytes, "--dtype-bytes")?,
+            preset.map(|_| PRESET_DTYPE_BYTES),
+        );
+        let (Some(layers), Some(page_size), Some(dtype_bytes)) = (layers, page_size, dtype_bytes)
+        else {
+            return Err(missing(&self.missing()).expect_err("a geometry flag is missing"));
+        };
         let mut b = PoolGeometry::builder(kind)
-            .layers(req_u64(&self.layers, "--layers")?)
-            .page_size(req_u64(&self.page_size, "--page-size")?)
-            .dtype_bytes(req_u64(&self.dtype_bytes, "--dtype-bytes")?)
+            .layers(layers)
+            .page_size(page_size)
+            .dtype_bytes(dtype_bytes)
             .capacity(capacity);
-        if let Some(h) = heads {
+        if let Some(h) = heads.or(preset.and_then(|p| p.2)) {
             b = b.heads(h);
         }
-        if let Some(d) = opt_u64(&self.head_dim, "--head-dim")? {
+        if let Some(d) = or(
+            opt_u64(&self.head_dim, "--head-dim")?,
+            preset.and_then(|p| p.3),
+        ) {
             b = b.head_dim(d);
         }
-        if let Some(d) = opt_u64(&self.v_head_dim, "--v-head-dim")? {
+        if let Some(d) = or(
+            opt_u64(&self.v_head_dim, "--v-head-dim")?,
+            preset.and_then(|p| p.4),
+        ) {
             b = b.v_head_dim(d);
         }
-        if let Some(c) = opt_u64(&self.kv_dim, "--kv-dim")? {
+        if let Some(c) = or(opt_u64(&self.kv_dim, "--kv-dim")?, preset.and_then(|p| p.5)) {
             b = b.kv_dim(c);
         }
         Ok(b.build()?)
+    }
+}
+
+/// One error that names every missing flag at once.
+fn missing(flags: &[&str]) -> Result<()> {
+    match flags {
+        [] => Ok(()),
+        [one] => bail!("{one} is required (see --help for examples)"),
+        many => bail!("{} are required (see --help for examples)", many.join(", ")),
     }
 }
 

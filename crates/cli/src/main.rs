@@ -12,11 +12,36 @@ use clap::{Parser, Subcommand};
 use std::io::IsTerminal;
 use tracing_subscriber::filter::LevelFilter;
 
+/// What the binary's `--help` says after the usage: the no-argument run and the
+/// perftest-style roles, with one example each.
+const ABOUT: &str = "\
+Zero-copy KV-cache page transfer engine.
+
+With no arguments, pagewire runs its main job: two engines in this process, on the best \
+transport this host has (RDMA verbs if a device is usable, else TCP, said on stderr), move \
+KV pages of a Llama-3-8B pool and verify every byte, then print a short RDMA WRITE \
+bandwidth table. It needs about 150 MB of memory.
+
+The benchmarks run like perftest's: `pagewire bench write` with no address is the server \
+(it waits for one client, then exits), with the server's address it is the client, and \
+with --local both ends run in this process.";
+
+const EXAMPLES: &str = "\
+Examples:
+  pagewire                                   # the main job (both ends here, verified)
+  pagewire bench write                       # server: waits for one client, then exits
+  pagewire bench write 10.0.0.1              # client of that server
+  pagewire bench write --local -a --verify   # both ends in this process
+  pagewire layout meta --model llama3-8b --layout page_first --capacity 64 --base 0x1000 --indices 0..32
+  pagewire devices                           # RDMA devices and GPUs, or why there are none";
+
 #[derive(Debug, Parser)]
 #[command(
     name = "pagewire",
     version,
-    about = "Zero-copy KV-cache page transfer engine"
+    about = "Zero-copy KV-cache page transfer engine",
+    long_about = ABOUT,
+    after_help = EXAMPLES
 )]
 struct Cli {
     #[command(subcommand)]
@@ -28,7 +53,9 @@ enum Command {
     /// Page geometry: SGLang-exact segment lists and transfer plans.
     #[command(subcommand)]
     Layout(layout_cmd::LayoutCommand),
-    /// Bandwidth/latency benchmarks (ib_write_bw-style) and the KV page benchmark.
+    /// Benchmarks like ib_write_bw (no address = server, an address = client, --local = both)
+    /// and the KV page benchmark.
+    #[command(long_about = bench::BENCH_ABOUT)]
     Bench(bench::BenchArgs),
     /// RDMA devices, GPUs and the GPU path each pair would use.
     Devices(devices::DevicesArgs),

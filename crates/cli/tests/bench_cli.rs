@@ -46,6 +46,7 @@ fn write_sweep_in_process_on_loopback_and_tcp() {
         let out = run(&[
             "bench",
             "write",
+            "--local",
             "--transport",
             transport,
             "-s",
@@ -57,7 +58,7 @@ fn write_sweep_in_process_on_loopback_and_tcp() {
         let stdout = String::from_utf8(out.stdout).unwrap();
         assert!(stdout.contains("RDMA_Write BW Test"), "{stdout}");
         assert!(
-            stdout.contains(&format!("Transport type : {transport}")),
+            stdout.contains(&format!("Transport type  : {transport}")),
             "{stdout}"
         );
         let r = rows(&stdout, " #bytes     #iterations    BW peak[MiB/sec]");
@@ -75,6 +76,7 @@ fn read_bidirectional_and_latency_in_process() {
     let out = run(&[
         "bench",
         "read",
+        "--local",
         "--transport",
         "tcp",
         "-s",
@@ -99,6 +101,7 @@ fn read_bidirectional_and_latency_in_process() {
     let out = run(&[
         "bench",
         "lat",
+        "--local",
         "--transport",
         "loopback",
         "-n",
@@ -119,7 +122,16 @@ fn read_bidirectional_and_latency_in_process() {
     // Both ping paths (a prepared batch started again, and a new batch per ping) over
     // TCP, with memory polling and verification; and --submit-each only for lat.
     for extra in [&["--poll-memory"][..], &["--submit-each"], &[]] {
-        let mut args = vec!["bench", "lat", "--transport", "tcp", "-n", "50", "--verify"];
+        let mut args = vec![
+            "bench",
+            "lat",
+            "--local",
+            "--transport",
+            "tcp",
+            "-n",
+            "50",
+            "--verify",
+        ];
         args.extend(extra);
         let stdout = String::from_utf8(run(&args).stdout).unwrap();
         assert_eq!(
@@ -128,13 +140,21 @@ fn read_bidirectional_and_latency_in_process() {
             "{extra:?}: {stdout}"
         );
     }
+    // --submit-each belongs to lat only: write refuses it by name.
     let out = pagewire()
-        .args(["bench", "write", "--transport", "tcp", "--submit-each"])
+        .args([
+            "bench",
+            "write",
+            "--local",
+            "--transport",
+            "tcp",
+            "--submit-each",
+        ])
         .output()
         .unwrap();
     assert!(!out.status.success());
     assert!(
-        String::from_utf8_lossy(&out.stderr).contains("--submit-each applies to the latency test"),
+        String::from_utf8_lossy(&out.stderr).contains("--submit-each"),
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
@@ -148,6 +168,7 @@ fn perform_warm_up_before_each_size() {
         let out = run(&[
             "bench",
             test,
+            "--local",
             "--transport",
             "tcp",
             "-a",
@@ -163,12 +184,19 @@ fn perform_warm_up_before_each_size() {
         assert!(r.iter().all(|row| row[1] == "20"), "{test}: {stdout}");
     }
     let out = pagewire()
-        .args(["bench", "lat", "--transport", "tcp", "--perform_warm_up"])
+        .args([
+            "bench",
+            "lat",
+            "--local",
+            "--transport",
+            "tcp",
+            "--perform_warm_up",
+        ])
         .output()
         .unwrap();
     assert!(!out.status.success());
     assert!(
-        String::from_utf8_lossy(&out.stderr).contains("--perform_warm_up applies to the bandwidth"),
+        String::from_utf8_lossy(&out.stderr).contains("--perform_warm_up"),
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
@@ -179,6 +207,7 @@ fn json_gives_one_record_per_size() {
     let out = run(&[
         "bench",
         "write",
+        "--local",
         "--transport",
         "loopback",
         "-a",
@@ -296,6 +325,7 @@ fn pages_cross_layout_verified() {
     let out = run(&[
         "bench",
         "pages",
+        "--local",
         "--transport",
         "tcp",
         "--model",
@@ -324,6 +354,7 @@ fn pages_cross_layout_verified() {
         let out = run(&[
             "bench",
             "pages",
+            "--local",
             "--transport",
             "loopback",
             "--model",
@@ -358,6 +389,7 @@ fn pages_run_may_outlast_timeout() {
         let out = run(&[
             "bench",
             "pages",
+            "--local",
             "--transport",
             "loopback",
             "--model",
@@ -398,6 +430,7 @@ fn write_run_may_outlast_timeout() {
         let out = run(&[
             "bench",
             "write",
+            "--local",
             "--transport",
             transport,
             "-s",

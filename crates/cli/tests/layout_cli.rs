@@ -1,5 +1,5 @@
 //! The `pagewire layout` contract: JSON shapes on the worked examples E1-E5 of
-//! `shared/docs/sglang-layouts.md` §8, and one-line errors with a non-zero exit.
+//! `crates/layout/src/worked_examples.rs`, and one-line errors with a non-zero exit.
 
 use std::process::{Command, Output};
 

@@ -524,7 +524,7 @@ pub fn run_staged_bench(o: &StagedBenchOptions) -> Result<StagedBenchReport> {
     let mut p = StagedPipeline::new(copy.clone(), wire, o.staging)?;
     p.write(dev.span(), &seg, None)?; // warm-up
     let e2e_write = repeat(o.bytes as u64, o.iters, || p.write(dev.span(), &seg, None))?;
-    let mut verified = pool[..] == data[..];
+    let mut verified = pool.to_vec() == data;
     let back = copy.alloc_device(o.bytes)?;
     let e2e_read = repeat(o.bytes as u64, o.iters, || p.read(back.span(), &seg))?;
     let mut out = vec![0u8; o.bytes];

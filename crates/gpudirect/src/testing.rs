@@ -238,17 +238,19 @@ fn execute(remote: &RemoteMem, job: &Job) -> St {
         }
     }
     for op in &job.ops {
-        let r = op.remote_off as usize..op.remote_off as usize + op.len;
-        // SAFETY: `attach_ring`'s contract keeps the ring allocated, and the
-        // pipeline does not touch this slot range while the op is in flight;
-        // bounds were checked above.
-        let slot = unsafe {
-            std::slice::from_raw_parts_mut((job.ring as *mut u8).add(op.ring_off), op.len)
-        };
-        if job.write {
-            g.bytes[r].copy_from_slice(slot);
-        } else {
-            slot.copy_from_slice(&g.bytes[r]);
+        let r = &mut g.bytes[op.remote_off as usize..op.remote_off as usize + op.len];
+        // Raw copies, as a NIC moves bytes: no slice is formed over the ring, which the
+        // copy engine writes (other slots) meanwhile.
+        // SAFETY: `attach_ring`'s contract keeps the ring allocated, and the pipeline
+        // does not touch this slot range while the op is in flight; bounds were checked
+        // above, and `r` is our own vector, distinct from the ring.
+        unsafe {
+            let slot = (job.ring as *mut u8).add(op.ring_off);
+            if job.write {
+                std::ptr::copy_nonoverlapping(slot, r.as_mut_ptr(), op.len);
+            } else {
+                std::ptr::copy_nonoverlapping(r.as_ptr(), slot, op.len);
+            }
         }
     }
     if job.write {

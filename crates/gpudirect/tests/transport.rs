@@ -62,7 +62,7 @@ fn run(kind: BackendKind) {
     for i in 0..pages {
         let r = (i * 7 % pages) * page;
         assert!(
-            pool[r..r + page] == data[i * page..(i + 1) * page],
+            pool.read_vec(r..r + page) == data[i * page..(i + 1) * page],
             "{kind:?}: page {i} differs"
         );
     }
@@ -161,7 +161,7 @@ fn gpu_engine_picks_staged_on_loopback_and_moves_plans() {
         let i = 2 * k;
         let r = (pages - 1 - i) * page;
         assert!(
-            pool[r..r + page] == data[i * page..(i + 1) * page],
+            pool.read_vec(r..r + page) == data[i * page..(i + 1) * page],
             "page {i}"
         );
     }

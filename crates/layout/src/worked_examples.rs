@@ -1,4 +1,6 @@
-//! The worked examples E1-E5 of `shared/docs/sglang-layouts.md` §8, verbatim.
+//! Worked examples E1-E5: SGLang's host-pool formulas (`get_page_buffer_meta`,
+//! https://github.com/sgl-project/sglang, `python/sglang/srt/mem_cache/pool_host/`)
+//! evaluated by hand on small pools.
 //!
 //! Parameters: L=2, P=4, H=2, D=3, Dv=2, b=2, S=32 (N=8); indices 8..16 (pages 2 and 3).
 

@@ -1,7 +1,7 @@
 //! Property tests: every layout and pool kind against a brute-force row-major model.
 //!
 //! The reference below never uses the crate's strides. It builds each buffer's dims from the
-//! layout tables of `shared/docs/sglang-layouts.md` §3 and indexes them row-major, then
+//! layout tables of docs/layout.md (SGLang's buffer shapes) and indexes them row-major, then
 //! compares byte sets: what the crate's segments and plans cover against what the elements
 //! of the requested pages occupy.
 

@@ -20,6 +20,11 @@ mod ffi;
 mod layout;
 mod store;
 mod transport;
+// Transport bindings' helpers and the Mooncake-compatible engine.
+mod compat;
+mod compat_mail;
+mod memcheck;
+mod transport_errors;
 
 /// The extension module. Each submodule of this crate adds its classes and functions here.
 #[pymodule]
@@ -29,6 +34,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     convert::register(m)?;
     layout::register(m)?;
     transport::register(m)?;
+    compat::register(m)?;
     store::register(m)?;
     Ok(())
 }

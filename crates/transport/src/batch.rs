@@ -13,6 +13,12 @@
 //! Cancellation is best effort: slices not yet handed to the wire are skipped, slices in
 //! flight may still land. Either way the local regions stay pinned until the backend has
 //! let go of the batch, so deregistration can never race a transfer.
+//!
+//! A backend whose own threads write a batch's local memory (a TCP READ, loopback) does
+//! so under [`BatchState::landing`]: failing or cancelling the batch waits for that guard,
+//! and no guard is given once the batch finished, so once a failure or cancellation is
+//! reported, nothing more of the batch lands there. (Verbs: what the NIC was given lands
+//! or flushes on its own; see docs/transport.md.)
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
@@ -237,6 +243,9 @@ pub(crate) struct BatchShared {
     /// Set once the phase leaves Pending, so the hot path checks an atomic, not the lock.
     finished: AtomicBool,
     phase: Mutex<Phase>,
+    /// Held while a backend thread lands bytes in local memory; taken by every transition
+    /// but success before it is published (see [`BatchState::landing`]).
+    landing: Mutex<()>,
     cv: Condvar,
     /// Threads blocked on `cv` (changed under `phase`'s lock). std's condvar makes a
     /// futex syscall on every notify; most batches finish with nobody blocked (the waiter
@@ -253,6 +262,10 @@ impl BatchShared {
 
     /// Moves Pending to `next`; later transitions are ignored (first outcome wins).
     fn finish(&self, next: Phase) -> bool {
+        // A failure or cancellation waits for bytes being landed, so none land after it
+        // is reported. Success needs no wait: every byte is in.
+        let _landing = (!matches!(next, Phase::Done(_)))
+            .then(|| self.landing.lock().unwrap_or_else(|p| p.into_inner()));
         let mut p = self.lock();
         if !matches!(*p, Phase::Pending) {
             return false;
@@ -328,6 +341,7 @@ impl BatchState {
                 cancel: AtomicBool::new(false),
                 finished: AtomicBool::new(false),
                 phase: Mutex::new(Phase::Pending),
+                landing: Mutex::new(()),
                 cv: Condvar::new(),
                 sleepers: AtomicUsize::new(0),
                 driver,
@@ -381,6 +395,21 @@ impl BatchState {
         }
         self.shared.expire_if_due(Instant::now());
         self.shared.finished.load(Ordering::Acquire)
+    }
+
+    /// Permission to land bytes of this batch in its local memory, held for the copy
+    /// (one non-blocking read, one slice): `None` once the batch failed, was cancelled or
+    /// is done. Failing or cancelling the batch waits for the guard to drop, so after
+    /// either is reported nothing of it lands. Never fail the batch while holding it.
+    pub(crate) fn landing(&self) -> Option<std::sync::MutexGuard<'_, ()>> {
+        let g = self
+            .shared
+            .landing
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let stopped = self.shared.cancel.load(Ordering::Acquire)
+            || self.shared.finished.load(Ordering::Acquire);
+        (!stopped).then_some(g)
     }
 
     /// Whether the outcome is decided.
@@ -579,6 +608,26 @@ mod tests {
         assert!(h.cancel());
         assert!(b.should_stop());
         assert!(matches!(h.wait(Instant::now()), Err(Error::Cancelled)));
+    }
+
+    #[test]
+    fn nothing_lands_after_a_reported_failure() {
+        let b = Arc::new(state(Duration::from_secs(10)));
+        let h = b.handle();
+        let g = b.landing().expect("pending: bytes may land");
+        // A failure waits for the bytes being landed.
+        let b2 = b.clone();
+        let t = std::thread::spawn(move || b2.fail(Error::Cancelled));
+        std::thread::sleep(Duration::from_millis(50));
+        assert!(matches!(h.status(), BatchStatus::Pending));
+        drop(g);
+        t.join().unwrap();
+        assert!(matches!(h.status(), BatchStatus::Failed(_)));
+        // And no more landing is allowed after it.
+        assert!(b.landing().is_none());
+        let c = state(Duration::from_secs(10));
+        assert!(c.handle().cancel());
+        assert!(c.landing().is_none());
     }
 
     #[test]

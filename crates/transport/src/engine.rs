@@ -175,6 +175,9 @@ struct Inner {
     /// Slots of the handshakes in progress.
     handshakes: Arc<Admission>,
     listener: Mutex<Option<JoinHandle<()>>>,
+    /// Held for the whole of [`Inner::shutdown`] (`true` once done), so that a second,
+    /// concurrent call returns only when the engine is quiet too.
+    shut: Mutex<bool>,
 }
 
 /// A transfer engine. Cheap to clone (an `Arc`); the engine shuts down when the last
@@ -182,6 +185,18 @@ struct Inner {
 #[derive(Clone)]
 pub struct Engine {
     inner: Arc<Inner>,
+    /// Shared by the application's clones only (engine threads hold `Inner`): the drop
+    /// of the last one shuts the engine down before it returns.
+    _owner: Arc<Owner>,
+}
+
+/// Shuts the engine down when the application's last [`Engine`] goes.
+struct Owner(Arc<Inner>);
+
+impl Drop for Owner {
+    fn drop(&mut self) {
+        self.0.shutdown();
+    }
 }
 
 impl fmt::Debug for Engine {
@@ -251,6 +266,7 @@ impl Engine {
             shutdown: AtomicBool::new(false),
             handshakes: Admission::new(MAX_CONCURRENT_HANDSHAKES, MAX_HANDSHAKES_PER_IP),
             listener: Mutex::new(None),
+            shut: Mutex::new(false),
         });
         let weak = Arc::downgrade(&inner);
         let t = std::thread::Builder::new()
@@ -258,7 +274,10 @@ impl Engine {
             .spawn(move || listen_loop(listener, weak))
             .map_err(|e| Error::io("spawn control listener", e))?;
         *inner.listener.lock().unwrap_or_else(|p| p.into_inner()) = Some(t);
-        Ok(Engine { inner })
+        Ok(Engine {
+            _owner: Arc::new(Owner(inner.clone())),
+            inner,
+        })
     }
 
     /// Engine with defaults plus environment overrides.
@@ -305,10 +324,22 @@ impl Engine {
     /// returns that region's id (each call still needs its own `deregister`).
     /// Regions larger than the backend's MR limit are split into several MRs.
     ///
+    /// The memory is the caller's again once [`deregister`](Engine::deregister) (or
+    /// [`deregister_wait`](Engine::deregister_wait)) succeeded, or once the engine shut
+    /// down: when [`shutdown`](Engine::shutdown) returns, or the drop of the last
+    /// `Engine` clone, no thread of this engine and no peer's operation touches it again,
+    /// even if a peer keeps sending.
+    ///
+    /// While it is registered, the engine and its peers write and read it at any time
+    /// (peers: with `REMOTE_WRITE` / `REMOTE_READ`). Access it only through raw pointers
+    /// then, and read bytes after the batch that brought them completed or its
+    /// notification arrived: a `&[u8]` or `&mut [u8]` over it would be undefined behaviour
+    /// while a transfer writes it.
+    ///
     /// # Safety
     /// `[ptr, ptr+len)` must be valid, initialised memory that stays allocated (and is
-    /// not unmapped or remapped) until the region is deregistered and no batch uses it.
-    /// Peers may write it at any time while it is registered with `REMOTE_WRITE`.
+    /// not unmapped or remapped) until the region is deregistered or the engine has shut
+    /// down, as above.
     pub unsafe fn register_raw(
         &self,
         ptr: *mut u8,
@@ -326,9 +357,13 @@ impl Engine {
     /// name local addresses in that range. `fd` may be closed after the call (each MR keeps
     /// its own reference to the buffer). Split into several MRs like other regions.
     ///
+    /// Like [`register_raw`](Engine::register_raw)'s memory, the range is the caller's
+    /// again once it was deregistered or the engine shut down (`shutdown` returned, or
+    /// the last clone was dropped): the NIC's registrations are gone then.
+    ///
     /// # Safety
     /// `fd` must be a dma-buf whose `[offset, offset+len)` stays allocated until the region
-    /// is deregistered and no batch uses it.
+    /// is deregistered or the engine has shut down.
     pub unsafe fn register_dmabuf(
         &self,
         fd: std::os::fd::BorrowedFd<'_>,
@@ -390,8 +425,10 @@ impl Engine {
     // ---------------------------------------------------------------- connections
 
     /// Connects to a peer's control listener and runs the handshake. Connections are
-    /// meant to be set up once and reused for every batch.
+    /// meant to be set up once and reused for every batch. A peer that does not answer
+    /// in time is [`Error::Timeout`].
     pub fn connect(&self, addr: impl ToSocketAddrs) -> Result<PeerId> {
+        let started = Instant::now();
         self.inner.check_open()?;
         let mut last = None;
         let addrs = addr.to_socket_addrs().map_err(|e| Error::Connect {
@@ -401,7 +438,7 @@ impl Engine {
         for a in addrs {
             match self.inner.connect_one(a) {
                 Ok(p) => return Ok(p),
-                Err(e) => last = Some(e),
+                Err(e) => last = Some(e.deadline_as_timeout(started)),
             }
         }
         Err(last.unwrap_or_else(|| Error::Connect {
@@ -451,9 +488,13 @@ impl Engine {
         Ok(self.inner.peer(peer)?.table().regions().to_vec())
     }
 
-    /// Fetches a peer's exposed regions again (after it registered more memory).
+    /// Fetches a peer's exposed regions again (after it registered more memory). A peer
+    /// that does not answer in time is [`Error::Timeout`].
     pub fn redescribe(&self, peer: PeerId) -> Result<Vec<RemoteRegion>> {
-        self.inner.redescribe(peer)
+        let started = Instant::now();
+        self.inner
+            .redescribe(peer)
+            .map_err(|e| e.deadline_as_timeout(started))
     }
 
     /// Closes the connection to a peer; its pending batches fail.
@@ -606,6 +647,13 @@ impl Engine {
 
     /// Closes every connection, stops the listener and releases all registrations.
     /// Pending batches fail. Idempotent.
+    ///
+    /// When it returns (also from a second call that raced the first), no thread of this
+    /// engine runs that could touch registered memory, and no peer's operation does: the
+    /// TCP stream threads and loopback workers are joined, a loopback peer's copy into our
+    /// memory has stopped, and the verbs memory registrations are gone. Memory registered
+    /// with [`register_raw`](Engine::register_raw) may be freed then. Batches of ours that
+    /// were in flight may have moved part of their bytes.
     pub fn shutdown(&self) {
         self.inner.shutdown();
     }
@@ -802,10 +850,16 @@ impl Inner {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .insert(peer.local_session, peer.id);
-        self.peers
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(peer.id, peer);
+        let mut peers = self.peers.write().unwrap_or_else(|e| e.into_inner());
+        // Checked under the lock that `shutdown` drains the table with (after setting the
+        // flag): a handshake that finishes during shutdown closes its connection here
+        // instead of leaving it behind.
+        if self.shutdown.load(Ordering::Acquire) {
+            drop(peers);
+            peer.conn.close();
+            return;
+        }
+        peers.insert(peer.id, peer);
     }
 
     /// Serves one incoming control connection. Errors are logged by the caller.
@@ -1114,10 +1168,16 @@ impl Inner {
         Ok((p, pins, resolved, bytes))
     }
 
+    /// See [`Engine::shutdown`]. The order matters: first our connections are closed
+    /// (their threads joined), then the backend's own threads stop (responders, the verbs
+    /// completion thread), then every region is revoked and the peers' ops on it are
+    /// waited for, and only then are the registrations released.
     fn shutdown(&self) {
-        if self.shutdown.swap(true, Ordering::AcqRel) {
+        let mut done = self.shut.lock().unwrap_or_else(|e| e.into_inner());
+        if *done {
             return;
         }
+        self.shutdown.store(true, Ordering::Release);
         let peers: Vec<_> = self
             .peers
             .write()
@@ -1148,6 +1208,7 @@ impl Inner {
         for mr in self.registry.drain() {
             self.backend.deregister(mr);
         }
+        *done = true;
         tracing::debug!(engine = format_args!("{:#x}", self.id), "engine shut down");
     }
 }
@@ -1213,7 +1274,7 @@ fn reject(s: &mut Deadlined<'_>, reason: &str) -> Result<(), HandshakeError> {
 }
 
 /// Constant-time comparison (the token is a secret).
-fn ct_eq(a: &[u8], b: &[u8]) -> bool {
+pub(crate) fn ct_eq(a: &[u8], b: &[u8]) -> bool {
     if a.len() != b.len() {
         return false;
     }

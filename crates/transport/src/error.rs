@@ -229,6 +229,31 @@ impl Error {
         }
     }
 
+    /// A deadline that ran out inside the socket layer (a read or write timeout, a connect
+    /// timeout) as [`Error::Timeout`] with the time since `started`; other errors as they
+    /// are. Public calls that wait on sockets return this, so that a deadline never
+    /// surfaces as an I/O error of kind `WouldBlock` or `TimedOut`.
+    pub(crate) fn deadline_as_timeout(self, started: std::time::Instant) -> Self {
+        use std::io::ErrorKind::{TimedOut, WouldBlock};
+        let timed_out = match &self {
+            Error::Handshake(HandshakeError::Io { kind, .. }) => {
+                matches!(kind, WouldBlock | TimedOut)
+            }
+            Error::Io { source, .. } | Error::Connect { source, .. } => {
+                matches!(source.kind(), WouldBlock | TimedOut)
+            }
+            _ => false,
+        };
+        if timed_out {
+            tracing::debug!(error = %self, "deadline passed");
+            Error::Timeout {
+                after: started.elapsed(),
+            }
+        } else {
+            self
+        }
+    }
+
     /// Builds a config error.
     pub(crate) fn config(key: &str, value: impl ToString, reason: impl ToString) -> Self {
         Error::Config {

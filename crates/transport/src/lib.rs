@@ -22,7 +22,7 @@
 //! let (prefill, decode) = (Engine::new(cfg()?)?, Engine::new(cfg()?)?);
 //! let mut src = HostBuffer::new(1 << 20)?;
 //! let dst = HostBuffer::new(1 << 20)?;
-//! src[..5].copy_from_slice(b"pages");
+//! src.write_at(0, b"pages"); // registered memory is copied in and out, never borrowed
 //! prefill.register(&src, Access::LOCAL_WRITE)?;
 //! decode.register(&dst, Access::LOCAL_WRITE | Access::REMOTE_WRITE)?;
 //!
@@ -33,7 +33,7 @@
 //!
 //! let note = decode.poll_notification(deadline).expect("notified");
 //! assert_eq!(note.tag, 7);
-//! assert_eq!(&dst[..5], b"pages");
+//! assert_eq!(dst.read_vec(..5), b"pages");
 //! # Ok(()) }
 //! ```
 //!
@@ -49,7 +49,6 @@ mod deadline;
 mod engine;
 mod memory;
 pub mod prepared;
-mod sockopt;
 mod wire;
 
 pub use backend::BackendInfo;
@@ -64,7 +63,9 @@ pub use wire::{EndpointInfo, QpInfo};
 /// RDMA device inspection (for `pagewire devices`), from the verbs backend.
 #[cfg(feature = "verbs")]
 pub mod verbs {
-    pub use crate::backend::verbs::{GidInfo, GidKind, RdmaDeviceInfo, RdmaPortInfo, list_devices};
+    pub use crate::backend::verbs::{
+        GidInfo, GidKind, NoRdma, RdmaDeviceInfo, RdmaPortInfo, host_rdma_missing, list_devices,
+    };
 }
 
 /// Internals exposed for the `cargo fuzz` targets and property tests; not a stable API.

@@ -11,15 +11,20 @@
 //! refuses with [`Error::RegionBusy`] while a pin exists, so memory is never handed
 //! back to the caller while a backend may still read or write it.
 //!
+//! A peer's op that the engine serves itself (TCP responder, a loopback peer's copy) holds
+//! a [`PeerPin`]. Shutdown revokes every region and waits until no peer pin is left
+//! ([`Registry::drain`]); a holder checks [`Region::revoked`] between slices, so that wait
+//! is short, and once it is over no peer op touches the memory again.
+//!
 //! [`Engine::deregister`]: crate::Engine::deregister
 
 use std::alloc::Layout;
 use std::any::Any;
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
-use std::ops::{BitOr, BitOrAssign, Deref, DerefMut};
+use std::ops::{BitOr, BitOrAssign, Bound, RangeBounds};
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
 use crate::backend::BackendMr;
@@ -182,7 +187,8 @@ struct Alloc {
 // SAFETY: `Alloc` owns a plain heap allocation with no thread affinity.
 unsafe impl Send for Alloc {}
 // SAFETY: `Alloc` itself hands out no references; access goes through `HostBuffer`,
-// whose `&`/`&mut` methods follow the borrow rules.
+// which copies through raw pointers (`&self` reads, `&mut self` writes) or lends slices
+// only from `unsafe fn`s whose callers vouch for exclusivity.
 unsafe impl Sync for Alloc {}
 
 impl Drop for Alloc {
@@ -195,10 +201,43 @@ impl Drop for Alloc {
 
 /// An owned, zeroed, page-aligned (4 KiB) host allocation.
 ///
-/// It dereferences to `[u8]`. Registering it ([`Engine::register`]) keeps the
-/// allocation alive until it is deregistered, even if the `HostBuffer` is dropped first,
-/// so a peer can never write into freed memory. Bytes that peers write arrive while you
-/// are not looking: read them after the batch completed or its notification arrived.
+/// Registering it ([`Engine::register`]) keeps the allocation alive until it is
+/// deregistered, even if the `HostBuffer` is dropped first, so a peer can never write
+/// into freed memory.
+///
+/// Once registered, the buffer is shared with the engine, its peers and the NIC, which
+/// write and read it while no borrow of yours says so. It therefore has no safe slice
+/// view (no `Deref` to `[u8]`): a `&[u8]` or `&mut [u8]` that is alive while a transfer
+/// writes the bytes is undefined behaviour in Rust. Move bytes in and out by copying, with
+/// [`write_at`](Self::write_at), [`fill`](Self::fill), [`fill_range`](Self::fill_range),
+/// [`read_at`](Self::read_at), [`read_vec`](Self::read_vec) and [`to_vec`](Self::to_vec),
+/// which go through raw pointers. Read bytes that peers write after the batch that
+/// brought them completed or its notification arrived; a copy taken while a transfer
+/// writes the same bytes may hold old and new ones mixed, but is never undefined.
+/// [`as_slice`](Self::as_slice) and [`as_mut_slice`](Self::as_mut_slice) lend a view
+/// when you can vouch that no transfer touches the buffer meanwhile (it is not
+/// registered, or nothing is in flight and no peer may write it).
+///
+/// ```
+/// use pagewire_transport::HostBuffer;
+/// # fn main() -> Result<(), pagewire_transport::Error> {
+/// let mut buf = HostBuffer::new(8192)?;
+/// buf.write_at(4096, b"page");
+/// let mut four = [0u8; 4];
+/// buf.read_at(4096, &mut four);
+/// assert_eq!(&four, b"page");
+/// assert_eq!(buf.read_vec(4095..4100), b"\0page");
+/// buf.fill_range(..4096, 0xEE);
+/// assert!(buf.to_vec()[..4096].iter().all(|&b| b == 0xEE));
+/// # Ok(()) }
+/// ```
+///
+/// A safe shared view would be unsound, so it does not compile:
+///
+/// ```compile_fail
+/// let buf = pagewire_transport::HostBuffer::new(4096).unwrap();
+/// let bytes: &[u8] = &buf;
+/// ```
 ///
 /// [`Engine::register`]: crate::Engine::register
 pub struct HostBuffer {
@@ -211,17 +250,26 @@ impl HostBuffer {
     pub const ALIGN: usize = 4096;
 
     /// Allocates `len` zeroed bytes (`len > 0`).
+    ///
+    /// A length that is zero, or whose size rounded up to whole pages is not a valid
+    /// allocation (it overflows `usize` or exceeds `isize::MAX`), is
+    /// [`Error::InvalidRange`]; an allocation the system refuses is
+    /// [`Error::Registration`].
     pub fn new(len: usize) -> Result<Self> {
+        let invalid = || Error::InvalidRange {
+            addr: 0,
+            len: len as u64,
+        };
         if len == 0 {
-            return Err(Error::InvalidRange { addr: 0, len: 0 });
+            return Err(invalid());
         }
-        let size = len.div_ceil(Self::ALIGN) * Self::ALIGN;
-        let layout =
-            Layout::from_size_align(size, Self::ALIGN).map_err(|_| Error::InvalidRange {
-                addr: 0,
-                len: len as u64,
-            })?;
-        // SAFETY: `layout` has non-zero size (len > 0 checked above).
+        // Checked: a wrapped size would allocate less than `len` (the release profile has
+        // no overflow checks).
+        let size = len
+            .checked_next_multiple_of(Self::ALIGN)
+            .ok_or_else(invalid)?;
+        let layout = Layout::from_size_align(size, Self::ALIGN).map_err(|_| invalid())?;
+        // SAFETY: `layout` is valid and has a non-zero size (`size >= len > 0`).
         let raw = unsafe { std::alloc::alloc_zeroed(layout) };
         let ptr = NonNull::new(raw).ok_or_else(|| Error::Registration {
             addr: 0,
@@ -239,30 +287,134 @@ impl HostBuffer {
         self.alloc.ptr.as_ptr() as u64
     }
 
+    /// Length in bytes, as asked for (the allocation is rounded up to whole pages).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Always `false`: a buffer holds at least one byte.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
     /// Raw pointer to the first byte.
+    pub fn as_ptr(&self) -> *const u8 {
+        self.alloc.ptr.as_ptr()
+    }
+
+    /// Raw pointer to the first byte, for writes.
     pub fn as_mut_ptr(&self) -> *mut u8 {
         self.alloc.ptr.as_ptr()
+    }
+
+    /// `[start, end)` of `range` within the buffer; panics when it is not inside.
+    fn bounds(&self, range: impl RangeBounds<usize>) -> (usize, usize) {
+        let start = match range.start_bound() {
+            Bound::Included(&s) => s,
+            Bound::Excluded(&s) => s.checked_add(1).expect("range start overflows"),
+            Bound::Unbounded => 0,
+        };
+        let end = match range.end_bound() {
+            Bound::Included(&e) => e.checked_add(1).expect("range end overflows"),
+            Bound::Excluded(&e) => e,
+            Bound::Unbounded => self.len,
+        };
+        assert!(
+            start <= end && end <= self.len,
+            "range {start}..{end} out of bounds of a HostBuffer of {} bytes",
+            self.len
+        );
+        (start, end)
+    }
+
+    /// Copies `dst.len()` bytes starting at `offset` into `dst`.
+    ///
+    /// # Panics
+    /// When `offset + dst.len()` exceeds [`len`](Self::len).
+    pub fn read_at(&self, offset: usize, dst: &mut [u8]) {
+        let end = offset.checked_add(dst.len()).expect("range end overflows");
+        self.bounds(offset..end);
+        // SAFETY: `[offset, end)` lies in the live allocation (checked above) and `dst` is
+        // a distinct buffer of the caller's; a raw copy forms no reference to our bytes,
+        // which the engine or a peer may be writing.
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.as_ptr().add(offset), dst.as_mut_ptr(), dst.len())
+        }
+    }
+
+    /// The bytes of `range`, copied into a new vector.
+    ///
+    /// # Panics
+    /// When `range` is not inside the buffer.
+    pub fn read_vec(&self, range: impl RangeBounds<usize>) -> Vec<u8> {
+        let (start, end) = self.bounds(range);
+        let mut v = vec![0u8; end - start];
+        self.read_at(start, &mut v);
+        v
+    }
+
+    /// Every byte, copied into a new vector.
+    pub fn to_vec(&self) -> Vec<u8> {
+        self.read_vec(..)
+    }
+
+    /// Copies `src` into the buffer at `offset`.
+    ///
+    /// # Panics
+    /// When `offset + src.len()` exceeds [`len`](Self::len).
+    pub fn write_at(&mut self, offset: usize, src: &[u8]) {
+        let end = offset.checked_add(src.len()).expect("range end overflows");
+        self.bounds(offset..end);
+        // SAFETY: as in `read_at`, with the copy going the other way; `&mut self` keeps
+        // other writers of this `HostBuffer` out.
+        unsafe {
+            std::ptr::copy_nonoverlapping(src.as_ptr(), self.as_mut_ptr().add(offset), src.len())
+        }
+    }
+
+    /// Sets every byte of `range` to `byte`.
+    ///
+    /// # Panics
+    /// When `range` is not inside the buffer.
+    pub fn fill_range(&mut self, range: impl RangeBounds<usize>, byte: u8) {
+        let (start, end) = self.bounds(range);
+        // SAFETY: `[start, end)` lies in the live allocation (checked above); a raw write
+        // forms no reference.
+        unsafe { std::ptr::write_bytes(self.as_mut_ptr().add(start), byte, end - start) }
+    }
+
+    /// Sets every byte to `byte`.
+    pub fn fill(&mut self, byte: u8) {
+        self.fill_range(.., byte);
+    }
+
+    /// The bytes as a slice.
+    ///
+    /// # Safety
+    /// While the slice lives, nothing may write the buffer: no batch of ours that READs
+    /// into it is in flight, and no peer may write it (it is not registered with
+    /// `REMOTE_WRITE`, or no peer is connected, or the application's protocol rules it
+    /// out, e.g. between a notification and the next request).
+    pub unsafe fn as_slice(&self) -> &[u8] {
+        // SAFETY: the allocation holds `len` initialised (zeroed at first) bytes and lives
+        // as long as `self`; the caller guarantees that nothing writes them meanwhile.
+        unsafe { std::slice::from_raw_parts(self.as_ptr(), self.len) }
+    }
+
+    /// The bytes as a mutable slice.
+    ///
+    /// # Safety
+    /// While the slice lives, nothing else may read or write the buffer: as for
+    /// [`as_slice`](Self::as_slice), and also no batch of ours that WRITEs from it is in
+    /// flight and no peer may READ it.
+    pub unsafe fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as in `as_slice`, and the caller guarantees exclusive access.
+        unsafe { std::slice::from_raw_parts_mut(self.as_mut_ptr(), self.len) }
     }
 
     /// The keep-alive handle the registry holds.
     pub(crate) fn keepalive(&self) -> Arc<dyn Any + Send + Sync> {
         self.alloc.clone()
-    }
-}
-
-impl Deref for HostBuffer {
-    type Target = [u8];
-    fn deref(&self) -> &[u8] {
-        // SAFETY: the allocation is at least `len` bytes, initialised (zeroed), and lives
-        // as long as `self.alloc`; the returned borrow is tied to `&self`.
-        unsafe { std::slice::from_raw_parts(self.alloc.ptr.as_ptr(), self.len) }
-    }
-}
-
-impl DerefMut for HostBuffer {
-    fn deref_mut(&mut self) -> &mut [u8] {
-        // SAFETY: as in `deref`; `&mut self` is unique because `HostBuffer` is not Clone.
-        unsafe { std::slice::from_raw_parts_mut(self.alloc.ptr.as_ptr(), self.len) }
     }
 }
 
@@ -299,6 +451,10 @@ pub(crate) struct Region {
     pub mrs: Mutex<Vec<BackendMr>>,
     /// Batches (and incoming TCP ops) currently using the region.
     busy: AtomicUsize,
+    /// Of those, peer ops served by this process ([`PeerPin`]s).
+    peer_busy: AtomicUsize,
+    /// Set by [`Registry::drain`] (shutdown): peer ops must stop touching the memory.
+    revoked: AtomicBool,
     /// How many `register` calls returned this id.
     registrations: AtomicUsize,
     /// Keeps caller memory alive (HostBuffer) while registered.
@@ -318,6 +474,11 @@ impl Region {
 
     pub fn busy(&self) -> usize {
         self.busy.load(Ordering::Acquire)
+    }
+
+    /// Whether the engine shut down: a [`PeerPin`] holder must stop before its next slice.
+    pub fn revoked(&self) -> bool {
+        self.revoked.load(Ordering::Acquire)
     }
 }
 
@@ -351,6 +512,30 @@ impl Drop for RegionPin {
 impl fmt::Debug for RegionPin {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "RegionPin({})", self.0.id)
+    }
+}
+
+/// A pin taken for a peer's op that this process serves (TCP responder, loopback copy).
+/// Shutdown waits until every one is dropped ([`Registry::drain`]); its holder checks
+/// [`Region::revoked`] between slices and stops when it is set.
+pub(crate) struct PeerPin(RegionPin);
+
+impl PeerPin {
+    pub fn region(&self) -> &Region {
+        self.0.region()
+    }
+}
+
+impl Drop for PeerPin {
+    fn drop(&mut self) {
+        // Release: whatever the holder wrote happens before `drain` sees the count drop.
+        self.0.0.peer_busy.fetch_sub(1, Ordering::Release);
+    }
+}
+
+impl fmt::Debug for PeerPin {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "PeerPin({})", self.0.0.id)
     }
 }
 
@@ -450,6 +635,8 @@ impl Registry {
             chunks,
             mrs: Mutex::new(mrs),
             busy: AtomicUsize::new(0),
+            peer_busy: AtomicUsize::new(0),
+            revoked: AtomicBool::new(false),
             registrations: AtomicUsize::new(1),
             _keepalive: keepalive,
         });
@@ -492,6 +679,21 @@ impl Registry {
         Ok(RegionPin(r.clone()))
     }
 
+    /// [`Self::pin`] for a peer's op served by this process (see [`PeerPin`]). Taken
+    /// under the registry lock, so [`Self::drain`] either counts it or removed the region
+    /// before we looked.
+    pub fn pin_for_peer(&self, addr: u64, len: u64, needed: Access) -> Result<PeerPin> {
+        let end = checked_end(addr, len)?;
+        let inner = self.read();
+        let r = Self::containing(&inner, addr, end).ok_or(Error::Unregistered { addr, len })?;
+        if !r.access.contains(needed) {
+            return Err(Error::PermissionDenied { addr, len, needed });
+        }
+        r.busy.fetch_add(1, Ordering::AcqRel);
+        r.peer_busy.fetch_add(1, Ordering::AcqRel);
+        Ok(PeerPin(RegionPin(r.clone())))
+    }
+
     /// Every region, sorted by address.
     pub fn list(&self) -> Vec<RegionInfo> {
         self.read()
@@ -521,12 +723,30 @@ impl Registry {
         out
     }
 
-    /// Drains every region (engine shutdown), returning the backend handles.
+    /// Drains every region (engine shutdown) and returns the backend handles, once no
+    /// peer op touches any of them: every region is revoked, then this waits until the
+    /// last [`PeerPin`] is dropped (its holder stops within one slice of the revocation).
+    /// Batch pins are not waited for: the engine stops its own I/O before draining.
     pub fn drain(&self) -> Vec<BackendMr> {
-        let mut inner = self.write();
-        inner.by_start.clear();
+        let regions: Vec<Arc<Region>> = {
+            let mut inner = self.write();
+            inner.by_start.clear();
+            inner.by_id.drain().map(|(_, r)| r).collect()
+        };
+        for r in &regions {
+            r.revoked.store(true, Ordering::Release);
+        }
+        let mut nap = std::time::Duration::from_micros(20);
+        // Acquire: pairs with `PeerPin::drop`, so the holders' writes are done.
+        while regions
+            .iter()
+            .any(|r| r.peer_busy.load(Ordering::Acquire) > 0)
+        {
+            std::thread::sleep(nap);
+            nap = (nap * 2).min(std::time::Duration::from_millis(1));
+        }
         let mut out = Vec::new();
-        for (_, r) in inner.by_id.drain() {
+        for r in regions {
             out.append(&mut r.mrs.lock().unwrap_or_else(|p| p.into_inner()));
         }
         out
@@ -563,30 +783,6 @@ impl RemoteTable {
         let i = self.regions.partition_point(|r| r.end() <= addr);
         self.regions.get(i).filter(|r| r.addr <= addr)
     }
-}
-
-/// Views registered memory as bytes.
-///
-/// # Safety
-/// `[addr, addr+len)` must be allocated, initialised memory that stays valid for `'a`
-/// (in this crate: a range validated against a region that is pinned for `'a`). Other
-/// writers (peers, the NIC) may change the bytes concurrently; callers treat the
-/// contents as opaque payload.
-pub(crate) unsafe fn raw_slice<'a>(addr: u64, len: usize) -> &'a [u8] {
-    // SAFETY: forwarded to the caller (see `# Safety`).
-    unsafe { std::slice::from_raw_parts(addr as *const u8, len) }
-}
-
-/// Views registered memory as writable bytes.
-///
-/// # Safety
-/// As for [`raw_slice`], and no other Rust reference into the range may be used while
-/// the returned slice is alive (the range is a transfer target owned by the transport
-/// until the batch completes).
-#[allow(clippy::mut_from_ref)]
-pub(crate) unsafe fn raw_slice_mut<'a>(addr: u64, len: usize) -> &'a mut [u8] {
-    // SAFETY: forwarded to the caller (see `# Safety`).
-    unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len) }
 }
 
 #[cfg(test)]
@@ -682,10 +878,41 @@ mod tests {
     fn host_buffer_is_zeroed_and_aligned() {
         let mut b = HostBuffer::new(10_000).unwrap();
         assert_eq!(b.addr() % HostBuffer::ALIGN as u64, 0);
-        assert!(b.iter().all(|&x| x == 0));
-        b[9_999] = 7;
-        assert_eq!(b[9_999], 7);
+        assert!(b.to_vec().iter().all(|&x| x == 0));
+        b.write_at(9_999, &[7]);
+        assert_eq!(b.read_vec(9_998..), [0, 7]);
         assert_eq!(b.len(), 10_000);
+        assert!(!b.is_empty());
+        b.fill_range(1..=2, 5);
+        b.fill_range(..1, 4);
+        assert_eq!(b.read_vec(..4), [4, 5, 5, 0]);
+        b.fill(9);
+        // SAFETY: not registered: nothing else touches `b`.
+        assert!(unsafe { b.as_slice() }.iter().all(|&x| x == 9));
+        // SAFETY: as above.
+        let s = unsafe { b.as_mut_slice() };
+        s[0] = 1;
+        let mut one = [0u8; 1];
+        b.read_at(0, &mut one);
+        assert_eq!(one, [1]);
+    }
+
+    #[test]
+    fn host_buffer_ranges_are_checked() {
+        let b = std::sync::Mutex::new(HostBuffer::new(16).unwrap());
+        let panics = |f: &dyn Fn(&mut HostBuffer)| {
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                f(&mut b.lock().unwrap_or_else(|p| p.into_inner()))
+            }));
+            assert!(r.is_err());
+        };
+        panics(&|b| b.write_at(15, &[0, 0]));
+        panics(&|b| b.read_at(usize::MAX, &mut [0u8; 2]));
+        let (start, end) = (3, 2);
+        panics(&|b| drop(b.read_vec(start..end)));
+        panics(&|b| b.fill_range(..=16, 0));
+        let b = b.into_inner().unwrap_or_else(|p| p.into_inner());
+        assert!(b.to_vec().iter().all(|&x| x == 0), "nothing written");
     }
 
     #[test]

@@ -40,12 +40,12 @@
 //! let batch = Batch::new().write(slot.addr(), ring.addr(), 64).notify(0).timeout(Duration::from_secs(5));
 //! let mut send = a.prepare(peer, batch)?;
 //! for seq in 1..=3u32 {
-//!     slot[..4].copy_from_slice(&seq.to_le_bytes()); // each run sends what the slot holds now
+//!     slot.write_at(0, &seq.to_le_bytes()); // each run sends what the slot holds now
 //!     send.start_tagged(seq)?;
 //!     send.wait(Instant::now() + Duration::from_secs(5))?;
 //!     let note = b.poll_notification(Instant::now() + Duration::from_secs(5)).expect("notified");
 //!     assert_eq!(note.tag, seq);
-//!     assert_eq!(ring[..4], seq.to_le_bytes());
+//!     assert_eq!(ring.read_vec(..4), seq.to_le_bytes());
 //! }
 //! # Ok(()) }
 //! ```

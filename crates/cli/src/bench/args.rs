@@ -1,8 +1,11 @@
 //! Command-line flags of `pagewire bench`, spelled like perftest's.
 //!
-//! The symmetric flags (`-a -s -n -D -q -t -b`) must be given identically on both
-//! ends, as with perftest; the client sends its copy in the hello and the server
-//! refuses a client whose parameters differ from its own.
+//! As with perftest, the same command is the server (no address) or the client (the
+//! server's address); `--local` runs both ends in one process. The symmetric flags
+//! (`-a -s -n -D -q -t -b`) must be given identically on both ends; the client sends its
+//! copy in the hello and the server refuses a client whose parameters differ from its
+//! own. Each test gets only the flags that apply to it (`write`/`read`: [`BwArgs`],
+//! `lat`: [`LatArgs`]), so clap refuses the others by name.
 use clap::{Args, Subcommand, ValueEnum};
 
 /// perftest's default side-channel port.
@@ -21,8 +24,19 @@ pub enum TransportArg {
     Verbs,
     /// TCP streams.
     Tcp,
-    /// In-process memcpy backend; only for a run with both ends in one process.
+    /// In-process memcpy backend; only for a run with both ends in one process (--local).
     Loopback,
+}
+
+impl TransportArg {
+    pub fn name(self) -> &'static str {
+        match self {
+            TransportArg::Auto => "auto",
+            TransportArg::Verbs => "verbs",
+            TransportArg::Tcp => "tcp",
+            TransportArg::Loopback => "loopback",
+        }
+    }
 }
 
 /// Who reaps the verbs completions (the engine's `ProgressMode`).
@@ -65,7 +79,46 @@ impl TestKind {
     }
 }
 
+/// `pagewire bench`'s own help: who is server and client, with one example.
+pub const BENCH_ABOUT: &str = "\
+Benchmarks, run like perftest's ib_write_bw: the same command is the server when given \
+no address (it waits for one client, runs the test, prints the report and exits) and the \
+client when given the server's address. --local runs both ends in this process.";
+
+const BENCH_EXAMPLES: &str = "\
+Examples:
+  pagewire bench write                      # server: waits for one client, then exits
+  pagewire bench write 10.0.0.1             # client (host or host:port; side channel on -p 18515)
+  pagewire bench write --local -a --verify  # both ends in this process";
+
+const WRITE_EXAMPLES: &str = "\
+Examples:
+  pagewire bench write -d mlx5_0 -a                        # server
+  pagewire bench write -d mlx5_0 -a 10.0.0.1               # client
+  pagewire bench write --local -s 1M -n 1000 --verify      # both ends here, best transport
+  pagewire bench write --local --transport tcp -D 10 -q 4 --json";
+
+const READ_EXAMPLES: &str = "\
+Examples:
+  pagewire bench read -s 1M -n 1000 -q 2 -b --report_gbits            # server
+  pagewire bench read -s 1M -n 1000 -q 2 -b --report_gbits 10.0.0.1   # client
+  pagewire bench read --local -a --verify";
+
+const LAT_EXAMPLES: &str = "\
+Examples:
+  pagewire bench lat -n 1000                 # server
+  pagewire bench lat -n 1000 10.0.0.1        # client
+  pagewire bench lat --local --poll-memory   # spin on the last byte, as ib_write_lat";
+
+const PAGES_EXAMPLES: &str = "\
+Examples:
+  pagewire bench pages --model llama3-8b --verify                 # server
+  pagewire bench pages --model llama3-8b --verify 10.0.0.1        # client
+  pagewire bench pages --local --model deepseek-v3 --layout layer_first --pattern fragmented
+  pagewire bench pages --local --model mimo-v2 --src-layout page_first --dst-layout page_head --op read";
+
 #[derive(Debug, Args)]
+#[command(after_help = BENCH_EXAMPLES)]
 pub struct BenchArgs {
     #[command(subcommand)]
     pub cmd: BenchCmd,
@@ -73,28 +126,143 @@ pub struct BenchArgs {
 
 #[derive(Debug, Subcommand)]
 pub enum BenchCmd {
-    /// RDMA WRITE bandwidth, like ib_write_bw (server: no address; client: the server's address).
-    Write(PerfArgs),
-    /// RDMA READ bandwidth, like ib_read_bw.
-    Read(PerfArgs),
-    /// RDMA WRITE ping-pong latency, like ib_write_lat.
-    Lat(PerfArgs),
+    /// RDMA WRITE bandwidth, like ib_write_bw: no address = server, an address = client.
+    #[command(after_help = WRITE_EXAMPLES)]
+    Write(BwArgs),
+    /// RDMA READ bandwidth, like ib_read_bw: no address = server, an address = client.
+    #[command(after_help = READ_EXAMPLES)]
+    Read(BwArgs),
+    /// RDMA WRITE ping-pong latency, like ib_write_lat: no address = server, an address = client.
+    #[command(after_help = LAT_EXAMPLES)]
+    Lat(LatArgs),
     /// KV page transfer between two engines, using real layout plans.
+    #[command(after_help = PAGES_EXAMPLES)]
     Pages(super::pages::PagesArgs),
     /// Put and get of KV page batches through the store (pagewire-store), with p50/p99.
     Store(super::store::StoreBenchArgs),
 }
 
-/// perftest's common flags plus pagewire's own (`--transport`, `--verify`, `--json`).
+/// Which end(s) this process runs, from the address and `--server` / `--local`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Role {
+    /// Wait for one client on the side-channel port, run, exit.
+    Server,
+    /// Connect to the server at this address.
+    Client(String),
+    /// Both ends in this process.
+    Local,
+}
+
+/// Who runs, where, over what: the flags every bench (write, read, lat, pages) shares.
 #[derive(Debug, Clone, Args)]
-pub struct PerfArgs {
-    /// Server address (`host` or `host:port`). Without it, and without `--server`, both
-    /// ends run in this process.
+pub struct EndArgs {
+    /// The server's address (`host` or `host:port`): run as the client. Without it, run
+    /// as the server: wait for one client, run, print the report, exit (as perftest).
     pub server_addr: Option<String>,
 
-    /// Run as the server (wait for a client), as perftest does when given no address.
-    #[arg(long, conflicts_with = "server_addr")]
+    /// Run as the server. That is already the default without an address; accepted for
+    /// scripts written against earlier versions.
+    #[arg(long, conflicts_with_all = ["server_addr", "local"])]
     pub server: bool,
+
+    /// Run both ends in this process (side channel and engines on 127.0.0.1).
+    #[arg(long, conflicts_with = "server_addr")]
+    pub local: bool,
+
+    /// Side-channel port the server listens on.
+    #[arg(short = 'p', long = "port", default_value_t = DEFAULT_PORT)]
+    pub port: u16,
+
+    /// Transport backend. `auto`: verbs if an RDMA device is usable, else TCP (said on
+    /// stderr); a verbs-only flag (-d, -x, -i, --progress) makes it verbs.
+    #[arg(long, value_enum, default_value_t = TransportArg::Auto)]
+    pub transport: TransportArg,
+
+    /// Verbs: RDMA device (default: the first one with an ACTIVE port). A device that
+    /// does not exist is an error.
+    #[arg(short = 'd', long = "ib-dev")]
+    pub device: Option<String>,
+
+    /// Verbs: GID index (default: picked as perftest does).
+    #[arg(short = 'x', long = "gid-index")]
+    pub gid_index: Option<u32>,
+
+    /// Verbs: device port (default 1).
+    #[arg(short = 'i', long = "ib-port")]
+    pub ib_port: Option<u8>,
+
+    /// The receiving side checks every byte it received against a seeded pattern.
+    #[arg(long)]
+    pub verify: bool,
+
+    /// One JSON record per result on stdout instead of the text report (no progress bar).
+    #[arg(long)]
+    pub json: bool,
+
+    /// Seconds any single wait may take before the run fails.
+    #[arg(long, default_value_t = 30.0, hide = true)]
+    pub timeout: f64,
+}
+
+impl EndArgs {
+    pub fn role(&self) -> Role {
+        match (&self.server_addr, self.local) {
+            (Some(a), _) => Role::Client(a.clone()),
+            (None, true) => Role::Local,
+            (None, false) => Role::Server,
+        }
+    }
+
+    /// The verbs-only flags given on the command line, by their spelling.
+    fn verbs_flags(&self, progress: bool) -> Vec<&'static str> {
+        let mut v = Vec::new();
+        if self.device.is_some() {
+            v.push("-d/--ib-dev");
+        }
+        if self.gid_index.is_some() {
+            v.push("-x/--gid-index");
+        }
+        if self.ib_port.is_some() {
+            v.push("-i/--ib-port");
+        }
+        if progress {
+            v.push("--progress");
+        }
+        v
+    }
+
+    /// The transport this run asks for: `--transport`, except that a verbs-only flag
+    /// makes `auto` mean verbs (a named device never falls back to TCP silently). A
+    /// verbs-only flag with `tcp` or `loopback` is an error that says so, as is loopback
+    /// across two processes.
+    pub fn transport(&self, progress: bool) -> anyhow::Result<TransportArg> {
+        let flags = self.verbs_flags(progress);
+        let t = match self.transport {
+            TransportArg::Auto if !flags.is_empty() => TransportArg::Verbs,
+            t @ (TransportArg::Tcp | TransportArg::Loopback) if !flags.is_empty() => {
+                anyhow::bail!(
+                    "{} applies to the verbs transport only; this run uses --transport {}",
+                    flags.join(", "),
+                    t.name()
+                )
+            }
+            t => t,
+        };
+        if t == TransportArg::Loopback && self.role() != Role::Local {
+            anyhow::bail!(
+                "--transport loopback needs both ends in one process: add --local \
+                 (without an address this process is the server)"
+            );
+        }
+        Ok(t)
+    }
+}
+
+/// Flags of `write`, `read` and `lat` (perftest's common flags, pagewire's own).
+#[derive(Debug, Clone, Args)]
+pub struct PerfCommon {
+    #[command(flatten)]
+    pub end: EndArgs,
 
     /// Sweep all sizes from 2 B to 8 MiB (2^1 .. 2^23).
     #[arg(short = 'a', long = "all", conflicts_with = "size")]
@@ -109,14 +277,6 @@ pub struct PerfArgs {
     #[arg(short = 'n', long = "iters", value_parser = parse_iters)]
     pub iters: Option<u64>,
 
-    /// Run for this many seconds instead of a fixed iteration count (disables peak BW).
-    #[arg(short = 'D', long = "duration", value_parser = parse_duration)]
-    pub duration: Option<f64>,
-
-    /// Seconds trimmed at each end of a `-D` run (perftest default 2; at most D/4).
-    #[arg(short = 'f', long = "margin", default_value_t = 2.0)]
-    pub margin: f64,
-
     /// Queue pairs (verbs) or streams (TCP).
     #[arg(short = 'q', long = "qp", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
     pub qps: u32,
@@ -125,26 +285,35 @@ pub struct PerfArgs {
     #[arg(short = 't', long = "tx-depth", value_parser = clap::value_parser!(u32).range(1..=16384))]
     pub tx_depth: Option<u32>,
 
+    /// Verbs: who reaps completions. `manual` (default): only the bench's own waits, as
+    /// perftest's loops do (no completion thread); `auto`: the engine's completion thread
+    /// too. `PAGEWIRE_PROGRESS` does not apply to these tests; this flag does.
+    #[arg(long, value_enum)]
+    pub progress: Option<ProgressArg>,
+
+    /// Accepted for perftest compatibility; pagewire times with a monotonic clock.
+    #[arg(short = 'F', long = "CPU-freq", hide = true)]
+    pub cpu_freq: bool,
+}
+
+/// `write` and `read`.
+#[derive(Debug, Clone, Args)]
+pub struct BwArgs {
+    #[command(flatten)]
+    pub common: PerfCommon,
+
+    /// Run for this many seconds instead of a fixed iteration count (disables peak BW).
+    #[arg(short = 'D', long = "duration", value_parser = parse_duration)]
+    pub duration: Option<f64>,
+
+    /// Seconds trimmed at each end of a `-D` run (perftest default 2; at most D/4).
+    #[arg(short = 'f', long = "margin", default_value_t = 2.0)]
+    pub margin: f64,
+
     /// Operations per submitted batch, each batch completing as one (perftest's CQ
     /// moderation). Default: half the TX depth, at most 100.
     #[arg(short = 'Q', long = "cq-mod", value_parser = clap::value_parser!(u32).range(1..=1024))]
     pub cq_mod: Option<u32>,
-
-    /// RDMA device (default: the first one found).
-    #[arg(short = 'd', long = "ib-dev")]
-    pub device: Option<String>,
-
-    /// GID index (default: picked by the verbs backend).
-    #[arg(short = 'x', long = "gid-index")]
-    pub gid_index: Option<u32>,
-
-    /// Device port.
-    #[arg(short = 'i', long = "ib-port", default_value_t = 1)]
-    pub ib_port: u8,
-
-    /// Side-channel port the server listens on.
-    #[arg(short = 'p', long = "port", default_value_t = DEFAULT_PORT)]
-    pub port: u16,
 
     /// Both sides issue operations; the client reports the sum.
     #[arg(short = 'b', long = "bidirectional")]
@@ -158,51 +327,99 @@ pub struct PerfArgs {
     #[arg(short = 'N', long = "noPeak", alias = "no-peak")]
     pub no_peak: bool,
 
-    /// Accepted for perftest compatibility; pagewire times with a monotonic clock.
-    #[arg(short = 'F', long = "CPU-freq", hide = true)]
-    pub cpu_freq: bool,
+    /// Before each size, post one TX depth of its work requests and wait for them,
+    /// unmeasured, as perftest's flag of the same name does (the first size of a run
+    /// otherwise also pays for cold caches and, under emulation, translation).
+    #[arg(long = "perform_warm_up", alias = "perform-warm-up")]
+    pub perform_warm_up: bool,
+}
 
-    /// Transport backend.
-    #[arg(long, value_enum, default_value_t = TransportArg::Auto)]
-    pub transport: TransportArg,
+/// `lat`.
+#[derive(Debug, Clone, Args)]
+pub struct LatArgs {
+    #[command(flatten)]
+    pub common: PerfCommon,
 
-    /// Verbs: who reaps completions. `manual` (default): only the bench's own waits, as
-    /// perftest's loops do (no completion thread); `auto`: the engine's completion thread
-    /// too. Every loop here waits for what it posted, so manual loses nothing, and in a
-    /// guest with few vCPUs it keeps a thread's wake-ups off the spinning loops.
-    /// `PAGEWIRE_PROGRESS` does not apply to these tests; this flag does.
-    #[arg(long, value_enum)]
-    pub progress: Option<ProgressArg>,
-
-    /// The receiving side checks every size against a seeded byte pattern.
-    #[arg(long)]
-    pub verify: bool,
-
-    /// lat only: spin on the last byte of the landing buffer, as ib_write_lat does, instead
-    /// of waiting for the engine's notification. Valid where the last byte of a write lands
+    /// Spin on the last byte of the landing buffer, as ib_write_lat does, instead of
+    /// waiting for the engine's notification. Valid where the last byte of a write lands
     /// last (RC verbs; the TCP backend's in-order copy); not with the loopback backend.
     #[arg(long)]
     pub poll_memory: bool,
 
-    /// lat only: submit a new batch for every ping (validation, pinning and planning each
-    /// time) instead of starting one prepared batch again, which is what ib_write_lat does
-    /// with its work request.
+    /// Submit a new batch for every ping (validation, pinning and planning each time)
+    /// instead of starting one prepared batch again, which is what ib_write_lat does with
+    /// its work request.
     #[arg(long)]
     pub submit_each: bool,
+}
 
-    /// write/read only: before each size, post one TX depth of its work requests and wait
-    /// for them, unmeasured, as perftest's flag of the same name does (the first size of
-    /// a run otherwise also pays for cold caches and, under emulation, translation).
-    #[arg(long = "perform_warm_up", alias = "perform-warm-up")]
+/// Everything a `write`, `read` or `lat` run needs, whichever subcommand it came from.
+#[derive(Debug, Clone)]
+pub struct PerfArgs {
+    pub end: EndArgs,
+    pub all: bool,
+    pub size: Option<u64>,
+    pub iters: Option<u64>,
+    pub duration: Option<f64>,
+    pub margin: f64,
+    pub qps: u32,
+    pub tx_depth: Option<u32>,
+    pub cq_mod: Option<u32>,
+    pub bidirectional: bool,
+    pub report_gbits: bool,
+    pub no_peak: bool,
+    pub progress: Option<ProgressArg>,
+    pub poll_memory: bool,
+    pub submit_each: bool,
     pub perform_warm_up: bool,
+}
 
-    /// One JSON record per result row on stdout instead of the perftest table.
-    #[arg(long)]
-    pub json: bool,
+impl PerfArgs {
+    fn from_common(c: PerfCommon) -> PerfArgs {
+        PerfArgs {
+            end: c.end,
+            all: c.all,
+            size: c.size,
+            iters: c.iters,
+            duration: None,
+            margin: 2.0,
+            qps: c.qps,
+            tx_depth: c.tx_depth,
+            cq_mod: None,
+            bidirectional: false,
+            report_gbits: false,
+            no_peak: false,
+            progress: c.progress,
+            poll_memory: false,
+            submit_each: false,
+            perform_warm_up: false,
+        }
+    }
+}
 
-    /// Seconds any single wait may take before the run fails.
-    #[arg(long, default_value_t = 30.0, hide = true)]
-    pub timeout: f64,
+impl From<BwArgs> for PerfArgs {
+    fn from(b: BwArgs) -> PerfArgs {
+        PerfArgs {
+            duration: b.duration,
+            margin: b.margin,
+            cq_mod: b.cq_mod,
+            bidirectional: b.bidirectional,
+            report_gbits: b.report_gbits,
+            no_peak: b.no_peak,
+            perform_warm_up: b.perform_warm_up,
+            ..PerfArgs::from_common(b.common)
+        }
+    }
+}
+
+impl From<LatArgs> for PerfArgs {
+    fn from(l: LatArgs) -> PerfArgs {
+        PerfArgs {
+            poll_memory: l.poll_memory,
+            submit_each: l.submit_each,
+            ..PerfArgs::from_common(l.common)
+        }
+    }
 }
 
 impl PerfArgs {

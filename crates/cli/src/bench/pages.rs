@@ -11,7 +11,9 @@
 use clap::{Args, ValueEnum};
 use pagewire_layout::{Component, Layout, Pool, PoolGeometry, PoolKind, TransferPlan};
 
-use super::args::TransportArg;
+use super::args::{EndArgs, Role, TransportArg};
+use super::progress::{self, Progress, Unit};
+use super::session::{self, EngineOpts, Local};
 
 /// Model presets with their real KV geometry (per TP rank = the whole model here).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, serde::Serialize)]
@@ -41,7 +43,7 @@ impl Preset {
     }
 
     /// (kind, layers, heads, head_dim, v_head_dim or kv_dim)
-    pub fn shape(self) -> (PoolKind, u64, u64, u64, u64) {
+    pub(crate) fn shape(self) -> (PoolKind, u64, u64, u64, u64) {
         match self {
             Preset::Llama3_8b => (PoolKind::Mha, 32, 8, 128, 128),
             Preset::Llama3_70b => (PoolKind::Mha, 80, 8, 128, 128),
@@ -114,13 +116,8 @@ fn parse_layout(s: &str) -> Result<Layout, String> {
 
 #[derive(Debug, Clone, Args)]
 pub struct PagesArgs {
-    /// Server address (`host` or `host:port`). Without it, and without `--server`, both
-    /// ends run in this process.
-    pub server_addr: Option<String>,
-
-    /// Run as the server (wait for a client).
-    #[arg(long, conflicts_with = "server_addr")]
-    pub server: bool,
+    #[command(flatten)]
+    pub end: EndArgs,
 
     /// Model preset (KV geometry).
     #[arg(long, value_enum, default_value_t = Preset::Llama3_8b)]
@@ -152,10 +149,11 @@ pub struct PagesArgs {
     pub page_size: u64,
 
     /// Pages moved per batch.
-    #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
     pub pages: u64,
 
-    /// Pages in each pool (default: 4 x --pages).
+    /// Pages in each pool. Default: 4 x --pages, but no more than fit in 64 MiB (and at
+    /// least --pages), so that the default run fits a small machine.
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..=10_000_000))]
     pub pool_pages: Option<u64>,
 
@@ -182,43 +180,40 @@ pub struct PagesArgs {
     /// Queue pairs (verbs) or streams (TCP).
     #[arg(short = 'q', long = "qp", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
     pub qps: u32,
-
-    /// RDMA device.
-    #[arg(short = 'd', long = "ib-dev")]
-    pub device: Option<String>,
-
-    /// GID index.
-    #[arg(short = 'x', long = "gid-index")]
-    pub gid_index: Option<u32>,
-
-    /// Device port.
-    #[arg(short = 'i', long = "ib-port", default_value_t = 1)]
-    pub ib_port: u8,
-
-    /// Side-channel port the server listens on.
-    #[arg(short = 'p', long = "port", default_value_t = super::args::DEFAULT_PORT)]
-    pub port: u16,
-
-    /// Transport backend.
-    #[arg(long, value_enum, default_value_t = TransportArg::Auto)]
-    pub transport: TransportArg,
-
-    /// The receiving side checks every byte of its pool afterwards.
-    #[arg(long)]
-    pub verify: bool,
-
-    /// One JSON record on stdout instead of the text report (no progress bar).
-    #[arg(long)]
-    pub json: bool,
-
-    /// Seconds any single wait may take before the run fails.
-    #[arg(long, default_value_t = 30.0, hide = true)]
-    pub timeout: f64,
 }
 
+/// The most bytes a default pool takes (`--pool-pages` not given).
+pub const DEFAULT_POOL_CAP: u64 = 64 << 20;
+
 impl PagesArgs {
+    /// `--pool-pages`, else 4 x `--pages` capped at [`DEFAULT_POOL_CAP`] bytes (never
+    /// below `--pages`). Both ends compute the same figure from the same flags.
     pub fn pool_pages(&self) -> u64 {
-        self.pool_pages.unwrap_or(self.pages.saturating_mul(4))
+        self.pool_pages.unwrap_or_else(|| {
+            let four = self.pages.saturating_mul(4);
+            match self.page_bytes() {
+                Some(b) if b > 0 => four.min(DEFAULT_POOL_CAP / b).max(self.pages),
+                _ => four,
+            }
+        })
+    }
+
+    /// Whether the pool size is the capped default (said in the report).
+    pub fn pool_capped(&self) -> bool {
+        self.pool_pages.is_none() && self.pool_pages() < self.pages.saturating_mul(4)
+    }
+
+    /// Bytes of one page (all layers and buffers) of the geometry these flags describe.
+    fn page_bytes(&self) -> Option<u64> {
+        let (kind, layers, heads, d, dv) = self.model.shape();
+        let layers = self.layers.unwrap_or(layers);
+        let per_token = match kind {
+            PoolKind::Mla => layers * d,
+            _ => layers * heads * (d + dv),
+        };
+        per_token
+            .checked_mul(self.dtype.bytes())?
+            .checked_mul(self.page_size)
     }
     pub fn src_layout(&self) -> Layout {
         self.src_layout.unwrap_or(self.layout)
@@ -374,7 +369,8 @@ pub fn plan_stats(src: &Pool, plan: &TransferPlan, pages: u64, max_wr: u64) -> P
 }
 
 /// Replays `plan` with memcpy: `src_mem` starts at address `src_base`, `dst_mem` at
-/// `dst_base`. This is the reference the receiver compares against.
+/// `dst_base`: the reference `verify_pool` is tested against.
+#[cfg(test)]
 pub fn replay(
     plan: &TransferPlan,
     src_mem: &[u8],
@@ -420,6 +416,8 @@ pub struct PagesReport {
     pub dst_layout: String,
     pub pool_pages: u64,
     pub pool_bytes: u64,
+    /// The default pool was capped (see `--pool-pages`).
+    pub pool_capped: bool,
     pub pattern: Pattern,
     pub seed: u64,
     pub transport: String,
@@ -480,8 +478,14 @@ impl PagesReport {
         );
         let _ = writeln!(
             s,
-            " Pool            : {} pages, {} B per side",
-            self.pool_pages, self.pool_bytes
+            " Pool            : {} pages, {} B per side{}",
+            self.pool_pages,
+            self.pool_bytes,
+            if self.pool_capped {
+                format!(" (default capped at {} MiB)", DEFAULT_POOL_CAP >> 20)
+            } else {
+                String::new()
+            }
         );
         let _ = writeln!(
             s,
@@ -555,7 +559,8 @@ impl PagesReport {
     }
 }
 
-fn sym_params(a: &PagesArgs) -> serde_json::Value {
+/// The flags both ends must agree on, and this end's resolved transport.
+fn sym_params(a: &PagesArgs, transport: &str) -> serde_json::Value {
     serde_json::json!({
         "model": a.model,
         "dtype": a.dtype,
@@ -571,18 +576,18 @@ fn sym_params(a: &PagesArgs) -> serde_json::Value {
         "iters": a.iters,
         "depth": a.depth,
         "qps": a.qps,
-        "verify": a.verify,
-        "transport": a.transport,
+        "verify": a.end.verify,
+        "transport": transport,
     })
 }
 
-fn engine_opts(a: &PagesArgs) -> super::session::EngineOpts {
-    super::session::EngineOpts {
-        transport: a.transport,
+fn engine_opts(a: &PagesArgs, transport: TransportArg) -> EngineOpts {
+    EngineOpts {
+        transport,
         lanes: a.qps,
-        device: a.device.clone(),
-        gid_index: a.gid_index,
-        ib_port: a.ib_port,
+        device: a.end.device.clone(),
+        gid_index: a.end.gid_index,
+        ib_port: a.end.ib_port,
         tx_depth: 0,
         progress: None,
     }
@@ -593,74 +598,140 @@ fn source_seed(a: &PagesArgs) -> u64 {
     super::pattern::seed_for("pages", a.seed, 0)
 }
 
-/// Receiver's check: regenerate the source pool, replay the plan (with both pools at
-/// address 0) into a zeroed pool, and compare the whole receiving pool.
+/// Receiver's check, over its whole pool and without a copy of it: every transfer of the
+/// plan must have put the source pattern (regenerated from the seed at the transfer's
+/// source offset) at its destination, and every byte outside those ranges must still be
+/// the zero it started as. `Ok(Err(..))` names the first wrong byte.
 fn verify_pool(
     a: &PagesArgs,
     g: PoolGeometry,
     received: &[u8],
 ) -> anyhow::Result<Result<String, String>> {
     let (bytes, _) = pool_bytes(&g);
+    anyhow::ensure!(
+        received.len() as u64 >= bytes,
+        "pool of {} B, expected {bytes}",
+        received.len()
+    );
     let src = place(g, a.src_layout(), 0)?;
     let dst = place(g, a.dst_layout(), 0)?;
     let m = mapping(a)?;
     let plan = pagewire_layout::plan(&src, &dst, &m.src, &m.dst)?;
-    let mut source = vec![0u8; bytes as usize];
-    super::pattern::fill(&mut source, source_seed(a));
-    let mut expected = vec![0u8; bytes as usize];
-    replay(&plan, &source, 0, &mut expected, 0)?;
-    drop(source);
-    Ok(
-        match expected.iter().zip(received).position(|(x, y)| x != y) {
-            None => Ok(format!(
-                "receiver replayed the plan on a regenerated source; all {bytes} B of its pool match"
-            )),
-            Some(i) => Err(format!(
-                "pool byte {i} is {:#04x}, expected {:#04x}",
-                received[i], expected[i]
-            )),
-        },
-    )
+    let seed = source_seed(a);
+    let mut runs: Vec<(u64, u64, u64)> = plan.iter().map(|t| (t.dst, t.src, t.len)).collect();
+    runs.sort_unstable();
+    let zero_from = |from: u64, to: u64| {
+        received[from as usize..to as usize]
+            .iter()
+            .position(|&b| b != 0)
+            .map(|i| {
+                let at = from as usize + i;
+                format!(
+                    "pool byte {at} is {:#04x}, expected 0x00 (outside the moved pages)",
+                    received[at]
+                )
+            })
+    };
+    let mut want = vec![0u8; 1 << 16];
+    let mut pos = 0u64;
+    let mut moved = 0u64;
+    for (d, src_off, len) in runs {
+        anyhow::ensure!(
+            d >= pos && d + len <= bytes,
+            "plan destination {d}+{len} overlaps another or leaves the pool"
+        );
+        if let Some(e) = zero_from(pos, d) {
+            return Ok(Err(e));
+        }
+        let mut off = 0u64;
+        while off < len {
+            let n = (len - off).min(want.len() as u64);
+            let w = &mut want[..n as usize];
+            super::pattern::fill_at_byte(w, seed, src_off + off);
+            let at = (d + off) as usize;
+            let got = &received[at..at + n as usize];
+            if let Some(i) = got.iter().zip(w.iter()).position(|(x, y)| x != y) {
+                return Ok(Err(format!(
+                    "pool byte {} is {:#04x}, expected {:#04x}",
+                    at + i,
+                    got[i],
+                    w[i]
+                )));
+            }
+            off += n;
+        }
+        moved += len;
+        pos = d + len;
+    }
+    if let Some(e) = zero_from(pos, bytes) {
+        return Ok(Err(e));
+    }
+    Ok(Ok(format!(
+        "the receiver checked all {bytes} B of its pool: {moved} B moved as the plan says, \
+         the rest untouched"
+    )))
 }
 
 pub fn run(args: PagesArgs) -> anyhow::Result<()> {
-    use anyhow::{Context, ensure};
+    use anyhow::Context;
     geometry(&args)?;
     mapping(&args)?;
-    if let Some(addr) = &args.server_addr {
-        ensure!(
-            args.transport != TransportArg::Loopback,
-            "--transport loopback needs both ends in one process"
-        );
-        let server = super::session::server_target(addr, args.port)?;
-        return client(&args, server, false).map(|_| ());
+    let transport = args.end.transport(false)?;
+    match args.end.role() {
+        Role::Client(addr) => {
+            let server = session::server_target(&addr, args.end.port)?;
+            check_pool_memory(&args, 1)?;
+            let end = PagesEnd::open(&args, transport, false)?;
+            end.run_client(&args, server).map(|_| ())
+        }
+        Role::Server => {
+            let listener = std::net::TcpListener::bind(("0.0.0.0", args.end.port))
+                .with_context(|| format!("binding the side channel on port {}", args.end.port))?;
+            check_pool_memory(&args, 1)?;
+            let end = PagesEnd::open(&args, transport, false)?;
+            end.serve(&args, listener, false)
+        }
+        Role::Local => in_process(&args, transport).map(|_| ()),
     }
-    if args.server {
-        ensure!(
-            args.transport != TransportArg::Loopback,
-            "--transport loopback needs both ends in one process"
-        );
-        let listener = std::net::TcpListener::bind(("0.0.0.0", args.port))
-            .with_context(|| format!("binding the side channel on port {}", args.port))?;
-        return server(&args, listener, false);
-    }
-    in_process(&args).map(|_| ())
 }
 
-fn in_process(args: &PagesArgs) -> anyhow::Result<PagesReport> {
+/// Refuses pools that would not fit in this machine's available memory (`ends` pools
+/// in this process), before allocating them.
+fn check_pool_memory(a: &PagesArgs, ends: u64) -> anyhow::Result<()> {
+    let (bytes, _) = pool_bytes(&geometry(a)?);
+    session::check_memory(
+        bytes.saturating_mul(ends),
+        &format!(
+            "a pool of {} pages ({} MiB per end)",
+            a.pool_pages(),
+            bytes >> 20
+        ),
+        "use fewer --pages or --pool-pages, or --layers to shrink the model",
+    )
+}
+
+fn in_process(args: &PagesArgs, transport: TransportArg) -> anyhow::Result<PagesReport> {
+    check_pool_memory(args, 2)?;
+    let server_end = PagesEnd::open(args, transport, true)?;
+    let client_end = PagesEnd::open(args, transport, true)?;
     let a2 = args.clone();
-    let (addr, t) = super::session::spawn_local_server(move |l| server(&a2, l, true))?;
-    let r = client(args, addr, true);
+    let (addr, t) = session::spawn_local_server(move |l| server_end.serve(&a2, l, true))?;
+    let r = client_end.run_client(args, addr);
+    if r.is_err() {
+        session::wake_local_server(addr);
+    }
     let report = match &r {
         Ok(rep) => Some(rep.clone()),
         Err(_) => None,
     };
-    super::session::join_local(t, r.map(|_| ()))?;
+    session::join_local(t, r.map(|_| ()))?;
     Ok(report.expect("client succeeded"))
 }
 
 /// The README's main job, part 1: a verified KV page transfer between two engines in
-/// this process over the best transport (a Llama-3-8B pool, random pages).
+/// this process over the best transport (a Llama-3-8B pool, random pages; two 64 MiB
+/// pools, so that it fits a small machine; 10 batches of 32 MiB, about 15 s on
+/// soft-RoCE under emulation).
 pub fn run_default() -> anyhow::Result<()> {
     use clap::Parser;
     #[derive(Parser)]
@@ -670,16 +741,17 @@ pub fn run_default() -> anyhow::Result<()> {
     }
     let args = Wrap::try_parse_from([
         "pages",
+        "--local",
         "--model",
         "llama3-8b",
         "--pattern",
         "random",
         "--pages",
-        "32",
+        "16",
         "--page-size",
         "16",
         "-n",
-        "20",
+        "10",
         "--verify",
     ])
     .expect("fixed argv parses")
@@ -687,282 +759,264 @@ pub fn run_default() -> anyhow::Result<()> {
     eprintln!(
         " pagewire: end-to-end KV page transfer between two engines in this process (best available transport)"
     );
-    in_process(&args).map(|_| ())
+    let transport = args.end.transport(false)?;
+    in_process(&args, transport).map(|_| ())
 }
 
-fn server(a: &PagesArgs, listener: std::net::TcpListener, quiet: bool) -> anyhow::Result<()> {
-    use super::oob::Msg;
-    use super::session;
-    let timeout = std::time::Duration::from_secs_f64(a.timeout);
-    if !quiet {
-        eprintln!(
-            " pagewire bench pages: waiting for a client on {} (side channel)",
-            listener.local_addr()?
-        );
-    }
-    // A client that fails between its hello and the first barrier is dropped; the server
-    // keeps waiting for another.
-    let (mut ch, engine, local, g) = loop {
-        let ch = session::server_accept(&listener, "pages", &sym_params(a), timeout, quiet)?;
-        match server_setup(a, ch, quiet, timeout) {
-            Ok(x) => break x,
-            Err(e) if !quiet => {
-                eprintln!(" pagewire: client setup failed: {e:#}; waiting for another client");
-            }
-            Err(e) => return Err(e),
-        }
-    };
-    // `timeout` bounds each of the client's batch waits, not its whole run: a slow run
-    // (many ops, a loaded machine) may last up to `iters` of them. Waiting only `timeout`
-    // here dropped the engine mid-run and the client saw "peer gone". A client that dies
-    // still shows up at once as EOF.
-    let run = u32::try_from(a.iters.saturating_add(1)).unwrap_or(u32::MAX);
-    ch.set_timeout(timeout.saturating_mul(run))?;
-    ch.barrier(2)?;
-    ch.set_timeout(timeout)?;
-    let mut outcome = Ok(());
-    if a.verify && a.op == PageOp::Write {
-        let v = verify_pool(a, g, &local.buf[..])?;
-        let (ok, detail) = match &v {
-            Ok(d) => (true, d.clone()),
-            Err(d) => (false, d.clone()),
-        };
-        ch.send(&Msg::Verified {
-            size: local.buf.len() as u64,
-            ok,
-            detail: detail.clone(),
-        })?;
-        if !ok {
-            outcome = Err(anyhow::anyhow!(
-                "verification failed on the server: {detail}"
-            ));
-        }
-    }
-    ch.barrier(3)?;
-    if !quiet {
-        eprintln!(
-            " pagewire bench pages: run finished ({} batches of {} pages)",
-            a.iters, a.pages
-        );
-    }
-    engine.shutdown();
-    outcome
+/// One end before it meets the other: its engine open, its pool allocated and
+/// registered, so that a transport that cannot be used fails at once with its reason.
+struct PagesEnd {
+    engine: pagewire_transport::Engine,
+    local: Local,
+    g: PoolGeometry,
 }
 
-fn server_setup(
-    a: &PagesArgs,
-    mut ch: super::oob::Channel,
-    quiet: bool,
-    timeout: std::time::Duration,
-) -> anyhow::Result<(
-    super::oob::Channel,
-    pagewire_transport::Engine,
-    super::session::Local,
-    PoolGeometry,
-)> {
-    use super::oob::{Msg, Welcome};
-    use super::session;
-    let listen: std::net::SocketAddr = if quiet { "127.0.0.1:0" } else { "0.0.0.0:0" }
+impl PagesEnd {
+    fn open(a: &PagesArgs, transport: TransportArg, in_process: bool) -> anyhow::Result<PagesEnd> {
+        let listen: std::net::SocketAddr = if in_process {
+            "127.0.0.1:0"
+        } else {
+            "0.0.0.0:0"
+        }
         .parse()
         .expect("literal");
-    let engine = session::open_engine(&engine_opts(a), listen)?;
-    let g = geometry(a)?;
-    let (bytes, _) = pool_bytes(&g);
-    let mut local = session::Local::new(&engine, bytes)?;
-    // The source pool holds the seeded pattern; the destination is written once so every
-    // page is faulted in before the clock starts.
-    if a.op == PageOp::Read {
-        super::pattern::fill(&mut local.buf[..], source_seed(a));
-    } else {
-        local.buf.fill(0);
+        let engine = session::open_engine(&engine_opts(a, transport), listen)?;
+        let g = geometry(a)?;
+        let (bytes, _) = pool_bytes(&g);
+        let local = Local::new(&engine, bytes)?;
+        Ok(PagesEnd { engine, local, g })
     }
-    ch.send(&Msg::Welcome(Welcome {
-        engine_port: engine.local_addr().port(),
-        buf_len: bytes,
-    }))?;
-    let _peer = session::accept_engine(&engine, timeout)?;
-    ch.barrier(1)?;
-    Ok((ch, engine, local, g))
-}
 
-fn client(
-    a: &PagesArgs,
-    server: std::net::SocketAddr,
-    in_process: bool,
-) -> anyhow::Result<PagesReport> {
-    use super::session;
-    use anyhow::{Context, anyhow, ensure};
-    use pagewire_transport::Op;
-    use std::time::{Duration, Instant};
-    let timeout = Duration::from_secs_f64(a.timeout);
-    let (mut ch, w) = session::client_hello(server, "pages", sym_params(a), timeout)?;
-    let listen: std::net::SocketAddr = if in_process {
-        "127.0.0.1:0"
-    } else {
-        "0.0.0.0:0"
-    }
-    .parse()
-    .expect("literal");
-    let engine = session::open_engine(&engine_opts(a), listen)?;
-    let g = geometry(a)?;
-    let (bytes, _) = pool_bytes(&g);
-    ensure!(
-        w.buf_len == bytes,
-        "the server's pool is {} B, this run's is {bytes} B",
-        w.buf_len
-    );
-    let mut local = session::Local::new(&engine, bytes)?;
-    if a.op == PageOp::Write {
-        super::pattern::fill(&mut local.buf[..], source_seed(a));
-    } else {
-        local.buf.fill(0);
-    }
-    let peer = session::connect_engine(&engine, server, &w)?;
-    let remote = session::remote_buffer(&engine, peer, bytes)?;
-    let (src_base, dst_base, op) = match a.op {
-        PageOp::Write => (local.base(), remote.addr, Op::Write),
-        PageOp::Read => (remote.addr, local.base(), Op::Read),
-    };
-    let m = mapping(a)?;
-    let t0 = Instant::now();
-    let src = place(g, a.src_layout(), src_base)?;
-    let dst = place(g, a.dst_layout(), dst_base)?;
-    let plan =
-        pagewire_layout::plan(&src, &dst, &m.src, &m.dst).context("building the transfer plan")?;
-    let plan_build_us = t0.elapsed().as_secs_f64() * 1e6;
-    let info = engine.backend_info();
-    let pstats = plan_stats(&src, &plan, a.pages, info.max_wr_bytes);
-    let triples: Vec<(u64, u64, u64)> = plan.iter().map(|t| (t.src, t.dst, t.len)).collect();
-
-    let mut bar = progress_bar(a.iters, a.json);
-    ch.barrier(1)?;
-    let start = Instant::now();
-    let mut inflight = std::collections::VecDeque::new();
-    let mut lat_us = Vec::with_capacity(a.iters as usize);
-    let mut submitted = 0u64;
-    let mut last_done = start;
-    while submitted < a.iters || !inflight.is_empty() {
-        while submitted < a.iters && inflight.len() < a.depth as usize {
-            let t = Instant::now();
-            let h = engine
-                .submit_plan(peer, op, triples.iter().copied(), None)
-                .context("submitting a page batch")?;
-            inflight.push_back((h, t));
-            submitted += 1;
-        }
-        let (h, t) = inflight.pop_front().expect("in flight");
-        h.wait(Instant::now() + timeout)
-            .with_context(|| format!("page batch {}", lat_us.len()))?;
-        last_done = Instant::now();
-        lat_us.push(last_done.duration_since(t).as_secs_f64() * 1e6);
-        bar.tick(start);
-    }
-    bar.finish();
-    ch.barrier(2)?;
-    let secs = last_done.duration_since(start).as_secs_f64().max(1e-9);
-    let verified = if !a.verify {
-        None
-    } else if a.op == PageOp::Read {
-        Some(verify_pool(a, g, &local.buf[..])?.map_err(|e| format!("client: {e}")))
-    } else {
-        let (ok, detail) = ch.recv_verified()?;
-        Some(if ok {
-            Ok(detail)
+    /// The source pool holds the seeded pattern, the destination zeros; writing it also
+    /// faults every page in before the clock starts.
+    fn fill(&mut self, a: &PagesArgs, source: bool) {
+        if source {
+            let len = self.local.buf.len();
+            super::pattern::fill_buf(&mut self.local.buf, 0, len, source_seed(a));
         } else {
-            Err(format!("server: {detail}"))
-        })
-    };
-    ch.barrier(3)?;
-    engine.shutdown();
-    lat_us.sort_by(f64::total_cmp);
-    let total = pstats.bytes as f64 * a.iters as f64;
-    let report = PagesReport {
-        op: a.op,
-        model: a.model.name(),
-        kind: g.kind().to_string(),
-        layers: g.layers(),
-        heads: g.heads(),
-        head_dim: g.head_dim(),
-        v_head_dim: g.v_head_dim(),
-        dtype: a.dtype.name(),
-        page_size: a.page_size,
-        page_bytes: g.bytes_per_token() * a.page_size,
-        src_layout: a.src_layout().to_string(),
-        dst_layout: a.dst_layout().to_string(),
-        pool_pages: a.pool_pages(),
-        pool_bytes: bytes,
-        pattern: a.pattern,
-        seed: a.seed,
-        transport: info.kind.to_string(),
-        device: info.device.clone(),
-        lanes: info.lanes_per_peer,
-        depth: a.depth,
-        pages: a.pages,
-        batches: a.iters,
-        plan: pstats,
-        max_wr_bytes: info.max_wr_bytes,
-        plan_build_us,
-        seconds: secs,
-        gb_per_s: total / secs / 1e9,
-        mib_per_s: total / secs / super::stats::MIB,
-        pages_per_s: (a.pages * a.iters) as f64 / secs,
-        batch_p50_us: super::stats::percentile(&lat_us, 50.0),
-        batch_p99_us: super::stats::percentile(&lat_us, 99.0),
-        batch_p999_us: super::stats::percentile(&lat_us, 99.9),
-        verified: verified.as_ref().map(|v| v.is_ok()),
-        verify_detail: match &verified {
-            Some(Ok(d)) | Some(Err(d)) => d.clone(),
-            None => String::new(),
-        },
-    };
-    if a.json {
-        println!("{}", serde_json::to_string(&report)?);
-    } else {
-        print!("{}", report.render());
-    }
-    if let Some(Err(e)) = verified {
-        return Err(anyhow!("verification failed on the {e}"));
-    }
-    Ok(report)
-}
-
-/// A bar on stderr that appears once a run has taken more than two seconds, and only
-/// when stderr is a terminal and the output is not JSON.
-struct Progress {
-    bar: indicatif::ProgressBar,
-    enabled: bool,
-    shown: bool,
-}
-
-fn progress_bar(total: u64, json: bool) -> Progress {
-    use std::io::IsTerminal;
-    let bar = indicatif::ProgressBar::with_draw_target(
-        Some(total),
-        indicatif::ProgressDrawTarget::hidden(),
-    );
-    if let Ok(style) = indicatif::ProgressStyle::with_template(
-        " {bar:40} {pos}/{len} batches  {elapsed_precise} eta {eta}",
-    ) {
-        bar.set_style(style);
-    }
-    Progress {
-        bar,
-        enabled: !json && std::io::stderr().is_terminal(),
-        shown: false,
-    }
-}
-
-impl Progress {
-    fn tick(&mut self, start: std::time::Instant) {
-        self.bar.inc(1);
-        if self.enabled && !self.shown && start.elapsed().as_secs_f64() > 2.0 {
-            self.bar
-                .set_draw_target(indicatif::ProgressDrawTarget::stderr());
-            self.shown = true;
+            self.local.buf.fill(0);
         }
     }
-    fn finish(&self) {
-        self.bar.finish_and_clear();
+
+    /// Waits for one client, serves its run, returns. A client that fails between its
+    /// hello and the first barrier is dropped; the server keeps waiting for another.
+    fn serve(
+        mut self,
+        a: &PagesArgs,
+        listener: std::net::TcpListener,
+        quiet: bool,
+    ) -> anyhow::Result<()> {
+        use super::oob::{Msg, Welcome};
+        let timeout = std::time::Duration::from_secs_f64(a.end.timeout);
+        let transport = self.engine.backend_kind().to_string();
+        let params = sym_params(a, &transport);
+        let bytes = self.local.buf.len() as u64;
+        if !quiet {
+            eprintln!(
+                " pagewire bench pages: server over {}, pool {} MiB, waiting for one client \
+                 (side channel port {})",
+                session::describe(&self.engine),
+                bytes >> 20,
+                listener.local_addr()?.port()
+            );
+        }
+        let mut ch = loop {
+            let mut ch = session::server_accept(&listener, "pages", &params, timeout, quiet)?;
+            while self.engine.accept(std::time::Instant::now()).is_some() {}
+            self.fill(a, a.op == PageOp::Read);
+            let setup = (|| {
+                ch.send(&Msg::Welcome(Welcome {
+                    engine_port: self.engine.local_addr().port(),
+                    buf_len: bytes,
+                }))?;
+                session::accept_engine(&self.engine, timeout)?;
+                ch.barrier(1)?;
+                anyhow::Ok(())
+            })();
+            match setup {
+                Ok(()) => break ch,
+                Err(e) if !quiet => {
+                    eprintln!(" pagewire: client setup failed: {e:#}; waiting for another client");
+                }
+                Err(e) => return Err(e),
+            }
+        };
+        // `timeout` bounds each of the client's batch waits, not its whole run: a slow run
+        // (many ops, a loaded machine) may last up to `iters` of them. Waiting only
+        // `timeout` here dropped the engine mid-run and the client saw "peer gone". A
+        // client that dies still shows up at once as EOF.
+        let run = u32::try_from(a.iters.saturating_add(1)).unwrap_or(u32::MAX);
+        ch.set_timeout(timeout.saturating_mul(run))?;
+        ch.barrier(2)?;
+        ch.set_timeout(timeout)?;
+        let mut outcome = Ok(());
+        if a.end.verify && a.op == PageOp::Write {
+            // SAFETY: barrier 2 means the client's last batch completed, and no other peer
+            // is connected to this bench engine: nothing writes the pool while it is read.
+            let v = verify_pool(a, self.g, unsafe { self.local.buf.as_slice() })?;
+            let (ok, detail) = match &v {
+                Ok(d) => (true, d.clone()),
+                Err(d) => (false, d.clone()),
+            };
+            ch.send(&Msg::Verified {
+                size: bytes,
+                ok,
+                detail: detail.clone(),
+            })?;
+            if !ok {
+                outcome = Err(anyhow::anyhow!(
+                    "verification failed on the server: {detail}"
+                ));
+            }
+        }
+        ch.barrier(3)?;
+        if !quiet {
+            eprintln!(
+                " pagewire bench pages: run finished ({} batches of {} pages)",
+                a.iters, a.pages
+            );
+        }
+        self.engine.shutdown();
+        outcome
+    }
+
+    fn run_client(
+        mut self,
+        a: &PagesArgs,
+        server: std::net::SocketAddr,
+    ) -> anyhow::Result<PagesReport> {
+        use anyhow::{Context, anyhow, ensure};
+        use pagewire_transport::Op;
+        use std::time::{Duration, Instant};
+        let timeout = Duration::from_secs_f64(a.end.timeout);
+        let params = sym_params(a, &self.engine.backend_kind().to_string());
+        let (mut ch, w) = session::client_hello(server, "pages", params, timeout)?;
+        let g = self.g;
+        let (bytes, _) = pool_bytes(&g);
+        ensure!(
+            w.buf_len == bytes,
+            "the server's pool is {} B, this run's is {bytes} B",
+            w.buf_len
+        );
+        self.fill(a, a.op == PageOp::Write);
+        let PagesEnd { engine, local, .. } = self;
+        let peer = session::connect_engine(&engine, server, &w)?;
+        let remote = session::remote_buffer(&engine, peer, bytes)?;
+        let (src_base, dst_base, op) = match a.op {
+            PageOp::Write => (local.base(), remote.addr, Op::Write),
+            PageOp::Read => (remote.addr, local.base(), Op::Read),
+        };
+        let m = mapping(a)?;
+        let t0 = Instant::now();
+        let src = place(g, a.src_layout(), src_base)?;
+        let dst = place(g, a.dst_layout(), dst_base)?;
+        let plan = pagewire_layout::plan(&src, &dst, &m.src, &m.dst)
+            .context("building the transfer plan")?;
+        let plan_build_us = t0.elapsed().as_secs_f64() * 1e6;
+        let info = engine.backend_info();
+        let pstats = plan_stats(&src, &plan, a.pages, info.max_wr_bytes);
+        let triples: Vec<(u64, u64, u64)> = plan.iter().map(|t| (t.src, t.dst, t.len)).collect();
+
+        let mut bar = Progress::new(
+            a.iters,
+            Unit::Count("batches"),
+            progress::wanted(a.end.json, true),
+            1,
+        );
+        ch.barrier(1)?;
+        let start = Instant::now();
+        let mut inflight = std::collections::VecDeque::new();
+        let mut lat_us = Vec::with_capacity(a.iters as usize);
+        let mut submitted = 0u64;
+        let mut last_done = start;
+        while submitted < a.iters || !inflight.is_empty() {
+            while submitted < a.iters && inflight.len() < a.depth as usize {
+                let t = Instant::now();
+                let h = engine
+                    .submit_plan(peer, op, triples.iter().copied(), None)
+                    .context("submitting a page batch")?;
+                inflight.push_back((h, t));
+                submitted += 1;
+            }
+            let (h, t) = inflight.pop_front().expect("in flight");
+            h.wait(Instant::now() + timeout)
+                .with_context(|| format!("page batch {}", lat_us.len()))?;
+            last_done = Instant::now();
+            lat_us.push(last_done.duration_since(t).as_secs_f64() * 1e6);
+            bar.add(1);
+        }
+        bar.finish();
+        ch.barrier(2)?;
+        let secs = last_done.duration_since(start).as_secs_f64().max(1e-9);
+        let verified = if !a.end.verify {
+            None
+        } else if a.op == PageOp::Read {
+            // SAFETY: every READ batch of this run has been waited for, and the only peer,
+            // the bench server, posts no transfers (the client drives every op): nothing
+            // writes the pool while it is read.
+            let pool = unsafe { local.buf.as_slice() };
+            Some(verify_pool(a, g, pool)?.map_err(|e| format!("client: {e}")))
+        } else {
+            let (ok, detail) = ch.recv_verified()?;
+            Some(if ok {
+                Ok(detail)
+            } else {
+                Err(format!("server: {detail}"))
+            })
+        };
+        ch.barrier(3)?;
+        engine.shutdown();
+        lat_us.sort_by(f64::total_cmp);
+        let total = pstats.bytes as f64 * a.iters as f64;
+        let report = PagesReport {
+            op: a.op,
+            model: a.model.name(),
+            kind: g.kind().to_string(),
+            layers: g.layers(),
+            heads: g.heads(),
+            head_dim: g.head_dim(),
+            v_head_dim: g.v_head_dim(),
+            dtype: a.dtype.name(),
+            page_size: a.page_size,
+            page_bytes: g.bytes_per_token() * a.page_size,
+            src_layout: a.src_layout().to_string(),
+            dst_layout: a.dst_layout().to_string(),
+            pool_pages: a.pool_pages(),
+            pool_bytes: bytes,
+            pool_capped: a.pool_capped(),
+            pattern: a.pattern,
+            seed: a.seed,
+            transport: info.kind.to_string(),
+            device: info.device.clone(),
+            lanes: info.lanes_per_peer,
+            depth: a.depth,
+            pages: a.pages,
+            batches: a.iters,
+            plan: pstats,
+            max_wr_bytes: info.max_wr_bytes,
+            plan_build_us,
+            seconds: secs,
+            gb_per_s: total / secs / 1e9,
+            mib_per_s: total / secs / super::stats::MIB,
+            pages_per_s: (a.pages * a.iters) as f64 / secs,
+            batch_p50_us: super::stats::percentile(&lat_us, 50.0),
+            batch_p99_us: super::stats::percentile(&lat_us, 99.0),
+            batch_p999_us: super::stats::percentile(&lat_us, 99.9),
+            verified: verified.as_ref().map(|v| v.is_ok()),
+            verify_detail: match &verified {
+                Some(Ok(d)) | Some(Err(d)) => d.clone(),
+                None => String::new(),
+            },
+        };
+        if a.end.json {
+            println!("{}", serde_json::to_string(&report)?);
+        } else {
+            print!("{}", report.render());
+        }
+        if let Some(Err(e)) = verified {
+            return Err(anyhow!("verification failed on the {e}"));
+        }
+        Ok(report)
     }
 }
 
@@ -1103,5 +1157,84 @@ mod tests {
         let se = src.element_addr(Component::K, sp * 2, 1, 3, 5).unwrap() as usize;
         let de = dst.element_addr(Component::K, dp * 2, 1, 3, 5).unwrap() as usize;
         assert_eq!(s[se..se + 2], d[de..de + 2]);
+    }
+
+    /// The receiver's check agrees with a replay of the plan into a zeroed pool: it
+    /// accepts exactly that pool, and names the first byte of any other.
+    #[test]
+    fn verify_pool_accepts_the_replay_and_names_a_wrong_byte() {
+        for (model, src_l, dst_l, pattern) in [
+            ("llama3-8b", "page_first", "layer_first", "random"),
+            ("mimo-v2", "layer_first", "page_head", "fragmented"),
+            (
+                "deepseek-v3",
+                "page_first_direct",
+                "page_first",
+                "contiguous",
+            ),
+        ] {
+            let a = parse(&[
+                "--model",
+                model,
+                "--layers",
+                "2",
+                "--page-size",
+                "2",
+                "--pages",
+                "5",
+                "--pool-pages",
+                "12",
+                "--src-layout",
+                src_l,
+                "--dst-layout",
+                dst_l,
+                "--pattern",
+                pattern,
+            ]);
+            let g = geometry(&a).unwrap();
+            let (bytes, _) = pool_bytes(&g);
+            let src = place(g, a.src_layout(), 0).unwrap();
+            let dst = place(g, a.dst_layout(), 0).unwrap();
+            let m = mapping(&a).unwrap();
+            let plan = pagewire_layout::plan(&src, &dst, &m.src, &m.dst).unwrap();
+            let mut s = vec![0u8; bytes as usize];
+            super::super::pattern::fill(&mut s, source_seed(&a));
+            let mut d = vec![0u8; bytes as usize];
+            replay(&plan, &s, 0, &mut d, 0).unwrap();
+            assert!(verify_pool(&a, g, &d).unwrap().is_ok(), "{model}");
+            // A moved byte, and a byte outside the moved pages, each caught by offset.
+            let moved = plan.iter().next().unwrap().dst as usize + 3;
+            let outside = (0..d.len())
+                .rev()
+                .find(|&i| d[i] == 0 && s[i] != 0)
+                .unwrap();
+            for at in [moved, outside] {
+                let mut bad = d.clone();
+                bad[at] ^= 0x5a;
+                let e = verify_pool(&a, g, &bad).unwrap().unwrap_err();
+                assert!(e.starts_with(&format!("pool byte {at} ")), "{model}: {e}");
+            }
+        }
+    }
+
+    #[test]
+    fn default_pool_is_capped_and_both_ends_agree() {
+        // Llama-3-8B, 16-token pages: 2 MiB a page; 4 x 16 pages would be 128 MiB.
+        let a = parse(&[]);
+        assert_eq!(a.pages, 16);
+        assert_eq!(a.pool_pages(), 32);
+        assert!(a.pool_capped());
+        let (bytes, _) = pool_bytes(&geometry(&a).unwrap());
+        assert_eq!(bytes, DEFAULT_POOL_CAP);
+        // Never below --pages; an explicit --pool-pages is taken as given.
+        let a = parse(&["--model", "llama3-70b", "--pages", "16"]);
+        assert_eq!(a.pool_pages(), 16);
+        let a = parse(&["--pool-pages", "100"]);
+        assert_eq!(a.pool_pages(), 100);
+        assert!(!a.pool_capped());
+        // Small pages: the plain 4 x --pages.
+        let a = parse(&["--layers", "1", "--page-size", "1"]);
+        assert_eq!(a.pool_pages(), 64);
+        assert!(!a.pool_capped());
     }
 }

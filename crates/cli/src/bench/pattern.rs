@@ -3,6 +3,8 @@
 //! Byte `i` is byte `i % 8` of splitmix64(seed + i / 8), so any shifted, truncated,
 //! stale or zero-filled range is caught, and both ends derive it from the seed alone.
 
+use pagewire_transport::HostBuffer;
+
 fn splitmix64(mut z: u64) -> u64 {
     z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
@@ -45,6 +47,8 @@ pub fn fill_at_byte(buf: &mut [u8], seed: u64, at: u64) {
     buf.copy_from_slice(&tmp[skip..]);
 }
 
+/// Fills `buf` (our own bytes, not a registered buffer) with the pattern from offset 0.
+#[cfg(test)]
 pub fn fill(buf: &mut [u8], seed: u64) {
     fill_at(buf, seed, 0);
 }
@@ -88,8 +92,40 @@ pub fn check_at(buf: &[u8], seed: u64, base: u64) -> Result<(), Mismatch> {
     Ok(())
 }
 
+#[cfg(test)]
 pub fn check(buf: &[u8], seed: u64) -> Result<(), Mismatch> {
     check_at(buf, seed, 0)
+}
+
+/// Bytes moved per copy between a registered buffer and a pattern.
+const STEP: usize = 64 << 10;
+
+/// Writes the pattern for `seed` into `buf[at..at + len]` (pattern offset 0 at `at`). A
+/// registered buffer is shared with the engine and its peer, so the pattern is made in a
+/// small scratch buffer and copied in, never written through a slice of `buf`.
+pub fn fill_buf(buf: &mut HostBuffer, at: usize, len: usize, seed: u64) {
+    let mut tmp = vec![0u8; STEP.min(len)];
+    let mut off = 0;
+    while off < len {
+        let k = (len - off).min(STEP);
+        fill_at(&mut tmp[..k], seed, off as u64);
+        buf.write_at(at + off, &tmp[..k]);
+        off += k;
+    }
+}
+
+/// Checks `buf[at..at + len]` against the pattern [`fill_buf`] writes, copying it out
+/// piece by piece; offsets in the mismatch count from `at`.
+pub fn check_buf(buf: &HostBuffer, at: usize, len: usize, seed: u64) -> Result<(), Mismatch> {
+    let mut tmp = vec![0u8; STEP.min(len)];
+    let mut off = 0;
+    while off < len {
+        let k = (len - off).min(STEP);
+        buf.read_at(at + off, &mut tmp[..k]);
+        check_at(&tmp[..k], seed, off as u64)?;
+        off += k;
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -110,6 +146,20 @@ mod tests {
         }
         assert_ne!(seed_for("write", 64, 0), seed_for("write", 64, 1));
         assert_ne!(seed_for("write", 64, 0), seed_for("read", 64, 0));
+    }
+
+    #[test]
+    fn through_a_host_buffer() {
+        let len = 3 * STEP + 13;
+        let mut b = HostBuffer::new(len + 100).unwrap();
+        fill_buf(&mut b, 100, len, 7);
+        let mut plain = vec![0u8; len];
+        fill(&mut plain, 7);
+        assert_eq!(b.read_vec(100..100 + len), plain);
+        assert_eq!(check_buf(&b, 100, len, 7), Ok(()));
+        b.write_at(100 + 2 * STEP + 5, &[plain[2 * STEP + 5] ^ 1]);
+        let m = check_buf(&b, 100, len, 7).unwrap_err();
+        assert_eq!(m.offset, (2 * STEP + 5) as u64);
     }
 
     #[test]

@@ -27,15 +27,23 @@ use pagewire_transport::{
     Batch, BatchStatus, Engine, Op, PeerId, RemoteRegion, TransferHandle, TransferOp,
 };
 
-use super::args::{PerfArgs, TestKind, TransportArg};
+use super::args::{PerfArgs, Role, TestKind, TransportArg};
 use super::oob::{Channel, Msg, Welcome};
 use super::pattern;
+use super::progress::{self, Progress, Unit};
 use super::report::{Printer, RunInfo};
 use super::session::{self, EngineOpts, Local};
 use super::stats::{self, BwResult, BwSamples, LatResult};
 
-/// The flags both ends must agree on (perftest's symmetric flags, plus ours).
-pub(super) fn sym_params(kind: TestKind, a: &PerfArgs, sizes: &[u64]) -> serde_json::Value {
+/// The flags both ends must agree on (perftest's symmetric flags, plus ours), and the
+/// transport this end resolved (`verbs`, `tcp`): a client whose transport differs is
+/// refused with a message that says so.
+pub(super) fn sym_params(
+    kind: TestKind,
+    a: &PerfArgs,
+    sizes: &[u64],
+    transport: &str,
+) -> serde_json::Value {
     let mut p = serde_json::json!({
         "sizes": sizes,
         "iters": a.iters(kind),
@@ -45,8 +53,8 @@ pub(super) fn sym_params(kind: TestKind, a: &PerfArgs, sizes: &[u64]) -> serde_j
         "tx_depth": a.tx_depth(kind),
         "cq_mod": a.cq_mod(kind),
         "bidirectional": a.bidirectional,
-        "verify": a.verify,
-        "transport": a.transport,
+        "verify": a.end.verify,
+        "transport": transport,
         "poll_memory": a.poll_memory,
         "submit_each": a.submit_each,
     });
@@ -58,13 +66,13 @@ pub(super) fn sym_params(kind: TestKind, a: &PerfArgs, sizes: &[u64]) -> serde_j
     p
 }
 
-fn engine_opts(kind: TestKind, a: &PerfArgs) -> EngineOpts {
+fn engine_opts(kind: TestKind, a: &PerfArgs, transport: TransportArg) -> EngineOpts {
     EngineOpts {
-        transport: a.transport,
+        transport,
         lanes: a.qps,
-        device: a.device.clone(),
-        gid_index: a.gid_index,
-        ib_port: a.ib_port,
+        device: a.end.device.clone(),
+        gid_index: a.end.gid_index,
+        ib_port: a.end.ib_port,
         tx_depth: a.tx_depth(kind),
         progress: Some(a.progress()),
     }
@@ -81,131 +89,174 @@ pub fn run(kind: TestKind, args: PerfArgs) -> anyhow::Result<()> {
             "-D is not supported by the latency test; use -n"
         );
     }
-    ensure!(
-        !args.submit_each || kind == TestKind::Lat,
-        "--submit-each applies to the latency test only"
-    );
-    ensure!(
-        !args.perform_warm_up || kind != TestKind::Lat,
-        "--perform_warm_up applies to the bandwidth tests (write, read) only"
-    );
+    let transport = args.end.transport(args.progress.is_some())?;
     if args.poll_memory {
         ensure!(
-            kind == TestKind::Lat,
-            "--poll-memory applies to the latency test only"
-        );
-        ensure!(
-            args.transport != TransportArg::Loopback,
+            transport != TransportArg::Loopback,
             "--poll-memory needs a transport whose writes land in order (verbs or tcp)"
         );
     }
     let sizes = args.sizes(kind);
-    if let Some(addr) = &args.server_addr {
-        ensure!(
-            args.transport != TransportArg::Loopback,
-            "--transport loopback needs both ends in one process"
-        );
-        let server = session::server_target(addr, args.port)?;
-        return client(kind, &args, &sizes, server, false);
+    let buf = 2 * landing_offset(&sizes);
+    match args.end.role() {
+        Role::Client(addr) => {
+            let server = session::server_target(&addr, args.end.port)?;
+            session::check_memory(buf, "this run's buffer", "use a smaller -s")?;
+            let end = ClientEnd::open(kind, &args, transport, &sizes, false)?;
+            end.run(kind, &args, &sizes, server)
+        }
+        Role::Server => {
+            let listener = TcpListener::bind(("0.0.0.0", args.end.port))
+                .with_context(|| format!("binding the side channel on port {}", args.end.port))?;
+            session::check_memory(buf, "this run's buffer", "use a smaller -s")?;
+            let end = ServerEnd::open(kind, &args, transport, &sizes, false)?;
+            end.serve(kind, &args, &sizes, listener)
+        }
+        Role::Local => in_process(kind, &args, transport, &sizes),
     }
-    if args.server {
-        ensure!(
-            args.transport != TransportArg::Loopback,
-            "--transport loopback needs both ends in one process"
-        );
-        let listener = TcpListener::bind(("0.0.0.0", args.port))
-            .with_context(|| format!("binding the side channel on port {}", args.port))?;
-        return server(kind, &args, &sizes, listener, false);
-    }
-    in_process(kind, &args, &sizes)
 }
 
 /// Both ends in this process, over the engine's real transport (the side channel and
-/// the engines talk through 127.0.0.1).
-fn in_process(kind: TestKind, args: &PerfArgs, sizes: &[u64]) -> anyhow::Result<()> {
+/// the engines talk through 127.0.0.1). Both engines open here first, so a transport
+/// that cannot be used fails at once with its reason.
+fn in_process(
+    kind: TestKind,
+    args: &PerfArgs,
+    transport: TransportArg,
+    sizes: &[u64],
+) -> anyhow::Result<()> {
+    session::check_memory(
+        4 * landing_offset(sizes),
+        "this run's two buffers",
+        "use a smaller -s",
+    )?;
+    let server_end = ServerEnd::open(kind, args, transport, sizes, true)?;
+    let client_end = ClientEnd::open(kind, args, transport, sizes, true)?;
     let (a2, s2) = (args.clone(), sizes.to_vec());
-    let (addr, t) = session::spawn_local_server(move |l| server(kind, &a2, &s2, l, true))?;
-    let r = client(kind, args, sizes, addr, true);
+    let (addr, t) = session::spawn_local_server(move |l| server_end.serve(kind, &a2, &s2, l))?;
+    let r = client_end.run(kind, args, sizes, addr);
+    if r.is_err() {
+        session::wake_local_server(addr);
+    }
     session::join_local(t, r)
 }
 
-/// The default run's bandwidth table: a few sizes, few iterations, both ends here.
+/// The default run's bandwidth table: a few sizes, few iterations, both ends here. 32
+/// iterations keep a batch of the 8 MiB row (16 WRs, 128 MiB) well inside the per-wait
+/// deadline on a slow link (soft-RoCE under emulation moves 20-50 MB/s).
 pub fn run_default() -> anyhow::Result<()> {
     #[derive(Parser)]
     struct Wrap {
         #[command(flatten)]
-        a: PerfArgs,
+        a: super::args::BwArgs,
     }
-    let args = Wrap::try_parse_from(["write", "-n", "200", "--verify"])
+    let args: PerfArgs = Wrap::try_parse_from(["write", "--local", "-n", "32", "--verify"])
         .expect("fixed argv parses")
-        .a;
-    in_process(TestKind::Write, &args, &[4096, 65536, 1 << 20, 8 << 20])
+        .a
+        .into();
+    let transport = args.end.transport(false)?;
+    in_process(
+        TestKind::Write,
+        &args,
+        transport,
+        &[4096, 65536, 1 << 20, 8 << 20],
+    )
 }
 
-fn server(
-    kind: TestKind,
-    args: &PerfArgs,
-    sizes: &[u64],
-    listener: TcpListener,
+/// The server before any client: its engine open, its buffer registered.
+struct ServerEnd {
+    engine: Engine,
+    local: Local,
+    half: u64,
     quiet: bool,
-) -> anyhow::Result<()> {
-    let timeout = Duration::from_secs_f64(args.timeout);
-    let params = sym_params(kind, args, sizes);
-    if !quiet {
-        eprintln!(
-            " pagewire bench {}: waiting for a client on {} (side channel)",
-            kind.name(),
-            listener.local_addr()?
-        );
+}
+
+impl ServerEnd {
+    fn open(
+        kind: TestKind,
+        args: &PerfArgs,
+        transport: TransportArg,
+        sizes: &[u64],
+        quiet: bool,
+    ) -> anyhow::Result<ServerEnd> {
+        let listen: SocketAddr = if quiet { "127.0.0.1:0" } else { "0.0.0.0:0" }
+            .parse()
+            .expect("literal");
+        let engine = session::open_engine(&engine_opts(kind, args, transport), listen)?;
+        let half = landing_offset(sizes);
+        let local = Local::new(&engine, 2 * half)?;
+        Ok(ServerEnd {
+            engine,
+            local,
+            half,
+            quiet,
+        })
     }
-    // A client that said a valid hello but then fails the engine handshake (or vanishes)
-    // is logged and dropped like a foreign connection; the server keeps waiting.
-    let mut end = loop {
-        let ch = session::server_accept(&listener, kind.name(), &params, timeout, quiet)?;
-        match server_setup(kind, args, sizes, ch, quiet, timeout) {
-            Ok(end) => break end,
-            Err(e) if !quiet => {
-                eprintln!(" pagewire: client setup failed: {e:#}; waiting for another client");
-            }
-            Err(e) => return Err(e),
-        }
-    };
-    let r = end.run_all(kind, args, sizes);
-    end.engine.shutdown();
-    r
-}
 
-fn server_setup(
-    kind: TestKind,
-    args: &PerfArgs,
-    sizes: &[u64],
-    mut ch: Channel,
-    quiet: bool,
-    timeout: Duration,
-) -> anyhow::Result<End> {
-    let listen: SocketAddr = if quiet { "127.0.0.1:0" } else { "0.0.0.0:0" }
-        .parse()
-        .expect("literal");
-    let engine = session::open_engine(&engine_opts(kind, args), listen)?;
-    let half = landing_offset(sizes);
-    let local = Local::new(&engine, 2 * half)?;
-    ch.send(&Msg::Welcome(Welcome {
-        engine_port: engine.local_addr().port(),
-        buf_len: 2 * half,
-    }))?;
-    let peer = session::accept_engine(&engine, timeout)?;
-    let remote = session::remote_buffer(&engine, peer, 2 * half)?;
-    Ok(End {
-        engine,
-        peer,
-        local,
-        remote,
-        ch,
-        client: false,
-        print: !quiet,
-        half,
-        timeout,
-    })
+    /// Waits for one client, runs the test with it, and returns. A client that said a
+    /// valid hello but then fails the engine handshake (or vanishes) is logged and
+    /// dropped like a foreign connection; the server keeps waiting.
+    fn serve(
+        self,
+        kind: TestKind,
+        args: &PerfArgs,
+        sizes: &[u64],
+        listener: TcpListener,
+    ) -> anyhow::Result<()> {
+        let ServerEnd {
+            engine,
+            local,
+            half,
+            quiet,
+        } = self;
+        let timeout = Duration::from_secs_f64(args.end.timeout);
+        let transport = engine.backend_kind().to_string();
+        let params = sym_params(kind, args, sizes, &transport);
+        if !quiet {
+            eprintln!(
+                " pagewire bench {}: server over {}, waiting for one client (side channel \
+                 port {})",
+                kind.name(),
+                session::describe(&engine),
+                listener.local_addr()?.port()
+            );
+        }
+        let (ch, peer, remote) = loop {
+            let mut ch = session::server_accept(&listener, kind.name(), &params, timeout, quiet)?;
+            // Peers a vanished client's engine connected late: not this client.
+            while engine.accept(Instant::now()).is_some() {}
+            let setup = (|| {
+                ch.send(&Msg::Welcome(Welcome {
+                    engine_port: engine.local_addr().port(),
+                    buf_len: 2 * half,
+                }))?;
+                let peer = session::accept_engine(&engine, timeout)?;
+                let remote = session::remote_buffer(&engine, peer, 2 * half)?;
+                anyhow::Ok((peer, remote))
+            })();
+            match setup {
+                Ok((peer, remote)) => break (ch, peer, remote),
+                Err(e) if !quiet => {
+                    eprintln!(" pagewire: client setup failed: {e:#}; waiting for another client");
+                }
+                Err(e) => return Err(e),
+            }
+        };
+        let mut end = End {
+            engine,
+            peer,
+            local,
+            remote,
+            ch,
+            client: false,
+            print: !quiet,
+            half,
+            timeout,
+        };
+        let r = end.run_all(kind, args, sizes);
+        end.engine.shutdown();
+        r
+    }
 }
 
 /// Where the landing half of each buffer starts: past the largest message, on a page of
@@ -219,47 +270,76 @@ fn landing_offset(sizes: &[u64]) -> u64 {
         .next_multiple_of(4096)
 }
 
-fn client(
-    kind: TestKind,
-    args: &PerfArgs,
-    sizes: &[u64],
-    server: SocketAddr,
-    in_process: bool,
-) -> anyhow::Result<()> {
-    let timeout = Duration::from_secs_f64(args.timeout);
-    let params = sym_params(kind, args, sizes);
-    let (ch, w) = session::client_hello(server, kind.name(), params, timeout)?;
-    let listen: SocketAddr = if in_process {
-        "127.0.0.1:0"
-    } else {
-        "0.0.0.0:0"
+/// The client before it meets the server: its engine open, its buffer registered (so a
+/// transport that cannot be used fails here, with its reason, before any connection).
+struct ClientEnd {
+    engine: Engine,
+    local: Local,
+    half: u64,
+}
+
+impl ClientEnd {
+    fn open(
+        kind: TestKind,
+        args: &PerfArgs,
+        transport: TransportArg,
+        sizes: &[u64],
+        in_process: bool,
+    ) -> anyhow::Result<ClientEnd> {
+        let listen: SocketAddr = if in_process {
+            "127.0.0.1:0"
+        } else {
+            "0.0.0.0:0"
+        }
+        .parse()
+        .expect("literal");
+        let engine = session::open_engine(&engine_opts(kind, args, transport), listen)?;
+        let half = landing_offset(sizes);
+        let local = Local::new(&engine, 2 * half)?;
+        Ok(ClientEnd {
+            engine,
+            local,
+            half,
+        })
     }
-    .parse()
-    .expect("literal");
-    let engine = session::open_engine(&engine_opts(kind, args), listen)?;
-    let half = landing_offset(sizes);
-    ensure!(
-        w.buf_len >= 2 * half,
-        "the server's buffer ({} B) is smaller than this run needs",
-        w.buf_len
-    );
-    let local = Local::new(&engine, 2 * half)?;
-    let peer = session::connect_engine(&engine, server, &w)?;
-    let remote = session::remote_buffer(&engine, peer, 2 * half)?;
-    let mut end = End {
-        engine,
-        peer,
-        local,
-        remote,
-        ch,
-        client: true,
-        print: true,
-        half,
-        timeout,
-    };
-    let r = end.run_all(kind, args, sizes);
-    end.engine.shutdown();
-    r
+
+    fn run(
+        self,
+        kind: TestKind,
+        args: &PerfArgs,
+        sizes: &[u64],
+        server: SocketAddr,
+    ) -> anyhow::Result<()> {
+        let ClientEnd {
+            engine,
+            local,
+            half,
+        } = self;
+        let timeout = Duration::from_secs_f64(args.end.timeout);
+        let params = sym_params(kind, args, sizes, &engine.backend_kind().to_string());
+        let (ch, w) = session::client_hello(server, kind.name(), params, timeout)?;
+        ensure!(
+            w.buf_len >= 2 * half,
+            "the server's buffer ({} B) is smaller than this run needs",
+            w.buf_len
+        );
+        let peer = session::connect_engine(&engine, server, &w)?;
+        let remote = session::remote_buffer(&engine, peer, 2 * half)?;
+        let mut end = End {
+            engine,
+            peer,
+            local,
+            remote,
+            ch,
+            client: true,
+            print: true,
+            half,
+            timeout,
+        };
+        let r = end.run_all(kind, args, sizes);
+        end.engine.shutdown();
+        r
+    }
 }
 
 /// One end of a connected pair.
@@ -295,6 +375,7 @@ impl End {
             &self.remote,
             data_ex,
         )?;
+        header.buffer_bytes = Some(2 * self.half);
         let info = self.engine.backend_info();
         // perftest's READ header shows the outstanding reads in place of the inline size.
         if kind == TestKind::Read {
@@ -314,24 +395,27 @@ impl End {
         } else {
             Box::new(std::io::sink())
         };
-        let mut printer = Printer::new(out, args.json, args.report_gbits, run_info);
+        let mut printer = Printer::new(out, args.end.json, args.report_gbits, run_info);
         if self.print {
             printer.begin(&header, lat, !args.peak_enabled(kind))?;
         }
+        let mut bar = self.progress_bar(kind, args, sizes);
         self.ch.barrier(0)?;
         let mut failure = None;
+        // The verdict a record carries: only with --verify.
+        let verified = |v: &anyhow::Result<()>| args.end.verify.then_some(v.is_ok());
         for (i, &size) in sizes.iter().enumerate() {
             let step = 1 + 4 * i as u64;
             let verdict = if lat {
-                let (r, v) = self.lat_size(step, size, args)?;
+                let (r, v) = self.lat_size(step, size, args, &mut bar)?;
                 if self.print {
-                    printer.lat(&r)?;
+                    bar.suspend(|| printer.lat(&r, verified(&v)))?;
                 }
                 v
             } else {
-                let (r, v) = self.bw_size(kind, step, size, args)?;
+                let (r, v) = self.bw_size(kind, step, size, args, &mut bar)?;
                 if self.print {
-                    printer.bw(&r)?;
+                    bar.suspend(|| printer.bw(&r, verified(&v)))?;
                 }
                 v
             };
@@ -340,6 +424,7 @@ impl End {
                 break;
             }
         }
+        bar.finish();
         if self.print {
             printer.end()?;
         }
@@ -348,7 +433,7 @@ impl End {
         match failure {
             Some(e) => Err(e),
             None => {
-                if args.verify && self.print && !args.json {
+                if args.end.verify && self.print && !args.end.json {
                     eprintln!(" pagewire: --verify: every size checked on the receiving side: OK");
                 }
                 Ok(())
@@ -356,12 +441,27 @@ impl End {
         }
     }
 
-    fn lower(&self) -> u64 {
-        self.local.base()
+    /// The run's progress bar (drawn only past two seconds, on a terminal, without
+    /// --json): operations this end initiates, or the clock of a timed run.
+    fn progress_bar(&self, kind: TestKind, args: &PerfArgs, sizes: &[u64]) -> Progress {
+        let enabled = progress::wanted(args.end.json, self.print);
+        let n = sizes.len() as u64;
+        match (kind, args.duration) {
+            (TestKind::Lat, _) => {
+                Progress::new(n * args.iters(kind), Unit::Count("pings"), enabled, 64)
+            }
+            (_, Some(d)) => Progress::new(n * (d * 1e3) as u64, Unit::Millis, enabled, 1),
+            _ => Progress::new(
+                n * args.iters(kind) * u64::from(args.qps),
+                Unit::Count("ops"),
+                enabled,
+                1,
+            ),
+        }
     }
 
-    fn buf_mut(&mut self) -> &mut [u8] {
-        &mut self.local.buf[..]
+    fn lower(&self) -> u64 {
+        self.local.base()
     }
 
     /// One bandwidth size: fill, barrier, measure, barrier, verify, exchange results.
@@ -372,6 +472,7 @@ impl End {
         step: u64,
         size: u64,
         a: &PerfArgs,
+        bar: &mut Progress,
     ) -> anyhow::Result<(BwResult, anyhow::Result<()>)> {
         let bidir = a.bidirectional;
         let initiates = self.client || bidir;
@@ -387,10 +488,10 @@ impl End {
         let (half, n) = (self.half as usize, size as usize);
         // Always, not only with --verify: it also faults every page in before the clock starts.
         if src_here {
-            pattern::fill(&mut self.buf_mut()[..n], src_seed);
+            pattern::fill_buf(&mut self.local.buf, 0, n, src_seed);
         }
         if land_here {
-            self.buf_mut()[half..half + n].fill(0);
+            self.local.buf.fill_range(half..half + n, 0);
         }
         self.ch.barrier(step)?;
         let mine_result = if initiates {
@@ -411,6 +512,7 @@ impl End {
                     None,
                     a.tx_depth(kind),
                     a.cq_mod(kind),
+                    &mut Progress::hidden(),
                 )
                 .context("warming up")?;
             }
@@ -423,6 +525,7 @@ impl End {
                 dur,
                 a.tx_depth(kind),
                 a.cq_mod(kind),
+                bar,
             )?;
             let (samples, iterations) = match a.duration {
                 Some(d) => {
@@ -443,6 +546,8 @@ impl End {
                 a.peak_enabled(kind),
             ))
         } else {
+            // A passive end moves its bar by the size it waited out.
+            bar.add(a.iters(kind) * u64::from(a.qps));
             None
         };
         // `timeout` bounds each of the initiator's batch waits, not its whole run; a passive
@@ -461,9 +566,9 @@ impl End {
         self.ch.barrier(step + 1)?;
         self.ch.set_timeout(self.timeout)?;
         let mut verdict: anyhow::Result<()> = Ok(());
-        if a.verify
+        if a.end.verify
             && land_here
-            && let Err(m) = pattern::check(&self.local.buf[half..half + n], land_seed)
+            && let Err(m) = pattern::check_buf(&self.local.buf, half, n, land_seed)
         {
             verdict = Err(anyhow!(
                 "verification failed on the {} at size {size}: {m}",
@@ -475,7 +580,7 @@ impl End {
                 TestKind::Read => bidir,
                 _ => true,
             };
-            if a.verify && peer_lands {
+            if a.end.verify && peer_lands {
                 let (ok, detail) = self.ch.recv_verified()?;
                 if !ok && verdict.is_ok() {
                     verdict = Err(anyhow!(
@@ -491,7 +596,7 @@ impl End {
             self.ch.send(&Msg::Bw { result: r })?;
             Ok((r, verdict))
         } else {
-            if a.verify && land_here {
+            if a.end.verify && land_here {
                 let (ok, detail) = match &verdict {
                     Ok(()) => (true, String::new()),
                     Err(e) => (false, e.to_string()),
@@ -523,6 +628,7 @@ impl End {
         duration: Option<Duration>,
         depth: u32,
         cq_mod: u32,
+        bar: &mut Progress,
     ) -> anyhow::Result<BwSamples> {
         let start = Instant::now();
         let ns = |t: Instant| t.duration_since(start).as_nanos() as u64;
@@ -578,6 +684,7 @@ impl End {
             let t = ns(Instant::now());
             s.completed.extend(std::iter::repeat_n(t, cnt));
             outstanding -= cnt;
+            bar.add(cnt as u64);
         }
         Ok(s)
     }
@@ -588,14 +695,15 @@ impl End {
         step: u64,
         size: u64,
         a: &PerfArgs,
+        bar: &mut Progress,
     ) -> anyhow::Result<(LatResult, anyhow::Result<()>)> {
         let iters = a.iters(TestKind::Lat);
         let (mine, theirs) = if self.client { (0, 1) } else { (1, 0) };
         let src_seed = pattern::seed_for("lat", size, mine);
         let land_seed = pattern::seed_for("lat", size, theirs);
         let (half, n) = (self.half as usize, size as usize);
-        pattern::fill(&mut self.buf_mut()[..n], src_seed);
-        self.buf_mut()[half..half + n].fill(0);
+        pattern::fill_buf(&mut self.local.buf, 0, n, src_seed);
+        self.local.buf.fill_range(half..half + n, 0);
         let (src, dst) = (self.lower(), self.remote.addr + self.half);
         self.ch.barrier(step)?;
         let poll = a.poll_memory;
@@ -627,7 +735,7 @@ impl End {
                 self.wait_ping(poll, tag, half + n - 1, mark(i))?;
             }
             if poll {
-                self.buf_mut()[n - 1] = mark(i);
+                self.local.buf.write_at(n - 1, &[mark(i)]);
             }
             // One clock read per ping, as perftest's one cycle-counter read: the post
             // time, which also anchors the deadlines.
@@ -673,6 +781,7 @@ impl End {
             if self.client {
                 self.wait_ping(poll, tag, half + n - 1, mark(i))?;
             }
+            bar.add(1);
         }
         if let Some(h) = last {
             h.wait(Instant::now() + self.timeout)
@@ -685,20 +794,18 @@ impl End {
         if poll {
             // The last byte carried the marks; the rest must still be the pattern.
             let want = mark(iters - 1);
-            let got = self.local.buf[half + n - 1];
-            if a.verify && got != want {
+            let got = peek(&self.local.buf, half + n - 1);
+            if a.end.verify && got != want {
                 bail!("the last ping's final byte is {got:#04x}, expected {want:#04x}");
             }
-            self.buf_mut()[half + n - 1] = {
-                let mut tail = [0u8; 1];
-                pattern::fill_at_byte(&mut tail, land_seed, n as u64 - 1);
-                tail[0]
-            };
+            let mut tail = [0u8; 1];
+            pattern::fill_at_byte(&mut tail, land_seed, n as u64 - 1);
+            self.local.buf.write_at(half + n - 1, &tail);
         }
         self.ch.barrier(step + 1)?;
         let mut verdict: anyhow::Result<()> = Ok(());
-        if a.verify
-            && let Err(m) = pattern::check(&self.local.buf[half..half + n], land_seed)
+        if a.end.verify
+            && let Err(m) = pattern::check_buf(&self.local.buf, half, n, land_seed)
         {
             verdict = Err(anyhow!(
                 "verification failed on the {} at size {size}: {m}",
@@ -706,7 +813,7 @@ impl End {
             ));
         }
         if self.client {
-            if a.verify {
+            if a.end.verify {
                 let (ok, detail) = self.ch.recv_verified()?;
                 if !ok && verdict.is_ok() {
                     verdict = Err(anyhow!(
@@ -718,7 +825,7 @@ impl End {
             self.ch.send(&Msg::Lat { result: r })?;
             Ok((r, verdict))
         } else {
-            if a.verify {
+            if a.end.verify {
                 let (ok, detail) = match &verdict {
                     Ok(()) => (true, String::new()),
                     Err(e) => (false, e.to_string()),

@@ -52,6 +52,8 @@ pub struct Header {
     pub progress: Option<String>,
     /// READ tests print outstanding reads instead of max inline data.
     pub outstanding_reads: Option<u32>,
+    /// Bytes each end registered for the run (pagewire's own line).
+    pub buffer_bytes: Option<u64>,
     pub data_exchange: String,
     pub local: EndpointDesc,
     pub remote: EndpointDesc,
@@ -98,7 +100,41 @@ fn endpoint_lines(out: &mut String, side: &str, e: &EndpointDesc) {
 }
 
 impl Header {
+    /// perftest's block for verbs; for TCP and loopback only the fields that mean
+    /// something there (no SRQ, inline data, CQ moderation, MTU or GID).
     pub fn render(&self) -> String {
+        if self.transport == "verbs" {
+            self.render_verbs()
+        } else {
+            self.render_stream()
+        }
+    }
+
+    fn render_stream(&self) -> String {
+        let mut s = String::new();
+        let _ = writeln!(s, "{RESULT_LINE}");
+        let _ = writeln!(s, "                    {}", self.title);
+        let _ = writeln!(s, " Transport type  : {}", self.transport);
+        let lanes = if self.transport == "tcp" {
+            "Streams"
+        } else {
+            "Lanes"
+        };
+        let _ = writeln!(s, " {lanes:<16}: {}", self.qps);
+        let _ = writeln!(s, " TX depth        : {}", self.tx_depth);
+        let _ = writeln!(s, " Ops per batch   : {}", self.cq_mod);
+        if let Some(b) = self.buffer_bytes {
+            let _ = writeln!(s, " Buffer          : {b}[B] per end");
+        }
+        let _ = writeln!(s, " Data ex. method : {}", self.data_exchange);
+        let _ = writeln!(s, "{RESULT_LINE}");
+        endpoint_lines(&mut s, "local", &self.local);
+        endpoint_lines(&mut s, "remote", &self.remote);
+        let _ = writeln!(s, "{RESULT_LINE}");
+        s
+    }
+
+    fn render_verbs(&self) -> String {
         let mut s = String::new();
         let _ = writeln!(s, "{RESULT_LINE}");
         let _ = writeln!(s, "                    {}", self.title);
@@ -138,6 +174,9 @@ impl Header {
         // pagewire's own line, after perftest's, so their order stays as perftest prints it.
         if let Some(p) = &self.progress {
             let _ = writeln!(s, " Progress        : {p}");
+        }
+        if let Some(b) = self.buffer_bytes {
+            let _ = writeln!(s, " Buffer          : {b}[B] per end");
         }
         let _ = writeln!(s, "{RESULT_LINE}");
         endpoint_lines(&mut s, "local", &self.local);
@@ -196,7 +235,9 @@ pub struct RunInfo {
     pub bidirectional: bool,
 }
 
-pub fn bw_json(info: &RunInfo, r: &BwResult) -> String {
+/// One bandwidth record. `verified`: the receiving side's verdict with `--verify`, else
+/// null.
+pub fn bw_json(info: &RunInfo, r: &BwResult, verified: Option<bool>) -> String {
     serde_json::json!({
         "kind": "bw",
         "test": info.test,
@@ -212,11 +253,13 @@ pub fn bw_json(info: &RunInfo, r: &BwResult) -> String {
         "bw_peak_gbit_s": r.peak_bps.map(|b| round6(b * 8.0 / 1e9)),
         "bw_avg_gbit_s": round6(r.avg_bps * 8.0 / 1e9),
         "msg_rate_mpps": round6(r.msg_rate_mpps),
+        "verified": verified,
     })
     .to_string()
 }
 
-pub fn lat_json(info: &RunInfo, r: &LatResult) -> String {
+/// One latency record; `verified` as in [`bw_json`].
+pub fn lat_json(info: &RunInfo, r: &LatResult, verified: Option<bool>) -> String {
     serde_json::json!({
         "kind": "lat",
         "test": info.test,
@@ -231,6 +274,7 @@ pub fn lat_json(info: &RunInfo, r: &LatResult) -> String {
         "t_stdev_us": round6(r.t_stdev_us),
         "p99_us": round6(r.p99_us),
         "p999_us": round6(r.p999_us),
+        "verified": verified,
     })
     .to_string()
 }
@@ -281,9 +325,9 @@ impl<W: Write> Printer<W> {
         self.out.flush()
     }
 
-    pub fn bw(&mut self, r: &BwResult) -> io::Result<()> {
+    pub fn bw(&mut self, r: &BwResult, verified: Option<bool>) -> io::Result<()> {
         let line = if self.json {
-            bw_json(&self.info, r)
+            bw_json(&self.info, r, verified)
         } else {
             bw_row(r, self.gbits)
         };
@@ -291,9 +335,9 @@ impl<W: Write> Printer<W> {
         self.out.flush()
     }
 
-    pub fn lat(&mut self, r: &LatResult) -> io::Result<()> {
+    pub fn lat(&mut self, r: &LatResult, verified: Option<bool>) -> io::Result<()> {
         let line = if self.json {
-            lat_json(&self.info, r)
+            lat_json(&self.info, r, verified)
         } else {
             lat_row(r)
         };
@@ -332,6 +376,7 @@ mod tests {
             gid_index: Some(1),
             progress: Some("manual".into()),
             outstanding_reads: None,
+            buffer_bytes: Some(131072),
             data_exchange: "Ethernet".into(),
             local: EndpointDesc {
                 qps: vec![(0x32, 0x5f2841)],
@@ -369,21 +414,27 @@ mod tests {
         let mut p = Printer::new(Vec::new(), false, false, info());
         p.begin(&header(), false, false).unwrap();
         // 1000 MiB/s peak, 900 MiB/s average.
-        p.bw(&BwResult {
-            bytes: 65536,
-            iterations: 5000,
-            peak_bps: Some(1000.0 * MIB),
-            avg_bps: 900.0 * MIB,
-            msg_rate_mpps: 0.0144,
-        })
+        p.bw(
+            &BwResult {
+                bytes: 65536,
+                iterations: 5000,
+                peak_bps: Some(1000.0 * MIB),
+                avg_bps: 900.0 * MIB,
+                msg_rate_mpps: 0.0144,
+            },
+            None,
+        )
         .unwrap();
-        p.bw(&BwResult {
-            bytes: 2,
-            iterations: 5000,
-            peak_bps: Some(0.04 * MIB),
-            avg_bps: 0.03 * MIB,
-            msg_rate_mpps: 0.014897,
-        })
+        p.bw(
+            &BwResult {
+                bytes: 2,
+                iterations: 5000,
+                peak_bps: Some(0.04 * MIB),
+                avg_bps: 0.03 * MIB,
+                msg_rate_mpps: 0.014897,
+            },
+            None,
+        )
         .unwrap();
         p.end().unwrap();
         let got = String::from_utf8(p.into_inner()).unwrap();
@@ -401,6 +452,7 @@ mod tests {
  Max inline data : 0[B]
  Data ex. method : Ethernet
  Progress        : manual
+ Buffer          : 131072[B] per end
 ---------------------------------------------------------------------------------------
  local address: LID 0000 QPN 0x0032 PSN 0x5f2841 RKey 0x002440 VAddr 0x007f2e5f64b000
  GID: 00:00:00:00:00:00:00:00:00:00:255:255:10:00:02:15
@@ -494,13 +546,16 @@ mod tests {
     fn json_is_one_record_per_row() {
         let mut p = Printer::new(Vec::new(), true, false, info());
         p.begin(&header(), false, true).unwrap();
-        p.bw(&BwResult {
-            bytes: 4096,
-            iterations: 10,
-            peak_bps: None,
-            avg_bps: MIB,
-            msg_rate_mpps: 0.25,
-        })
+        p.bw(
+            &BwResult {
+                bytes: 4096,
+                iterations: 10,
+                peak_bps: None,
+                avg_bps: MIB,
+                msg_rate_mpps: 0.25,
+            },
+            Some(true),
+        )
         .unwrap();
         p.end().unwrap();
         let out = String::from_utf8(p.into_inner()).unwrap();
@@ -511,5 +566,89 @@ mod tests {
         assert_eq!(v["bw_avg_mib_s"], 1.0);
         assert!(v["bw_peak_mib_s"].is_null());
         assert_eq!(v["transport"], "verbs");
+        assert_eq!(v["verified"], true);
+    }
+
+    /// The TCP header: only what means something on TCP (no SRQ, inline data, CQ
+    /// moderation, MTU or GID), rendered exactly.
+    #[test]
+    fn golden_tcp_header() {
+        let h = Header {
+            device: "tcp 0.0.0.0:40000".into(),
+            transport: "tcp".into(),
+            link_type: "TCP".into(),
+            connection: "TCP".into(),
+            mtu: None,
+            gid_index: None,
+            progress: None,
+            buffer_bytes: Some(131072),
+            data_exchange: "Ethernet (server)".into(),
+            local: EndpointDesc {
+                socket: Some("0.0.0.0:40000 data port 40001, 1 stream(s)".into()),
+                ..EndpointDesc::default()
+            },
+            remote: EndpointDesc {
+                socket: Some("10.0.0.2:40100 data port 40101, 1 stream(s)".into()),
+                ..EndpointDesc::default()
+            },
+            ..header()
+        };
+        let want = "\
+---------------------------------------------------------------------------------------
+                    RDMA_Write BW Test
+ Transport type  : tcp
+ Streams         : 1
+ TX depth        : 128
+ Ops per batch   : 64
+ Buffer          : 131072[B] per end
+ Data ex. method : Ethernet (server)
+---------------------------------------------------------------------------------------
+ local address: 0.0.0.0:40000 data port 40001, 1 stream(s)
+ remote address: 10.0.0.2:40100 data port 40101, 1 stream(s)
+---------------------------------------------------------------------------------------
+";
+        let got = h.render();
+        assert_eq!(got, want, "\n--- got ---\n{got}");
+    }
+
+    /// The JSON records, key for key and value for value (serde_json orders keys).
+    #[test]
+    fn golden_json_records() {
+        let info = RunInfo {
+            transport: "tcp".into(),
+            device: "tcp 0.0.0.0:40000".into(),
+            ..info()
+        };
+        let bw = BwResult {
+            bytes: 65536,
+            iterations: 5000,
+            peak_bps: Some(1000.0 * MIB),
+            avg_bps: 900.0 * MIB,
+            msg_rate_mpps: 0.0144,
+        };
+        assert_eq!(
+            bw_json(&info, &bw, Some(true)),
+            r#"{"bidirectional":false,"bw_avg_gbit_s":7.549747,"bw_avg_mib_s":900.0,"bw_peak_gbit_s":8.388608,"bw_peak_mib_s":1000.0,"bytes":65536,"device":"tcp 0.0.0.0:40000","iterations":5000,"kind":"bw","msg_rate_mpps":0.0144,"qps":1,"test":"write","transport":"tcp","tx_depth":128,"verified":true}"#
+        );
+        let lat = LatResult {
+            bytes: 2,
+            iterations: 1000,
+            t_min_us: 9.5,
+            t_max_us: 31.25,
+            t_typical_us: 10.7,
+            t_avg_us: 11.4,
+            t_stdev_us: 2.0,
+            p99_us: 29.0,
+            p999_us: 31.0,
+        };
+        let info = RunInfo {
+            test: "lat",
+            ..info
+        };
+        assert_eq!(
+            lat_json(&info, &lat, None),
+            r#"{"bytes":2,"device":"tcp 0.0.0.0:40000","iterations":1000,"kind":"lat","p999_us":31.0,"p99_us":29.0,"t_avg_us":11.4,"t_max_us":31.25,"t_min_us":9.5,"t_stdev_us":2.0,"t_typical_us":10.7,"test":"lat","transport":"tcp","verified":null}"#
+        );
+        assert!(lat_json(&info, &lat, Some(false)).contains(r#""verified":false"#));
     }
 }

@@ -23,7 +23,7 @@ pub struct EngineOpts {
     pub lanes: u32,
     pub device: Option<String>,
     pub gid_index: Option<u32>,
-    pub ib_port: u8,
+    pub ib_port: Option<u8>,
     pub tx_depth: u32,
     /// `None`: the engine's (environment or default).
     pub progress: Option<ProgressArg>,
@@ -47,7 +47,6 @@ pub fn open_engine(o: &EngineOpts, listen: SocketAddr) -> anyhow::Result<Engine>
         .context("PAGEWIRE_* environment")?
         .backend(backend_kind(o.transport))
         .listen(listen)
-        .ib_port(o.ib_port)
         .qps_per_peer(lanes)
         .tcp_streams(lanes);
     let base = b.clone().build().context("engine configuration")?;
@@ -60,6 +59,9 @@ pub fn open_engine(o: &EngineOpts, listen: SocketAddr) -> anyhow::Result<Engine>
     if let Some(g) = o.gid_index {
         b = b.gid_index(g);
     }
+    if let Some(p) = o.ib_port {
+        b = b.ib_port(p);
+    }
     if let Some(p) = o.progress {
         b = b.progress(match p {
             ProgressArg::Auto => ProgressMode::Auto,
@@ -67,7 +69,52 @@ pub fn open_engine(o: &EngineOpts, listen: SocketAddr) -> anyhow::Result<Engine>
         });
     }
     let cfg = b.build().context("engine configuration")?;
-    Engine::new(cfg).context("opening the transport engine")
+    let what = match (o.transport, &o.device) {
+        (_, Some(d)) => format!("opening RDMA device {d}"),
+        (TransportArg::Verbs, None) => "opening the verbs transport".to_string(),
+        (t, None) => format!("opening the {} transport", t.name()),
+    };
+    let engine = Engine::new(cfg).context(what)?;
+    if o.transport == TransportArg::Auto && engine.backend_kind() != BackendKind::Verbs {
+        // `auto` may fall back; it says so, once per process.
+        static SAID: std::sync::Once = std::sync::Once::new();
+        let why = engine.backend_info().selection;
+        SAID.call_once(|| eprintln!(" pagewire: transport {why}"));
+    }
+    Ok(engine)
+}
+
+/// The transport an engine runs, for the server's waiting line: `verbs (rxe0)`, `tcp`.
+pub fn describe(engine: &Engine) -> String {
+    let info = engine.backend_info();
+    match info.kind {
+        BackendKind::Verbs => format!("verbs ({} port {})", info.device, info.port),
+        k => k.to_string(),
+    }
+}
+
+/// Bytes of memory this machine has available (`MemAvailable`), if it says.
+pub fn mem_available() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+/// Refuses a run whose buffers (`bytes` in this process, all ends together) would not
+/// fit in the memory this machine has available, before allocating any of it.
+pub fn check_memory(bytes: u64, what: &str, smaller: &str) -> anyhow::Result<()> {
+    if let Some(avail) = mem_available()
+        && bytes > avail / 10 * 9
+    {
+        bail!(
+            "{what} needs {} MiB in this process, more than the {} MiB this machine has \
+             available; {smaller}",
+            bytes >> 20,
+            avail >> 20
+        );
+    }
+    Ok(())
 }
 
 /// A registered buffer of one end.
@@ -145,7 +192,8 @@ pub fn server_target(addr: &str, default_port: u16) -> anyhow::Result<SocketAddr
         .ok_or_else(|| anyhow!("{addr} resolves to no address"))
 }
 
-/// The client's side of the meeting: connect, say hello, get the welcome.
+/// The client's side of the meeting: connect, say hello, get the welcome. A refusal
+/// comes back as an error with the server's reason.
 pub fn client_hello(
     server: SocketAddr,
     test: &str,
@@ -173,15 +221,23 @@ pub fn client_hello(
         test: test.into(),
         params,
     })?;
-    let w = ch
-        .expect_welcome()
-        .context("waiting for the server's welcome")?;
+    let w = match ch.expect_welcome() {
+        Ok(w) => w,
+        Err(OobError::Refused(reason)) => {
+            bail!("the server at {server} refused this client: {reason}")
+        }
+        Err(e) => {
+            return Err(e)
+                .with_context(|| format!("waiting for the welcome of the server at {server}"));
+        }
+    };
     Ok((ch, w))
 }
 
 /// The server's side: accept connections until one says a valid hello with parameters
 /// equal to ours. Malformed or foreign connections and mismatched parameters are
-/// logged and dropped; the server keeps waiting.
+/// logged and dropped; the server keeps waiting. A `quiet` server (the in-process one of
+/// `--local`) takes exactly one connection and fails if it is not the client.
 pub fn server_accept(
     listener: &TcpListener,
     test: &str,
@@ -193,14 +249,21 @@ pub fn server_accept(
         let (stream, from) = listener.accept().context("side channel accept")?;
         let mut ch = match Channel::new(stream, HELLO_TIMEOUT) {
             Ok(c) => c,
+            Err(e) if quiet => return Err(e).context("the in-process client's connection"),
             Err(e) => {
                 eprintln!(" pagewire: dropped connection from {from}: {e}");
                 continue;
             }
         };
-        let refuse = |ch: &mut Channel, reason: String| {
-            eprintln!(" pagewire: refused client {from}: {reason}; waiting for another");
-            let _ = ch.send(&Msg::Refuse { reason });
+        let mut refused: Option<String> = None;
+        let mut refuse = |ch: &mut Channel, reason: String| {
+            if !quiet {
+                eprintln!(" pagewire: refused client {from}: {reason}; waiting for another");
+            }
+            let _ = ch.send(&Msg::Refuse {
+                reason: reason.clone(),
+            });
+            refused = Some(reason);
         };
         match ch.recv() {
             Ok(Msg::Hello {
@@ -219,10 +282,7 @@ pub fn server_accept(
                         format!("client runs `{t}`, this server runs `{test}`"),
                     );
                 } else if &params != mine {
-                    refuse(
-                        &mut ch,
-                        format!("parameters differ: {}", diff(mine, &params)),
-                    );
+                    refuse(&mut ch, diff(mine, &params));
                 } else {
                     ch.set_timeout(timeout)?;
                     if !quiet {
@@ -232,19 +292,43 @@ pub fn server_accept(
                 }
             }
             Ok(other) => refuse(&mut ch, format!("expected a hello, got {other:?}")),
+            Err(e) if quiet => return Err(e).context("the in-process client's hello"),
             Err(e @ (OobError::BadMagic(_) | OobError::TooLarge(_) | OobError::BadMessage(_))) => {
                 eprintln!(" pagewire: ignoring foreign or malformed connection from {from}: {e}");
             }
             Err(e) => eprintln!(" pagewire: dropped connection from {from}: {e}"),
         }
+        if let Some(reason) = refused
+            && quiet
+        {
+            bail!("refused the in-process client: {reason}");
+        }
     }
 }
 
-/// Which keys differ between two parameter objects, for the refusal message.
-fn diff(mine: &serde_json::Value, theirs: &serde_json::Value) -> String {
+/// Unblocks an in-process server still waiting in `server_accept` (its client failed
+/// before connecting): a connection that says nothing ends its wait with an error.
+pub fn wake_local_server(addr: SocketAddr) {
+    let _ = TcpStream::connect_timeout(&addr, Duration::from_secs(1));
+}
+
+/// Why a client's parameters are refused: the transports (each end's resolved backend)
+/// first, then every other key that differs.
+pub(super) fn diff(mine: &serde_json::Value, theirs: &serde_json::Value) -> String {
     let (Some(a), Some(b)) = (mine.as_object(), theirs.as_object()) else {
-        return "not an object".into();
+        return "parameters are not an object".into();
     };
+    if let (Some(s), Some(c)) = (a.get("transport"), b.get("transport"))
+        && s != c
+    {
+        let name = |v: &serde_json::Value| v.as_str().unwrap_or("?").to_string();
+        return format!(
+            "wrong transport: the server runs {}, the client {} (give both ends the same \
+             --transport, or -d on both)",
+            name(s),
+            name(c)
+        );
+    }
     let mut out = Vec::new();
     for (k, v) in a {
         match b.get(k) {
@@ -256,7 +340,10 @@ fn diff(mine: &serde_json::Value, theirs: &serde_json::Value) -> String {
     for k in b.keys().filter(|k| !a.contains_key(*k)) {
         out.push(format!("{k}: unknown"));
     }
-    out.join("; ")
+    format!(
+        "parameters differ (give both ends the same flags): {}",
+        out.join("; ")
+    )
 }
 
 /// Connects the client engine to the server engine (same host as the side channel).
@@ -337,11 +424,12 @@ pub fn header(
         gid_index: info.gid_index,
         progress: (kind == BackendKind::Verbs).then(|| engine.config().progress.to_string()),
         outstanding_reads: None,
+        buffer_bytes: None,
         data_exchange: data_exchange.into(),
         local: endpoint_desc(
             &pi.local_endpoint,
             local_rkey.map(|k| (k, local.base())),
-            "local",
+            &engine.local_addr().to_string(),
         ),
         remote: endpoint_desc(
             &pi.remote_endpoint,
@@ -378,4 +466,26 @@ pub fn join_local(
         .map_err(|_| anyhow!("the in-process server panicked"))?;
     client?;
     server.context("in-process server")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A client on another transport is told so first, in words; other differences are
+    /// listed by key.
+    #[test]
+    fn refusals_name_the_difference() {
+        let server = serde_json::json!({"iters": 20, "transport": "tcp", "qps": 1});
+        let client = serde_json::json!({"iters": 30, "transport": "verbs", "qps": 1});
+        let why = diff(&server, &client);
+        assert!(
+            why.starts_with("wrong transport: the server runs tcp, the client verbs"),
+            "{why}"
+        );
+        let client = serde_json::json!({"iters": 30, "transport": "tcp", "qps": 1});
+        let why = diff(&server, &client);
+        assert!(why.contains("iters: server 20, client 30"), "{why}");
+        assert!(!why.contains("qps"), "{why}");
+    }
 }

@@ -1,14 +1,189 @@
-"""Mooncake's Python surfaces on pagewire, for callers written against Mooncake.
+"""A drop-in for ``mooncake.engine``: Mooncake's ``TransferEngine`` on pagewire.
 
-Every class keeps Mooncake's method names, argument names, defaults and return codes;
-peers must be pagewire too (API-compatible, not wire-compatible).
+Every method SGLang and vLLM call has Mooncake's name, argument names, defaults and
+return codes; session ids are ``"host:rpc_port"`` with the port in Mooncake's RPC range
+(15000-17000, ``MC_MIN_RPC_PORT``/``MC_MAX_RPC_PORT``). Peers must be pagewire engines
+too (API-compatible, not wire-compatible).
 
->>> from pagewire.mooncake_compat import MooncakeDistributedStore
->>> MooncakeDistributedStore().get_hostname()   # before setup
-''
+>>> from pagewire.mooncake_compat import TransferEngine
+>>> te = TransferEngine()
+>>> te.get_rpc_port()          # before initialize: -1, not a crash
+-1
+
+Where Mooncake is lax, pagewire is strict: every local and remote range of a batch is
+checked before anything is posted (an unregistered source fails with -1 and nothing is
+written), raw addresses are checked to be writable memory before they are registered, a
+method called before ``initialize`` returns -1, an unknown metadata server returns -1,
+a stale batch id returns -1, and ``send_probe`` gives up within 5 s.
+
+With ``PAGEWIRE_AS_MOONCAKE=1`` in the environment, ``import mooncake.engine`` gives this
+module (an import hook the wheel installs), so unchanged SGLang and vLLM code uses it.
 """
 
+from __future__ import annotations
+
+import enum
+from typing import Any, List
+
+from pagewire._native import _MooncakeEngine
+
+__all__ = [
+    "TransferEngine",
+    "TransferOpcode",
+    "TransferNotify",
+    "InnerTransferEngine",
+    "Read",
+    "Write",
+    "SUPPORT_CUDA",
+    "SUPPORT_EFA",
+    "SUPPORT_HIP",
+    "SUPPORT_MNNVL",
+    "SUPPORT_MUSA",
+    "SUPPORT_INTRA_NVLINK",
+]
+
+#: This build moves host memory only (no CUDA, HIP, MUSA, EFA or NVLink paths).
+SUPPORT_CUDA = False
+SUPPORT_EFA = False
+SUPPORT_HIP = False
+SUPPORT_MNNVL = False
+SUPPORT_MUSA = False
+SUPPORT_INTRA_NVLINK = False
+
+
+class TransferOpcode(enum.IntEnum):
+    """Direction of ``transfer_sync`` / ``batch_transfer_sync`` (Mooncake's values)."""
+
+    Read = 0
+    Write = 1
+
+
+Read = TransferOpcode.Read
+Write = TransferOpcode.Write
+
+
+class TransferNotify:
+    """A notification: ``TransferNotify()`` or ``TransferNotify(name, msg)``.
+
+    Sent with ``transfer_sync(..., notify=...)``; the peer's ``get_notifies()`` returns it
+    once, after the batch's data is in its memory.
+    """
+
+    __slots__ = ("name", "msg")
+
+    def __init__(self, name: str = "", msg: str = "") -> None:
+        self.name = name
+        self.msg = msg
+
+    def __repr__(self) -> str:
+        return f"TransferNotify(name={self.name!r}, msg={self.msg!r})"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, TransferNotify):
+            return NotImplemented
+        return (self.name, self.msg) == (other.name, other.msg)
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, like Mooncake's
+
+
+class InnerTransferEngine:
+    """The opaque engine handle ``get_engine()`` returns (Mooncake's type name)."""
+
+    __slots__ = ("_owner",)
+
+    def __init__(self, owner: "TransferEngine") -> None:
+        self._owner = owner
+
+    def __repr__(self) -> str:
+        return f"<InnerTransferEngine of {self._owner.session_id}>"
+
+
+def _not_implemented(name: str) -> NotImplementedError:
+    return NotImplementedError(
+        f"pagewire.mooncake_compat.TransferEngine.{name} is not implemented by pagewire "
+        "(register your own memory with register_memory)"
+    )
+
+
+class TransferEngine(_MooncakeEngine):
+    """Mooncake's ``TransferEngine`` on pagewire.
+
+    ``TransferEngine()`` reads ``MC_TRANSFER_TIMEOUT`` (seconds, floor 5, default 30);
+    ``initialize(local_hostname, "P2PHANDSHAKE", protocol, device_name)`` starts it:
+    verbs when ``protocol == "rdma"`` and an RDMA device opens (the first of the
+    comma-separated ``device_name``, or the first usable one), TCP otherwise or with
+    ``MC_FORCE_TCP`` set; the choice is logged (logger ``pagewire.mooncake_compat``).
+
+    Return codes are Mooncake's: 0 success, -1 failure, -3 not registered, -7 overlapping
+    registration, 0 as the failed-submission batch id, 1/0/-1/-2 from
+    ``transfer_check_status``. pagewire extensions: ``session_id``, ``backend``,
+    ``close()``.
+    """
+
+    TransferOpcode = TransferOpcode
+
+    def get_notifies(self) -> List[TransferNotify]:
+        """Drains the notifications received so far; each is returned once, and only
+        after the data of the batch that carried it is in memory."""
+        return [TransferNotify(n, m) for n, m in self._get_notifies()]
+
+    def get_engine(self) -> Any:
+        """An opaque handle to the underlying engine (``None`` before ``initialize``).
+        pagewire has no Mooncake Store, so nothing consumes it yet."""
+        if self.session_id is None:
+            return None
+        return InnerTransferEngine(self)
+
+    def warmup_efa_segment(self, segment_name: str) -> int:
+        """EFA only in Mooncake; 0 here, as in Mooncake builds without EFA."""
+        return 0
+
+    def __enter__(self) -> "TransferEngine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # Mooncake's helpers that pagewire does not implement: present (callers probe with
+    # hasattr), same signatures, and they raise NotImplementedError.
+
+    def free_managed_buffer(self, buffer_addr: int, length: int, /) -> int:
+        """Not implemented by pagewire; raises ``NotImplementedError``."""
+        raise _not_implemented("free_managed_buffer")
+
+    def write_bytes_to_buffer(self, dest_address: int, src: str, length: int, /) -> int:
+        """Not implemented by pagewire; raises ``NotImplementedError``."""
+        raise _not_implemented("write_bytes_to_buffer")
+
+    def read_bytes_from_buffer(self, source_address: int, length: int, /) -> bytes:
+        """Not implemented by pagewire; raises ``NotImplementedError``."""
+        raise _not_implemented("read_bytes_from_buffer")
+
+    def transfer_write_on_cuda(self, target_hostname: str, buffer: int, peer_buffer_address: int,
+                               length: int, stream_ptr: int = 0, transport_hint: str = "") -> None:
+        """Not implemented by pagewire (no CUDA path); raises ``NotImplementedError``."""
+        raise _not_implemented("transfer_write_on_cuda")
+
+    def transfer_read_on_cuda(self, target_hostname: str, buffer: int, peer_buffer_address: int,
+                              length: int, stream_ptr: int = 0, transport_hint: str = "") -> None:
+        """Not implemented by pagewire (no CUDA path); raises ``NotImplementedError``."""
+        raise _not_implemented("transfer_read_on_cuda")
+
+    def batch_transfer_write_on_cuda(self, target_hostname: str, buffers: List[int],
+                                     peer_buffer_addresses: List[int], lengths: List[int],
+                                     stream_ptr: int = 0, transport_hint: str = "") -> None:
+        """Not implemented by pagewire (no CUDA path); raises ``NotImplementedError``."""
+        raise _not_implemented("batch_transfer_write_on_cuda")
+
+    def batch_transfer_read_on_cuda(self, target_hostname: str, buffers: List[int],
+                                    peer_buffer_addresses: List[int], lengths: List[int],
+                                    stream_ptr: int = 0, transport_hint: str = "") -> None:
+        """Not implemented by pagewire (no CUDA path); raises ``NotImplementedError``."""
+        raise _not_implemented("batch_transfer_read_on_cuda")
+
+
 # --- store: mooncake.store.MooncakeDistributedStore on the pagewire store --------------
+# (pagewire._mooncake_store has the class and its doctest; the master is pagewire's.)
 from pagewire._mooncake_store import (  # noqa: E402
     MooncakeDistributedStore,
     ObjectDataType,
@@ -16,5 +191,5 @@ from pagewire._mooncake_store import (  # noqa: E402
     SoftPinAction,
 )
 
-__all__ = ["MooncakeDistributedStore", "ReplicateConfig", "SoftPinAction", "ObjectDataType"]
+__all__ += ["MooncakeDistributedStore", "ReplicateConfig", "SoftPinAction", "ObjectDataType"]
 # --- end store -------------------------------------------------------------------------

@@ -6,12 +6,15 @@
 //! against the peer's *current* registrations (and their keys) and pins the peer region
 //! for the copy, so a peer that deregisters or shuts down mid-batch makes the batch
 //! fail instead of writing into freed memory. One worker thread per connection runs
-//! batches in order, in slices of `max_wr_bytes`, checking cancel/deadline between
-//! slices.
+//! batches in order, in slices of `max_wr_bytes`, checking cancel/deadline, our close and
+//! the peer's shutdown between slices. Closing the connection joins its worker, and the
+//! peer's shutdown waits for the pin on its memory to be dropped, so neither engine's
+//! memory is touched after its shutdown returned.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::thread::JoinHandle;
 
 use crossbeam_channel::Sender;
 
@@ -23,7 +26,7 @@ use crate::batch::Op;
 use crate::config::{BackendKind, EngineConfig};
 use crate::engine::PeerId;
 use crate::error::{Error, HandshakeError, Result};
-use crate::memory::{Access, RegionPin, Registry};
+use crate::memory::{Access, PeerPin, Registry};
 
 type ConnKey = (u64, u64);
 
@@ -142,7 +145,7 @@ impl PendingConn for Pending {
         });
         lock(links()).insert(self.key, Arc::downgrade(&shared));
         let worker = shared.clone();
-        std::thread::Builder::new()
+        let thread = std::thread::Builder::new()
             .name("pagewire-loop".into())
             .spawn(move || {
                 for job in rx {
@@ -150,7 +153,10 @@ impl PendingConn for Pending {
                 }
             })
             .map_err(|e| Error::io("spawn loopback worker", e))?;
-        Ok(Arc::new(LoopConn { shared }))
+        Ok(Arc::new(LoopConn {
+            shared,
+            worker: Mutex::new(Some(thread)),
+        }))
     }
 }
 
@@ -205,7 +211,7 @@ impl Shared {
             return;
         }
         // One pin is reused while consecutive ops stay in the same peer region.
-        let mut pin: Option<RegionPin> = None;
+        let mut pin: Option<PeerPin> = None;
         for op in &job.ops {
             if b.should_stop() {
                 return;
@@ -239,7 +245,7 @@ impl Shared {
     }
 
     /// One resolved op: validate against the peer's live registry, pin, copy.
-    fn copy(&self, b: &BatchState, pin: &mut Option<RegionPin>, op: &ResolvedOp) -> Result<()> {
+    fn copy(&self, b: &BatchState, pin: &mut Option<PeerPin>, op: &ResolvedOp) -> Result<()> {
         let needed = match op.op {
             Op::Write => Access::REMOTE_WRITE,
             Op::Read => Access::REMOTE_READ,
@@ -256,7 +262,7 @@ impl Shared {
                 .and_then(Weak::upgrade)
                 .ok_or_else(|| self.gone("peer engine shut down"))?;
             let p = registry
-                .pin(op.remote, op.len, needed)
+                .pin_for_peer(op.remote, op.len, needed)
                 .map_err(|e| self.refused(e.to_string()))?;
             *pin = Some(p);
         }
@@ -272,13 +278,22 @@ impl Shared {
             if b.should_stop() {
                 return Ok(());
             }
+            // Our close waits for this worker, the peer's shutdown for `pin`: stop at once.
             if self.broken.load(Ordering::Acquire) {
                 return Err(self.gone("connection closed"));
+            }
+            if region.revoked() {
+                return Err(self.gone("peer engine shut down"));
             }
             let n = (op.len - off).min(self.slice);
             let (src, dst) = match op.op {
                 Op::Write => (op.local + off, op.remote + off),
                 Op::Read => (op.remote + off, op.local + off),
+            };
+            // Held for the slice: a failure or cancellation reported from now on waits for
+            // it, and none is given after one, so nothing lands after it is reported.
+            let Some(_landing) = b.landing() else {
+                return Ok(());
             };
             // SAFETY: the local range was validated by the engine against a registered
             // region that the batch pins (it cannot be deregistered while `b` lives); the
@@ -304,12 +319,8 @@ impl Shared {
 
 struct LoopConn {
     shared: Arc<Shared>,
-}
-
-impl Drop for LoopConn {
-    fn drop(&mut self) {
-        self.shared.break_both();
-    }
+    /// Joined on close: after that, nothing of this connection touches memory.
+    worker: Mutex<Option<JoinHandle<()>>>,
 }
 
 impl Conn for LoopConn {
@@ -335,5 +346,18 @@ impl Conn for LoopConn {
 
     fn close(&self) {
         self.shared.break_both();
+        // The worker fails what is queued and stops within one slice.
+        let t = lock(&self.worker).take();
+        if let Some(t) = t
+            && t.thread().id() != std::thread::current().id()
+        {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for LoopConn {
+    fn drop(&mut self) {
+        self.close();
     }
 }

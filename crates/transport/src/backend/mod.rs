@@ -28,6 +28,7 @@ use crate::memory::{Access, Registry};
 pub(crate) use crate::wire::{EndpointInfo, QpInfo};
 
 pub(crate) mod loopback;
+mod sys;
 pub(crate) mod tcp;
 #[cfg(feature = "verbs")]
 pub(crate) mod verbs;

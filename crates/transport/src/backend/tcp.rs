@@ -14,7 +14,9 @@
 //! The responder checks every request against its own registry (range inside one
 //! registered chunk with the right remote access and matching key) before touching
 //! memory, then reads WRITE payload straight into the destination region (no staging
-//! buffer) and acks only once it is all there. A refused WRITE's payload is drained into
+//! buffer) and acks only once it is all there. Payload moves between sockets and
+//! registered memory through raw pointers only ([`super::sys`]): never a slice over
+//! memory that a peer may write. A refused WRITE's payload is drained into
 //! a scratch buffer so the stream stays usable; a malformed header drops the stream.
 //!
 //! Ops are cut into `max_wr_bytes` chunks striped round-robin over the streams. A
@@ -22,9 +24,20 @@
 //! surfaces the tag only when all bytes are in its memory. A stream error (reset, EOF,
 //! `io_timeout` with a request outstanding) breaks the whole connection and fails every
 //! pending batch with `PeerGone`.
+//!
+//! Deadlines: a response must come within `io_timeout` of the last byte received and no
+//! later than `io_timeout` after its batch's deadline; a connection that misses either
+//! breaks. A READ lands its payload only while its batch is pending (under
+//! [`BatchState::landing`]): once the batch failed or was cancelled, the rest of the
+//! payload is read into a scratch buffer, so nothing lands after the failure is reported.
+//!
+//! Every thread that moves payload is joined before memory is handed back: closing a
+//! connection joins its sender and receiver threads, and shutdown joins every responder
+//! thread. Between two reads into registered memory a thread checks whether its
+//! connection or session was closed, so a peer that keeps sending cannot keep it writing.
 
 use std::collections::HashMap;
-use std::io::{ErrorKind, IoSlice, Read, Write};
+use std::io::{ErrorKind, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
@@ -33,6 +46,7 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
 
+use super::sys::{self, IoVec};
 use super::{
     Backend, BackendInfo, BackendInit, BackendMr, BatchState, Conn, ConnCtx, EndpointInfo,
     NotifySink, PendingConn, ResolvedOps, lock,
@@ -41,10 +55,9 @@ use crate::admission::{Admission, Ticket};
 use crate::batch::Op;
 use crate::config::{BackendKind, EngineConfig};
 use crate::deadline::{self, Deadlined};
-use crate::engine::{PeerId, random_u64};
+use crate::engine::{PeerId, ct_eq, random_u64};
 use crate::error::{Error, HandshakeError, Result};
-use crate::memory::{Access, Registry, raw_slice, raw_slice_mut};
-use crate::sockopt;
+use crate::memory::{Access, Registry};
 use crate::wire::MAX_STREAMS;
 
 const STREAM_MAGIC: u32 = u32::from_le_bytes(*b"PGWS");
@@ -113,6 +126,7 @@ pub(crate) fn open(config: &EngineConfig, init: &BackendInit) -> Result<Arc<dyn 
         shutdown: AtomicBool::new(false),
         listener: Mutex::new(None),
         unauthenticated: Admission::new(MAX_UNAUTHENTICATED, MAX_UNAUTHENTICATED_PER_IP),
+        serving: Mutex::new(Serving::default()),
     });
     let weak = Arc::downgrade(&shared);
     let t = std::thread::Builder::new()
@@ -137,6 +151,34 @@ struct TcpShared {
     listener: Mutex<Option<JoinHandle<()>>>,
     /// Slots of incoming streams that have not completed their hello.
     unauthenticated: Arc<Admission>,
+    /// Responder threads, joined at shutdown.
+    serving: Mutex<Serving>,
+}
+
+/// Responder threads, each with a clone of its stream (to shut it down) until it ends.
+/// Never detached: the ones that ended are joined at the next accept, the rest at
+/// shutdown.
+#[derive(Default)]
+struct Serving {
+    next: u64,
+    threads: HashMap<u64, (Option<TcpStream>, Option<JoinHandle<()>>)>,
+}
+
+impl Serving {
+    /// Joins the threads that have ended (at once: they have).
+    fn reap(&mut self) {
+        let done: Vec<u64> = self
+            .threads
+            .iter()
+            .filter(|(_, (_, t))| t.as_ref().is_some_and(JoinHandle::is_finished))
+            .map(|(id, _)| *id)
+            .collect();
+        for id in done {
+            if let Some((_, Some(t))) = self.threads.remove(&id) {
+                let _ = t.join();
+            }
+        }
+    }
 }
 
 /// Our side of one connection as the data listener sees it.
@@ -251,6 +293,15 @@ impl Backend for TcpBackend {
         if let Some(t) = lock(&s.listener).take() {
             let _ = t.join();
         }
+        // No responder starts now; stop and join the ones left (their sessions are closed,
+        // so each stops before its next read into memory).
+        let serving = std::mem::take(&mut lock(&s.serving).threads);
+        for stream in serving.values().filter_map(|(s, _)| s.as_ref()) {
+            let _ = stream.shutdown(Shutdown::Both);
+        }
+        for t in serving.into_values().filter_map(|(_, t)| t) {
+            let _ = t.join();
+        }
     }
 }
 
@@ -342,7 +393,7 @@ fn open_stream(
     }
     s.set_read_timeout(Some(shared.io_timeout))
         .and_then(|()| s.set_write_timeout(Some(shared.io_timeout)))
-        .and_then(|()| sockopt::set_keepalive(&s, shared.io_timeout))
+        .and_then(|()| sys::set_keepalive(&s, shared.io_timeout))
         .map_err(|e| Error::io("data stream options", e))?;
     Ok(s)
 }
@@ -388,6 +439,8 @@ struct ConnShared {
     seq: AtomicU64,
     broken: AtomicBool,
     reason: Mutex<Option<String>>,
+    /// Sender and receiver threads, joined on close.
+    threads: Mutex<Vec<JoinHandle<()>>>,
 }
 
 impl ConnShared {
@@ -423,26 +476,54 @@ impl ConnShared {
             seq: AtomicU64::new(1),
             broken: AtomicBool::new(false),
             reason: Mutex::new(None),
+            threads: Mutex::new(Vec::new()),
         });
         for (i, (sock, rx)) in socks.into_iter().zip(rxs).enumerate() {
             // Unbounded: the socket's own buffers are the back-pressure; a bounded queue
             // could block the sender between queueing a gather and writing it.
             let (in_tx, in_rx) = crossbeam_channel::unbounded::<Job>();
-            let rsock = sock
-                .try_clone()
-                .map_err(|e| Error::io("clone data stream", e))?;
+            let rsock = match sock.try_clone() {
+                Ok(r) => r,
+                Err(e) => {
+                    conn.close_and_join("cannot clone a data stream".into());
+                    return Err(Error::io("clone data stream", e));
+                }
+            };
             let c = conn.clone();
-            std::thread::Builder::new()
+            let tx = std::thread::Builder::new()
                 .name(format!("pagewire-tcp-tx{i}"))
-                .spawn(move || c.send_loop(sock, rx, in_tx))
-                .map_err(|e| Error::io("spawn TCP sender", e))?;
+                .spawn(move || c.send_loop(sock, rx, in_tx));
             let c = conn.clone();
-            std::thread::Builder::new()
+            let rx = std::thread::Builder::new()
                 .name(format!("pagewire-tcp-rx{i}"))
-                .spawn(move || c.recv_loop(rsock, in_rx, io_timeout))
-                .map_err(|e| Error::io("spawn TCP receiver", e))?;
+                .spawn(move || c.recv_loop(rsock, in_rx, io_timeout));
+            match (tx, rx) {
+                (Ok(t), Ok(r)) => lock(&conn.threads).extend([t, r]),
+                (t, r) => {
+                    let err = t.as_ref().err().or(r.as_ref().err()).map(|e| e.kind());
+                    lock(&conn.threads).extend(t.ok().into_iter().chain(r.ok()));
+                    conn.close_and_join("cannot spawn a stream thread".into());
+                    return Err(Error::io(
+                        "spawn TCP stream threads",
+                        err.unwrap_or(ErrorKind::Other).into(),
+                    ));
+                }
+            }
         }
         Ok(conn)
+    }
+
+    /// Breaks the connection and waits for its threads: when this returns, nothing of
+    /// the connection touches local memory again.
+    fn close_and_join(&self, reason: String) {
+        self.break_all(reason);
+        let threads = std::mem::take(&mut *lock(&self.threads));
+        let me = std::thread::current().id();
+        for t in threads {
+            if t.thread().id() != me {
+                let _ = t.join();
+            }
+        }
     }
 
     fn gone(&self) -> Error {
@@ -490,9 +571,10 @@ impl ConnShared {
     /// Sends queued jobs in gathers: up to `GATHER` requests (headers and WRITE payloads
     /// straight from registered memory) per `writev`. All but the last request of a
     /// gather carry the "more follows" flag, so the responder batches its acks too.
-    fn send_loop(self: Arc<Self>, mut sock: TcpStream, jobs: Receiver<Job>, inflight: Sender<Job>) {
+    fn send_loop(self: Arc<Self>, sock: TcpStream, jobs: Receiver<Job>, inflight: Sender<Job>) {
         let mut gather: Vec<Job> = Vec::with_capacity(GATHER);
         let mut hdrs: Vec<[u8; REQ_LEN]> = Vec::with_capacity(GATHER);
+        let mut iov: Vec<IoVec> = Vec::with_capacity(2 * GATHER);
         while let Ok(first) = jobs.recv() {
             let mut bytes = 0u64;
             let mut next = Some(first);
@@ -519,16 +601,12 @@ impl ConnShared {
             for (i, job) in gather.iter().enumerate() {
                 hdrs.push(encode_request(job, i + 1 < n));
             }
-            let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(2 * n);
+            iov.clear();
             for (job, h) in gather.iter().zip(&hdrs) {
-                slices.push(IoSlice::new(h));
+                iov.push(IoVec::from_slice(h));
                 if job.kind == Kind::Data(Op::Write) {
-                    // SAFETY: the engine validated `[local, local+len)` against a registered
-                    // local region, which the job's batch keeps pinned; `batches` below holds
-                    // every batch of the gather until the write has finished.
-                    slices.push(IoSlice::new(unsafe {
-                        raw_slice(job.local, job.len as usize)
-                    }));
+                    // Payload straight from registered memory, as a raw pointer.
+                    iov.push(IoVec::raw(job.local as *const u8, job.len as usize));
                 }
             }
             // Queue before sending so the receiver always knows what a response answers.
@@ -541,13 +619,24 @@ impl ConnShared {
                 }
             }
             let res = if queued {
-                write_all_vectored(&mut sock, &mut slices)
+                // SAFETY: the header entries point into `hdrs`, untouched until the next
+                // gather; each payload entry is a range the engine validated against a
+                // registered local region, which its batch keeps pinned (so registered and
+                // allocated), and `batches` holds every batch of the gather until `write_all`
+                // returned.
+                unsafe { sys::write_all(&sock, &mut iov) }
             } else {
                 Err(ErrorKind::BrokenPipe.into())
             };
-            drop(slices);
+            iov.clear();
             if let Err(e) = res {
-                self.break_all(format!("send failed: {e}"));
+                // A write timeout is the peer taking no bytes for `io_timeout`.
+                self.break_all(match e.kind() {
+                    ErrorKind::WouldBlock | ErrorKind::TimedOut => {
+                        "send failed: the peer took no bytes within the I/O timeout".into()
+                    }
+                    _ => format!("send failed: {e}"),
+                });
                 for b in batches {
                     b.fail(self.gone());
                 }
@@ -566,6 +655,7 @@ impl ConnShared {
         let mut failed: Option<Error> = None;
         let mut group: Vec<Job> = Vec::with_capacity(GATHER);
         let mut buf = vec![0u8; GATHER * RESP_LEN];
+        let mut scratch = Vec::new();
         while let Ok(first) = inflight.recv() {
             let mut last_is_read = first.kind == Kind::Data(Op::Read);
             group.push(first);
@@ -585,14 +675,12 @@ impl ConnShared {
                 continue;
             }
             let hdrs = &mut buf[..group.len() * RESP_LEN];
-            let res = read_full(&mut sock, hdrs, io_timeout)
-                .map_err(|e| format!("receive failed: {e}"))
-                .and_then(|()| {
-                    for (j, h) in group.iter().zip(hdrs.chunks_exact(RESP_LEN)) {
-                        self.recv_one(&mut sock, j, h, io_timeout)?;
-                    }
-                    Ok(())
-                });
+            let res = read_headers(&mut sock, hdrs, &group, io_timeout).and_then(|()| {
+                for (j, h) in group.iter().zip(hdrs.chunks_exact(RESP_LEN)) {
+                    self.recv_one(&sock, j, h, io_timeout, &mut scratch)?;
+                }
+                Ok(())
+            });
             if let Err(e) = res {
                 self.break_all(e);
                 let err = self.gone();
@@ -609,10 +697,11 @@ impl ConnShared {
     /// the stream is unusable.
     fn recv_one(
         &self,
-        sock: &mut TcpStream,
+        sock: &TcpStream,
         job: &Job,
         h: &[u8],
         io_timeout: Duration,
+        scratch: &mut Vec<u8>,
     ) -> Result<(), String> {
         let seq = u64::from_le_bytes(h[0..8].try_into().expect("8 bytes"));
         let status = u32::from_le_bytes(h[8..12].try_into().expect("4 bytes"));
@@ -647,10 +736,10 @@ impl ConnShared {
                 if u64::from(len) != job.len {
                     return Err(format!("READ response of {len} bytes for {}", job.len));
                 }
-                // SAFETY: the engine validated `[local, local+len)` against a registered
-                // region with LOCAL_WRITE, pinned by `job.batch` for this whole call.
-                let dst = unsafe { raw_slice_mut(job.local, job.len as usize) };
-                read_full(sock, dst, io_timeout).map_err(|e| format!("receive failed: {e}"))?;
+                if !self.land_read(sock, job, io_timeout, scratch)? {
+                    // The batch failed or was cancelled meanwhile; the stream is in sync.
+                    return Ok(());
+                }
             }
             _ if len != 0 => return Err("unexpected payload".into()),
             _ => {}
@@ -665,6 +754,70 @@ impl ConnShared {
             Kind::Notify(_) => job.batch.succeed(),
         }
         Ok(())
+    }
+
+    /// Reads a READ response's payload (`job.len` bytes) into `job.local`, only while the
+    /// batch is pending, each copy under its landing guard; the rest goes to `scratch`.
+    /// At the batch deadline it fails the batch itself (with `Timeout`). `Ok(true)` when
+    /// all of it landed; an `Err` (no progress for `io_timeout`, the payload not in by
+    /// `io_timeout` after the batch deadline, closed) breaks the connection.
+    fn land_read(
+        &self,
+        sock: &TcpStream,
+        job: &Job,
+        io_timeout: Duration,
+        scratch: &mut Vec<u8>,
+    ) -> Result<bool, String> {
+        let (len, deadline) = (job.len as usize, job.batch.deadline());
+        let mut land = true;
+        let mut got = 0;
+        let mut last = Instant::now();
+        while got < len {
+            if self.broken.load(Ordering::Acquire) {
+                return Err("connection closed".into());
+            }
+            let now = Instant::now();
+            let limit = (last + io_timeout).min(deadline + io_timeout);
+            if now >= limit {
+                return Err(missed(now, last, deadline, io_timeout));
+            }
+            if land && now >= deadline {
+                job.batch.expire_if_due(now);
+            }
+            let read = match land.then(|| job.batch.landing()).flatten() {
+                // SAFETY: the engine validated `[local, local+len)` against a registered
+                // region with LOCAL_WRITE that `job.batch` keeps pinned (registered, hence
+                // allocated); `got < len`. Only this thread writes there, and only while
+                // the batch is pending (the guard).
+                Some(_g) => unsafe {
+                    sys::recv_now(sock, (job.local as *mut u8).add(got), len - got)
+                },
+                None => {
+                    land = false;
+                    if scratch.is_empty() {
+                        scratch.resize(64 << 10, 0);
+                    }
+                    let n = (len - got).min(scratch.len());
+                    // SAFETY: `scratch` is ours and holds at least `n` bytes.
+                    unsafe { sys::recv_now(sock, scratch.as_mut_ptr(), n) }
+                }
+            };
+            match read {
+                Ok(0) => return Err("receive failed: end of stream".into()),
+                Ok(n) => {
+                    got += n;
+                    last = now;
+                }
+                Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                    // Wake at the batch deadline too, to fail it on time.
+                    let wake = if land { limit.min(deadline) } else { limit };
+                    sys::wait_readable(sock, wake.saturating_duration_since(now))
+                        .map_err(|e| format!("receive failed: {e}"))?;
+                }
+                Err(e) => return Err(format!("receive failed: {e}")),
+            }
+        }
+        Ok(land)
     }
 
     /// Every chunk of the batch is acknowledged: send the notification or finish.
@@ -751,7 +904,8 @@ impl Conn for TcpConn {
     }
 
     fn close(&self) {
-        self.conn.break_all("connection closed locally".into());
+        // Breaking closes the peer's session too (break_all); then join our threads.
+        self.conn.close_and_join("connection closed locally".into());
     }
 }
 
@@ -779,18 +933,43 @@ fn accept_loop(listener: TcpListener, shared: Weak<TcpShared>) {
             continue;
         };
         let deadline = Instant::now() + b.handshake_timeout;
+        // Tracked before it starts, so shutdown can stop and join it.
+        let Ok(clone) = s.try_clone() else { continue };
+        let id = {
+            let mut serving = lock(&b.serving);
+            serving.reap();
+            serving.next += 1;
+            let id = serving.next;
+            serving.threads.insert(id, (Some(clone), None));
+            id
+        };
+        let b2 = b.clone();
         let spawned = std::thread::Builder::new()
             .name("pagewire-tcp-serve".into())
             .spawn(move || {
                 let from = s.peer_addr().ok();
-                if let Err(e) = serve_stream(&b, s, ticket, deadline)
-                    && !b.shutdown.load(Ordering::Acquire)
+                if let Err(e) = serve_stream(&b2, s, ticket, deadline)
+                    && !b2.shutdown.load(Ordering::Acquire)
                 {
                     tracing::warn!(?from, error = %e, "TCP data stream dropped");
                 }
+                // Close the clone too; the handle stays, to be joined.
+                if let Some(e) = lock(&b2.serving).threads.get_mut(&id) {
+                    e.0 = None;
+                }
             });
-        if let Err(e) = spawned {
-            tracing::warn!(error = %e, "cannot spawn TCP stream thread");
+        match spawned {
+            // Unless shutdown took the entry meanwhile (it joins what it found).
+            Ok(t) => match lock(&b.serving).threads.get_mut(&id) {
+                Some(e) => e.1 = Some(t),
+                None => {
+                    let _ = t.join();
+                }
+            },
+            Err(e) => {
+                lock(&b.serving).threads.remove(&id);
+                tracing::warn!(error = %e, "cannot spawn TCP stream thread");
+            }
         }
     }
 }
@@ -822,7 +1001,8 @@ fn serve_stream(
     Deadlined::new(&s, deadline)
         .read_exact(&mut token)
         .map_err(|e| format!("stream hello: {e}"))?;
-    if token != b.token {
+    // Constant time, as on the control plane: the token is a secret.
+    if !ct_eq(&token, &b.token) {
         return Err("stream token mismatch".into());
     }
     let session = lock(&b.sessions)
@@ -840,7 +1020,7 @@ fn serve_stream(
     // Authenticated: the stream now counts against its session's limit.
     drop(ticket);
     // A peer that vanishes without a FIN (host down, network gone) fails the idle read.
-    sockopt::set_keepalive(&s, b.io_timeout).map_err(|e| e.to_string())?;
+    sys::set_keepalive(&s, b.io_timeout).map_err(|e| e.to_string())?;
     // The `OK` is the hello's last step: bounded by the same deadline.
     let left = deadline.saturating_duration_since(Instant::now());
     s.set_write_timeout(Some(left.max(Duration::from_millis(1))))
@@ -966,8 +1146,8 @@ fn serve_request(
                     // SAFETY: `[addr, addr+len)` lies in a registered region with
                     // REMOTE_WRITE (checked above) that `_pin` keeps registered, hence
                     // allocated, until the payload is in place.
-                    let dst = unsafe { raw_slice_mut(addr, n) };
-                    read_full(s, dst, b.io_timeout).map_err(|e| format!("payload: {e}"))?;
+                    unsafe { read_full_raw(s, addr as *mut u8, n, b.io_timeout, &session.closed) }
+                        .map_err(|e| format!("payload: {e}"))?;
                     acks.extend_from_slice(&response(seq, S_OK, 0));
                     Ok(())
                 }
@@ -986,11 +1166,16 @@ fn serve_request(
                 }
                 (_, Ok(_pin)) => {
                     let h = response(seq, S_OK, len as u32);
-                    // SAFETY: `[addr, addr+len)` lies in a registered region with
-                    // REMOTE_READ that `_pin` keeps registered while we send.
-                    let src = unsafe { raw_slice(addr, n) };
-                    let mut bufs = [IoSlice::new(acks), IoSlice::new(&h), IoSlice::new(src)];
-                    write_all_vectored(s, &mut bufs).map_err(|e| format!("payload: {e}"))?;
+                    let mut iov = [
+                        IoVec::from_slice(acks),
+                        IoVec::from_slice(&h),
+                        IoVec::raw(addr as *const u8, n),
+                    ];
+                    // SAFETY: `acks` and `h` are ours; `[addr, addr+len)` lies in a
+                    // registered region with REMOTE_READ that `_pin` keeps registered,
+                    // hence allocated, until the write returned.
+                    unsafe { sys::write_all(&*s, &mut iov) }
+                        .map_err(|e| format!("payload: {e}"))?;
                     acks.clear();
                     Ok(())
                 }
@@ -1021,20 +1206,89 @@ fn encode_request(job: &Job, more: bool) -> [u8; REQ_LEN] {
     hdr
 }
 
-/// `write_all` for a list of slices (`Write::write_all_vectored` is unstable).
-fn write_all_vectored(s: &mut TcpStream, mut bufs: &mut [IoSlice<'_>]) -> std::io::Result<()> {
-    while !bufs.is_empty() {
-        match s.write_vectored(bufs) {
-            Ok(0) => return Err(ErrorKind::WriteZero.into()),
-            Ok(n) => IoSlice::advance_slices(&mut bufs, n),
-            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+/// `read_full` into `len` bytes at `ptr` (registered memory), through raw pointers. It
+/// stops with `ConnectionAborted` before any read once `stop` is set (the connection or
+/// session closed): bytes still queued in the socket must not land after a close.
+///
+/// # Safety
+/// `[ptr, ptr+len)` must be valid for writes until the call returns.
+unsafe fn read_full_raw(
+    s: &TcpStream,
+    ptr: *mut u8,
+    len: usize,
+    timeout: Duration,
+    stop: &AtomicBool,
+) -> std::io::Result<()> {
+    let mut got = 0;
+    let mut last = Instant::now();
+    while got < len {
+        if stop.load(Ordering::Acquire) {
+            return Err(ErrorKind::ConnectionAborted.into());
+        }
+        // SAFETY: `got < len`, so `[ptr+got, ptr+len)` is inside the caller's range.
+        match unsafe { sys::read(s, ptr.add(got), len - got) } {
+            Ok(0) => return Err(ErrorKind::UnexpectedEof.into()),
+            Ok(n) => {
+                got += n;
+                last = Instant::now();
+            }
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
+                if last.elapsed() >= timeout {
+                    return Err(ErrorKind::TimedOut.into());
+                }
+            }
             Err(e) => return Err(e),
         }
     }
     Ok(())
 }
 
-/// `read_exact` with a deadline of `timeout` of no progress.
+/// Why a response broke the connection: no progress, or too late for its batch.
+fn missed(now: Instant, last: Instant, deadline: Instant, io: Duration) -> String {
+    if now >= last + io {
+        format!("receive failed: no progress for {io:?}")
+    } else {
+        format!(
+            "the peer's response missed its batch deadline by {:?}",
+            now.saturating_duration_since(deadline)
+        )
+    }
+}
+
+/// Reads the response headers of `group` (in order, `RESP_LEN` bytes each): each within
+/// `io` of the last byte received and of its batch's deadline. The socket's read timeout
+/// (`io`) bounds each wait.
+fn read_headers(
+    s: &mut TcpStream,
+    buf: &mut [u8],
+    group: &[Job],
+    io: Duration,
+) -> Result<(), String> {
+    let mut got = 0;
+    let mut last = Instant::now();
+    while got < buf.len() {
+        match s.read(&mut buf[got..]) {
+            Ok(0) => return Err("receive failed: end of stream".into()),
+            Ok(n) => {
+                got += n;
+                last = Instant::now();
+            }
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
+            Err(e) => return Err(format!("receive failed: {e}")),
+        }
+        if let Some(job) = group.get(got / RESP_LEN) {
+            let now = Instant::now();
+            let deadline = job.batch.deadline();
+            if now >= (last + io).min(deadline + io) {
+                return Err(missed(now, last, deadline, io));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `read_exact` into our own buffer with a deadline of `timeout` of no progress.
 fn read_full(s: &mut TcpStream, buf: &mut [u8], timeout: Duration) -> std::io::Result<()> {
     let mut got = 0;
     let mut last = Instant::now();

@@ -122,23 +122,152 @@ fn link_layer_name(l: LinkLayer) -> &'static str {
     }
 }
 
-/// ENOSYS (kernel without RDMA), EOPNOTSUPP (no libibverbs) and ENODEV mean "no device here".
-fn is_no_rdma(e: &io::Error) -> bool {
-    matches!(
-        e.raw_os_error(),
-        Some(libc::ENOSYS) | Some(libc::EOPNOTSUPP) | Some(libc::ENODEV) | Some(libc::ENOENT)
-    )
+/// Why no RDMA device can be used on this host, or why the one asked for cannot: the
+/// reason inside [`Error::BackendUnavailable`] for the verbs backend, typed for callers
+/// that report it (`pagewire devices`).
+#[non_exhaustive]
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum NoRdma {
+    /// `libibverbs.so.1` could not be loaded (rdma-core's user space is not installed).
+    NoLibibverbs,
+    /// libibverbs is there, but the kernel has no RDMA stack (`ibv_get_device_list`
+    /// fails: no `/sys/class/infiniband_verbs`, `ib_uverbs` not loaded).
+    NoKernelStack {
+        /// The errno `ibv_get_device_list` set.
+        errno: i32,
+    },
+    /// The RDMA stack is there but lists no device.
+    NoDevice,
+    /// The device asked for is not in the list.
+    NotFound {
+        /// The name asked for.
+        name: String,
+        /// The devices the host has.
+        devices: Vec<String>,
+        /// Why the host has none, when it has none.
+        host: Option<Box<NoRdma>>,
+    },
+    /// The device's port is not ACTIVE (link down, cable, or the netdev of a soft-RoCE
+    /// device is down).
+    PortDown {
+        /// Device name.
+        device: String,
+        /// Port number.
+        port: u8,
+        /// Its state (`DOWN`, `INIT`, ...), or `absent` when the device has no such port.
+        state: String,
+    },
+    /// No device has the port ACTIVE.
+    NoActivePort {
+        /// Port number.
+        port: u8,
+        /// The devices the host has.
+        devices: Vec<String>,
+    },
 }
 
-fn device_list() -> Result<Option<DeviceList>, Error> {
+impl NoRdma {
+    /// A stable, machine-readable name of the reason.
+    pub fn code(&self) -> &'static str {
+        match self {
+            NoRdma::NoLibibverbs => "no_libibverbs",
+            NoRdma::NoKernelStack { .. } => "no_kernel_rdma_stack",
+            NoRdma::NoDevice => "no_device",
+            NoRdma::NotFound { .. } => "device_not_found",
+            NoRdma::PortDown { .. } => "port_down",
+            NoRdma::NoActivePort { .. } => "no_active_port",
+        }
+    }
+}
+
+impl std::fmt::Display for NoRdma {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            NoRdma::NoLibibverbs => f.write_str(
+                "libibverbs is not installed (libibverbs.so.1 could not be loaded; \
+                 Debian: apt-get install ibverbs-providers)",
+            ),
+            NoRdma::NoKernelStack { errno } => write!(
+                f,
+                "the kernel has no RDMA stack (ibv_get_device_list: {}; \
+                 no /sys/class/infiniband_verbs: load ib_uverbs and a device driver, \
+                 e.g. rdma_rxe for soft-RoCE)",
+                io::Error::from_raw_os_error(*errno)
+            ),
+            NoRdma::NoDevice => f.write_str(
+                "the RDMA stack lists no device (no RDMA NIC; a soft-RoCE device is made \
+                 with `rdma link add rxe0 type rxe netdev IFACE`)",
+            ),
+            NoRdma::NotFound {
+                name,
+                devices,
+                host,
+            } => match host {
+                Some(why) => write!(f, "RDMA device {name:?} not found: {why}"),
+                None => write!(
+                    f,
+                    "RDMA device {name:?} not found (devices here: {})",
+                    devices.join(", ")
+                ),
+            },
+            NoRdma::PortDown {
+                device,
+                port,
+                state,
+            } => write!(
+                f,
+                "{device} port {port} is {state}, not ACTIVE (is the link, or the network \
+                 interface under it, up?)"
+            ),
+            NoRdma::NoActivePort { port, devices } => write!(
+                f,
+                "no RDMA device has port {port} ACTIVE (devices here: {})",
+                devices.join(", ")
+            ),
+        }
+    }
+}
+
+impl std::error::Error for NoRdma {}
+
+/// EOPNOTSUPP: the loader shim found no libibverbs. ENOSYS (and ENODEV, ENOENT): no
+/// kernel RDMA stack.
+fn no_rdma_of(e: &io::Error) -> Option<NoRdma> {
+    match e.raw_os_error() {
+        Some(libc::EOPNOTSUPP) => Some(NoRdma::NoLibibverbs),
+        Some(errno @ (libc::ENOSYS | libc::ENODEV | libc::ENOENT)) => {
+            Some(NoRdma::NoKernelStack { errno })
+        }
+        _ => None,
+    }
+}
+
+/// The device list, or why the host has none (`Ok(Err(..))`).
+fn device_list() -> Result<Result<DeviceList, NoRdma>, Error> {
     match DeviceList::new() {
-        Ok(l) => Ok(Some(l)),
+        Ok(l) => Ok(Ok(l)),
         Err(e) => match e.0 {
-            sideway::ibverbs::device::GetDeviceListErrorKind::Ibverbs(io) if is_no_rdma(&io) => {
-                Ok(None)
+            sideway::ibverbs::device::GetDeviceListErrorKind::Ibverbs(io) => {
+                match no_rdma_of(&io) {
+                    Some(why) => Ok(Err(why)),
+                    None => Err(verbs_err("ibv_get_device_list", io)),
+                }
             }
             other => Err(verbs_err("ibv_get_device_list", other)),
         },
+    }
+}
+
+/// Why this host has no RDMA device at all (no libibverbs, no kernel RDMA stack, an
+/// empty device list), or `None` when it lists at least one device.
+pub fn host_rdma_missing() -> Option<NoRdma> {
+    match device_list() {
+        Ok(Ok(list)) if (&list).into_iter().next().is_some() => None,
+        Ok(Ok(_)) => Some(NoRdma::NoDevice),
+        Ok(Err(why)) => Some(why),
+        // The list call failed for another reason: not "missing", the caller's list
+        // call reports the error.
+        Err(_) => None,
     }
 }
 
@@ -149,10 +278,10 @@ pub(crate) fn verbs_err(call: &'static str, e: impl std::fmt::Display) -> Error 
     }
 }
 
-pub(crate) fn no_device(reason: impl Into<String>) -> Error {
+pub(crate) fn no_device(reason: impl std::fmt::Display) -> Error {
     Error::BackendUnavailable {
         backend: BackendKind::Verbs,
-        reason: reason.into(),
+        reason: reason.to_string(),
     }
 }
 
@@ -211,9 +340,9 @@ fn caps_of(ctx: &DeviceContext) -> Result<(DeviceCaps, u8), Error> {
 }
 
 /// Lists every RDMA device with ports and GIDs. "No RDMA here" (no kernel support, no
-/// libibverbs) is an empty list, not an error.
+/// libibverbs) is an empty list, not an error; [`host_rdma_missing`] says which.
 pub fn list_devices() -> Result<Vec<RdmaDeviceInfo>, Error> {
-    let Some(list) = device_list()? else {
+    let Ok(list) = device_list()? else {
         return Ok(Vec::new());
     };
     let over = gid_index_override();
@@ -261,10 +390,18 @@ pub(crate) fn open(
     port: u8,
     gid_override: Option<u32>,
 ) -> Result<OpenDevice, Error> {
-    let Some(list) = device_list()? else {
-        return Err(no_device(
-            "no RDMA support on this host (ibv_get_device_list: ENOSYS/EOPNOTSUPP)",
-        ));
+    let list = match device_list()? {
+        Ok(list) => list,
+        Err(why) => {
+            return Err(no_device(match name {
+                Some(n) => NoRdma::NotFound {
+                    name: n.to_string(),
+                    devices: Vec::new(),
+                    host: Some(Box::new(why)),
+                },
+                None => why,
+            }));
+        }
     };
     let mut seen = Vec::new();
     for dev in &list {
@@ -277,14 +414,22 @@ pub(crate) fn open(
             .open()
             .map_err(|e| verbs_err("ibv_open_device", format!("{dev_name}: {e}")))?;
         let (caps, nports) = caps_of(&ctx)?;
-        let active = (port <= nports)
+        let attr = (port <= nports)
             .then(|| ctx.query_port(port).ok())
-            .flatten()
+            .flatten();
+        let active = attr
+            .as_ref()
             .filter(|a| a.port_state() == PortState::Active)
             .map(|a| (a.lid(), mtu_bytes(a.active_mtu())));
         let Some((lid, mtu)) = active else {
             if name.is_some() {
-                return Err(no_device(format!("{dev_name}: port {port} is not ACTIVE")));
+                return Err(no_device(NoRdma::PortDown {
+                    device: dev_name,
+                    port,
+                    state: attr
+                        .map_or("absent", |a| port_state_name(a.port_state()))
+                        .into(),
+                }));
             }
             continue;
         };
@@ -315,9 +460,16 @@ pub(crate) fn open(
         });
     }
     Err(no_device(match name {
-        Some(n) => format!("RDMA device {n:?} not found (devices: {seen:?})"),
-        None if seen.is_empty() => "no RDMA device".into(),
-        None => format!("no RDMA device with port {port} ACTIVE (devices: {seen:?})"),
+        Some(n) => NoRdma::NotFound {
+            name: n.to_string(),
+            devices: seen,
+            host: None,
+        },
+        None if seen.is_empty() => NoRdma::NoDevice,
+        None => NoRdma::NoActivePort {
+            port,
+            devices: seen,
+        },
     }))
 }
 
@@ -343,8 +495,41 @@ mod tests {
 
     #[test]
     fn no_rdma_errnos() {
-        assert!(is_no_rdma(&io::Error::from_raw_os_error(libc::ENOSYS)));
-        assert!(is_no_rdma(&io::Error::from_raw_os_error(libc::EOPNOTSUPP)));
-        assert!(!is_no_rdma(&io::Error::from_raw_os_error(libc::EACCES)));
+        let of = |e| no_rdma_of(&io::Error::from_raw_os_error(e));
+        assert_eq!(
+            of(libc::ENOSYS),
+            Some(NoRdma::NoKernelStack {
+                errno: libc::ENOSYS
+            })
+        );
+        assert_eq!(of(libc::EOPNOTSUPP), Some(NoRdma::NoLibibverbs));
+        assert_eq!(of(libc::EACCES), None);
+    }
+
+    #[test]
+    fn reasons_name_the_cause() {
+        let nf = NoRdma::NotFound {
+            name: "mlx5_0".into(),
+            devices: vec![],
+            host: Some(Box::new(NoRdma::NoLibibverbs)),
+        };
+        let t = nf.to_string();
+        assert!(
+            t.contains("\"mlx5_0\" not found") && t.contains("libibverbs"),
+            "{t}"
+        );
+        assert_eq!(nf.code(), "device_not_found");
+        let t = NoRdma::NoKernelStack {
+            errno: libc::ENOSYS,
+        }
+        .to_string();
+        assert!(t.contains("no RDMA stack"), "{t}");
+        let t = NoRdma::PortDown {
+            device: "rxe0".into(),
+            port: 1,
+            state: "DOWN".into(),
+        }
+        .to_string();
+        assert!(t.contains("rxe0 port 1 is DOWN"), "{t}");
     }
 }

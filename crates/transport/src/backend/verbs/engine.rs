@@ -533,7 +533,8 @@ fn registration_error(addr: u64, len: u64, call: String, e: &dyn std::error::Err
 
 /// Cap on outstanding RDMA READs per QP: ConnectX's usual limit. perftest takes the
 /// device's maximum instead (rxe: 128); on rxe that made no measurable difference
-/// (docs/benchmarks.md, "Stop 12"), and each one costs the responder a resource entry.
+/// (interleaved READ rounds at 16 and 128), and each one costs the responder a resource
+/// entry.
 const MAX_RD_ATOMIC: u8 = 16;
 
 /// Idle rounds that only spin (`spin_loop`) before the hot loop yields the CPU every round.

@@ -22,7 +22,7 @@ mod rxe_tests;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 
-pub use device::{RdmaDeviceInfo, RdmaPortInfo, list_devices};
+pub use device::{NoRdma, RdmaDeviceInfo, RdmaPortInfo, host_rdma_missing, list_devices};
 pub use gid::{GidInfo, GidKind};
 
 use self::conn::{TagSink, VerbsConn};

@@ -1,0 +1,249 @@
+#!/usr/bin/env python3
+"""Per-call time of Mooncake's TransferEngine API: pagewire.mooncake_compat against the
+real Mooncake wheel, side by side in one run, over TCP on 127.0.0.1.
+
+Each implementation gets two processes of its own, a target (registers a 4 MiB buffer
+and waits) and an initiator (registers its own 4 MiB and runs the calls), so neither
+shares an interpreter or an engine with the other. The driver runs the rounds: in every
+round each implementation runs every case (N calls, each timed), the order of the two
+alternating from round to round, and only one implementation is busy at a time. A
+round gives two ratios, pagewire over Mooncake: of the mean per-call times (what a
+caller waits in all) and of the median ones (the typical call); the table gives each
+ratio's median over the rounds with its min-max spread, and each side's median and p99
+per-call time over all calls.
+
+Cases: `batch_transfer_sync_write` of 32 x 64 KiB (SGLang's PD send: one call per
+request, one entry per contiguous run of pages) and `transfer_sync_write` of 4 KiB.
+
+    .venv/bin/python benches/python/bench_mooncake_compat.py            # 10 rounds
+    .venv/bin/python benches/python/bench_mooncake_compat.py --rounds 20 --json out.json
+
+Needs both wheels in the interpreter's environment (scripts/python-test.sh installs
+them into .venv). Bytes are checked on the target once before timing starts.
+"""
+
+import argparse
+import ctypes
+import hashlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+MB = 1 << 20
+BUF = 4 * MB
+PAGE = 64 << 10
+CASES = {
+    "batch_transfer_sync_write 32 x 64 KiB": ("batch", 32, PAGE),
+    "transfer_sync_write 4 KiB": ("single", 1, 4096),
+}
+
+
+def engine_class(impl):
+    if impl == "mooncake":
+        from mooncake.engine import TransferEngine
+    else:
+        from pagewire.mooncake_compat import TransferEngine
+    return TransferEngine
+
+
+def start_engine(impl):
+    te = engine_class(impl)()
+    rc = te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
+    if rc != 0:
+        raise SystemExit(f"{impl}: initialize returned {rc}")
+    buf = ctypes.create_string_buffer(BUF)
+    addr = ctypes.addressof(buf)
+    if te.register_memory(addr, BUF) != 0:
+        raise SystemExit(f"{impl}: register_memory failed")
+    return te, buf, addr
+
+
+def reply(obj):
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def role_target(impl):
+    te, buf, addr = start_engine(impl)
+    reply({"sid": f"127.0.0.1:{te.get_rpc_port()}", "addr": addr})
+    for line in sys.stdin:
+        cmd = line.split()
+        if cmd and cmd[0] == "digest":
+            off, n = int(cmd[1]), int(cmd[2])
+            reply({"sha256": hashlib.sha256(ctypes.string_at(addr + off, n)).hexdigest()})
+        elif cmd and cmd[0] == "quit":
+            break
+    os._exit(0)
+
+
+def role_initiator(impl):
+    te, buf, addr = start_engine(impl)
+    ctypes.memmove(addr, os.urandom(BUF), BUF)
+    reply({"ready": True})
+    sid, peer = None, None
+    for line in sys.stdin:
+        cmd = line.split()
+        if not cmd:
+            continue
+        if cmd[0] == "target":
+            sid, peer = cmd[1], int(cmd[2])
+            reply({"ok": True})
+        elif cmd[0] == "digest":
+            off, n = int(cmd[1]), int(cmd[2])
+            reply({"sha256": hashlib.sha256(ctypes.string_at(addr + off, n)).hexdigest()})
+        elif cmd[0] == "run":
+            kind, entries, size, calls = cmd[1], int(cmd[2]), int(cmd[3]), int(cmd[4])
+            srcs = [addr + i * size for i in range(entries)]
+            # reversed destinations: the target's pages are not in the source's order
+            dsts = [peer + (entries - 1 - i) * size for i in range(entries)]
+            lens = [size] * entries
+            times = []
+            clock = time.perf_counter_ns
+            if kind == "batch":
+                call = te.batch_transfer_sync_write
+                for _ in range(calls):
+                    t = clock()
+                    rc = call(sid, srcs, dsts, lens)
+                    times.append(clock() - t)
+                    if rc != 0:
+                        reply({"error": f"batch_transfer_sync_write returned {rc}"})
+                        break
+            else:
+                call = te.transfer_sync_write
+                s, d = srcs[0], dsts[0]
+                for _ in range(calls):
+                    t = clock()
+                    rc = call(sid, s, d, size)
+                    times.append(clock() - t)
+                    if rc != 0:
+                        reply({"error": f"transfer_sync_write returned {rc}"})
+                        break
+            reply({"ns": times})
+        elif cmd[0] == "quit":
+            break
+    os._exit(0)
+
+
+class Proc:
+    def __init__(self, role, impl):
+        self.p = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "--role", role, impl],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        self.hello = self.read()
+
+    def read(self):
+        line = self.p.stdout.readline()
+        if not line:
+            raise SystemExit(f"child exited ({self.p.poll()})")
+        out = json.loads(line)
+        if "error" in out:
+            raise SystemExit(out["error"])
+        return out
+
+    def cmd(self, *words):
+        self.p.stdin.write(" ".join(map(str, words)) + "\n")
+        self.p.stdin.flush()
+        return self.read()
+
+    def close(self):
+        try:
+            self.p.stdin.write("quit\n")
+            self.p.stdin.flush()
+            self.p.wait(timeout=10)
+        except Exception:
+            self.p.kill()
+
+
+def pct(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--calls-batch", type=int, default=300, help="calls per round, 32 x 64 KiB case")
+    ap.add_argument("--calls-single", type=int, default=2000, help="calls per round, 4 KiB case")
+    ap.add_argument("--warmup", type=int, default=200, help="untimed calls per case before round 1")
+    ap.add_argument("--json", help="write the raw per-round figures here")
+    ap.add_argument("--role", nargs=2, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.role:
+        (role_target if a.role[0] == "target" else role_initiator)(a.role[1])
+        return
+
+    os.environ.setdefault("MC_TRANSFER_TIMEOUT", "30")
+    impls = ["mooncake", "pagewire"]
+    procs = {}
+    for impl in impls:
+        tgt = Proc("target", impl)
+        ini = Proc("initiator", impl)
+        ini.cmd("target", tgt.hello["sid"], tgt.hello["addr"])
+        procs[impl] = (tgt, ini)
+
+    calls = {"batch": a.calls_batch, "single": a.calls_single}
+    # correctness once: a batch lands on the target, in the reversed page order
+    for impl, (tgt, ini) in procs.items():
+        ini.cmd("run", "batch", 32, PAGE, 1)
+        for i in (0, 5, 31):
+            want = ini.cmd("digest", i * PAGE, PAGE)["sha256"]
+            got = tgt.cmd("digest", (31 - i) * PAGE, PAGE)["sha256"]
+            if want != got:
+                raise SystemExit(f"{impl}: page {i} differs on the target")
+        for name, (kind, entries, size) in CASES.items():
+            ini.cmd("run", kind, entries, size, a.warmup)
+
+    rows = {name: {impl: [] for impl in impls} for name in CASES}
+    ratios = {name: [] for name in CASES}
+    med_ratios = {name: [] for name in CASES}
+    for r in range(a.rounds):
+        order = impls if r % 2 == 0 else impls[::-1]
+        for name, (kind, entries, size) in CASES.items():
+            means, medians = {}, {}
+            for impl in order:
+                ns = procs[impl][1].cmd("run", kind, entries, size, calls[kind])["ns"]
+                rows[name][impl].extend(ns)
+                means[impl] = statistics.fmean(ns)
+                medians[impl] = statistics.median(ns)
+            ratios[name].append(means["pagewire"] / means["mooncake"])
+            med_ratios[name].append(medians["pagewire"] / medians["mooncake"])
+    for tgt, ini in procs.values():
+        ini.close()
+        tgt.close()
+
+    load = os.getloadavg()
+    print(f"# {a.rounds} rounds, TCP on 127.0.0.1, {os.cpu_count()} CPUs, load {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+    print(
+        "| case | Mooncake median / p99 (us) | pagewire median / p99 (us) "
+        "| ratio of means [min, max] | ratio of medians [min, max] |"
+    )
+    print("|---|---|---|---|---|")
+
+    def spread(rt):
+        return f"{statistics.median(rt):.3f} [{min(rt):.3f}, {max(rt):.3f}]"
+
+    for name in CASES:
+        m, p = rows[name]["mooncake"], rows[name]["pagewire"]
+        print(
+            f"| {name} | {pct(m, .5) / 1e3:.1f} / {pct(m, .99) / 1e3:.1f} "
+            f"| {pct(p, .5) / 1e3:.1f} / {pct(p, .99) / 1e3:.1f} "
+            f"| {spread(ratios[name])} | {spread(med_ratios[name])} |"
+        )
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(
+                {"mean_ratios": ratios, "median_ratios": med_ratios, "load": load, "rounds": a.rounds, "calls": calls},
+                f,
+                indent=1,
+            )
+
+
+if __name__ == "__main__":
+    main()

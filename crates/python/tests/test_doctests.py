@@ -1,0 +1,13 @@
+"""The runnable examples at the top of the package's modules."""
+
+import doctest
+
+import pagewire
+import pagewire.errors
+import pagewire.mooncake_compat
+
+
+def test_module_examples():
+    for mod in (pagewire, pagewire.errors, pagewire.mooncake_compat):
+        failed, tried = doctest.testmod(mod, raise_on_error=False, verbose=False)
+        assert tried > 0 and failed == 0, mod.__name__
