@@ -547,7 +547,10 @@ impl StoreMaster {
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<StoreClient>()?;
     m.add_class::<StoreMaster>()?;
-    m.add("StoreError", m.py().get_type::<StoreError>())?;
+    let err = m.py().get_type::<StoreError>();
+    // Re-exported by `pagewire.errors`, like every other pagewire exception.
+    err.setattr("__module__", "pagewire.errors")?;
+    m.add("StoreError", err)?;
     Ok(())
 }
 

@@ -168,7 +168,8 @@ struct Object {
     replicas: Vec<(u64, u64)>,
     state: State,
     lease_until: Millis,
-    last_access: Millis,
+    /// Position in the order of uses (a logical clock: exact LRU, no ties).
+    last_access: u64,
     pin: Pin,
     soft_until: Millis,
 }
@@ -202,10 +203,22 @@ pub struct MasterCore {
     /// Blocks to return to their segment at the given time: `(at, segment, off, len)`.
     held: BinaryHeap<Reverse<(Millis, u64, u64, u64)>>,
     cursor: u64,
+    uses: Uses,
     capacity: u64,
     used: u64,
     evicted: u64,
     reclaimed: u64,
+}
+
+/// A counter of object uses (puts published, gets, existence checks).
+#[derive(Debug)]
+struct Uses(u64);
+
+impl Uses {
+    fn next(&mut self) -> u64 {
+        self.0 += 1;
+        self.0
+    }
 }
 
 fn splitmix(state: &mut u64) -> u64 {
@@ -234,6 +247,7 @@ impl MasterCore {
             next_seq: 0,
             held: BinaryHeap::new(),
             cursor: 0,
+            uses: Uses(0),
             capacity: 0,
             used: 0,
             evicted: 0,
@@ -523,7 +537,7 @@ impl MasterCore {
                     seq,
                 },
                 lease_until: 0,
-                last_access: now,
+                last_access: self.uses.next(),
                 pin: req.pin,
                 soft_until: if req.pin == Pin::Soft {
                     now.saturating_add(self.cfg.soft_pin_ttl_ms)
@@ -615,7 +629,7 @@ impl MasterCore {
                         seq,
                     } if c == client => {
                         o.state = State::Complete;
-                        o.last_access = now;
+                        o.last_access = self.uses.next();
                         self.pending.remove(&(started, seq));
                         Code::Ok
                     }
@@ -669,7 +683,7 @@ impl MasterCore {
                 items.push(Err(Code::NotReady));
                 continue;
             }
-            o.last_access = now;
+            o.last_access = self.uses.next();
             if lease {
                 o.lease_until = o.lease_until.max(now.saturating_add(ttl));
             }
@@ -711,7 +725,7 @@ impl MasterCore {
             .map(|k| match self.objects.get_mut(&**k) {
                 Some(o) if o.state == State::Complete => {
                     o.lease_until = o.lease_until.max(until);
-                    o.last_access = now;
+                    o.last_access = self.uses.next();
                     Code::Ok
                 }
                 _ => Code::NotFound,
