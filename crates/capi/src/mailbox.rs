@@ -390,20 +390,10 @@ impl Mailbox {
 }
 
 impl Mailbox {
-    /// Where a peer's outbox is. A notification can arrive a moment before this engine
-    /// lists the peer that sent it (the accepting side publishes a new connection after
-    /// the initiator may already send), so an unknown peer is waited for, briefly.
+    /// Where a peer's outbox is. The transport publishes a peer on both sides before
+    /// `connect` returns, so a notification never names a peer this engine does not know.
     fn outbox_of(&self, peer: PeerId) -> Option<u64> {
-        let until = Instant::now() + IO_TIMEOUT;
-        let regions = loop {
-            match self.engine.peer_regions(peer) {
-                Ok(r) => break r,
-                Err(pagewire_transport::Error::UnknownPeer { .. }) if Instant::now() < until => {
-                    std::thread::sleep(Duration::from_millis(1));
-                }
-                Err(_) => return None,
-            }
-        };
+        let regions = self.engine.peer_regions(peer).ok()?;
         find_outbox(&regions).or_else(|| {
             // Registered after the handshake (not by this library, which registers the
             // outbox first): ask the peer again.

@@ -551,20 +551,7 @@ impl TeEngine {
 
     /// Fetches a segment's regions again.
     fn refresh(&self, id: i32, peer: PeerId) -> Result<Arc<Vec<RemoteRegion>>, Code> {
-        // `connect` returns once our side is ready; the acceptor records the session a
-        // `Describe` names a moment later, so one sent right after connecting can be
-        // refused as "unknown session". Retry that briefly.
-        let until = Instant::now() + Duration::from_millis(500);
-        let described = loop {
-            match self.engine.redescribe(peer) {
-                Err(pagewire_transport::Error::Handshake(
-                    pagewire_transport::HandshakeError::Rejected { reason },
-                )) if reason.contains("unknown session") && Instant::now() < until => {
-                    std::thread::sleep(Duration::from_millis(5));
-                }
-                other => break other,
-            }
-        };
+        let described = self.engine.redescribe(peer);
         let regions = sorted(described.map_err(|e| Code::from_err(&e))?);
         if let Some(seg) = lock(&self.segments).by_id.get_mut(&id)
             && seg.peer == Some(peer)

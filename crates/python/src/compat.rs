@@ -384,7 +384,7 @@ impl Compat {
         match self.engine.submit(peer, build()) {
             Err(Error::RemoteOutOfBounds { .. } | Error::RemotePermission { .. }) => {
                 // Nothing was posted: refresh the peer's table and check again.
-                redescribe(&self.engine, peer)?;
+                self.engine.redescribe(peer)?;
                 self.engine.submit(peer, build())
             }
             r => r,
@@ -634,7 +634,9 @@ impl Compat {
         if let Some(p) = cached
             && self.engine.peer_alive(p).unwrap_or(false)
         {
-            return redescribe(&self.engine, p)
+            return self
+                .engine
+                .redescribe(p)
                 .map(|_| ())
                 .map_err(|e| Fail::new(ERR_SOCKET, format!("probe {sid}: {e}")));
         }
@@ -666,8 +668,10 @@ impl Compat {
     /// The lowest exposed address of the peer's regions (not its notification outbox).
     fn first_buffer(&self, sid: &str) -> Res<u64> {
         let peer = self.peer_for(sid)?;
-        let mut regions =
-            redescribe(&self.engine, peer).map_err(|e| Fail::new(-1, e.to_string()))?;
+        let mut regions = self
+            .engine
+            .redescribe(peer)
+            .map_err(|e| Fail::new(-1, e.to_string()))?;
         regions.sort_by_key(|r| r.addr);
         Ok(regions
             .iter()
@@ -689,27 +693,6 @@ impl Compat {
         }
         self.lock_regions().clear();
         self.engine.shutdown();
-    }
-}
-
-/// `engine.redescribe(peer)`, retried briefly while the peer has not yet published the
-/// connection we just opened: the listener learns our session only when it reads our
-/// last handshake frame, which `connect` does not wait for, so a describe sent right
-/// after `connect` can be refused with "unknown session".
-pub(crate) fn redescribe(
-    engine: &Engine,
-    peer: PeerId,
-) -> Result<Vec<pagewire_transport::RemoteRegion>, Error> {
-    let until = Instant::now() + Duration::from_millis(500);
-    loop {
-        match engine.redescribe(peer) {
-            Err(Error::Handshake(pagewire_transport::HandshakeError::Rejected { reason }))
-                if reason.contains("unknown session") && Instant::now() < until =>
-            {
-                std::thread::sleep(Duration::from_millis(5));
-            }
-            r => return r,
-        }
     }
 }
 

@@ -287,11 +287,7 @@ impl Mailbox {
             .peer_regions(peer)
             .ok()
             .and_then(|r| find_outbox(&r))
-            .or_else(|| {
-                crate::compat::redescribe(engine, peer)
-                    .ok()
-                    .and_then(|r| find_outbox(&r))
-            });
+            .or_else(|| engine.redescribe(peer).ok().and_then(|r| find_outbox(&r)));
         match found {
             Some(a) => {
                 lock(&self.peer_boxes).insert(peer, a);

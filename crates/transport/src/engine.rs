@@ -828,6 +828,27 @@ impl Inner {
             conn.close();
             return Err(e.into());
         }
+        // The listener's own `Ready` says it has published us: from here on everything we
+        // send it (a notification, a `Describe`) finds the peer it names.
+        match wire::read_frame(&mut s, self.config.handshake_max_bytes) {
+            Ok(Frame::Ready) => {}
+            Ok(Frame::Reject { reason }) => {
+                conn.close();
+                return Err(HandshakeError::Rejected { reason }.into());
+            }
+            Ok(other) => {
+                conn.close();
+                return Err(HandshakeError::UnexpectedFrame {
+                    expected: "Ready",
+                    found: other.kind(),
+                }
+                .into());
+            }
+            Err(e) => {
+                conn.close();
+                return Err(e.into());
+            }
+        }
         let peer = Arc::new(Peer {
             id,
             control_addr: addr,
@@ -860,6 +881,22 @@ impl Inner {
             return;
         }
         peers.insert(peer.id, peer);
+    }
+
+    /// Takes a published peer back out and closes its connection.
+    fn unpublish(&self, id: PeerId) {
+        let p = self
+            .peers
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&id);
+        if let Some(p) = p {
+            self.sessions
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(&p.local_session);
+            p.conn.close();
+        }
     }
 
     /// Serves one incoming control connection. Errors are logged by the caller.
@@ -994,6 +1031,13 @@ impl Inner {
             regions: RwLock::new(Arc::new(RemoteTable::new(h.regions))),
         });
         self.publish(peer);
+        // Tell the initiator it is known here; its `connect` returns only then. If it
+        // cannot hear that (gone, out of time), it closes its end, and the departure
+        // takes this peer down too.
+        if let Err(e) = wire::write_frame(s, &Frame::Ready) {
+            self.unpublish(id);
+            return Err(e);
+        }
         tracing::info!(peer = %id, %from, "accepted");
         let _ = self.accept_tx.send(id);
         Ok(())

@@ -4,7 +4,7 @@
 //!
 //! ```text
 //! magic  u32 LE  "PGWR" (0x52574750 read as LE)
-//! version u16 LE  1
+//! version u16 LE  2
 //! kind   u8      1 Hello, 2 Welcome, 3 Ready, 4 Reject, 5 Describe, 6 Regions
 //! flags  u8      0 (anything else is refused)
 //! len    u32 LE  body length, at most the configured cap
@@ -18,9 +18,11 @@
 //! The exchange (initiator `C`, listener `S`):
 //! `C -> S Hello{token, engine, listen_port, session, backend, endpoint, regions}`,
 //! `S -> C Welcome{engine, session, endpoint, regions}` or `Reject{reason}`,
-//! `C -> S Ready{}`. `S` publishes the peer only after `Ready`, so neither side posts
-//! before the other's QPs are ready. `Describe{token, session}` -> `Regions{...}`
-//! re-fetches a peer's exposed regions on a fresh connection.
+//! `C -> S Ready{}`, `S -> C Ready{}`. `S` publishes the peer only after the first
+//! `Ready`, so neither side posts before the other's QPs are ready; `C` publishes (and
+//! `connect` returns) only after the second, so by then `S` knows the peer too: its first
+//! notification, `peer_regions` or `Describe` from `C` finds it. `Describe{token, session}`
+//! -> `Regions{...}` re-fetches a peer's exposed regions on a fresh connection.
 
 use std::io::{Read, Write};
 
@@ -29,8 +31,9 @@ use crate::memory::{Access, RemoteRegion};
 
 /// `b"PGWR"` as a little-endian u32.
 pub(crate) const MAGIC: u32 = u32::from_le_bytes(*b"PGWR");
-/// Protocol version.
-pub(crate) const VERSION: u16 = 1;
+/// Protocol version. 2: the listener answers `Ready` with `Ready` once it has published
+/// the peer.
+pub(crate) const VERSION: u16 = 2;
 /// Header size.
 pub(crate) const HEADER_LEN: usize = 12;
 /// Most regions one peer may expose in a frame.

@@ -893,6 +893,22 @@ mod suite {
         Ok(())
     }
 
+    /// When `connect` returns, the listener has published the peer too: it is in
+    /// `peers()` and a `Describe` on its session (`redescribe`) is served at once. (The
+    /// listener used to publish after the initiator returned, so an immediate `redescribe`
+    /// could be refused as "unknown session".)
+    pub fn known_on_both_sides_when_connect_returns(kind: BackendKind) -> Result<()> {
+        let (a, b) = (engine(kind)?, engine(kind)?);
+        let (_late, _) = buffer(&b, 4096, Access::ALL)?;
+        for i in 0..20 {
+            let ab = a.connect(b.local_addr())?;
+            ensure!(b.peers().len() == i + 1, "round {i}: the listener lags");
+            let regions = a.redescribe(ab)?;
+            ensure!(regions.len() == 1, "round {i}: {regions:?}");
+        }
+        Ok(())
+    }
+
     /// Hostile bytes on the control port: each connection is dropped, the listener keeps
     /// serving, and a valid engine still connects while half-open clients hang around.
     pub fn hostile_handshakes(kind: BackendKind) -> Result<()> {
@@ -919,7 +935,7 @@ mod suite {
         // Valid magic, oversized length.
         let mut h = Vec::new();
         h.extend_from_slice(b"PGWR");
-        h.extend_from_slice(&1u16.to_le_bytes());
+        h.extend_from_slice(&2u16.to_le_bytes());
         h.extend_from_slice(&[1, 0]);
         h.extend_from_slice(&u32::MAX.to_le_bytes());
         drop(send(&h)?);
@@ -1210,6 +1226,7 @@ macro_rules! all_backends {
                 many_small_ops,
                 hostile_handshakes,
                 handshake_flood,
+                known_on_both_sides_when_connect_returns,
                 tokens_and_mismatch,
             );
         )*

@@ -142,11 +142,11 @@ fn trickle(
     closed
 }
 
-/// A control-frame header: "PGWR", version 1, kind, flags 0, body length.
+/// A control-frame header: "PGWR", version 2, kind, flags 0, body length.
 fn frame(kind: u8, body: &[u8]) -> Vec<u8> {
     let mut f = Vec::with_capacity(12 + body.len());
     f.extend_from_slice(b"PGWR");
-    f.extend_from_slice(&1u16.to_le_bytes());
+    f.extend_from_slice(&2u16.to_le_bytes());
     f.extend_from_slice(&[kind, 0]);
     f.extend_from_slice(&(body.len() as u32).to_le_bytes());
     f.extend_from_slice(body);
@@ -663,6 +663,9 @@ fn fake_initiator(b: &Engine, region: (u64, u64, u32, Access)) -> Result<FakePee
     to_b.read_exact(&mut ok)?;
     ensure!(&ok == b"OK\0\0");
     ctrl.write_all(&frame(3, &[]))?;
+    // The engine answers with its own Ready once it has published us.
+    let (kind, _) = read_frame(&mut ctrl)?;
+    ensure!(kind == 3, "expected the engine's Ready, got kind {kind}");
     Ok(FakePeer {
         session,
         data,
