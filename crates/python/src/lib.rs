@@ -18,6 +18,7 @@ mod convert;
 mod errors;
 mod ffi;
 mod layout;
+mod store;
 mod transport;
 // Transport bindings' helpers and the Mooncake-compatible engine.
 mod compat;
@@ -34,5 +35,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     layout::register(m)?;
     transport::register(m)?;
     compat::register(m)?;
+    store::register(m)?;
     Ok(())
 }

@@ -405,3 +405,86 @@ class _MooncakeEngine:
     def close(self) -> None: ...
 
 # --- end transport -----------------------------------------------------------------------
+
+# --- store: the KV page store (pagewire_store) -----------------------------------------
+class StoreError(PagewireError):
+    """A store call that failed as a whole; ``code`` is Mooncake's number for it."""
+
+    code: int
+
+@final
+class StoreClient:
+    """A client of the pagewire KV page store (a storage node with ``segment_size > 0``)."""
+
+    def __new__(
+        cls,
+        master: str,
+        *,
+        listen: str = "0.0.0.0:0",
+        transport: str = "auto",
+        device: Optional[str] = None,
+        segment_size: int = 0,
+        timeout: float = 30.0,
+        connect_timeout: float = 10.0,
+        token: Optional[str] = None,
+        local_copy: bool = True,
+    ) -> StoreClient: ...
+    @property
+    def endpoint(self) -> str: ...
+    @property
+    def transport(self) -> str: ...
+    @property
+    def segment(self) -> Optional[Tuple[int, int]]: ...
+    @property
+    def lease_ttl(self) -> Optional[float]: ...
+    @property
+    def closed(self) -> bool: ...
+    def register_buffer(self, ptr: int, size: int) -> None: ...
+    def unregister_buffer(self, ptr: int) -> None: ...
+    def put(
+        self,
+        keys: Sequence[Union[str, bytes]],
+        ptrs: Sequence[_Ints],
+        sizes: Sequence[_Ints],
+        *,
+        replicas: int = 1,
+        pin: Literal["none", "soft", "hard"] = "none",
+        preferred: Optional[str] = None,
+    ) -> list[int]: ...
+    def get(
+        self, keys: Sequence[Union[str, bytes]], ptrs: Sequence[_Ints], sizes: Sequence[_Ints]
+    ) -> list[int]: ...
+    def exist(self, keys: Sequence[Union[str, bytes]]) -> list[int]: ...
+    def query(
+        self, keys: Sequence[Union[str, bytes]], *, lease: bool = False
+    ) -> list[Union[int, Tuple[int, list[Tuple[int, str, int]]]]]: ...
+    def remove(self, keys: Sequence[Union[str, bytes]], force: bool = False) -> list[int]: ...
+    def remove_all(self, force: bool = False) -> int: ...
+    def stats(self) -> dict[str, int]: ...
+    def ping(self, timeout: float = 2.0) -> bool: ...
+    def close(self) -> None: ...
+    def __enter__(self) -> StoreClient: ...
+    def __exit__(self, *exc: Any) -> None: ...
+
+@final
+class StoreMaster:
+    """A store master running in this process."""
+
+    def __new__(
+        cls,
+        listen: str = "127.0.0.1:50051",
+        *,
+        lease_ttl: float = 10.0,
+        client_ttl: float = 10.0,
+        heartbeat: float = 1.0,
+        high_watermark: float = 0.9,
+        evict_ratio: float = 0.05,
+        token: Optional[str] = None,
+    ) -> StoreMaster: ...
+    @property
+    def address(self) -> str: ...
+    def stats(self) -> dict[str, int]: ...
+    def shutdown(self) -> None: ...
+    def __enter__(self) -> StoreMaster: ...
+    def __exit__(self, *exc: Any) -> None: ...
+# --- end store -------------------------------------------------------------------------

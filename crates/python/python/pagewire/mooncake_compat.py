@@ -180,3 +180,16 @@ class TransferEngine(_MooncakeEngine):
                                     stream_ptr: int = 0, transport_hint: str = "") -> None:
         """Not implemented by pagewire (no CUDA path); raises ``NotImplementedError``."""
         raise _not_implemented("batch_transfer_read_on_cuda")
+
+
+# --- store: mooncake.store.MooncakeDistributedStore on the pagewire store --------------
+# (pagewire._mooncake_store has the class and its doctest; the master is pagewire's.)
+from pagewire._mooncake_store import (  # noqa: E402
+    MooncakeDistributedStore,
+    ObjectDataType,
+    ReplicateConfig,
+    SoftPinAction,
+)
+
+__all__ += ["MooncakeDistributedStore", "ReplicateConfig", "SoftPinAction", "ObjectDataType"]
+# --- end store -------------------------------------------------------------------------
