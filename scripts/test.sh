@@ -75,5 +75,5 @@ echo "== VM part took $((SECONDS - vm_t0)) s"
 # Ignored: the hardware tests on the host (the RDMA ones ran in the guest above).
 grep -aE '^test result: ' "$LOG" |
     awk '{p += $4; f += $6; i += $8} END {printf "summary: %d passed, %d failed, %d ignored\n", p, f, i}'
-# And pytest's lines (host suite; the guest's Python run prints its own).
+# And pytest's closing lines (the host suite's, then the guest's).
 grep -aE '^[0-9]+ passed' "$LOG" | sed 's/^/python: /' || true
