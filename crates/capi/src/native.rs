@@ -313,9 +313,11 @@ pub(crate) fn region_register(engine_t: u64, addr: u64, len: u64, access: u32) -
     if addr == 0 || len == 0 || addr.checked_add(len).is_none() {
         return PwStatus::InvalidRange.fail(format_args!("invalid range addr={addr:#x} len={len}"));
     }
-    if e.cpu_backend && !crate::memcheck::is_host_rw(addr, len) {
+    if e.cpu_backend
+        && let Err(why) = pagewire_mooncake::memcheck::check_host_rw(addr, len)
+    {
         return PwStatus::InvalidRange.fail(format_args!(
-            "addr={addr:#x} len={len} is not readable and writable memory of this process"
+            "addr={addr:#x} len={len} is not readable and writable memory of this process: {why}"
         ));
     }
     let Ok(n) = usize::try_from(len) else {
@@ -360,12 +362,16 @@ pub(crate) fn region_deregister(token: u64, timeout_ms: u32) -> PwResult<()> {
 pub(crate) fn peer_connect(engine_t: u64, addr: &str) -> PwResult<u64> {
     let e = engine(engine_t)?;
     e.check_open()?;
-    let Some((host, Some(port))) = crate::te::split_host_port(addr, true) else {
-        return PwStatus::InvalidArgument.fail(format_args!("{addr:?} is not host:port"));
+    let (host, port) = match pagewire_mooncake::sid::parse(addr) {
+        Ok(hp) => hp,
+        Err(why) => {
+            return PwStatus::InvalidArgument
+                .fail(format_args!("{addr:?} is not host:port: {why}"));
+        }
     };
     let peer = e
         .engine
-        .connect((host.as_str(), port))
+        .connect((host, port))
         .map_err(|err| PwStatus::from_err(&err))?;
     insert(
         &PEERS,

@@ -280,10 +280,9 @@ impl TransferEngine {
         Ok(target)
     }
 
-    /// Checks every request of a call, grouped by target in order of first appearance
-    /// (zero-length requests are in no group). `open` is the target already opened by
-    /// name, if the caller did.
-    fn plan(&self, entries: &[Request], open: Option<&Target>) -> Result<Vec<Group>, Error> {
+    /// Checks what needs no lookup (null source, overflow) and groups the requests by
+    /// target, in order of first appearance (zero-length requests are in no group).
+    fn group(entries: &[Request]) -> Result<Vec<(i32, Vec<usize>)>, Error> {
         let mut groups: Vec<(i32, Vec<usize>)> = Vec::new();
         for (i, e) in entries.iter().enumerate() {
             if e.length == 0 {
@@ -305,6 +304,17 @@ impl TransferEngine {
                 None => groups.push((e.target_id, vec![i])),
             }
         }
+        Ok(groups)
+    }
+
+    /// Checks every group against its segment (see [`Self::check_target`]). `open` is
+    /// the target already opened by name, if the caller did.
+    fn check_groups(
+        &self,
+        groups: Vec<(i32, Vec<usize>)>,
+        entries: &[Request],
+        open: Option<&Target>,
+    ) -> Result<Vec<Group>, Error> {
         let mut out = Vec::with_capacity(groups.len());
         for (id, idx) in groups {
             let target = match open {
@@ -452,16 +462,17 @@ impl TransferEngine {
                 None => Ok(()),
             };
         };
-        let groups = self.plan(entries, open)?;
+        let groups = Self::group(entries)?;
         let notify_target = first.target_id;
         if notify.is_some()
-            && (groups.len() > 1 || groups.first().is_some_and(|g| g.target.id != notify_target))
+            && (groups.len() > 1 || groups.first().is_some_and(|g| g.0 != notify_target))
         {
             return fail(
                 Code::InvalidArgument,
                 "a notification follows the data of one segment: every request must target it",
             );
         }
+        let groups = self.check_groups(groups, entries, open)?;
         if groups.is_empty() {
             // Only zero-length requests: a notification goes alone.
             if let Some((name, msg)) = notify {
@@ -609,7 +620,7 @@ impl TransferEngine {
         let timeout = self.binding_timeout(lens);
         let deadline = Instant::now() + timeout;
         entries.iter_mut().for_each(|e| e.target_id = target.id);
-        let groups = self.plan(&entries, Some(&target))?;
+        let groups = self.check_groups(Self::group(&entries)?, &entries, Some(&target))?;
         let Some(group) = groups.first() else {
             return match notify {
                 Some((name, msg)) => {
