@@ -15,7 +15,7 @@
 //! Peers are pagewire engines (API-compatible with Mooncake, not wire-compatible).
 //!
 //! ```
-//! use pagewire_mooncake::{Opcode, Options, Request, TransferEngine, TransferStatus};
+//! use pagewire_mooncake::{Opcode, Options, Request, Transfer, TransferEngine, TransferStatus};
 //!
 //! # fn main() -> Result<(), pagewire_mooncake::Error> {
 //! let opts = Options { protocol: Some("tcp".into()), ..Options::default() };
@@ -32,8 +32,9 @@
 //! }
 //!
 //! // The Python binding's call: by session id, synchronous, with a notification.
-//! prefill.transfer_sync(decode.name(), Opcode::Write, &[src], &[dst + 64], &[9],
-//!                       Some((b"prefill-0", b"req-42")))?;
+//! let (srcs, dsts, lens) = ([src], [dst + 64], [9]);
+//! let page_to_pool = Transfer::write(decode.name(), &srcs, &dsts, &lens);
+//! prefill.transfer_sync(&page_to_pool, Some((b"prefill-0", b"req-42")))?;
 //!
 //! // The C API's calls: a segment id, a batch id, a task's status.
 //! let seg = prefill.open_segment(decode.name(), false)?;
@@ -57,8 +58,10 @@
 //! assert_eq!(notes, vec![(b"prefill-0".to_vec(), b"req-42".to_vec())]);
 //!
 //! // Mooncake's codes for bad input; nothing is sent.
-//! let err = prefill.transfer_sync(decode.name(), Opcode::Write, &[src], &[64], &[9], None);
-//! assert_eq!(err.unwrap_err().code(), pagewire_mooncake::Code::AddressNotRegistered);
+//! let stray = [64]; // not the peer's registered memory
+//! let err = prefill.transfer_sync(&Transfer::write(decode.name(), &srcs, &stray, &lens), None);
+//! let err = err.unwrap_err();
+//! assert_eq!(err.code(), pagewire_mooncake::Code::AddressNotRegistered);
 //!
 //! prefill.close();
 //! decode.close(); // no engine touches `pool` any more
@@ -83,7 +86,9 @@ pub use code::{Code, Error};
 pub use engine::{DEFAULT_HANDSHAKE_TIMEOUT, Note, Options, TransferEngine};
 pub use mailbox::{MAX_NOTIFY_BYTES, OUTBOX_BYTES, QUEUE_MAX, SLOT_BYTES, SLOTS};
 pub use segments::{LOCAL_SEGMENT, SegmentInfo};
-pub use transfer::{BatchCheck, MAX_BATCH_SIZE, Opcode, Request, TaskStatus, TransferStatus};
+pub use transfer::{
+    BatchCheck, MAX_BATCH_SIZE, Opcode, Request, TaskStatus, Transfer, TransferStatus,
+};
 
 /// Locks a mutex, also when a panicking thread poisoned it (the state stays consistent:
 /// no critical section here leaves it half-updated).

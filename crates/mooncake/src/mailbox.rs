@@ -556,13 +556,8 @@ mod tests {
         };
 
         let s = mb.stage(&a, peer, b"nm", b"hello", soon).unwrap();
-        assert_eq!(
-            decode(s.tag()),
-            Tag::Msg {
-                slot: 0,
-                generation: 1
-            }
-        );
+        let msg = |slot, generation| Tag::Msg { slot, generation };
+        assert_eq!(decode(s.tag()), msg(0, 1));
         assert_eq!(&slot_text(&mb, 0)[16..23], b"nmhello");
         mb.acked(peer, 0, 2); // wrong generation: nothing freed
         mb.acked(other, 0, 1); // wrong peer: nothing freed
@@ -572,13 +567,7 @@ mod tests {
         assert!(slot_text(&mb, 0).iter().all(|&b| b == 0), "zeroed on ACK");
 
         let again = mb.stage(&a, peer, b"", b"x", soon).unwrap();
-        assert_eq!(
-            decode(again.tag()),
-            Tag::Msg {
-                slot: 0,
-                generation: 2
-            }
-        );
+        assert_eq!(decode(again.tag()), msg(0, 2), "a new generation");
         for _ in 1..SLOTS {
             mb.stage(&a, peer, b"", b"x", soon).unwrap();
         }

@@ -85,6 +85,43 @@ pub struct Request {
     pub length: u64,
 }
 
+/// One call of the Python binding: `lens[i]` bytes between local `locals[i]` and the
+/// peer's `remotes[i]`, on the engine named `session` (`host:port`).
+#[derive(Debug, Clone, Copy)]
+pub struct Transfer<'a> {
+    /// The peer engine's segment name.
+    pub session: &'a str,
+    /// Direction.
+    pub opcode: Opcode,
+    /// Local addresses, inside memory registered on this engine.
+    pub locals: &'a [u64],
+    /// The peer's addresses.
+    pub remotes: &'a [u64],
+    /// Bytes of each range.
+    pub lens: &'a [u64],
+}
+
+impl<'a> Transfer<'a> {
+    /// WRITEs of `lens[i]` bytes from `locals[i]` to the peer's `remotes[i]`.
+    pub fn write(session: &'a str, locals: &'a [u64], remotes: &'a [u64], lens: &'a [u64]) -> Self {
+        Transfer {
+            session,
+            opcode: Opcode::Write,
+            locals,
+            remotes,
+            lens,
+        }
+    }
+
+    /// READs of `lens[i]` bytes from the peer's `remotes[i]` into `locals[i]`.
+    pub fn read(session: &'a str, locals: &'a [u64], remotes: &'a [u64], lens: &'a [u64]) -> Self {
+        Transfer {
+            opcode: Opcode::Read,
+            ..Transfer::write(session, locals, remotes, lens)
+        }
+    }
+}
+
 /// Mooncake's `STATUS_*` of a task.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[repr(i32)]
@@ -560,15 +597,15 @@ impl TransferEngine {
 
     // ------------------------------------------------------------------ Python binding
 
-    /// The requests of a Python binding call: `lens[i]` bytes between `locals[i]` and
-    /// `remotes[i]` of `target`.
-    fn requests(
-        target: i32,
-        opcode: Opcode,
-        locals: &[u64],
-        remotes: &[u64],
-        lens: &[u64],
-    ) -> Result<Vec<Request>, Error> {
+    /// The requests of a Python binding call, to `target`.
+    fn requests(t: &Transfer<'_>, target: i32) -> Result<Vec<Request>, Error> {
+        let Transfer {
+            opcode,
+            locals,
+            remotes,
+            lens,
+            ..
+        } = *t;
         if locals.len() != remotes.len() || locals.len() != lens.len() {
             return fail(
                 Code::InvalidArgument,
@@ -598,26 +635,22 @@ impl TransferEngine {
         self.inner.transfer_timeout + Duration::from_nanos(total)
     }
 
-    /// `transfer_sync*` / `batch_transfer_sync*`: moves `lens[i]` bytes between local
-    /// `locals[i]` and the peer's `remotes[i]` on the engine named `session`
-    /// (`host:port`), optionally followed by a notification, and waits until done or
+    /// `transfer_sync*` / `batch_transfer_sync*`: moves the ranges of `t`, optionally
+    /// followed by a notification, and waits until done or
     /// until Mooncake's deadline (`MC_TRANSFER_TIMEOUT` plus 1 ns per byte). Empty lists
     /// move nothing (a notification then goes alone). On failure the call's batch is
     /// cancelled: nothing more of it is handed to the network, and a refused call (any
     /// range outside registered or exposed memory) moved nothing at all.
     pub fn transfer_sync(
         &self,
-        session: &str,
-        opcode: Opcode,
-        locals: &[u64],
-        remotes: &[u64],
-        lens: &[u64],
+        t: &Transfer<'_>,
         notify: Option<(&[u8], &[u8])>,
     ) -> Result<(), Error> {
+        let session = t.session;
         // The lists first, before any connection is made.
-        let mut entries = Self::requests(0, opcode, locals, remotes, lens)?;
+        let mut entries = Self::requests(t, 0)?;
         let target = self.open(session)?.target;
-        let timeout = self.binding_timeout(lens);
+        let timeout = self.binding_timeout(t.lens);
         let deadline = Instant::now() + timeout;
         entries.iter_mut().for_each(|e| e.target_id = target.id);
         let groups = self.check_groups(Self::group(&entries)?, &entries, Some(&target))?;
@@ -679,19 +712,12 @@ impl TransferEngine {
     /// a batch id (never 0) for [`Self::check_batch`] or [`Self::wait_batches`]; the
     /// deadline is Mooncake's, as for [`Self::transfer_sync`]. A range that fails the
     /// checks is refused here, not reported later.
-    pub fn transfer_async(
-        &self,
-        session: &str,
-        opcode: Opcode,
-        locals: &[u64],
-        remotes: &[u64],
-        lens: &[u64],
-    ) -> Result<u64, Error> {
-        let mut entries = Self::requests(0, opcode, locals, remotes, lens)?;
-        let target = self.open(session)?.target;
+    pub fn transfer_async(&self, t: &Transfer<'_>) -> Result<u64, Error> {
+        let mut entries = Self::requests(t, 0)?;
+        let target = self.open(t.session)?.target;
         entries.iter_mut().for_each(|e| e.target_id = target.id);
         let id = lock(&self.inner.batches).insert(entries.len().max(1))?;
-        let timeout = self.binding_timeout(lens);
+        let timeout = self.binding_timeout(t.lens);
         match self.submit_into(id, &entries, None, Some(&target), timeout) {
             Ok(()) => Ok(id),
             Err(e) => {

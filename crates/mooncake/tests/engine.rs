@@ -5,7 +5,8 @@
 use std::time::{Duration, Instant};
 
 use pagewire_mooncake::{
-    BatchCheck, Code, LOCAL_SEGMENT, Opcode, Options, Request, TransferEngine, TransferStatus,
+    BatchCheck, Code, LOCAL_SEGMENT, Opcode, Options, Request, Transfer, TransferEngine,
+    TransferStatus,
 };
 
 fn engine() -> TransferEngine {
@@ -249,7 +250,7 @@ fn segments_batches_and_status() {
 
     // The Python binding's async ids: running, then collected once.
     let id = a
-        .transfer_async(b.name(), Opcode::Write, &[s], &[p + 8192], &[1 << 16])
+        .transfer_async(&Transfer::write(b.name(), &[s], &[p + 8192], &[1 << 16]))
         .unwrap();
     let until = Instant::now() + Duration::from_secs(10);
     let mut st = a.check_batch(id);
@@ -260,9 +261,9 @@ fn segments_batches_and_status() {
     assert_eq!(st, BatchCheck::Completed);
     assert_eq!(a.check_batch(id), BatchCheck::Failed, "collected");
     let ids = [
-        a.transfer_async(b.name(), Opcode::Write, &[s], &[p], &[64])
+        a.transfer_async(&Transfer::write(b.name(), &[s], &[p], &[64]))
             .unwrap(),
-        a.transfer_async(b.name(), Opcode::Write, &[], &[], &[])
+        a.transfer_async(&Transfer::write(b.name(), &[], &[], &[]))
             .unwrap(),
     ];
     a.wait_batches(&ids).unwrap();
@@ -272,12 +273,12 @@ fn segments_batches_and_status() {
         "collected"
     );
     assert_eq!(
-        code(a.transfer_async(b.name(), Opcode::Write, &[s], &[8], &[64])),
+        code(a.transfer_async(&Transfer::write(b.name(), &[s], &[8], &[64]))),
         Code::AddressNotRegistered,
         "refused at submission"
     );
     assert_eq!(
-        code(a.transfer_async(b.name(), Opcode::Write, &[s], &[p], &[])),
+        code(a.transfer_async(&Transfer::write(b.name(), &[s], &[p], &[]))),
         Code::InvalidArgument
     );
 
@@ -304,31 +305,26 @@ fn sync_transfers_notifications_and_probes() {
     }
     let sid = b.name().to_owned();
     a.transfer_sync(
-        &sid,
-        Opcode::Write,
-        &[s, s + 4096],
-        &[p + 8192, p],
-        &[4096, 4096],
+        &Transfer::write(&sid, &[s, s + 4096], &[p + 8192, p], &[4096, 4096]),
         None,
     )
     .unwrap();
-    a.transfer_sync(&sid, Opcode::Read, &[s + 32768], &[p], &[4096], None)
+    a.transfer_sync(&Transfer::read(&sid, &[s + 32768], &[p], &[4096]), None)
         .unwrap();
     // Notifications: after the data, once each, also alone.
     for i in 0..3u8 {
         let msg = vec![b'0' + i; 2000 * usize::from(i)];
         a.transfer_sync(
-            &sid,
-            Opcode::Write,
-            &[s],
-            &[p + 100],
-            &[10],
+            &Transfer::write(&sid, &[s], &[p + 100], &[10]),
             Some((b"n", &msg)),
         )
         .unwrap();
     }
-    a.transfer_sync(&sid, Opcode::Write, &[], &[], &[], Some((b"only", b"tag")))
-        .unwrap();
+    a.transfer_sync(
+        &Transfer::write(&sid, &[], &[], &[]),
+        Some((b"only", b"tag")),
+    )
+    .unwrap();
     let mut got = Vec::new();
     let until = Instant::now() + Duration::from_secs(10);
     while got.len() < 4 && Instant::now() < until {
@@ -350,19 +346,22 @@ fn sync_transfers_notifications_and_probes() {
     // Bad input: the code, and nothing moved.
     let big = vec![0u8; pagewire_mooncake::MAX_NOTIFY_BYTES + 1];
     assert_eq!(
-        code(a.transfer_sync(&sid, Opcode::Write, &[s], &[p], &[1], Some((b"", &big)))),
+        code(a.transfer_sync(&Transfer::write(&sid, &[s], &[p], &[1]), Some((b"", &big)))),
         Code::InvalidArgument
     );
     assert_eq!(
-        code(a.transfer_sync(&sid, Opcode::Write, &[s], &[p + (1 << 16) - 1], &[2], None)),
+        code(a.transfer_sync(
+            &Transfer::write(&sid, &[s], &[p + (1 << 16) - 1], &[2]),
+            None
+        )),
         Code::AddressNotRegistered
     );
     assert_eq!(
-        code(a.transfer_sync("127.0.0.1", Opcode::Write, &[s], &[p], &[1], None)),
+        code(a.transfer_sync(&Transfer::write("127.0.0.1", &[s], &[p], &[1]), None)),
         Code::InvalidArgument
     );
     assert_eq!(
-        code(a.transfer_sync(&sid, Opcode::Write, &[s], &[p], &[], None)),
+        code(a.transfer_sync(&Transfer::write(&sid, &[s], &[p], &[]), None)),
         Code::InvalidArgument
     );
     // A buffer the peer registers after the session opened is found.
@@ -370,7 +369,7 @@ fn sync_transfers_notifications_and_probes() {
     let l = late.addr();
     // SAFETY: `late` outlives the engines.
     unsafe { b.register(l, 4096, true).unwrap() };
-    a.transfer_sync(&sid, Opcode::Write, &[s], &[l], &[4096], None)
+    a.transfer_sync(&Transfer::write(&sid, &[s], &[l], &[4096]), None)
         .unwrap();
     assert_eq!(a.first_buffer_address(&sid).unwrap(), p.min(l));
     // Probes: Mooncake's codes.

@@ -21,7 +21,7 @@ use pyo3::sync::PyOnceLock;
 
 use pagewire_mooncake::{
     BatchCheck, Code, DEFAULT_HANDSHAKE_TIMEOUT, Error, MAX_NOTIFY_BYTES, Opcode, Options,
-    TransferEngine,
+    Transfer, TransferEngine,
 };
 
 use crate::convert::u64_vec;
@@ -96,14 +96,22 @@ impl Ranges {
         ))
     }
 
-    fn slices(&self) -> (&[u64], &[u64], &[u64]) {
-        match self {
+    /// The call to `session` with these ranges.
+    fn transfer<'a>(&'a self, session: &'a str, opcode: Opcode) -> Transfer<'a> {
+        let (locals, remotes, lens) = match self {
             Ranges::One([b, p, l]) => (
                 std::slice::from_ref(b),
                 std::slice::from_ref(p),
                 std::slice::from_ref(l),
             ),
-            Ranges::Lists(b, p, l) => (b, p, l),
+            Ranges::Lists(b, p, l) => (b.as_slice(), p.as_slice(), l.as_slice()),
+        };
+        Transfer {
+            session,
+            opcode,
+            locals,
+            remotes,
+            lens,
         }
     }
 }
@@ -239,31 +247,6 @@ impl MooncakeEngine {
                 on_fail(None)
             }
         }
-    }
-
-    /// `transfer_sync*`, `batch_transfer_sync*`: 0 or -1.
-    fn sync(
-        &self,
-        py: Python<'_>,
-        what: &str,
-        session: &str,
-        op: Opcode,
-        r: &Ranges,
-        notify: Option<&(Vec<u8>, Vec<u8>)>,
-    ) -> i32 {
-        self.call(py, what, minus_one, |e| {
-            let (b, p, l) = r.slices();
-            let n = notify.map(|(n, m)| (n.as_slice(), m.as_slice()));
-            e.transfer_sync(session, op, b, p, l, n).map(|()| 0)
-        })
-    }
-
-    /// `batch_transfer_async*`, `transfer_submit_write`: a batch id, or 0.
-    fn submit(&self, py: Python<'_>, what: &str, session: &str, op: Opcode, r: &Ranges) -> u64 {
-        self.call(py, what, zero, |e| {
-            let (b, p, l) = r.slices();
-            e.transfer_async(session, op, b, p, l)
-        })
     }
 }
 
@@ -551,10 +534,10 @@ impl Drop for MooncakeEngine {
 
 /// The transfer methods, on a subclass of `_MooncakeEngine`.
 ///
-/// Mooncake's transfer methods come in families whose members differ only in name and
-/// direction (`transfer_sync_write` / `_read`...), so each family's signature is written
-/// once, in the macro below; a `#[pymethods]` block cannot hold macro-generated methods,
-/// so the macro generates the whole block, of this class.
+/// Mooncake's ten transfer methods share one shape: `(target_hostname, <one range or
+/// three lists>[, opcode[, notify=None]], transport_hint="")`, with a fixed direction
+/// where there is no opcode. A `#[pymethods]` block cannot hold macro-generated methods,
+/// so the macro below generates this class's whole block from one template.
 #[pyclass(
     module = "pagewire._native",
     name = "_MooncakeTransfers",
@@ -564,13 +547,40 @@ impl Drop for MooncakeEngine {
 )]
 pub(crate) struct MooncakeTransfers;
 
+/// What a transfer method was called with, converted.
+struct Call<'a> {
+    what: &'static str,
+    session: &'a str,
+    op: Opcode,
+    ranges: Ranges,
+    notify: Option<(Vec<u8>, Vec<u8>)>,
+}
+
+impl MooncakeEngine {
+    /// `transfer_sync*`, `batch_transfer_sync*`: 0 or -1.
+    fn sync(&self, py: Python<'_>, c: &Call<'_>) -> i32 {
+        self.call(py, c.what, minus_one, |e| {
+            let n = c.notify.as_ref().map(|(n, m)| (n.as_slice(), m.as_slice()));
+            e.transfer_sync(&c.ranges.transfer(c.session, c.op), n)
+                .map(|()| 0)
+        })
+    }
+
+    /// `batch_transfer_async*`, `transfer_submit_write`: a batch id, or 0.
+    fn submit(&self, py: Python<'_>, c: &Call<'_>) -> u64 {
+        self.call(py, c.what, zero, |e| {
+            e.transfer_async(&c.ranges.transfer(c.session, c.op))
+        })
+    }
+}
+
+/// Each line: `name(range arguments)[(opcode[, notify])] -> return type = how`, where
+/// `how` is `sync` or `submit` with `Write` / `Read`, or `(op)` for an opcode argument.
 macro_rules! transfer_methods {
-    (
-        sync_one: $($s1:ident = $o1:ident),*;
-        sync_lists: $($s2:ident = $o2:ident),*;
-        async_one: $($a1:ident = $o3:ident),*;
-        async_lists: $($a2:ident = $o4:ident),*;
-    ) => {
+    ($(
+        $name:ident($ranges:ident: $b:ident, $p:ident, $l:ident $(; $opcode:ident $(, $notify:ident)?)?)
+            -> $ret:ty = $how:ident($($fixed:ident)?);
+    )*) => {
         #[pymethods]
         impl MooncakeTransfers {
             #[new]
@@ -578,105 +588,45 @@ macro_rules! transfer_methods {
                 PyClassInitializer::from(MooncakeEngine::new()).add_subclass(MooncakeTransfers)
             }
             $(
-                #[pyo3(signature = (target_hostname, buffer, peer_buffer_address, length, transport_hint=""))]
-                fn $s1(
-                    slf: &Bound<'_, Self>, target_hostname: &str, buffer: &Bound<'_, PyAny>,
-                    peer_buffer_address: &Bound<'_, PyAny>, length: &Bound<'_, PyAny>, transport_hint: &str,
-                ) -> PyResult<i32> {
+                #[pyo3(signature = (
+                    target_hostname, $b, $p, $l $(, $opcode $(, $notify = None)?)?, transport_hint = ""
+                ))]
+                #[allow(clippy::too_many_arguments)] // Mooncake's signatures
+                fn $name(
+                    slf: &Bound<'_, Self>,
+                    target_hostname: &str,
+                    $b: &Bound<'_, PyAny>,
+                    $p: &Bound<'_, PyAny>,
+                    $l: &Bound<'_, PyAny>,
+                    $($opcode: &Bound<'_, PyAny>, $($notify: Option<&Bound<'_, PyAny>>,)?)?
+                    transport_hint: &str,
+                ) -> PyResult<$ret> {
                     let _ = transport_hint;
-                    let r = Ranges::one(buffer, peer_buffer_address, length)?;
-                    let base = slf.as_super().get();
-                    Ok(base.sync(slf.py(), stringify!($s1), target_hostname, Opcode::$o1, &r, None))
+                    let call = Call {
+                        what: stringify!($name),
+                        session: target_hostname,
+                        op: $(Opcode::$fixed)? $(self::opcode($opcode)?)?,
+                        ranges: Ranges::$ranges($b, $p, $l)?,
+                        notify: None $($(.or(notification($notify)?))?)?,
+                    };
+                    Ok(slf.as_super().get().$how(slf.py(), &call))
                 }
             )*
-            $(
-                #[pyo3(signature = (target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint=""))]
-                fn $s2(
-                    slf: &Bound<'_, Self>, target_hostname: &str, buffers: &Bound<'_, PyAny>,
-                    peer_buffer_addresses: &Bound<'_, PyAny>, lengths: &Bound<'_, PyAny>, transport_hint: &str,
-                ) -> PyResult<i32> {
-                    let _ = transport_hint;
-                    let r = Ranges::lists(buffers, peer_buffer_addresses, lengths)?;
-                    let base = slf.as_super().get();
-                    Ok(base.sync(slf.py(), stringify!($s2), target_hostname, Opcode::$o2, &r, None))
-                }
-            )*
-            $(
-                #[pyo3(signature = (target_hostname, buffer, peer_buffer_address, length, transport_hint=""))]
-                fn $a1(
-                    slf: &Bound<'_, Self>, target_hostname: &str, buffer: &Bound<'_, PyAny>,
-                    peer_buffer_address: &Bound<'_, PyAny>, length: &Bound<'_, PyAny>, transport_hint: &str,
-                ) -> PyResult<u64> {
-                    let _ = transport_hint;
-                    let r = Ranges::one(buffer, peer_buffer_address, length)?;
-                    let base = slf.as_super().get();
-                    Ok(base.submit(slf.py(), stringify!($a1), target_hostname, Opcode::$o3, &r))
-                }
-            )*
-            $(
-                #[pyo3(signature = (target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint=""))]
-                fn $a2(
-                    slf: &Bound<'_, Self>, target_hostname: &str, buffers: &Bound<'_, PyAny>,
-                    peer_buffer_addresses: &Bound<'_, PyAny>, lengths: &Bound<'_, PyAny>, transport_hint: &str,
-                ) -> PyResult<u64> {
-                    let _ = transport_hint;
-                    let r = Ranges::lists(buffers, peer_buffer_addresses, lengths)?;
-                    let base = slf.as_super().get();
-                    Ok(base.submit(slf.py(), stringify!($a2), target_hostname, Opcode::$o4, &r))
-                }
-            )*
-
-            // The generic forms (an opcode argument), one of each.
-
-            #[pyo3(signature = (target_hostname, buffer, peer_buffer_address, length, opcode, notify=None, transport_hint=""))]
-            #[allow(clippy::too_many_arguments)] // Mooncake's signature
-            fn transfer_sync(
-                slf: &Bound<'_, Self>, target_hostname: &str, buffer: &Bound<'_, PyAny>,
-                peer_buffer_address: &Bound<'_, PyAny>, length: &Bound<'_, PyAny>, opcode: &Bound<'_, PyAny>,
-                notify: Option<&Bound<'_, PyAny>>, transport_hint: &str,
-            ) -> PyResult<i32> {
-                let _ = transport_hint;
-                let r = Ranges::one(buffer, peer_buffer_address, length)?;
-                let (op, note) = (self::opcode(opcode)?, notification(notify)?);
-                let base = slf.as_super().get();
-                Ok(base.sync(slf.py(), "transfer_sync", target_hostname, op, &r, note.as_ref()))
-            }
-
-            #[pyo3(signature = (target_hostname, buffers, peer_buffer_addresses, lengths, opcode, notify=None, transport_hint=""))]
-            #[allow(clippy::too_many_arguments)] // Mooncake's signature
-            fn batch_transfer_sync(
-                slf: &Bound<'_, Self>, target_hostname: &str, buffers: &Bound<'_, PyAny>,
-                peer_buffer_addresses: &Bound<'_, PyAny>, lengths: &Bound<'_, PyAny>, opcode: &Bound<'_, PyAny>,
-                notify: Option<&Bound<'_, PyAny>>, transport_hint: &str,
-            ) -> PyResult<i32> {
-                let _ = transport_hint;
-                let r = Ranges::lists(buffers, peer_buffer_addresses, lengths)?;
-                let (op, note) = (self::opcode(opcode)?, notification(notify)?);
-                let base = slf.as_super().get();
-                Ok(base.sync(slf.py(), "batch_transfer_sync", target_hostname, op, &r, note.as_ref()))
-            }
-
-            #[pyo3(signature = (target_hostname, buffers, peer_buffer_addresses, lengths, opcode, transport_hint=""))]
-            fn batch_transfer_async(
-                slf: &Bound<'_, Self>, target_hostname: &str, buffers: &Bound<'_, PyAny>,
-                peer_buffer_addresses: &Bound<'_, PyAny>, lengths: &Bound<'_, PyAny>, opcode: &Bound<'_, PyAny>,
-                transport_hint: &str,
-            ) -> PyResult<u64> {
-                let _ = transport_hint;
-                let r = Ranges::lists(buffers, peer_buffer_addresses, lengths)?;
-                let op = self::opcode(opcode)?;
-                let base = slf.as_super().get();
-                Ok(base.submit(slf.py(), "batch_transfer_async", target_hostname, op, &r))
-            }
         }
     };
 }
 
 transfer_methods! {
-    sync_one: transfer_sync_write = Write, transfer_sync_read = Read;
-    sync_lists: batch_transfer_sync_write = Write, batch_transfer_sync_read = Read;
-    async_one: transfer_submit_write = Write;
-    async_lists: batch_transfer_async_write = Write, batch_transfer_async_read = Read;
+    transfer_sync_write(one: buffer, peer_buffer_address, length) -> i32 = sync(Write);
+    transfer_sync_read(one: buffer, peer_buffer_address, length) -> i32 = sync(Read);
+    batch_transfer_sync_write(lists: buffers, peer_buffer_addresses, lengths) -> i32 = sync(Write);
+    batch_transfer_sync_read(lists: buffers, peer_buffer_addresses, lengths) -> i32 = sync(Read);
+    transfer_sync(one: buffer, peer_buffer_address, length; opcode, notify) -> i32 = sync();
+    batch_transfer_sync(lists: buffers, peer_buffer_addresses, lengths; opcode, notify) -> i32 = sync();
+    transfer_submit_write(one: buffer, peer_buffer_address, length) -> u64 = submit(Write);
+    batch_transfer_async_write(lists: buffers, peer_buffer_addresses, lengths) -> u64 = submit(Write);
+    batch_transfer_async_read(lists: buffers, peer_buffer_addresses, lengths) -> u64 = submit(Read);
+    batch_transfer_async(lists: buffers, peer_buffer_addresses, lengths; opcode) -> u64 = submit();
 }
 
 /// A small JSON topology: devices pagewire can open (verbs builds) and the backend.
