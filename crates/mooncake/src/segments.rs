@@ -6,7 +6,7 @@
 //! broken one is reconnected under the same id by the next open. Segment 0
 //! ([`LOCAL_SEGMENT`]) is this engine itself, connected on first use.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::net::IpAddr;
 use std::sync::{Arc, Mutex};
 
@@ -59,7 +59,7 @@ impl Segment {
 #[derive(Debug)]
 pub(crate) struct Segments {
     by_name: HashMap<String, i32>,
-    by_id: HashMap<i32, Segment>,
+    by_id: BTreeMap<i32, Segment>,
     next_id: i32,
 }
 
@@ -68,7 +68,7 @@ impl Segments {
     pub(crate) fn new(own_name: &str) -> Segments {
         let mut s = Segments {
             by_name: HashMap::new(),
-            by_id: HashMap::new(),
+            by_id: BTreeMap::new(),
             next_id: LOCAL_SEGMENT + 1,
         };
         s.by_name.insert(own_name.to_owned(), LOCAL_SEGMENT);
@@ -344,23 +344,20 @@ impl TransferEngine {
         first
     }
 
-    /// Open segments, by id.
+    /// Open segments, by id (ascending).
     pub fn segments(&self) -> Vec<SegmentInfo> {
         let list: Vec<(i32, String, Option<PeerId>)> = lock(&self.inner.segments)
             .by_id
             .iter()
             .map(|(&id, s)| (id, s.name.clone(), s.peer))
             .collect();
-        let mut v: Vec<SegmentInfo> = list
-            .into_iter()
+        list.into_iter()
             .map(|(id, name, p)| SegmentInfo {
                 id,
                 name,
                 connected: p.is_some_and(|p| self.transport().peer_alive(p).unwrap_or(false)),
             })
-            .collect();
-        v.sort_by_key(|s| s.id);
-        v
+            .collect()
     }
 
     /// Mooncake's `send_probe`: `Ok` when the engine behind the session id answers a

@@ -55,13 +55,6 @@ impl TryFrom<i64> for Opcode {
 }
 
 impl Opcode {
-    fn op(self) -> Op {
-        match self {
-            Opcode::Read => Op::Read,
-            Opcode::Write => Op::Write,
-        }
-    }
-
     fn remote_access(self) -> Access {
         match self {
             Opcode::Read => Access::REMOTE_READ,
@@ -118,6 +111,51 @@ impl<'a> Transfer<'a> {
         Transfer {
             opcode: Opcode::Read,
             ..Transfer::write(session, locals, remotes, lens)
+        }
+    }
+
+    /// The three lists have one length.
+    fn check_lists(&self) -> Result<(), Error> {
+        let (a, b, c) = (self.locals.len(), self.remotes.len(), self.lens.len());
+        if a != b || a != c {
+            return fail(
+                Code::InvalidArgument,
+                format!(
+                    "buffers, peer_buffer_addresses and lengths differ in length ({a}, {b}, {c})"
+                ),
+            );
+        }
+        Ok(())
+    }
+
+    /// Its non-empty requests to segment `target`, with their index.
+    fn requests(&self, target: i32) -> impl Iterator<Item = (usize, Request)> + '_ {
+        (0..self.lens.len())
+            .filter(|&i| self.lens[i] > 0)
+            .map(move |i| {
+                let r = Request {
+                    opcode: self.opcode,
+                    source: self.locals[i],
+                    target_id: target,
+                    target_offset: self.remotes[i],
+                    length: self.lens[i],
+                };
+                (i, r)
+            })
+    }
+}
+
+impl Request {
+    /// The transport's op for it.
+    fn op(&self) -> TransferOp {
+        TransferOp {
+            op: match self.opcode {
+                Opcode::Read => Op::Read,
+                Opcode::Write => Op::Write,
+            },
+            local: self.source,
+            remote: self.target_offset,
+            len: self.length,
         }
     }
 }
@@ -264,19 +302,16 @@ impl TransferEngine {
             .is_some_and(|(&a, r)| r.id.is_some() && a + r.len >= end)
     }
 
-    /// Checks the requests `idx` of `entries`, all to `target`: local ranges registered,
-    /// remote ranges exposed for the operation (asking the peer again once if not).
-    /// Returns the target as last described.
-    fn check_target(
-        &self,
-        mut target: Target,
-        entries: &[Request],
-        idx: &[usize],
-    ) -> Result<Target, Error> {
+    /// Checks requests to `target` (`reqs` gives them, `(index, request)`, as often as
+    /// needed): local ranges registered, remote ranges exposed for the operation (asking
+    /// the peer again once if not). Returns the target as last described.
+    fn check_target<I>(&self, mut target: Target, reqs: impl Fn() -> I) -> Result<Target, Error>
+    where
+        I: Iterator<Item = (usize, Request)>,
+    {
         {
             let regions = lock(&self.inner.regions);
-            for &i in idx {
-                let e = &entries[i];
+            for (i, e) in reqs() {
                 if !Self::local_registered(&regions, e.source, e.length) {
                     return fail(
                         Code::AddressNotRegistered,
@@ -289,32 +324,43 @@ impl TransferEngine {
             }
         }
         let misfit = |regions: &[RemoteRegion]| {
-            idx.iter().copied().find(|&i| {
-                let e = &entries[i];
+            reqs().find(|(_, e)| {
                 !remote_covered(regions, e.target_offset, e.length, e.opcode.remote_access())
             })
         };
         if misfit(&target.regions).is_some() {
             target = self.refresh_for_submit(&target)?;
-            if let Some(i) = misfit(&target.regions) {
-                let e = &entries[i];
+            if let Some((i, e)) = misfit(&target.regions) {
+                let what = match e.opcode {
+                    Opcode::Write => "writes",
+                    Opcode::Read => "reads",
+                };
                 return fail(
                     Code::AddressNotRegistered,
                     format!(
-                        "request {i}: remote range {:#x}+{} is outside the buffers segment {} registered for remote {}",
-                        e.target_offset,
-                        e.length,
-                        target.id,
-                        if e.opcode == Opcode::Write {
-                            "writes"
-                        } else {
-                            "reads"
-                        }
+                        "request {i}: remote range {:#x}+{} is outside the buffers segment {} registered for remote {what}",
+                        e.target_offset, e.length, target.id,
                     ),
                 );
             }
         }
         Ok(target)
+    }
+
+    /// What needs no lookup: a source, no overflow.
+    fn precheck(i: usize, e: &Request) -> Result<(), Error> {
+        if e.source == 0 {
+            return fail(Code::InvalidArgument, format!("request {i}: null source"));
+        }
+        if e.source.checked_add(e.length).is_none()
+            || e.target_offset.checked_add(e.length).is_none()
+        {
+            return fail(
+                Code::InvalidArgument,
+                format!("request {i}: address + length {} overflows", e.length),
+            );
+        }
+        Ok(())
     }
 
     /// Checks what needs no lookup (null source, overflow) and groups the requests by
@@ -325,17 +371,7 @@ impl TransferEngine {
             if e.length == 0 {
                 continue;
             }
-            if e.source == 0 {
-                return fail(Code::InvalidArgument, format!("request {i}: null source"));
-            }
-            if e.source.checked_add(e.length).is_none()
-                || e.target_offset.checked_add(e.length).is_none()
-            {
-                return fail(
-                    Code::InvalidArgument,
-                    format!("request {i}: address + length {} overflows", e.length),
-                );
-            }
+            Self::precheck(i, e)?;
             match groups.iter_mut().find(|g| g.0 == e.target_id) {
                 Some(g) => g.1.push(i),
                 None => groups.push((e.target_id, vec![i])),
@@ -358,7 +394,7 @@ impl TransferEngine {
                 Some(t) if t.id == id => t.clone(),
                 _ => self.segment(id)?,
             };
-            let target = self.check_target(target, entries, &idx)?;
+            let target = self.check_target(target, || idx.iter().map(|&i| (i, entries[i])))?;
             out.push(Group { target, idx });
         }
         Ok(out)
@@ -367,13 +403,7 @@ impl TransferEngine {
     fn batch_of(entries: &[Request], idx: &[usize]) -> Batch {
         let mut b = Batch::with_capacity(idx.len());
         for &i in idx {
-            let e = &entries[i];
-            b.push(TransferOp {
-                op: e.opcode.op(),
-                local: e.source,
-                remote: e.target_offset,
-                len: e.length,
-            });
+            b.push(entries[i].op());
         }
         b
     }
@@ -597,37 +627,6 @@ impl TransferEngine {
 
     // ------------------------------------------------------------------ Python binding
 
-    /// The requests of a Python binding call, to `target`.
-    fn requests(t: &Transfer<'_>, target: i32) -> Result<Vec<Request>, Error> {
-        let Transfer {
-            opcode,
-            locals,
-            remotes,
-            lens,
-            ..
-        } = *t;
-        if locals.len() != remotes.len() || locals.len() != lens.len() {
-            return fail(
-                Code::InvalidArgument,
-                format!(
-                    "buffers, peer_buffer_addresses and lengths differ in length ({}, {}, {})",
-                    locals.len(),
-                    remotes.len(),
-                    lens.len()
-                ),
-            );
-        }
-        Ok((0..lens.len())
-            .map(|i| Request {
-                opcode,
-                source: locals[i],
-                target_id: target,
-                target_offset: remotes[i],
-                length: lens[i],
-            })
-            .collect())
-    }
-
     /// Mooncake's deadline for a Python binding transfer: `MC_TRANSFER_TIMEOUT` plus
     /// 1 ns per byte.
     fn binding_timeout(&self, lens: &[u64]) -> Duration {
@@ -648,23 +647,28 @@ impl TransferEngine {
     ) -> Result<(), Error> {
         let session = t.session;
         // The lists first, before any connection is made.
-        let mut entries = Self::requests(t, 0)?;
+        t.check_lists()?;
         let target = self.open(session)?.target;
         let timeout = self.binding_timeout(t.lens);
         let deadline = Instant::now() + timeout;
-        entries.iter_mut().for_each(|e| e.target_id = target.id);
-        let groups = self.check_groups(Self::group(&entries)?, &entries, Some(&target))?;
-        let Some(group) = groups.first() else {
+        let id = target.id;
+        let mut n = 0;
+        for (i, r) in t.requests(id) {
+            Self::precheck(i, &r)?;
+            n += 1;
+        }
+        if n == 0 {
             return match notify {
                 Some((name, msg)) => {
+                    let peer = target.peer;
                     self.inner
                         .mailbox
-                        .send(self.transport(), target.peer, name, msg, deadline)
+                        .send(self.transport(), peer, name, msg, deadline)
                 }
                 None => Ok(()),
             };
-        };
-        let peer = group.target.peer;
+        }
+        let peer = self.check_target(target, || t.requests(id))?.peer;
         let staged = match notify {
             Some((name, msg)) => {
                 Some(
@@ -675,7 +679,11 @@ impl TransferEngine {
             }
             None => None,
         };
-        let mut batch = Self::batch_of(&entries, &group.idx).timeout(timeout);
+        let mut batch = Batch::with_capacity(n);
+        for (_, r) in t.requests(id) {
+            batch.push(r.op());
+        }
+        batch = batch.timeout(timeout);
         if let Some(s) = staged {
             batch = batch.notify(s.tag());
         }
@@ -713,9 +721,17 @@ impl TransferEngine {
     /// deadline is Mooncake's, as for [`Self::transfer_sync`]. A range that fails the
     /// checks is refused here, not reported later.
     pub fn transfer_async(&self, t: &Transfer<'_>) -> Result<u64, Error> {
-        let mut entries = Self::requests(t, 0)?;
+        t.check_lists()?;
         let target = self.open(t.session)?.target;
-        entries.iter_mut().for_each(|e| e.target_id = target.id);
+        let entries: Vec<Request> = (0..t.lens.len())
+            .map(|i| Request {
+                opcode: t.opcode,
+                source: t.locals[i],
+                target_id: target.id,
+                target_offset: t.remotes[i],
+                length: t.lens[i],
+            })
+            .collect();
         let id = lock(&self.inner.batches).insert(entries.len().max(1))?;
         let timeout = self.binding_timeout(t.lens);
         match self.submit_into(id, &entries, None, Some(&target), timeout) {

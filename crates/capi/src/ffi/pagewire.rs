@@ -7,7 +7,7 @@ use std::ffi::{c_char, c_void};
 
 use super::{guard, slice_arg, str_arg, write_cstr};
 pub use crate::native::PwStatus;
-use crate::native::{self, PoolDesc, PwResult};
+use crate::native::{self, PwResult};
 
 /// Opaque engine (`pw_engine`).
 #[repr(C)]
@@ -68,27 +68,6 @@ pub struct pw_pool_desc {
     pub checks: u32,
 }
 
-impl pw_pool_desc {
-    fn model(&self) -> PoolDesc {
-        PoolDesc {
-            kind: self.kind,
-            layout: self.layout,
-            layers: self.layers,
-            page_size: self.page_size,
-            heads: self.heads,
-            head_dim: self.head_dim,
-            v_head_dim: self.v_head_dim,
-            kv_dim: self.kv_dim,
-            dtype_bytes: self.dtype_bytes,
-            capacity: self.capacity,
-            base: self.base,
-            v_base: self.v_base,
-            has_v_base: self.has_v_base != 0,
-            sglang_checks: self.checks == 1,
-        }
-    }
-}
-
 fn status(r: PwResult<()>) -> PwStatus {
     match r {
         Ok(()) => PwStatus::Ok,
@@ -99,6 +78,12 @@ fn status(r: PwResult<()>) -> PwStatus {
             s
         }
     }
+}
+
+/// Runs an entry point's body: a panic is `PW_ERR_INTERNAL` (see [`guard`]), the result
+/// a status.
+fn run(f: impl FnOnce() -> PwResult<()>) -> PwStatus {
+    guard(PwStatus::Internal, || status(f()))
 }
 
 fn token<T>(p: *const T) -> u64 {
@@ -172,14 +157,14 @@ pub unsafe extern "C" fn pw_engine_new(
     listen: *const c_char,
     out: *mut *mut pw_engine,
 ) -> PwStatus {
-    guard(PwStatus::Internal, || {
+    run(|| {
         // SAFETY: per this function's contract.
         let (b, l) = unsafe { (str_arg(backend), str_arg(listen)) };
         if (!backend.is_null() && b.is_none()) || (!listen.is_null() && l.is_none()) {
-            return status(PwStatus::InvalidArgument.fail("string argument is not UTF-8"));
+            return PwStatus::InvalidArgument.fail("string argument is not UTF-8");
         }
         // SAFETY: per this function's contract.
-        status(unsafe { put(out, native::engine_new(b, l)) })
+        unsafe { put(out, native::engine_new(b, l)) }
     })
 }
 
@@ -190,9 +175,7 @@ pub unsafe extern "C" fn pw_engine_new(
 /// None (any value is checked).
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn pw_engine_free(engine: *mut pw_engine) -> PwStatus {
-    guard(PwStatus::Internal, || {
-        status(native::engine_free(token(engine)))
-    })
+    run(|| native::engine_free(token(engine)))
 }
 
 /// Writes the control listener's `"ip:port"` (what peers connect to).
@@ -205,12 +188,12 @@ pub unsafe extern "C" fn pw_engine_local_addr(
     buf: *mut c_char,
     len: usize,
 ) -> PwStatus {
-    guard(PwStatus::Internal, || {
-        status(native::engine(token(engine)).and_then(|e| {
+    run(|| {
+        native::engine(token(engine)).and_then(|e| {
             let s = e.engine.local_addr().to_string();
             // SAFETY: per this function's contract.
             write_fitted(unsafe { write_cstr(buf, len, &s) }, s.len())
-        }))
+        })
     })
 }
 
@@ -224,12 +207,12 @@ pub unsafe extern "C" fn pw_engine_backend(
     buf: *mut c_char,
     len: usize,
 ) -> PwStatus {
-    guard(PwStatus::Internal, || {
-        status(native::engine(token(engine)).and_then(|e| {
+    run(|| {
+        native::engine(token(engine)).and_then(|e| {
             let s = e.engine.backend_kind().as_str();
             // SAFETY: per this function's contract.
             write_fitted(unsafe { write_cstr(buf, len, s) }, s.len())
-        }))
+        })
     })
 }
 
@@ -253,19 +236,18 @@ pub unsafe extern "C" fn pw_engine_poll_notification(
     peer_id: *mut u64,
     tag: *mut u32,
 ) -> PwStatus {
-    guard(PwStatus::Internal, || {
+    run(|| {
         if peer_id.is_null() || tag.is_null() {
-            return status(null_arg("peer_id or tag"));
+            return null_arg("peer_id or tag");
         }
-        status(
-            native::poll_notification(token(engine), timeout_ms).and_then(|(p, t)| {
-                // SAFETY: both checked non-null; writable per this function's contract.
-                unsafe {
-                    put_val(peer_id, "peer_id", p)?;
-                    put_val(tag, "tag", t)
-                }
-            }),
-        )
+
+        native::poll_notification(token(engine), timeout_ms).and_then(|(p, t)| {
+            // SAFETY: both checked non-null; writable per this function's contract.
+            unsafe {
+                put_val(peer_id, "peer_id", p)?;
+                put_val(tag, "tag", t)
+            }
+        })
     })
 }
 
@@ -279,14 +261,14 @@ pub unsafe extern "C" fn pw_engine_progress(
     engine: *mut pw_engine,
     reaped: *mut usize,
 ) -> PwStatus {
-    guard(PwStatus::Internal, || {
-        status(native::progress(token(engine)).and_then(|n| {
+    run(|| {
+        native::progress(token(engine)).and_then(|n| {
             if reaped.is_null() {
                 return Ok(());
             }
             // SAFETY: non-null and writable per this function's contract.
             unsafe { put_val(reaped, "reaped", n) }
-        }))
+        })
     })
 }
 
@@ -308,13 +290,13 @@ pub unsafe extern "C" fn pw_region_register(
     access: u32,
     out: *mut *mut pw_region,
 ) -> PwStatus {
-    guard(PwStatus::Internal, || {
+    run(|| {
         if out.is_null() {
-            return status(null_arg("out"));
+            return null_arg("out");
         }
         let r = native::region_register(token(engine), addr as u64, len as u64, access);
         // SAFETY: per this function's contract.
-        status(unsafe { put(out, r) })
+        unsafe { put(out, r) }
     })
 }
 
@@ -325,9 +307,7 @@ pub unsafe extern "C" fn pw_region_register(
 /// None (any value is checked).
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn pw_region_deregister(region: *mut pw_region, timeout_ms: u32) -> PwStatus {
-    guard(PwStatus::Internal, || {
-        status(native::region_deregister(token(region), timeout_ms))
-    })
+    run(|| native::region_deregister(token(region), timeout_ms))
 }
 
 // ------------------------------------------------------------------------- peers
@@ -343,16 +323,16 @@ pub unsafe extern "C" fn pw_peer_connect(
     addr: *const c_char,
     out: *mut *mut pw_peer,
 ) -> PwStatus {
-    guard(PwStatus::Internal, || {
+    run(|| {
         // SAFETY: per this function's contract.
         let Some(a) = (unsafe { str_arg(addr) }) else {
-            return status(null_arg("addr"));
+            return null_arg("addr");
         };
         if out.is_null() {
-            return status(null_arg("out"));
+            return null_arg("out");
         }
         // SAFETY: per this function's contract.
-        status(unsafe { put(out, native::peer_connect(token(engine), a)) })
+        unsafe { put(out, native::peer_connect(token(engine), a)) }
     })
 }
 
@@ -366,12 +346,12 @@ pub unsafe extern "C" fn pw_peer_accept(
     timeout_ms: u32,
     out: *mut *mut pw_peer,
 ) -> PwStatus {
-    guard(PwStatus::Internal, || {
+    run(|| {
         if out.is_null() {
-            return status(null_arg("out"));
+            return null_arg("out");
         }
         // SAFETY: per this function's contract.
-        status(unsafe { put(out, native::peer_accept(token(engine), timeout_ms)) })
+        unsafe { put(out, native::peer_accept(token(engine), timeout_ms)) }
     })
 }
 
@@ -381,11 +361,11 @@ pub unsafe extern "C" fn pw_peer_accept(
 /// `id` is valid for a write.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn pw_peer_id(peer: *const pw_peer, id: *mut u64) -> PwStatus {
-    guard(PwStatus::Internal, || {
-        status(native::peer_id(token(peer)).and_then(|v| {
+    run(|| {
+        native::peer_id(token(peer)).and_then(|v| {
             // SAFETY: per this function's contract.
             unsafe { put_val(id, "id", v) }
-        }))
+        })
     })
 }
 
@@ -395,9 +375,7 @@ pub unsafe extern "C" fn pw_peer_id(peer: *const pw_peer, id: *mut u64) -> PwSta
 /// None (any value is checked).
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn pw_peer_refresh(peer: *mut pw_peer) -> PwStatus {
-    guard(PwStatus::Internal, || {
-        status(native::peer_refresh(token(peer)))
-    })
+    run(|| native::peer_refresh(token(peer)))
 }
 
 /// Disconnects (the peer's pending batches fail) and frees the handle.
@@ -406,9 +384,7 @@ pub unsafe extern "C" fn pw_peer_refresh(peer: *mut pw_peer) -> PwStatus {
 /// None (any value is checked).
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn pw_peer_close(peer: *mut pw_peer) -> PwStatus {
-    guard(PwStatus::Internal, || {
-        status(native::peer_close(token(peer)))
-    })
+    run(|| native::peer_close(token(peer)))
 }
 
 // ------------------------------------------------------------------------- batches
@@ -419,9 +395,9 @@ pub unsafe extern "C" fn pw_peer_close(peer: *mut pw_peer) -> PwStatus {
 /// `out` is valid for a write.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn pw_batch_new(out: *mut *mut pw_batch) -> PwStatus {
-    guard(PwStatus::Internal, || {
+    run(|| {
         // SAFETY: per this function's contract.
-        status(unsafe { put(out, native::batch_new()) })
+        unsafe { put(out, native::batch_new()) }
     })
 }
 
@@ -438,9 +414,7 @@ pub unsafe extern "C" fn pw_batch_add(
     remote: u64,
     len: u64,
 ) -> PwStatus {
-    guard(PwStatus::Internal, || {
-        status(native::batch_add(token(batch), op, local, remote, len))
-    })
+    run(|| native::batch_add(token(batch), op, local, remote, len))
 }
 
 /// Appends a transfer plan (`pw_plan`'s output, in data-flow order): for `PW_OP_WRITE`
@@ -457,21 +431,19 @@ pub unsafe extern "C" fn pw_batch_add_plan(
     lens: *const u64,
     n: usize,
 ) -> PwStatus {
-    guard(PwStatus::Internal, || {
+    run(|| {
         // SAFETY: per this function's contract.
         let (Some(s), Some(d), Some(l)) =
             (unsafe { (slice_arg(srcs, n), slice_arg(dsts, n), slice_arg(lens, n)) })
         else {
-            return status(null_arg("srcs, dsts or lens"));
+            return null_arg("srcs, dsts or lens");
         };
         let b = token(batch);
         for i in 0..n {
             let (local, remote) = if op == 1 { (s[i], d[i]) } else { (d[i], s[i]) };
-            if let Err(e) = native::batch_add(b, op, local, remote, l[i]) {
-                return status(Err(e));
-            }
+            native::batch_add(b, op, local, remote, l[i])?;
         }
-        PwStatus::Ok
+        Ok(())
     })
 }
 
@@ -481,9 +453,7 @@ pub unsafe extern "C" fn pw_batch_add_plan(
 /// None.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn pw_batch_set_notify(batch: *mut pw_batch, tag: u32) -> PwStatus {
-    guard(PwStatus::Internal, || {
-        status(native::batch_set_notify(token(batch), tag))
-    })
+    run(|| native::batch_set_notify(token(batch), tag))
 }
 
 /// The batch's deadline, relative to its submission (0 = `PAGEWIRE_BATCH_TIMEOUT_MS`).
@@ -492,9 +462,7 @@ pub unsafe extern "C" fn pw_batch_set_notify(batch: *mut pw_batch, tag: u32) -> 
 /// None.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn pw_batch_set_timeout(batch: *mut pw_batch, timeout_ms: u32) -> PwStatus {
-    guard(PwStatus::Internal, || {
-        status(native::batch_set_timeout(token(batch), timeout_ms))
-    })
+    run(|| native::batch_set_timeout(token(batch), timeout_ms))
 }
 
 /// Validates every op (local ranges registered, remote ranges exposed by the peer, with
@@ -505,9 +473,7 @@ pub unsafe extern "C" fn pw_batch_set_timeout(batch: *mut pw_batch, timeout_ms: 
 /// None (any value is checked).
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn pw_batch_submit(batch: *mut pw_batch, peer: *mut pw_peer) -> PwStatus {
-    guard(PwStatus::Internal, || {
-        status(native::batch_submit(token(batch), token(peer)))
-    })
+    run(|| native::batch_submit(token(batch), token(peer)))
 }
 
 /// `PW_OK` (done), `PW_PENDING`, or why it failed. Never blocks.
@@ -516,9 +482,7 @@ pub unsafe extern "C" fn pw_batch_submit(batch: *mut pw_batch, peer: *mut pw_pee
 /// None.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn pw_batch_status(batch: *mut pw_batch) -> PwStatus {
-    guard(PwStatus::Internal, || {
-        status(native::batch_status(token(batch)))
-    })
+    run(|| native::batch_status(token(batch)))
 }
 
 /// Waits up to `timeout_ms`: `PW_OK`, `PW_PENDING` (still running), or the failure.
@@ -527,9 +491,7 @@ pub unsafe extern "C" fn pw_batch_status(batch: *mut pw_batch) -> PwStatus {
 /// None.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn pw_batch_wait(batch: *mut pw_batch, timeout_ms: u32) -> PwStatus {
-    guard(PwStatus::Internal, || {
-        status(native::batch_wait(token(batch), timeout_ms))
-    })
+    run(|| native::batch_wait(token(batch), timeout_ms))
 }
 
 /// Cancels a running batch (best effort: bytes in flight may still land).
@@ -538,9 +500,7 @@ pub unsafe extern "C" fn pw_batch_wait(batch: *mut pw_batch, timeout_ms: u32) ->
 /// None.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn pw_batch_cancel(batch: *mut pw_batch) -> PwStatus {
-    guard(PwStatus::Internal, || {
-        status(native::batch_cancel(token(batch)))
-    })
+    run(|| native::batch_cancel(token(batch)))
 }
 
 /// Bytes completed so far.
@@ -549,11 +509,11 @@ pub unsafe extern "C" fn pw_batch_cancel(batch: *mut pw_batch) -> PwStatus {
 /// `bytes` is valid for a write.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn pw_batch_bytes_done(batch: *mut pw_batch, bytes: *mut u64) -> PwStatus {
-    guard(PwStatus::Internal, || {
-        status(native::batch_bytes_done(token(batch)).and_then(|v| {
+    run(|| {
+        native::batch_bytes_done(token(batch)).and_then(|v| {
             // SAFETY: per this function's contract.
             unsafe { put_val(bytes, "bytes", v) }
-        }))
+        })
     })
 }
 
@@ -563,9 +523,7 @@ pub unsafe extern "C" fn pw_batch_bytes_done(batch: *mut pw_batch, bytes: *mut u
 /// None.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn pw_batch_reset(batch: *mut pw_batch) -> PwStatus {
-    guard(PwStatus::Internal, || {
-        status(native::batch_reset(token(batch)))
-    })
+    run(|| native::batch_reset(token(batch)))
 }
 
 /// Frees a batch handle. A running batch carries on to its end.
@@ -574,9 +532,7 @@ pub unsafe extern "C" fn pw_batch_reset(batch: *mut pw_batch) -> PwStatus {
 /// None.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn pw_batch_free(batch: *mut pw_batch) -> PwStatus {
-    guard(PwStatus::Internal, || {
-        status(native::batch_free(token(batch)))
-    })
+    run(|| native::batch_free(token(batch)))
 }
 
 // ------------------------------------------------------------------------- layout
@@ -626,20 +582,20 @@ unsafe fn page_meta_impl(
     capacity: usize,
     n_out: *mut usize,
     pages: bool,
-) -> PwStatus {
+) -> PwResult<()> {
     if pool.is_null() {
-        return status(null_arg("pool"));
+        return null_arg("pool");
     }
     // SAFETY: non-null; readable per the caller's contract (the struct is plain data).
-    let desc = unsafe { pool.read() }.model();
+    let desc = unsafe { pool.read() };
     // SAFETY: per the caller's contract.
     let Some(idx) = (unsafe { slice_arg(indices, n_indices) }) else {
-        return status(null_arg("indices"));
+        return null_arg("indices");
     };
-    status(native::page_meta(&desc, idx, pages).and_then(|(p, l)| {
+    native::page_meta(&desc, idx, pages).and_then(|(p, l)| {
         // SAFETY: per the caller's contract.
         unsafe { put_lists(&[&p, &l], &[ptrs, lens], capacity, n_out) }
-    }))
+    })
 }
 
 /// SGLang's `get_page_buffer_meta`: for token slot `indices` (whole pages, `page_size`
@@ -660,7 +616,7 @@ pub unsafe extern "C" fn pw_page_meta(
     capacity: usize,
     n_out: *mut usize,
 ) -> PwStatus {
-    guard(PwStatus::Internal, || {
+    run(|| {
         // SAFETY: per this function's contract.
         unsafe { page_meta_impl(pool, indices, n_indices, ptrs, lens, capacity, n_out, false) }
     })
@@ -680,7 +636,7 @@ pub unsafe extern "C" fn pw_page_meta_for_pages(
     capacity: usize,
     n_out: *mut usize,
 ) -> PwStatus {
-    guard(PwStatus::Internal, || {
+    run(|| {
         // SAFETY: per this function's contract.
         unsafe { page_meta_impl(pool, pages, n_pages, ptrs, lens, capacity, n_out, true) }
     })
@@ -705,21 +661,21 @@ pub unsafe extern "C" fn pw_plan(
     capacity: usize,
     n_out: *mut usize,
 ) -> PwStatus {
-    guard(PwStatus::Internal, || {
+    run(|| {
         if src.is_null() || dst.is_null() {
-            return status(null_arg("src or dst"));
+            return null_arg("src or dst");
         }
         // SAFETY: non-null; readable per this function's contract.
-        let (s, d) = unsafe { (src.read().model(), dst.read().model()) };
+        let (s, d) = unsafe { (src.read(), dst.read()) };
         // SAFETY: per this function's contract.
         let (Some(sp), Some(dp)) =
             (unsafe { (slice_arg(src_pages, n_pages), slice_arg(dst_pages, n_pages)) })
         else {
-            return status(null_arg("src_pages or dst_pages"));
+            return null_arg("src_pages or dst_pages");
         };
-        status(native::plan(&s, &d, sp, dp).and_then(|(a, b, c)| {
+        native::plan(&s, &d, sp, dp).and_then(|(a, b, c)| {
             // SAFETY: per this function's contract.
             unsafe { put_lists(&[&a, &b, &c], &[srcs, dsts, lens], capacity, n_out) }
-        }))
+        })
     })
 }
