@@ -9,29 +9,29 @@ use super::{guard, slice_arg, str_arg, write_cstr};
 pub use crate::native::PwStatus;
 use crate::native::{self, PwResult};
 
-/// Opaque engine (`pw_engine`).
-#[repr(C)]
-#[derive(Debug)]
-pub struct pw_engine {
-    _private: [u8; 0],
+/// Handle types C only ever sees pointers to (the pointer is a table token).
+macro_rules! opaque {
+    ($($(#[$doc:meta])* $name:ident;)*) => {
+        $(
+            $(#[$doc])*
+            #[repr(C)]
+            #[derive(Debug)]
+            pub struct $name {
+                _private: [u8; 0],
+            }
+        )*
+    };
 }
-/// Opaque registered region (`pw_region`).
-#[repr(C)]
-#[derive(Debug)]
-pub struct pw_region {
-    _private: [u8; 0],
-}
-/// Opaque connected peer (`pw_peer`).
-#[repr(C)]
-#[derive(Debug)]
-pub struct pw_peer {
-    _private: [u8; 0],
-}
-/// Opaque batch (`pw_batch`).
-#[repr(C)]
-#[derive(Debug)]
-pub struct pw_batch {
-    _private: [u8; 0],
+
+opaque! {
+    /// Opaque engine (`pw_engine`).
+    pw_engine;
+    /// Opaque registered region (`pw_region`).
+    pw_region;
+    /// Opaque connected peer (`pw_peer`).
+    pw_peer;
+    /// Opaque batch (`pw_batch`).
+    pw_batch;
 }
 
 /// `pw_pool_desc`: a host KV pool (geometry, layout, base addresses).
@@ -86,6 +86,23 @@ fn run(f: impl FnOnce() -> PwResult<()>) -> PwStatus {
     guard(PwStatus::Internal, || status(f()))
 }
 
+/// Entry points that only hand a handle to `native`: `fn name(handle: type) = function;`.
+/// Any handle value is checked, so none has a safety condition beyond the call itself.
+macro_rules! handle_calls {
+    ($($(#[$doc:meta])* fn $name:ident($h:ident: $ty:ty) = $f:ident;)*) => {
+        $(
+            $(#[$doc])*
+            ///
+            /// # Safety
+            /// None (any value is checked).
+            #[unsafe(no_mangle)]
+            pub unsafe extern "C" fn $name($h: *mut $ty) -> PwStatus {
+                run(|| native::$f(token($h)))
+            }
+        )*
+    };
+}
+
 fn token<T>(p: *const T) -> u64 {
     p as usize as u64
 }
@@ -108,6 +125,18 @@ unsafe fn put<T>(out: *mut *mut T, r: PwResult<u64>) -> PwResult<()> {
     Ok(())
 }
 
+/// Runs `get` and writes its value to `out`.
+///
+/// # Safety
+/// `out` is null (an error) or valid for a write.
+unsafe fn get_into<T>(out: *mut T, what: &str, get: impl FnOnce() -> PwResult<T>) -> PwStatus {
+    run(|| {
+        let v = get()?;
+        // SAFETY: per this function's contract.
+        unsafe { put_val(out, what, v) }
+    })
+}
+
 /// Writes a value to an out-pointer.
 ///
 /// # Safety
@@ -119,6 +148,26 @@ unsafe fn put_val<T>(out: *mut T, what: &str, v: T) -> PwResult<()> {
     // SAFETY: non-null and writable per the caller's contract.
     unsafe { out.write(v) };
     Ok(())
+}
+
+// ------------------------------------------------------------------------- handles
+
+handle_calls! {
+    /// Shuts an engine down and frees its handle: connections close, pending batches fail,
+    /// registrations are released. Handles derived from it report `PW_ERR_SHUTDOWN`.
+    fn pw_engine_free(engine: pw_engine) = engine_free;
+    /// Fetches the regions the peer exposes again (after it registered more memory).
+    fn pw_peer_refresh(peer: pw_peer) = peer_refresh;
+    /// Disconnects (the peer's pending batches fail) and frees the handle.
+    fn pw_peer_close(peer: pw_peer) = peer_close;
+    /// `PW_OK` (done), `PW_PENDING`, or why it failed. Never blocks.
+    fn pw_batch_status(batch: pw_batch) = batch_status;
+    /// Cancels a running batch (best effort: bytes in flight may still land).
+    fn pw_batch_cancel(batch: pw_batch) = batch_cancel;
+    /// Empties a batch that is not running (ops, notification, timeout).
+    fn pw_batch_reset(batch: pw_batch) = batch_reset;
+    /// Frees a batch handle. A running batch carries on to its end.
+    fn pw_batch_free(batch: pw_batch) = batch_free;
 }
 
 // ------------------------------------------------------------------------- errors
@@ -168,16 +217,6 @@ pub unsafe extern "C" fn pw_engine_new(
     })
 }
 
-/// Shuts an engine down and frees its handle: connections close, pending batches fail,
-/// registrations are released. Handles derived from it report `PW_ERR_SHUTDOWN`.
-///
-/// # Safety
-/// None (any value is checked).
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn pw_engine_free(engine: *mut pw_engine) -> PwStatus {
-    run(|| native::engine_free(token(engine)))
-}
-
 /// Writes the control listener's `"ip:port"` (what peers connect to).
 ///
 /// # Safety
@@ -188,13 +227,8 @@ pub unsafe extern "C" fn pw_engine_local_addr(
     buf: *mut c_char,
     len: usize,
 ) -> PwStatus {
-    run(|| {
-        native::engine(token(engine)).and_then(|e| {
-            let s = e.engine.local_addr().to_string();
-            // SAFETY: per this function's contract.
-            write_fitted(unsafe { write_cstr(buf, len, &s) }, s.len())
-        })
-    })
+    // SAFETY: per this function's contract.
+    unsafe { engine_text(engine, buf, len, |e| e.local_addr().to_string()) }
 }
 
 /// Writes the backend in use: `"verbs"`, `"tcp"` or `"loopback"`.
@@ -207,12 +241,25 @@ pub unsafe extern "C" fn pw_engine_backend(
     buf: *mut c_char,
     len: usize,
 ) -> PwStatus {
+    // SAFETY: per this function's contract.
+    unsafe { engine_text(engine, buf, len, |e| e.backend_kind().as_str().to_owned()) }
+}
+
+/// Writes a text about the engine into `buf` (`PW_ERR_BUFFER_TOO_SMALL` if it does not
+/// fit).
+///
+/// # Safety
+/// `buf` is null or valid for `len` bytes.
+unsafe fn engine_text(
+    engine: *const pw_engine,
+    buf: *mut c_char,
+    len: usize,
+    text: impl FnOnce(&pagewire_transport::Engine) -> String,
+) -> PwStatus {
     run(|| {
-        native::engine(token(engine)).and_then(|e| {
-            let s = e.engine.backend_kind().as_str();
-            // SAFETY: per this function's contract.
-            write_fitted(unsafe { write_cstr(buf, len, s) }, s.len())
-        })
+        let s = text(&native::engine(token(engine))?.engine);
+        // SAFETY: per this function's contract.
+        write_fitted(unsafe { write_cstr(buf, len, &s) }, s.len())
     })
 }
 
@@ -361,30 +408,8 @@ pub unsafe extern "C" fn pw_peer_accept(
 /// `id` is valid for a write.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn pw_peer_id(peer: *const pw_peer, id: *mut u64) -> PwStatus {
-    run(|| {
-        native::peer_id(token(peer)).and_then(|v| {
-            // SAFETY: per this function's contract.
-            unsafe { put_val(id, "id", v) }
-        })
-    })
-}
-
-/// Fetches the regions the peer exposes again (after it registered more memory).
-///
-/// # Safety
-/// None (any value is checked).
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn pw_peer_refresh(peer: *mut pw_peer) -> PwStatus {
-    run(|| native::peer_refresh(token(peer)))
-}
-
-/// Disconnects (the peer's pending batches fail) and frees the handle.
-///
-/// # Safety
-/// None (any value is checked).
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn pw_peer_close(peer: *mut pw_peer) -> PwStatus {
-    run(|| native::peer_close(token(peer)))
+    // SAFETY: per this function's contract.
+    unsafe { get_into(id, "id", || native::peer_id(token(peer))) }
 }
 
 // ------------------------------------------------------------------------- batches
@@ -476,15 +501,6 @@ pub unsafe extern "C" fn pw_batch_submit(batch: *mut pw_batch, peer: *mut pw_pee
     run(|| native::batch_submit(token(batch), token(peer)))
 }
 
-/// `PW_OK` (done), `PW_PENDING`, or why it failed. Never blocks.
-///
-/// # Safety
-/// None.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn pw_batch_status(batch: *mut pw_batch) -> PwStatus {
-    run(|| native::batch_status(token(batch)))
-}
-
 /// Waits up to `timeout_ms`: `PW_OK`, `PW_PENDING` (still running), or the failure.
 ///
 /// # Safety
@@ -494,45 +510,14 @@ pub unsafe extern "C" fn pw_batch_wait(batch: *mut pw_batch, timeout_ms: u32) ->
     run(|| native::batch_wait(token(batch), timeout_ms))
 }
 
-/// Cancels a running batch (best effort: bytes in flight may still land).
-///
-/// # Safety
-/// None.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn pw_batch_cancel(batch: *mut pw_batch) -> PwStatus {
-    run(|| native::batch_cancel(token(batch)))
-}
-
 /// Bytes completed so far.
 ///
 /// # Safety
 /// `bytes` is valid for a write.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn pw_batch_bytes_done(batch: *mut pw_batch, bytes: *mut u64) -> PwStatus {
-    run(|| {
-        native::batch_bytes_done(token(batch)).and_then(|v| {
-            // SAFETY: per this function's contract.
-            unsafe { put_val(bytes, "bytes", v) }
-        })
-    })
-}
-
-/// Empties a batch that is not running (ops, notification, timeout).
-///
-/// # Safety
-/// None.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn pw_batch_reset(batch: *mut pw_batch) -> PwStatus {
-    run(|| native::batch_reset(token(batch)))
-}
-
-/// Frees a batch handle. A running batch carries on to its end.
-///
-/// # Safety
-/// None.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn pw_batch_free(batch: *mut pw_batch) -> PwStatus {
-    run(|| native::batch_free(token(batch)))
+    // SAFETY: per this function's contract.
+    unsafe { get_into(bytes, "bytes", || native::batch_bytes_done(token(batch))) }
 }
 
 // ------------------------------------------------------------------------- layout
