@@ -233,14 +233,8 @@ impl Mailbox {
         };
         let generation = out.next_generation & GEN_MASK;
         out.next_generation = out.next_generation.wrapping_add(1);
-        let mut bytes = Vec::with_capacity(HEADER + size);
-        bytes.extend_from_slice(&MAGIC.to_le_bytes());
-        bytes.extend_from_slice(&generation.to_le_bytes());
-        bytes.extend_from_slice(&(name.len() as u32).to_le_bytes());
-        bytes.extend_from_slice(&(msg.len() as u32).to_le_bytes());
-        bytes.extend_from_slice(name);
-        bytes.extend_from_slice(msg);
-        out.buf.write_at(slot * SLOT_BYTES, &bytes);
+        out.buf
+            .write_at(slot * SLOT_BYTES, &encode_slot(generation, name, msg));
         out.held[slot] = Some(Held {
             peer,
             generation,
@@ -456,6 +450,19 @@ pub(crate) fn find_outbox(regions: &[RemoteRegion]) -> Option<u64> {
     None
 }
 
+/// A slot's bytes: the header (magic, generation, name length, msg length) and the
+/// strings.
+fn encode_slot(generation: u32, name: &[u8], msg: &[u8]) -> Vec<u8> {
+    let mut bytes = Vec::with_capacity(HEADER + name.len() + msg.len());
+    bytes.extend_from_slice(&MAGIC.to_le_bytes());
+    bytes.extend_from_slice(&generation.to_le_bytes());
+    bytes.extend_from_slice(&(name.len() as u32).to_le_bytes());
+    bytes.extend_from_slice(&(msg.len() as u32).to_le_bytes());
+    bytes.extend_from_slice(name);
+    bytes.extend_from_slice(msg);
+    bytes
+}
+
 /// Decodes a slot read from a peer; `None` unless it holds a message of `generation`.
 fn parse(bytes: &[u8], generation: u32) -> Option<(Vec<u8>, Vec<u8>)> {
     if bytes.len() < HEADER {
@@ -517,6 +524,32 @@ mod tests {
         s[..4].copy_from_slice(b"HTTP");
         assert_eq!(parse(&s, 9), None, "bad magic");
         assert_eq!(parse(&s[..8], 9), None, "short");
+    }
+
+    proptest::proptest! {
+        /// Any bytes a peer's slot may hold decode to a message inside the slot or to
+        /// nothing, never a panic; what a sender writes decodes to itself, only under
+        /// its generation.
+        #[test]
+        fn slots_decode_safely(
+            junk in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..64),
+            header in proptest::collection::vec(proptest::prelude::any::<u32>(), 4),
+            name in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..100),
+            msg in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..3000),
+            generation in 0..GEN_MASK,
+        ) {
+            let _ = parse(&junk, generation);
+            let mut slot: Vec<u8> = header.iter().flat_map(|w| w.to_le_bytes()).collect();
+            slot.extend_from_slice(&junk);
+            slot.resize(SLOT_BYTES, 0);
+            if let Some((n, m)) = parse(&slot, header[1]) {
+                proptest::prop_assert!(n.len() + m.len() <= SLOT_BYTES - HEADER);
+            }
+            let mut sent = encode_slot(generation, &name, &msg);
+            sent.resize(SLOT_BYTES, 0);
+            proptest::prop_assert_eq!(parse(&sent, generation), Some((name, msg)));
+            proptest::prop_assert_eq!(parse(&sent, generation.wrapping_add(1)), None);
+        }
     }
 
     #[test]
