@@ -291,15 +291,12 @@ struct Group {
 impl TransferEngine {
     // ------------------------------------------------------------------ checks
 
-    /// Whether `[addr, addr+len)` lies inside one buffer registered through this engine.
-    fn local_registered(regions: &crate::engine::Regions, addr: u64, len: u64) -> bool {
-        let Some(end) = addr.checked_add(len) else {
-            return false;
-        };
-        regions
-            .range(..=addr)
-            .next_back()
-            .is_some_and(|(&a, r)| r.id.is_some() && a + r.len >= end)
+    /// `[start, end)` of the buffer registered through this engine that holds all of
+    /// `[addr, addr+len)`, if one does.
+    fn local_buffer(regions: &crate::engine::Regions, addr: u64, len: u64) -> Option<(u64, u64)> {
+        let end = addr.checked_add(len)?;
+        let (&a, r) = regions.range(..=addr).next_back()?;
+        (r.id.is_some() && a + r.len >= end).then_some((a, a + r.len))
     }
 
     /// Checks requests to `target` (`reqs` gives them, `(index, request)`, as often as
@@ -311,8 +308,17 @@ impl TransferEngine {
     {
         {
             let regions = lock(&self.inner.regions);
+            // The buffer the last request fell in: a batch's requests are mostly pages of
+            // one registered pool, so most need no lookup.
+            let mut last = (0u64, 0u64);
             for (i, e) in reqs() {
-                if !Self::local_registered(&regions, e.source, e.length) {
+                let end = e.source.saturating_add(e.length);
+                if e.source >= last.0 && end <= last.1 {
+                    continue;
+                }
+                if let Some(buffer) = Self::local_buffer(&regions, e.source, e.length) {
+                    last = buffer;
+                } else {
                     return fail(
                         Code::AddressNotRegistered,
                         format!(

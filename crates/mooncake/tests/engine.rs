@@ -383,3 +383,26 @@ fn sync_transfers_notifications_and_probes() {
     assert_eq!(&src.0[32768..36864], &src.0[4096..8192], "read back");
     assert_eq!(&late.0[..], &src.0[..4096]);
 }
+
+/// A peer that connected to an engine and went away is disconnected by the engine's
+/// notification thread (the transport keeps a broken peer listed until then), so an
+/// engine many short-lived peers connect to does not accumulate them.
+#[test]
+fn broken_accepted_connections_are_forgotten() {
+    let b = engine();
+    for _ in 0..3 {
+        let a = engine();
+        a.open_segment(b.name(), false).unwrap();
+        a.close();
+    }
+    let until = Instant::now() + Duration::from_secs(10);
+    while !b.transport().peers().is_empty() && Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(
+        b.transport().peers(),
+        vec![],
+        "broken accepted peers still listed"
+    );
+    b.close();
+}
