@@ -281,6 +281,32 @@ impl Batches {
     }
 }
 
+/// The remote checks of one call, remembering the last region that held a whole request.
+#[derive(Default)]
+struct RemoteFit {
+    last: Option<RemoteRegion>,
+}
+
+impl RemoteFit {
+    /// Whether `e`'s remote range lies in `regions` (sorted) with the access it needs.
+    fn fits(&mut self, regions: &[RemoteRegion], e: &Request) -> bool {
+        let (addr, len, need) = (e.target_offset, e.length, e.opcode.remote_access());
+        let end = addr.saturating_add(len);
+        let inside = |r: &RemoteRegion| r.addr <= addr && end <= r.end() && r.access.contains(need);
+        if self.last.as_ref().is_some_and(inside) {
+            return true;
+        }
+        let i = regions.partition_point(|r| r.end() <= addr);
+        match regions.get(i) {
+            Some(r) if inside(r) => {
+                self.last = Some(*r);
+                true
+            }
+            _ => remote_covered(regions, addr, len, need),
+        }
+    }
+}
+
 /// The checked part of a call, ready to post: one transport batch per target segment.
 struct Group {
     target: Target,
@@ -300,43 +326,44 @@ impl TransferEngine {
     }
 
     /// Checks requests to `target` (`reqs` gives them, `(index, request)`, as often as
-    /// needed): local ranges registered, remote ranges exposed for the operation (asking
-    /// the peer again once if not). Returns the target as last described.
+    /// needed): a source and no overflow, local ranges inside one buffer registered
+    /// through this engine, remote ranges exposed for the operation (asking the peer
+    /// again once if not). A bad local range fails before the peer is asked. Returns
+    /// the target as last described.
     fn check_target<I>(&self, mut target: Target, reqs: impl Fn() -> I) -> Result<Target, Error>
     where
         I: Iterator<Item = (usize, Request)>,
     {
+        let mut misfit = None;
         {
             let regions = lock(&self.inner.regions);
-            // The buffer the last request fell in: a batch's requests are mostly pages of
-            // one registered pool, so most need no lookup.
-            let mut last = (0u64, 0u64);
+            // The buffers the last request fell in: a batch's requests are mostly pages
+            // of one pool on each side, so most need no lookup.
+            let mut local = (0u64, 0u64);
+            let mut remote = RemoteFit::default();
             for (i, e) in reqs() {
-                let end = e.source.saturating_add(e.length);
-                if e.source >= last.0 && end <= last.1 {
-                    continue;
+                Self::precheck(i, &e)?;
+                let end = e.source + e.length;
+                if e.source < local.0 || end > local.1 {
+                    local = Self::local_buffer(&regions, e.source, e.length).ok_or_else(|| {
+                        Error::new(
+                            Code::AddressNotRegistered,
+                            format!(
+                                "request {i}: local range {:#x}+{} is not inside one registered buffer",
+                                e.source, e.length
+                            ),
+                        )
+                    })?;
                 }
-                if let Some(buffer) = Self::local_buffer(&regions, e.source, e.length) {
-                    last = buffer;
-                } else {
-                    return fail(
-                        Code::AddressNotRegistered,
-                        format!(
-                            "request {i}: local range {:#x}+{} is not inside one registered buffer",
-                            e.source, e.length
-                        ),
-                    );
+                if misfit.is_none() && !remote.fits(&target.regions, &e) {
+                    misfit = Some(i);
                 }
             }
         }
-        let misfit = |regions: &[RemoteRegion]| {
-            reqs().find(|(_, e)| {
-                !remote_covered(regions, e.target_offset, e.length, e.opcode.remote_access())
-            })
-        };
-        if misfit(&target.regions).is_some() {
+        if misfit.is_some() {
             target = self.refresh_for_submit(&target)?;
-            if let Some((i, e)) = misfit(&target.regions) {
+            let mut remote = RemoteFit::default();
+            if let Some((i, e)) = reqs().find(|(_, e)| !remote.fits(&target.regions, e)) {
                 let what = match e.opcode {
                     Opcode::Write => "writes",
                     Opcode::Read => "reads",
@@ -658,11 +685,7 @@ impl TransferEngine {
         let timeout = self.binding_timeout(t.lens);
         let deadline = Instant::now() + timeout;
         let id = target.id;
-        let mut n = 0;
-        for (i, r) in t.requests(id) {
-            Self::precheck(i, &r)?;
-            n += 1;
-        }
+        let n = t.lens.iter().filter(|&&l| l > 0).count();
         if n == 0 {
             return match notify {
                 Some((name, msg)) => {
