@@ -22,8 +22,6 @@ mod store;
 mod transport;
 // Transport bindings' helpers and the Mooncake-compatible engine.
 mod compat;
-mod compat_mail;
-mod memcheck;
 mod transport_errors;
 
 /// The extension module. Each submodule of this crate adds its classes and functions here.

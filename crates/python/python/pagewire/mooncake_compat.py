@@ -25,7 +25,7 @@ from __future__ import annotations
 import enum
 from typing import Any, List
 
-from pagewire._native import _MooncakeEngine
+from pagewire._native import _MooncakeTransfers
 
 __all__ = [
     "TransferEngine",
@@ -105,7 +105,7 @@ def _not_implemented(name: str) -> NotImplementedError:
     )
 
 
-class TransferEngine(_MooncakeEngine):
+class TransferEngine(_MooncakeTransfers):
     """Mooncake's ``TransferEngine`` on pagewire.
 
     ``TransferEngine()`` reads ``MC_TRANSFER_TIMEOUT`` (seconds, floor 5, default 30);

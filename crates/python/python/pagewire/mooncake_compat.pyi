@@ -3,7 +3,7 @@
 import enum
 from typing import Any, List
 
-from pagewire._native import _MooncakeEngine
+from pagewire._native import _MooncakeTransfers
 
 SUPPORT_CUDA: bool
 SUPPORT_EFA: bool
@@ -27,7 +27,7 @@ class TransferNotify:
 class InnerTransferEngine:
     def __init__(self, owner: TransferEngine) -> None: ...
 
-class TransferEngine(_MooncakeEngine):
+class TransferEngine(_MooncakeTransfers):
     TransferOpcode: type[TransferOpcode]
     def get_notifies(self) -> List[TransferNotify]: ...
     def get_engine(self) -> Any: ...
