@@ -40,6 +40,11 @@ data=crates/transport/tests/data
 status=0
 for t in "${targets[@]}"; do
     hex="$data/$t.corpus"
+    # A target whose corpus lives with another crate's tests (the store's protocol decoder:
+    # crates/store/tests/data/) keeps it there.
+    for other in crates/*/tests/data/"$t".corpus; do
+        [ -e "$other" ] && hex="$other"
+    done
     dir="fuzz/corpus/$t"
     rm -rf "$dir" "fuzz/artifacts/$t"
     mkdir -p "$dir"

@@ -70,13 +70,8 @@
 //! }
 //! ```
 
-mod codes;
 mod handles;
-mod mailbox;
-mod memcheck;
 mod native;
-mod rawmem;
-mod te;
 
 pub mod ffi;
 
@@ -111,17 +106,4 @@ pub(crate) fn has_last_error() -> bool {
 /// Runs `f` with this thread's last error text (`None` when there is none).
 pub(crate) fn with_last_error<R>(f: impl FnOnce(Option<&CString>) -> R) -> R {
     LAST_ERROR.with(|e| f(e.borrow().as_ref()))
-}
-
-/// 16 random bits (table magics), from the standard library's randomly keyed hasher.
-pub(crate) fn random_u16() -> u16 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u128(
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos())
-            .unwrap_or(0),
-    );
-    (h.finish() >> 17) as u16
 }

@@ -11,6 +11,7 @@ use pagewire_transport::{
     PeerId, RegionId, TransferHandle, TransferOp,
 };
 
+use crate::ffi::pagewire::pw_pool_desc;
 use crate::handles::HandleTable;
 
 /// `pw_status`: the result of every `pagewire.h` function. `PW_OK` (0) is success,
@@ -313,9 +314,11 @@ pub(crate) fn region_register(engine_t: u64, addr: u64, len: u64, access: u32) -
     if addr == 0 || len == 0 || addr.checked_add(len).is_none() {
         return PwStatus::InvalidRange.fail(format_args!("invalid range addr={addr:#x} len={len}"));
     }
-    if e.cpu_backend && !crate::memcheck::is_host_rw(addr, len) {
+    if e.cpu_backend
+        && let Err(why) = pagewire_mooncake::memcheck::check_host_rw(addr, len)
+    {
         return PwStatus::InvalidRange.fail(format_args!(
-            "addr={addr:#x} len={len} is not readable and writable memory of this process"
+            "addr={addr:#x} len={len} is not readable and writable memory of this process: {why}"
         ));
     }
     let Ok(n) = usize::try_from(len) else {
@@ -360,12 +363,16 @@ pub(crate) fn region_deregister(token: u64, timeout_ms: u32) -> PwResult<()> {
 pub(crate) fn peer_connect(engine_t: u64, addr: &str) -> PwResult<u64> {
     let e = engine(engine_t)?;
     e.check_open()?;
-    let Some((host, Some(port))) = crate::te::split_host_port(addr, true) else {
-        return PwStatus::InvalidArgument.fail(format_args!("{addr:?} is not host:port"));
+    let (host, port) = match pagewire_mooncake::sid::parse(addr) {
+        Ok(hp) => hp,
+        Err(why) => {
+            return PwStatus::InvalidArgument
+                .fail(format_args!("{addr:?} is not host:port: {why}"));
+        }
     };
     let peer = e
         .engine
-        .connect((host.as_str(), port))
+        .connect((host, port))
         .map_err(|err| PwStatus::from_err(&err))?;
     insert(
         &PEERS,
@@ -594,32 +601,14 @@ pub(crate) fn batch_free(token: u64) -> PwResult<()> {
 
 // ------------------------------------------------------------------------- layout
 
-/// A pool description as read from `pw_pool_desc` (0 = field not given).
-#[derive(Debug, Clone, Copy, Default)]
-pub(crate) struct PoolDesc {
-    pub kind: u32,
-    pub layout: u32,
-    pub layers: u64,
-    pub page_size: u64,
-    pub heads: u64,
-    pub head_dim: u64,
-    pub v_head_dim: u64,
-    pub kv_dim: u64,
-    pub dtype_bytes: u64,
-    pub capacity: u64,
-    pub base: u64,
-    pub v_base: u64,
-    pub has_v_base: bool,
-    pub sglang_checks: bool,
-}
-
 fn layout_err(e: LayoutError) -> PwStatus {
     crate::set_last_error(e);
     PwStatus::Layout
 }
 
-impl PoolDesc {
-    /// Builds the pool, or `PW_ERR_LAYOUT` / `PW_ERR_INVALID_ARGUMENT` with the reason.
+impl pw_pool_desc {
+    /// Builds the pool (a field of 0 is not given), or `PW_ERR_LAYOUT` /
+    /// `PW_ERR_INVALID_ARGUMENT` with the reason.
     pub(crate) fn pool(&self) -> PwResult<Pool> {
         let kind = match self.kind {
             0 => PoolKind::Mha,
@@ -653,8 +642,8 @@ impl PoolDesc {
             g = g.kv_dim(v);
         }
         let g = g.build().map_err(layout_err)?;
-        let v = self.has_v_base.then_some(self.v_base);
-        let checks = if self.sglang_checks {
+        let v = (self.has_v_base != 0).then_some(self.v_base);
+        let checks = if self.checks == 1 {
             Checks::Sglang
         } else {
             Checks::Strict
@@ -667,7 +656,7 @@ impl PoolDesc {
 
 /// `pw_page_meta` (token slot indices) or `pw_page_meta_for_pages` (page indices).
 pub(crate) fn page_meta(
-    desc: &PoolDesc,
+    desc: &pw_pool_desc,
     indices: &[u64],
     pages: bool,
 ) -> PwResult<(Vec<u64>, Vec<u64>)> {
@@ -683,8 +672,8 @@ pub(crate) fn page_meta(
 
 /// `pw_plan`: `(srcs, dsts, lens)` moving `src_pages` of `src` to `dst_pages` of `dst`.
 pub(crate) fn plan(
-    src: &PoolDesc,
-    dst: &PoolDesc,
+    src: &pw_pool_desc,
+    dst: &pw_pool_desc,
     src_pages: &[u64],
     dst_pages: &[u64],
 ) -> PwResult<(Vec<u64>, Vec<u64>, Vec<u64>)> {

@@ -106,6 +106,16 @@ fn compile_with(source: &Path, name: &str, include_first: Option<&Path>) -> Resu
 fn run(prog: &Path, env: &[(&str, String)], limit: Duration) -> Result<String> {
     let mut cmd = Command::new(prog);
     cmd.stdout(Stdio::piped()).stderr(Stdio::inherit());
+    // `cargo test` puts `target/<profile>` on LD_LIBRARY_PATH, which the loader searches
+    // before the program's rpath: a stale `libtransfer_engine.so` left there by an older
+    // `cargo build` would be the one tested. The library built with this test goes first.
+    let libdir = library()?.parent().context("lib dir")?.to_path_buf();
+    let mut path = libdir.into_os_string();
+    if let Some(old) = std::env::var_os("LD_LIBRARY_PATH") {
+        path.push(":");
+        path.push(old);
+    }
+    cmd.env("LD_LIBRARY_PATH", path);
     for (k, v) in env {
         cmd.env(k, v);
     }

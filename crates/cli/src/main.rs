@@ -6,6 +6,7 @@
 mod bench;
 mod devices;
 mod layout_cmd;
+mod store_cmd;
 
 use clap::{Parser, Subcommand};
 use std::io::IsTerminal;
@@ -58,6 +59,9 @@ enum Command {
     Bench(bench::BenchArgs),
     /// RDMA devices, GPUs and the GPU path each pair would use.
     Devices(devices::DevicesArgs),
+    /// The KV page store: its master and storage nodes (benchmark: `bench store`).
+    #[command(subcommand)]
+    Store(store_cmd::StoreCommand),
 }
 
 fn main() {
@@ -79,6 +83,7 @@ fn main() {
         Some(Command::Layout(cmd)) => layout_cmd::run(cmd),
         Some(Command::Bench(args)) => bench::run(args),
         Some(Command::Devices(args)) => devices::run(args),
+        Some(Command::Store(cmd)) => store_cmd::run(cmd),
         // No arguments: the end-to-end demo (both ends in one process, best transport).
         None => bench::run_default(),
     };

@@ -18,11 +18,10 @@ mod convert;
 mod errors;
 mod ffi;
 mod layout;
+mod store;
 mod transport;
 // Transport bindings' helpers and the Mooncake-compatible engine.
 mod compat;
-mod compat_mail;
-mod memcheck;
 mod transport_errors;
 
 /// The extension module. Each submodule of this crate adds its classes and functions here.
@@ -34,5 +33,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     layout::register(m)?;
     transport::register(m)?;
     compat::register(m)?;
+    store::register(m)?;
     Ok(())
 }

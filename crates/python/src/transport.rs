@@ -541,7 +541,7 @@ impl PyEngine {
             })?;
             // A wrong integer would crash the process at the first incoming WRITE: refuse
             // anything that is not writable memory of this process.
-            if let Err(m) = crate::memcheck::check_writable(addr, len) {
+            if let Err(m) = pagewire_mooncake::memcheck::check_host_rw(addr, len) {
                 return Err(new_err(
                     py,
                     "RegistrationError",

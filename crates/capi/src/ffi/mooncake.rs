@@ -7,17 +7,22 @@
 //! failure; `createTransferEngine` returns NULL. Where Mooncake would crash (an unknown
 //! or freed handle, a null pointer), these return an error. `pw_last_error()` from
 //! `pagewire.h` tells why the last call on the thread failed.
+//!
+//! The engine itself is `pagewire_mooncake::TransferEngine`; this module reads C's
+//! arguments, keeps the engine handles, and spells `pagewire_mooncake::Code` as the
+//! function's convention asks.
 #![allow(non_snake_case, non_camel_case_types)]
 
 use std::ffi::{c_char, c_int, c_void};
 use std::sync::{Arc, Mutex};
 
-use pagewire_transport::BackendKind;
+use pagewire_mooncake::{
+    Code, Error, MAX_BATCH_SIZE, Opcode, Options, Request, TransferEngine, TransferStatus,
+};
+use pagewire_transport::{BackendKind, EngineConfig};
 
 use super::{bytes_arg, guard, slice_arg, str_arg, write_cstr};
-use crate::codes::Code;
 use crate::handles::HandleTable;
-use crate::te::{Request, TeEngine};
 
 /// `segment_id_t` / `segment_handle_t` (macros for `int32_t` in the header).
 pub type segment_id_t = i32;
@@ -178,52 +183,78 @@ pub type nic_load_stat_t = nic_load_stat;
 
 // ---------------------------------------------------------------------------- engines
 
-static ENGINES: Mutex<HandleTable<Arc<TeEngine>>> = Mutex::new(HandleTable::new(0x7077));
+static ENGINES: Mutex<HandleTable<Arc<TransferEngine>>> = Mutex::new(HandleTable::new(0x7077));
 
-fn engines() -> std::sync::MutexGuard<'static, HandleTable<Arc<TeEngine>>> {
+fn engines() -> std::sync::MutexGuard<'static, HandleTable<Arc<TransferEngine>>> {
     ENGINES.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-fn engine(e: transfer_engine_t) -> Option<Arc<TeEngine>> {
-    let found = engines().get(e as usize as u64).cloned();
-    if found.is_none() {
-        crate::set_last_error("unknown or destroyed transfer_engine_t");
-    }
-    found
+fn invalid(msg: impl Into<String>) -> Error {
+    Error::new(Code::InvalidArgument, msg)
 }
 
-/// Ends an `int` function: 0, or the code as a negative `ERR_*` (with a message if the
-/// failure did not leave one).
-fn int_result(r: Result<(), Code>) -> c_int {
-    match r {
-        Ok(()) => 0,
-        Err(c) => {
-            if !crate::has_last_error() {
-                crate::set_last_error(c.describe());
-            }
-            c.err()
-        }
+/// The engine behind a handle; an unknown, forged or destroyed one is an error.
+fn engine(e: transfer_engine_t) -> Result<Arc<TransferEngine>, Error> {
+    engines()
+        .get(e as usize as u64)
+        .cloned()
+        .ok_or_else(|| invalid("unknown or destroyed transfer_engine_t"))
+}
+
+/// Records a failure as the thread's last error and gives its code.
+fn failed(e: &Error) -> Code {
+    crate::set_last_error(e);
+    e.code()
+}
+
+/// An `int` function: 0, or the code as a negative `ERR_*`.
+fn int_fn(f: impl FnOnce() -> Result<(), Error>) -> c_int {
+    guard(Code::Context.err(), || {
+        f().map_or_else(|e| failed(&e).err(), |()| 0)
+    })
+}
+
+/// A `Status` function: 0, or the code as a positive status.
+fn status_fn(f: impl FnOnce() -> Result<(), Error>) -> c_int {
+    guard(Code::Context.status(), || {
+        f().map_or_else(|e| failed(&e).status(), |()| 0)
+    })
+}
+
+/// `Ok` when the output fitted (`write_cstr`'s answer).
+fn fitted(ok: bool) -> Result<(), Error> {
+    if ok {
+        Ok(())
+    } else {
+        Err(invalid("the output buffer is null or too small"))
     }
 }
 
-/// Ends a `Status` function: 0, or the code as a positive status.
-fn status_result(r: Result<(), Code>) -> c_int {
-    match r {
-        Ok(()) => 0,
-        Err(c) => {
-            if !crate::has_last_error() {
-                crate::set_last_error(c.describe());
-            }
-            c.status()
-        }
-    }
+/// The C API's engine options: the transport picks the backend (auto-discovery), the
+/// handshake timeout is the transport's, `PAGEWIRE_LISTEN` pins the listener.
+fn c_options() -> Result<Options, Error> {
+    let listen = match std::env::var_os("PAGEWIRE_LISTEN") {
+        Some(_) => Some(
+            EngineConfig::builder()
+                .with_env()
+                .and_then(|b| b.build())
+                .map_err(|e| Error::transport("configuration", e))?
+                .listen,
+        ),
+        None => None,
+    };
+    Ok(Options {
+        listen,
+        handshake_timeout: None,
+        ..Options::default()
+    })
 }
 
 /// Creates an engine. `metadata_conn_string` must be `"P2PHANDSHAKE"`;
 /// `local_server_name` gives the host (an IP or a name, any `:port` is ignored as in
 /// Mooncake's P2P mode); `ip_or_host_name`, `rpc_port` and `auto_discover` are ignored:
 /// the backend is verbs when an RDMA device is usable, TCP otherwise
-/// (`PAGEWIRE_TRANSPORT` or `MC_FORCE_TCP=1` choose). NULL on failure.
+/// (`PAGEWIRE_TRANSPORT` or `MC_FORCE_TCP` choose). NULL on failure.
 ///
 /// # Safety
 /// String arguments are null or NUL-terminated.
@@ -244,22 +275,16 @@ pub unsafe extern "C" fn createTransferEngine(
             crate::set_last_error("createTransferEngine: null or non-UTF-8 string argument");
             return std::ptr::null_mut();
         };
-        match TeEngine::create(meta, local) {
-            Ok(te) => match engines().insert(te.clone()) {
-                Some(token) => token as usize as transfer_engine_t,
-                None => {
-                    te.destroy();
-                    crate::set_last_error("createTransferEngine: too many engines");
-                    std::ptr::null_mut()
-                }
-            },
-            Err(c) => {
-                if !crate::has_last_error() {
-                    crate::set_last_error(format_args!(
-                        "createTransferEngine: {} (metadata must be \"P2PHANDSHAKE\", local_server_name a host)",
-                        c.describe()
-                    ));
-                }
+        let made = c_options().and_then(|o| TransferEngine::new(meta, local, o));
+        match made.map(|te| engines().insert(Arc::new(te))) {
+            Ok(Some(token)) => token as usize as transfer_engine_t,
+            // The engine was dropped, which closed it.
+            Ok(None) => {
+                crate::set_last_error("createTransferEngine: too many engines");
+                std::ptr::null_mut()
+            }
+            Err(e) => {
+                crate::set_last_error(format_args!("createTransferEngine: {e}"));
                 std::ptr::null_mut()
             }
         }
@@ -272,9 +297,7 @@ pub unsafe extern "C" fn createTransferEngine(
 /// None beyond passing what `createTransferEngine` returned (anything else is refused).
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn discoverTopology(engine_: transfer_engine_t) -> c_int {
-    guard(Code::Context.err(), || {
-        int_result(engine(engine_).map(drop).ok_or(Code::InvalidArgument))
-    })
+    int_fn(|| engine(engine_).map(drop))
 }
 
 /// Writes this engine's segment name `host:port` (what peers pass to `openSegment`)
@@ -289,25 +312,34 @@ pub unsafe extern "C" fn getLocalIpAndPort(
     buf_out: *mut c_char,
     buf_len: usize,
 ) -> c_int {
-    guard(Code::Context.err(), || {
-        let Some(te) = engine(engine_) else {
-            return Code::InvalidArgument.err();
-        };
+    int_fn(|| {
+        let te = engine(engine_)?;
         // SAFETY: per this function's contract.
-        let fitted = unsafe { write_cstr(buf_out, buf_len, te.name()) };
-        int_result(if fitted {
-            Ok(())
-        } else {
-            Err(Code::InvalidArgument)
-        })
+        fitted(unsafe { write_cstr(buf_out, buf_len, te.name()) })
     })
 }
 
-fn proto_matches(te: &TeEngine, proto: &str) -> bool {
+fn proto_matches(te: &TransferEngine, proto: &str) -> bool {
     matches!(
-        (te.engine().backend_kind(), proto),
+        (te.backend_kind(), proto),
         (BackendKind::Verbs, "rdma") | (BackendKind::Tcp, "tcp")
     )
+}
+
+/// The engine and `proto` when `proto` names its backend (which is fixed at creation).
+///
+/// # Safety
+/// `proto` is null or NUL-terminated.
+unsafe fn installed(engine_: transfer_engine_t, proto: *const c_char) -> Result<(), Error> {
+    let te = engine(engine_)?;
+    // SAFETY: per this function's contract.
+    match unsafe { str_arg(proto) } {
+        Some(p) if proto_matches(&te, p) => Ok(()),
+        _ => Err(invalid(format!(
+            "this engine runs {} (\"rdma\" names verbs, \"tcp\" TCP)",
+            te.backend_kind()
+        ))),
+    }
 }
 
 /// The backend is fixed at creation: returns a non-null handle when `proto` names it
@@ -323,17 +355,11 @@ pub unsafe extern "C" fn installTransport(
 ) -> transport_t {
     let _ = args;
     guard(std::ptr::null_mut(), || {
-        let Some(te) = engine(engine_) else {
-            return std::ptr::null_mut();
-        };
         // SAFETY: per this function's contract.
-        match unsafe { str_arg(proto) } {
-            Some(p) if proto_matches(&te, p) => engine_,
-            _ => {
-                crate::set_last_error(format_args!(
-                    "installTransport: this engine runs {}",
-                    te.engine().backend_kind()
-                ));
+        match unsafe { installed(engine_, proto) } {
+            Ok(()) => engine_,
+            Err(e) => {
+                crate::set_last_error(format_args!("installTransport: {e}"));
                 std::ptr::null_mut()
             }
         }
@@ -350,37 +376,30 @@ pub unsafe extern "C" fn uninstallTransport(
     engine_: transfer_engine_t,
     proto: *const c_char,
 ) -> c_int {
-    guard(Code::Context.err(), || {
-        let Some(te) = engine(engine_) else {
-            return Code::InvalidArgument.err();
-        };
-        // SAFETY: per this function's contract.
-        let ok = unsafe { str_arg(proto) }.is_some_and(|p| proto_matches(&te, p));
-        int_result(if ok {
-            Ok(())
-        } else {
-            Err(Code::InvalidArgument)
-        })
-    })
+    // SAFETY: per this function's contract.
+    int_fn(|| unsafe { installed(engine_, proto) })
 }
 
-fn open(engine_: transfer_engine_t, name: Option<&str>, refresh: bool) -> segment_id_t {
-    let Some(te) = engine(engine_) else {
-        return Code::InvalidArgument.err();
-    };
-    let Some(name) = name else {
-        crate::set_last_error("segment name is null or not UTF-8");
-        return Code::InvalidArgument.err();
-    };
-    match te.open_segment(name, refresh) {
-        Ok(id) => id,
-        Err(c) => {
-            if !crate::has_last_error() {
-                crate::set_last_error(format_args!("openSegment({name:?}): {}", c.describe()));
-            }
-            c.err()
-        }
-    }
+/// `openSegment` and `openSegmentNoCache`.
+///
+/// # Safety
+/// `segment_name` is null or NUL-terminated.
+unsafe fn open(
+    engine_: transfer_engine_t,
+    segment_name: *const c_char,
+    refresh: bool,
+) -> segment_id_t {
+    guard(Code::Context.err(), || {
+        // SAFETY: per this function's contract.
+        let name = unsafe { str_arg(segment_name) };
+        let opened = engine(engine_).and_then(|te| {
+            te.open_segment(
+                name.ok_or_else(|| invalid("segment name is null or not UTF-8"))?,
+                refresh,
+            )
+        });
+        opened.unwrap_or_else(|e| failed(&e).err())
+    })
 }
 
 /// Connects to the engine whose segment name is `segment_name` (`host:port`, `[v6]:port`)
@@ -396,11 +415,8 @@ pub unsafe extern "C" fn openSegment(
     engine_: transfer_engine_t,
     segment_name: *const c_char,
 ) -> segment_id_t {
-    guard(Code::Context.err(), || {
-        // SAFETY: per this function's contract.
-        let name = unsafe { str_arg(segment_name) };
-        open(engine_, name, false)
-    })
+    // SAFETY: per this function's contract.
+    unsafe { open(engine_, segment_name, false) }
 }
 
 /// `openSegment`, fetching the peer's registered buffers again if already connected.
@@ -412,11 +428,8 @@ pub unsafe extern "C" fn openSegmentNoCache(
     engine_: transfer_engine_t,
     segment_name: *const c_char,
 ) -> segment_id_t {
-    guard(Code::Context.err(), || {
-        // SAFETY: per this function's contract.
-        let name = unsafe { str_arg(segment_name) };
-        open(engine_, name, true)
-    })
+    // SAFETY: per this function's contract.
+    unsafe { open(engine_, segment_name, true) }
 }
 
 /// Disconnects from a segment; its pending transfers fail. -1 for an unknown id.
@@ -428,13 +441,16 @@ pub unsafe extern "C" fn closeSegment(
     engine_: transfer_engine_t,
     segment_id: segment_id_t,
 ) -> c_int {
-    guard(Code::Context.err(), || {
-        int_result(
-            engine(engine_)
-                .ok_or(Code::InvalidArgument)
-                .and_then(|te| te.close_segment(segment_id)),
-        )
-    })
+    int_fn(|| engine(engine_)?.close_segment(segment_id))
+}
+
+/// `Ok` for a live engine and a non-null segment name.
+fn live_and_named(engine_: transfer_engine_t, segment_name: *const c_char) -> Result<(), Error> {
+    engine(engine_)?;
+    if segment_name.is_null() {
+        return Err(invalid("segment name is null"));
+    }
+    Ok(())
 }
 
 /// No EFA here: 0 for a live engine and a non-null name, as Mooncake off EFA.
@@ -446,14 +462,7 @@ pub unsafe extern "C" fn warmupEfaSegment(
     engine_: transfer_engine_t,
     segment_name: *const c_char,
 ) -> c_int {
-    guard(Code::Context.err(), || {
-        let ok = engine(engine_).is_some() && !segment_name.is_null();
-        int_result(if ok {
-            Ok(())
-        } else {
-            Err(Code::InvalidArgument)
-        })
-    })
+    int_fn(|| live_and_named(engine_, segment_name))
 }
 
 /// With the P2P handshake there is no metadata store to remove a segment from: 0 for a
@@ -466,14 +475,7 @@ pub unsafe extern "C" fn removeLocalSegment(
     engine_: transfer_engine_t,
     segment_name: *const c_char,
 ) -> c_int {
-    guard(Code::Context.err(), || {
-        let ok = engine(engine_).is_some() && !segment_name.is_null();
-        int_result(if ok {
-            Ok(())
-        } else {
-            Err(Code::InvalidArgument)
-        })
-    })
+    int_fn(|| live_and_named(engine_, segment_name))
 }
 
 /// Destroys an engine: lets go of every registered buffer (waiting up to 1 s for
@@ -487,7 +489,7 @@ pub unsafe extern "C" fn destroyTransferEngine(engine_: transfer_engine_t) {
     guard((), || {
         let te = engines().remove(engine_ as usize as u64);
         if let Some(te) = te {
-            te.destroy();
+            te.close();
         }
     })
 }
@@ -508,12 +510,10 @@ pub unsafe extern "C" fn registerLocalMemory(
     remote_accessible: c_int,
 ) -> c_int {
     let _ = location;
-    guard(Code::Context.err(), || {
-        int_result(
-            engine(engine_)
-                .ok_or(Code::InvalidArgument)
-                .and_then(|te| te.register(addr as u64, length as u64, remote_accessible != 0)),
-        )
+    int_fn(|| {
+        let te = engine(engine_)?;
+        // SAFETY: the buffer stays allocated while registered (this function's contract).
+        unsafe { te.register(addr as u64, length as u64, remote_accessible != 0) }
     })
 }
 
@@ -527,17 +527,22 @@ pub unsafe extern "C" fn unregisterLocalMemory(
     engine_: transfer_engine_t,
     addr: *mut c_void,
 ) -> c_int {
-    guard(Code::Context.err(), || {
-        int_result(
-            engine(engine_)
-                .ok_or(Code::InvalidArgument)
-                .and_then(|te| te.unregister(addr as u64)),
-        )
-    })
+    int_fn(|| engine(engine_)?.unregister(addr as u64))
 }
 
-/// Registers several buffers (remote-accessible). All or nothing: on the first failure
-/// the ones registered by this call are unregistered and its code returned.
+/// Reads a C array argument; a null (or misaligned) one with entries is an error.
+///
+/// # Safety
+/// `p` is null or valid for `n` reads of `T`.
+unsafe fn array<'a, T>(p: *const T, n: usize, what: &str) -> Result<&'a [T], Error> {
+    // SAFETY: per this function's contract.
+    unsafe { slice_arg(p, n) }.ok_or_else(|| invalid(format!("{what} is null or misaligned")))
+}
+
+/// Registers several buffers (remote-accessible). Mooncake's checks over the whole
+/// list first (zero length, overlaps inside the list); then all or nothing: on the
+/// first failure the ones registered by this call are unregistered and its code
+/// returned.
 ///
 /// # Safety
 /// `buffer_list` is null or valid for `buffer_len` entries; each buffer as for
@@ -550,23 +555,16 @@ pub unsafe extern "C" fn registerLocalMemoryBatch(
     location: *const c_char,
 ) -> c_int {
     let _ = location;
-    guard(Code::Context.err(), || {
-        let Some(te) = engine(engine_) else {
-            return Code::InvalidArgument.err();
-        };
+    int_fn(|| {
+        let te = engine(engine_)?;
         // SAFETY: per this function's contract.
-        let Some(list) = (unsafe { slice_arg(buffer_list.cast_const(), buffer_len) }) else {
-            return int_result(Err(Code::InvalidArgument));
-        };
-        for (i, b) in list.iter().enumerate() {
-            if let Err(c) = te.register(b.addr as u64, b.length as u64, true) {
-                for done in &list[..i] {
-                    let _ = te.unregister(done.addr as u64);
-                }
-                return int_result(Err(c));
-            }
-        }
-        0
+        let list = unsafe { array(buffer_list.cast_const(), buffer_len, "buffer_list") }?;
+        let pairs: Vec<(u64, u64)> = list
+            .iter()
+            .map(|b| (b.addr as u64, b.length as u64))
+            .collect();
+        // SAFETY: each buffer stays allocated while registered (this function's contract).
+        unsafe { te.register_batch(&pairs, true) }
     })
 }
 
@@ -580,21 +578,12 @@ pub unsafe extern "C" fn unregisterLocalMemoryBatch(
     addr_list: *mut *mut c_void,
     addr_len: usize,
 ) -> c_int {
-    guard(Code::Context.err(), || {
-        let Some(te) = engine(engine_) else {
-            return Code::InvalidArgument.err();
-        };
+    int_fn(|| {
+        let te = engine(engine_)?;
         // SAFETY: per this function's contract.
-        let Some(list) = (unsafe { slice_arg(addr_list.cast_const(), addr_len) }) else {
-            return int_result(Err(Code::InvalidArgument));
-        };
-        let mut first = Ok(());
-        for &a in list {
-            if let Err(c) = te.unregister(a as u64) {
-                first = first.and(Err(c));
-            }
-        }
-        int_result(first)
+        let list = unsafe { array(addr_list.cast_const(), addr_len, "addr_list") }?;
+        let addrs: Vec<u64> = list.iter().map(|&a| a as u64).collect();
+        te.unregister_batch(&addrs)
     })
 }
 
@@ -609,38 +598,43 @@ pub unsafe extern "C" fn allocateBatchID(
     batch_size: usize,
 ) -> batch_id_t {
     guard(INVALID_BATCH, || {
-        let Some(te) = engine(engine_) else {
-            return INVALID_BATCH;
-        };
-        te.allocate_batch(batch_size).unwrap_or_else(|| {
-            crate::set_last_error(
-                "allocateBatchID: batch_size must be 1..=1048576 (or too many live batches)",
-            );
-            INVALID_BATCH
-        })
+        match engine(engine_).and_then(|te| te.allocate_batch(batch_size)) {
+            Ok(id) => id,
+            Err(e) => {
+                failed(&e);
+                INVALID_BATCH
+            }
+        }
     })
 }
 
-/// Reads the requests of a submit; `Err` for null or an absurd count.
+/// Reads the requests of a submit; `Err` for null entries, a bad opcode or an absurd
+/// count.
 ///
 /// # Safety
 /// `entries` is null or valid for `count` reads.
-unsafe fn requests(entries: *const transfer_request, count: usize) -> Result<Vec<Request>, Code> {
-    if count > crate::te::MAX_BATCH_SIZE {
-        return Err(Code::TooManyRequests);
+unsafe fn requests(entries: *const transfer_request, count: usize) -> Result<Vec<Request>, Error> {
+    if count > MAX_BATCH_SIZE {
+        return Err(Error::new(
+            Code::TooManyRequests,
+            format!("{count} requests (at most {MAX_BATCH_SIZE})"),
+        ));
     }
     // SAFETY: per this function's contract.
-    let list = unsafe { slice_arg(entries, count) }.ok_or(Code::InvalidArgument)?;
-    Ok(list
-        .iter()
-        .map(|r| Request {
-            opcode: r.opcode,
-            source: r.source as u64,
-            target_id: r.target_id,
-            target_offset: r.target_offset,
-            length: r.length,
+    let list = unsafe { array(entries, count, "entries") }?;
+    list.iter()
+        .enumerate()
+        .map(|(i, r)| {
+            Ok(Request {
+                opcode: Opcode::try_from(i64::from(r.opcode))
+                    .map_err(|e| invalid(format!("request {i}: {e}")))?,
+                source: r.source as u64,
+                target_id: r.target_id,
+                target_offset: r.target_offset,
+                length: r.length,
+            })
         })
-        .collect())
+        .collect()
 }
 
 /// Posts `count` requests into a batch. Returns a status code: 0, 1 (unknown engine or
@@ -659,14 +653,24 @@ pub unsafe extern "C" fn submitTransfer(
     entries: *mut transfer_request,
     count: usize,
 ) -> c_int {
-    guard(Code::Context.status(), || {
-        let Some(te) = engine(engine_) else {
-            return Code::InvalidArgument.status();
-        };
+    status_fn(|| {
+        let te = engine(engine_)?;
         // SAFETY: per this function's contract.
-        let reqs = unsafe { requests(entries, count) };
-        status_result(reqs.and_then(|r| te.submit(batch_id, &r, None)))
+        let reqs = unsafe { requests(entries, count) }?;
+        te.submit(batch_id, &reqs, None)
     })
+}
+
+/// The strings of a `notify_msg` (any bytes but NUL); null ones are an error.
+///
+/// # Safety
+/// `m`'s strings are null or NUL-terminated and outlive `'a`.
+unsafe fn note<'a>(m: &notify_msg_t) -> Result<(&'a [u8], &'a [u8]), Error> {
+    // SAFETY: per this function's contract.
+    match (unsafe { bytes_arg(m.name) }, unsafe { bytes_arg(m.msg) }) {
+        (Some(n), Some(s)) => Ok((n, s)),
+        _ => Err(invalid("notify_msg: null name or msg")),
+    }
 }
 
 /// `submitTransfer`, then `notify_msg` is delivered to the target after all of the
@@ -683,20 +687,13 @@ pub unsafe extern "C" fn submitTransferWithNotify(
     count: usize,
     notify_msg: notify_msg_t,
 ) -> c_int {
-    guard(Code::Context.status(), || {
-        let Some(te) = engine(engine_) else {
-            return Code::InvalidArgument.status();
-        };
+    status_fn(|| {
+        let te = engine(engine_)?;
         // SAFETY: per this function's contract.
-        let (Some(name), Some(msg)) = (unsafe { bytes_arg(notify_msg.name) }, unsafe {
-            bytes_arg(notify_msg.msg)
-        }) else {
-            crate::set_last_error("submitTransferWithNotify: null name or msg");
-            return Code::InvalidArgument.status();
-        };
+        let (name, msg) = unsafe { note(&notify_msg) }?;
         // SAFETY: per this function's contract.
-        let reqs = unsafe { requests(entries, count) };
-        status_result(reqs.and_then(|r| te.submit(batch_id, &r, Some((name, msg)))))
+        let reqs = unsafe { requests(entries, count) }?;
+        te.submit(batch_id, &reqs, Some((name, msg)))
     })
 }
 
@@ -717,8 +714,12 @@ pub unsafe extern "C" fn getNotifsFromEngine(
         }
         // SAFETY: `size` is non-null and writable per this function's contract.
         unsafe { *size = 0 };
-        let Some(te) = engine(engine_) else {
-            return std::ptr::null_mut();
+        let te = match engine(engine_) {
+            Ok(te) => te,
+            Err(e) => {
+                failed(&e);
+                return std::ptr::null_mut();
+            }
         };
         let notes = te.take_notifications();
         if notes.is_empty() {
@@ -768,12 +769,12 @@ fn malloc_cstr(bytes: &[u8]) -> *mut c_char {
 /// `msg` is null or an array returned by `getNotifsFromEngine` with its `size`, freed once.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn freeNotifsMsgBuf(msg: *mut notify_msg_t, size: c_int) -> c_int {
-    guard(Code::Context.err(), || {
+    int_fn(|| {
         if size < 0 {
-            return Code::InvalidArgument.err();
+            return Err(invalid("freeNotifsMsgBuf: negative size"));
         }
         if msg.is_null() {
-            return 0;
+            return Ok(());
         }
         for i in 0..size as usize {
             // SAFETY: `msg` has `size` entries whose strings came from `malloc` (or are
@@ -786,7 +787,7 @@ pub unsafe extern "C" fn freeNotifsMsgBuf(msg: *mut notify_msg_t, size: c_int) -
         }
         // SAFETY: the array came from `calloc`.
         unsafe { libc::free(msg.cast()) };
-        0
+        Ok(())
     })
 }
 
@@ -801,21 +802,13 @@ pub unsafe extern "C" fn genNotifyInEngine(
     target_id: u64,
     notify_msg: notify_msg_t,
 ) -> c_int {
-    guard(Code::Context.err(), || {
-        let Some(te) = engine(engine_) else {
-            return Code::InvalidArgument.err();
-        };
+    int_fn(|| {
+        let te = engine(engine_)?;
         // SAFETY: per this function's contract.
-        let (Some(name), Some(msg)) = (unsafe { bytes_arg(notify_msg.name) }, unsafe {
-            bytes_arg(notify_msg.msg)
-        }) else {
-            crate::set_last_error("genNotifyInEngine: null name or msg");
-            return Code::InvalidArgument.err();
-        };
-        let Ok(target) = i32::try_from(target_id) else {
-            return int_result(Err(Code::InvalidArgument));
-        };
-        int_result(te.notify(target, name, msg))
+        let (name, msg) = unsafe { note(&notify_msg) }?;
+        let target = i32::try_from(target_id)
+            .map_err(|_| invalid(format!("segment id {target_id} is out of range")))?;
+        te.notify(target, name, msg)
     })
 }
 
@@ -834,27 +827,26 @@ pub unsafe extern "C" fn getTransferStatus(
     task_id: usize,
     status: *mut transfer_status,
 ) -> c_int {
-    guard(Code::Context.status(), || {
-        let Some(te) = engine(engine_) else {
-            return Code::InvalidArgument.status();
-        };
+    status_fn(|| {
+        let te = engine(engine_)?;
         if status.is_null() {
-            crate::set_last_error("getTransferStatus: status is null");
-            return Code::InvalidArgument.status();
+            return Err(invalid("getTransferStatus: status is null"));
         }
-        match te.task_status(batch_id, task_id) {
-            Ok((s, bytes)) => {
-                // SAFETY: non-null and writable per this function's contract.
-                unsafe {
-                    status.write(transfer_status {
-                        status: s,
-                        transferred_bytes: bytes,
-                    })
-                };
-                0
-            }
-            Err(c) => status_result(Err(c)),
-        }
+        let t = te.task_status(batch_id, task_id)?;
+        let code = match t.status {
+            // NIXL's Mooncake backend takes any status other than WAITING, PENDING and
+            // FAILED for success: a timeout is reported as a failure.
+            TransferStatus::Timeout => STATUS_FAILED,
+            s => s as c_int,
+        };
+        // SAFETY: non-null and writable per this function's contract.
+        unsafe {
+            status.write(transfer_status {
+                status: code,
+                transferred_bytes: t.transferred_bytes,
+            })
+        };
+        Ok(())
     })
 }
 
@@ -864,12 +856,7 @@ pub unsafe extern "C" fn getTransferStatus(
 /// None beyond passing an engine handle.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn freeBatchID(engine_: transfer_engine_t, batch_id: batch_id_t) -> c_int {
-    guard(Code::Context.status(), || {
-        let Some(te) = engine(engine_) else {
-            return Code::InvalidArgument.status();
-        };
-        status_result(te.free_batch(batch_id))
-    })
+    status_fn(|| engine(engine_)?.free_batch(batch_id))
 }
 
 /// Fetches every open segment's registered buffers again. 0 or the first failure.
@@ -878,13 +865,7 @@ pub unsafe extern "C" fn freeBatchID(engine_: transfer_engine_t, batch_id: batch
 /// None beyond passing an engine handle.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn syncSegmentCache(engine_: transfer_engine_t) -> c_int {
-    guard(Code::Context.err(), || {
-        int_result(
-            engine(engine_)
-                .ok_or(Code::InvalidArgument)
-                .and_then(|te| te.sync_segments()),
-        )
-    })
+    int_fn(|| engine(engine_)?.sync_segments())
 }
 
 /// pagewire keeps no per-NIC load figures: `*count` becomes 0 and nothing is written.
@@ -898,13 +879,14 @@ pub unsafe extern "C" fn getNicLoadStats(
     stats: *mut nic_load_stat_t,
     count: *mut usize,
 ) -> c_int {
-    guard(Code::Context.err(), || {
-        if stats.is_null() || count.is_null() || engine(engine_).is_none() {
-            return Code::InvalidArgument.err();
+    int_fn(|| {
+        engine(engine_)?;
+        if stats.is_null() || count.is_null() {
+            return Err(invalid("getNicLoadStats: null argument"));
         }
         // SAFETY: non-null and writable per this function's contract.
         unsafe { *count = 0 };
-        0
+        Ok(())
     })
 }
 
@@ -916,7 +898,9 @@ pub unsafe extern "C" fn getNicLoadStats(
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn enableGracefulShutdown(engine_: transfer_engine_t) {
     guard((), || {
-        let _ = engine(engine_);
+        if let Err(e) = engine(engine_) {
+            failed(&e);
+        }
     })
 }
 
@@ -932,53 +916,42 @@ pub unsafe extern "C" fn showLinks(
     buf_len: usize,
     json: c_int,
 ) -> c_int {
-    guard(Code::Context.err(), || {
-        if buf_out.is_null() || buf_len == 0 {
-            return Code::InvalidArgument.err();
-        }
-        let Some(te) = engine(engine_) else {
-            return Code::InvalidArgument.err();
-        };
-        let text = links_text(&te, json != 0);
+    int_fn(|| {
+        let te = engine(engine_)?;
         // SAFETY: per this function's contract.
-        let fitted = unsafe { write_cstr(buf_out, buf_len, &text) };
-        int_result(if fitted {
-            Ok(())
-        } else {
-            Err(Code::InvalidArgument)
-        })
+        fitted(unsafe { write_cstr(buf_out, buf_len, &links_text(&te, json != 0)) })
     })
 }
 
-fn links_text(te: &TeEngine, json: bool) -> String {
-    let e = te.engine();
-    let segs = te.segment_list();
-    let alive =
-        |p: Option<pagewire_transport::PeerId>| p.is_some_and(|p| e.peer_alive(p).unwrap_or(false));
+fn links_text(te: &TransferEngine, json: bool) -> String {
+    let segs = te.segments();
     if json {
         let esc = |s: &str| s.replace('\\', "\\\\").replace('"', "\\\"");
         let links: Vec<String> = segs
             .iter()
-            .map(|(id, name, p)| {
+            .map(|s| {
                 format!(
-                    "{{\"segment_id\":{id},\"name\":\"{}\",\"connected\":{}}}",
-                    esc(name),
-                    alive(*p)
+                    "{{\"segment_id\":{},\"name\":\"{}\",\"connected\":{}}}",
+                    s.id,
+                    esc(&s.name),
+                    s.connected
                 )
             })
             .collect();
         format!(
             "{{\"local\":\"{}\",\"backend\":\"{}\",\"links\":[{}]}}",
             esc(te.name()),
-            e.backend_kind(),
+            te.backend_kind(),
             links.join(",")
         )
     } else {
-        let mut s = format!("local {} backend {}\n", te.name(), e.backend_kind());
-        for (id, name, p) in &segs {
+        let mut s = format!("local {} backend {}\n", te.name(), te.backend_kind());
+        for l in &segs {
             s += &format!(
-                "segment {id} {name} {}\n",
-                if alive(*p) { "connected" } else { "idle" }
+                "segment {} {} {}\n",
+                l.id,
+                l.name,
+                if l.connected { "connected" } else { "idle" }
             );
         }
         s

@@ -7,31 +7,31 @@ use std::ffi::{c_char, c_void};
 
 use super::{guard, slice_arg, str_arg, write_cstr};
 pub use crate::native::PwStatus;
-use crate::native::{self, PoolDesc, PwResult};
+use crate::native::{self, PwResult};
 
-/// Opaque engine (`pw_engine`).
-#[repr(C)]
-#[derive(Debug)]
-pub struct pw_engine {
-    _private: [u8; 0],
+/// Handle types C only ever sees pointers to (the pointer is a table token).
+macro_rules! opaque {
+    ($($(#[$doc:meta])* $name:ident;)*) => {
+        $(
+            $(#[$doc])*
+            #[repr(C)]
+            #[derive(Debug)]
+            pub struct $name {
+                _private: [u8; 0],
+            }
+        )*
+    };
 }
-/// Opaque registered region (`pw_region`).
-#[repr(C)]
-#[derive(Debug)]
-pub struct pw_region {
-    _private: [u8; 0],
-}
-/// Opaque connected peer (`pw_peer`).
-#[repr(C)]
-#[derive(Debug)]
-pub struct pw_peer {
-    _private: [u8; 0],
-}
-/// Opaque batch (`pw_batch`).
-#[repr(C)]
-#[derive(Debug)]
-pub struct pw_batch {
-    _private: [u8; 0],
+
+opaque! {
+    /// Opaque engine (`pw_engine`).
+    pw_engine;
+    /// Opaque registered region (`pw_region`).
+    pw_region;
+    /// Opaque connected peer (`pw_peer`).
+    pw_peer;
+    /// Opaque batch (`pw_batch`).
+    pw_batch;
 }
 
 /// `pw_pool_desc`: a host KV pool (geometry, layout, base addresses).
@@ -68,27 +68,6 @@ pub struct pw_pool_desc {
     pub checks: u32,
 }
 
-impl pw_pool_desc {
-    fn model(&self) -> PoolDesc {
-        PoolDesc {
-            kind: self.kind,
-            layout: self.layout,
-            layers: self.layers,
-            page_size: self.page_size,
-            heads: self.heads,
-            head_dim: self.head_dim,
-            v_head_dim: self.v_head_dim,
-            kv_dim: self.kv_dim,
-            dtype_bytes: self.dtype_bytes,
-            capacity: self.capacity,
-            base: self.base,
-            v_base: self.v_base,
-            has_v_base: self.has_v_base != 0,
-            sglang_checks: self.checks == 1,
-        }
-    }
-}
-
 fn status(r: PwResult<()>) -> PwStatus {
     match r {
         Ok(()) => PwStatus::Ok,
@@ -99,6 +78,29 @@ fn status(r: PwResult<()>) -> PwStatus {
             s
         }
     }
+}
+
+/// Runs an entry point's body: a panic is `PW_ERR_INTERNAL` (see [`guard`]), the result
+/// a status.
+fn run(f: impl FnOnce() -> PwResult<()>) -> PwStatus {
+    guard(PwStatus::Internal, || status(f()))
+}
+
+/// Entry points that only hand a handle to `native`: `fn name(handle: type) = function;`.
+/// Any handle value is checked, so none has a safety condition beyond the call itself.
+macro_rules! handle_calls {
+    ($($(#[$doc:meta])* fn $name:ident($h:ident: $ty:ty) = $f:ident;)*) => {
+        $(
+            $(#[$doc])*
+            ///
+            /// # Safety
+            /// None (any value is checked).
+            #[unsafe(no_mangle)]
+            pub unsafe extern "C" fn $name($h: *mut $ty) -> PwStatus {
+                run(|| native::$f(token($h)))
+            }
+        )*
+    };
 }
 
 fn token<T>(p: *const T) -> u64 {
@@ -123,6 +125,18 @@ unsafe fn put<T>(out: *mut *mut T, r: PwResult<u64>) -> PwResult<()> {
     Ok(())
 }
 
+/// Runs `get` and writes its value to `out`.
+///
+/// # Safety
+/// `out` is null (an error) or valid for a write.
+unsafe fn get_into<T>(out: *mut T, what: &str, get: impl FnOnce() -> PwResult<T>) -> PwStatus {
+    run(|| {
+        let v = get()?;
+        // SAFETY: per this function's contract.
+        unsafe { put_val(out, what, v) }
+    })
+}
+
 /// Writes a value to an out-pointer.
 ///
 /// # Safety
@@ -134,6 +148,26 @@ unsafe fn put_val<T>(out: *mut T, what: &str, v: T) -> PwResult<()> {
     // SAFETY: non-null and writable per the caller's contract.
     unsafe { out.write(v) };
     Ok(())
+}
+
+// ------------------------------------------------------------------------- handles
+
+handle_calls! {
+    /// Shuts an engine down and frees its handle: connections close, pending batches fail,
+    /// registrations are released. Handles derived from it report `PW_ERR_SHUTDOWN`.
+    fn pw_engine_free(engine: pw_engine) = engine_free;
+    /// Fetches the regions the peer exposes again (after it registered more memory).
+    fn pw_peer_refresh(peer: pw_peer) = peer_refresh;
+    /// Disconnects (the peer's pending batches fail) and frees the handle.
+    fn pw_peer_close(peer: pw_peer) = peer_close;
+    /// `PW_OK` (done), `PW_PENDING`, or why it failed. Never blocks.
+    fn pw_batch_status(batch: pw_batch) = batch_status;
+    /// Cancels a running batch (best effort: bytes in flight may still land).
+    fn pw_batch_cancel(batch: pw_batch) = batch_cancel;
+    /// Empties a batch that is not running (ops, notification, timeout).
+    fn pw_batch_reset(batch: pw_batch) = batch_reset;
+    /// Frees a batch handle. A running batch carries on to its end.
+    fn pw_batch_free(batch: pw_batch) = batch_free;
 }
 
 // ------------------------------------------------------------------------- errors
@@ -172,26 +206,14 @@ pub unsafe extern "C" fn pw_engine_new(
     listen: *const c_char,
     out: *mut *mut pw_engine,
 ) -> PwStatus {
-    guard(PwStatus::Internal, || {
+    run(|| {
         // SAFETY: per this function's contract.
         let (b, l) = unsafe { (str_arg(backend), str_arg(listen)) };
         if (!backend.is_null() && b.is_none()) || (!listen.is_null() && l.is_none()) {
-            return status(PwStatus::InvalidArgument.fail("string argument is not UTF-8"));
+            return PwStatus::InvalidArgument.fail("string argument is not UTF-8");
         }
         // SAFETY: per this function's contract.
-        status(unsafe { put(out, native::engine_new(b, l)) })
-    })
-}
-
-/// Shuts an engine down and frees its handle: connections close, pending batches fail,
-/// registrations are released. Handles derived from it report `PW_ERR_SHUTDOWN`.
-///
-/// # Safety
-/// None (any value is checked).
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn pw_engine_free(engine: *mut pw_engine) -> PwStatus {
-    guard(PwStatus::Internal, || {
-        status(native::engine_free(token(engine)))
+        unsafe { put(out, native::engine_new(b, l)) }
     })
 }
 
@@ -205,13 +227,8 @@ pub unsafe extern "C" fn pw_engine_local_addr(
     buf: *mut c_char,
     len: usize,
 ) -> PwStatus {
-    guard(PwStatus::Internal, || {
-        status(native::engine(token(engine)).and_then(|e| {
-            let s = e.engine.local_addr().to_string();
-            // SAFETY: per this function's contract.
-            write_fitted(unsafe { write_cstr(buf, len, &s) }, s.len())
-        }))
-    })
+    // SAFETY: per this function's contract.
+    unsafe { engine_text(engine, buf, len, |e| e.local_addr().to_string()) }
 }
 
 /// Writes the backend in use: `"verbs"`, `"tcp"` or `"loopback"`.
@@ -224,12 +241,25 @@ pub unsafe extern "C" fn pw_engine_backend(
     buf: *mut c_char,
     len: usize,
 ) -> PwStatus {
-    guard(PwStatus::Internal, || {
-        status(native::engine(token(engine)).and_then(|e| {
-            let s = e.engine.backend_kind().as_str();
-            // SAFETY: per this function's contract.
-            write_fitted(unsafe { write_cstr(buf, len, s) }, s.len())
-        }))
+    // SAFETY: per this function's contract.
+    unsafe { engine_text(engine, buf, len, |e| e.backend_kind().as_str().to_owned()) }
+}
+
+/// Writes a text about the engine into `buf` (`PW_ERR_BUFFER_TOO_SMALL` if it does not
+/// fit).
+///
+/// # Safety
+/// `buf` is null or valid for `len` bytes.
+unsafe fn engine_text(
+    engine: *const pw_engine,
+    buf: *mut c_char,
+    len: usize,
+    text: impl FnOnce(&pagewire_transport::Engine) -> String,
+) -> PwStatus {
+    run(|| {
+        let s = text(&native::engine(token(engine))?.engine);
+        // SAFETY: per this function's contract.
+        write_fitted(unsafe { write_cstr(buf, len, &s) }, s.len())
     })
 }
 
@@ -253,19 +283,18 @@ pub unsafe extern "C" fn pw_engine_poll_notification(
     peer_id: *mut u64,
     tag: *mut u32,
 ) -> PwStatus {
-    guard(PwStatus::Internal, || {
+    run(|| {
         if peer_id.is_null() || tag.is_null() {
-            return status(null_arg("peer_id or tag"));
+            return null_arg("peer_id or tag");
         }
-        status(
-            native::poll_notification(token(engine), timeout_ms).and_then(|(p, t)| {
-                // SAFETY: both checked non-null; writable per this function's contract.
-                unsafe {
-                    put_val(peer_id, "peer_id", p)?;
-                    put_val(tag, "tag", t)
-                }
-            }),
-        )
+
+        native::poll_notification(token(engine), timeout_ms).and_then(|(p, t)| {
+            // SAFETY: both checked non-null; writable per this function's contract.
+            unsafe {
+                put_val(peer_id, "peer_id", p)?;
+                put_val(tag, "tag", t)
+            }
+        })
     })
 }
 
@@ -279,14 +308,14 @@ pub unsafe extern "C" fn pw_engine_progress(
     engine: *mut pw_engine,
     reaped: *mut usize,
 ) -> PwStatus {
-    guard(PwStatus::Internal, || {
-        status(native::progress(token(engine)).and_then(|n| {
+    run(|| {
+        native::progress(token(engine)).and_then(|n| {
             if reaped.is_null() {
                 return Ok(());
             }
             // SAFETY: non-null and writable per this function's contract.
             unsafe { put_val(reaped, "reaped", n) }
-        }))
+        })
     })
 }
 
@@ -308,13 +337,13 @@ pub unsafe extern "C" fn pw_region_register(
     access: u32,
     out: *mut *mut pw_region,
 ) -> PwStatus {
-    guard(PwStatus::Internal, || {
+    run(|| {
         if out.is_null() {
-            return status(null_arg("out"));
+            return null_arg("out");
         }
         let r = native::region_register(token(engine), addr as u64, len as u64, access);
         // SAFETY: per this function's contract.
-        status(unsafe { put(out, r) })
+        unsafe { put(out, r) }
     })
 }
 
@@ -325,9 +354,7 @@ pub unsafe extern "C" fn pw_region_register(
 /// None (any value is checked).
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn pw_region_deregister(region: *mut pw_region, timeout_ms: u32) -> PwStatus {
-    guard(PwStatus::Internal, || {
-        status(native::region_deregister(token(region), timeout_ms))
-    })
+    run(|| native::region_deregister(token(region), timeout_ms))
 }
 
 // ------------------------------------------------------------------------- peers
@@ -343,16 +370,16 @@ pub unsafe extern "C" fn pw_peer_connect(
     addr: *const c_char,
     out: *mut *mut pw_peer,
 ) -> PwStatus {
-    guard(PwStatus::Internal, || {
+    run(|| {
         // SAFETY: per this function's contract.
         let Some(a) = (unsafe { str_arg(addr) }) else {
-            return status(null_arg("addr"));
+            return null_arg("addr");
         };
         if out.is_null() {
-            return status(null_arg("out"));
+            return null_arg("out");
         }
         // SAFETY: per this function's contract.
-        status(unsafe { put(out, native::peer_connect(token(engine), a)) })
+        unsafe { put(out, native::peer_connect(token(engine), a)) }
     })
 }
 
@@ -366,12 +393,12 @@ pub unsafe extern "C" fn pw_peer_accept(
     timeout_ms: u32,
     out: *mut *mut pw_peer,
 ) -> PwStatus {
-    guard(PwStatus::Internal, || {
+    run(|| {
         if out.is_null() {
-            return status(null_arg("out"));
+            return null_arg("out");
         }
         // SAFETY: per this function's contract.
-        status(unsafe { put(out, native::peer_accept(token(engine), timeout_ms)) })
+        unsafe { put(out, native::peer_accept(token(engine), timeout_ms)) }
     })
 }
 
@@ -381,34 +408,8 @@ pub unsafe extern "C" fn pw_peer_accept(
 /// `id` is valid for a write.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn pw_peer_id(peer: *const pw_peer, id: *mut u64) -> PwStatus {
-    guard(PwStatus::Internal, || {
-        status(native::peer_id(token(peer)).and_then(|v| {
-            // SAFETY: per this function's contract.
-            unsafe { put_val(id, "id", v) }
-        }))
-    })
-}
-
-/// Fetches the regions the peer exposes again (after it registered more memory).
-///
-/// # Safety
-/// None (any value is checked).
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn pw_peer_refresh(peer: *mut pw_peer) -> PwStatus {
-    guard(PwStatus::Internal, || {
-        status(native::peer_refresh(token(peer)))
-    })
-}
-
-/// Disconnects (the peer's pending batches fail) and frees the handle.
-///
-/// # Safety
-/// None (any value is checked).
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn pw_peer_close(peer: *mut pw_peer) -> PwStatus {
-    guard(PwStatus::Internal, || {
-        status(native::peer_close(token(peer)))
-    })
+    // SAFETY: per this function's contract.
+    unsafe { get_into(id, "id", || native::peer_id(token(peer))) }
 }
 
 // ------------------------------------------------------------------------- batches
@@ -419,9 +420,9 @@ pub unsafe extern "C" fn pw_peer_close(peer: *mut pw_peer) -> PwStatus {
 /// `out` is valid for a write.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn pw_batch_new(out: *mut *mut pw_batch) -> PwStatus {
-    guard(PwStatus::Internal, || {
+    run(|| {
         // SAFETY: per this function's contract.
-        status(unsafe { put(out, native::batch_new()) })
+        unsafe { put(out, native::batch_new()) }
     })
 }
 
@@ -438,9 +439,7 @@ pub unsafe extern "C" fn pw_batch_add(
     remote: u64,
     len: u64,
 ) -> PwStatus {
-    guard(PwStatus::Internal, || {
-        status(native::batch_add(token(batch), op, local, remote, len))
-    })
+    run(|| native::batch_add(token(batch), op, local, remote, len))
 }
 
 /// Appends a transfer plan (`pw_plan`'s output, in data-flow order): for `PW_OP_WRITE`
@@ -457,21 +456,19 @@ pub unsafe extern "C" fn pw_batch_add_plan(
     lens: *const u64,
     n: usize,
 ) -> PwStatus {
-    guard(PwStatus::Internal, || {
+    run(|| {
         // SAFETY: per this function's contract.
         let (Some(s), Some(d), Some(l)) =
             (unsafe { (slice_arg(srcs, n), slice_arg(dsts, n), slice_arg(lens, n)) })
         else {
-            return status(null_arg("srcs, dsts or lens"));
+            return null_arg("srcs, dsts or lens");
         };
         let b = token(batch);
         for i in 0..n {
             let (local, remote) = if op == 1 { (s[i], d[i]) } else { (d[i], s[i]) };
-            if let Err(e) = native::batch_add(b, op, local, remote, l[i]) {
-                return status(Err(e));
-            }
+            native::batch_add(b, op, local, remote, l[i])?;
         }
-        PwStatus::Ok
+        Ok(())
     })
 }
 
@@ -481,9 +478,7 @@ pub unsafe extern "C" fn pw_batch_add_plan(
 /// None.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn pw_batch_set_notify(batch: *mut pw_batch, tag: u32) -> PwStatus {
-    guard(PwStatus::Internal, || {
-        status(native::batch_set_notify(token(batch), tag))
-    })
+    run(|| native::batch_set_notify(token(batch), tag))
 }
 
 /// The batch's deadline, relative to its submission (0 = `PAGEWIRE_BATCH_TIMEOUT_MS`).
@@ -492,9 +487,7 @@ pub unsafe extern "C" fn pw_batch_set_notify(batch: *mut pw_batch, tag: u32) -> 
 /// None.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn pw_batch_set_timeout(batch: *mut pw_batch, timeout_ms: u32) -> PwStatus {
-    guard(PwStatus::Internal, || {
-        status(native::batch_set_timeout(token(batch), timeout_ms))
-    })
+    run(|| native::batch_set_timeout(token(batch), timeout_ms))
 }
 
 /// Validates every op (local ranges registered, remote ranges exposed by the peer, with
@@ -505,20 +498,7 @@ pub unsafe extern "C" fn pw_batch_set_timeout(batch: *mut pw_batch, timeout_ms: 
 /// None (any value is checked).
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn pw_batch_submit(batch: *mut pw_batch, peer: *mut pw_peer) -> PwStatus {
-    guard(PwStatus::Internal, || {
-        status(native::batch_submit(token(batch), token(peer)))
-    })
-}
-
-/// `PW_OK` (done), `PW_PENDING`, or why it failed. Never blocks.
-///
-/// # Safety
-/// None.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn pw_batch_status(batch: *mut pw_batch) -> PwStatus {
-    guard(PwStatus::Internal, || {
-        status(native::batch_status(token(batch)))
-    })
+    run(|| native::batch_submit(token(batch), token(peer)))
 }
 
 /// Waits up to `timeout_ms`: `PW_OK`, `PW_PENDING` (still running), or the failure.
@@ -527,20 +507,7 @@ pub unsafe extern "C" fn pw_batch_status(batch: *mut pw_batch) -> PwStatus {
 /// None.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn pw_batch_wait(batch: *mut pw_batch, timeout_ms: u32) -> PwStatus {
-    guard(PwStatus::Internal, || {
-        status(native::batch_wait(token(batch), timeout_ms))
-    })
-}
-
-/// Cancels a running batch (best effort: bytes in flight may still land).
-///
-/// # Safety
-/// None.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn pw_batch_cancel(batch: *mut pw_batch) -> PwStatus {
-    guard(PwStatus::Internal, || {
-        status(native::batch_cancel(token(batch)))
-    })
+    run(|| native::batch_wait(token(batch), timeout_ms))
 }
 
 /// Bytes completed so far.
@@ -549,34 +516,8 @@ pub unsafe extern "C" fn pw_batch_cancel(batch: *mut pw_batch) -> PwStatus {
 /// `bytes` is valid for a write.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn pw_batch_bytes_done(batch: *mut pw_batch, bytes: *mut u64) -> PwStatus {
-    guard(PwStatus::Internal, || {
-        status(native::batch_bytes_done(token(batch)).and_then(|v| {
-            // SAFETY: per this function's contract.
-            unsafe { put_val(bytes, "bytes", v) }
-        }))
-    })
-}
-
-/// Empties a batch that is not running (ops, notification, timeout).
-///
-/// # Safety
-/// None.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn pw_batch_reset(batch: *mut pw_batch) -> PwStatus {
-    guard(PwStatus::Internal, || {
-        status(native::batch_reset(token(batch)))
-    })
-}
-
-/// Frees a batch handle. A running batch carries on to its end.
-///
-/// # Safety
-/// None.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn pw_batch_free(batch: *mut pw_batch) -> PwStatus {
-    guard(PwStatus::Internal, || {
-        status(native::batch_free(token(batch)))
-    })
+    // SAFETY: per this function's contract.
+    unsafe { get_into(bytes, "bytes", || native::batch_bytes_done(token(batch))) }
 }
 
 // ------------------------------------------------------------------------- layout
@@ -626,20 +567,20 @@ unsafe fn page_meta_impl(
     capacity: usize,
     n_out: *mut usize,
     pages: bool,
-) -> PwStatus {
+) -> PwResult<()> {
     if pool.is_null() {
-        return status(null_arg("pool"));
+        return null_arg("pool");
     }
     // SAFETY: non-null; readable per the caller's contract (the struct is plain data).
-    let desc = unsafe { pool.read() }.model();
+    let desc = unsafe { pool.read() };
     // SAFETY: per the caller's contract.
     let Some(idx) = (unsafe { slice_arg(indices, n_indices) }) else {
-        return status(null_arg("indices"));
+        return null_arg("indices");
     };
-    status(native::page_meta(&desc, idx, pages).and_then(|(p, l)| {
+    native::page_meta(&desc, idx, pages).and_then(|(p, l)| {
         // SAFETY: per the caller's contract.
         unsafe { put_lists(&[&p, &l], &[ptrs, lens], capacity, n_out) }
-    }))
+    })
 }
 
 /// SGLang's `get_page_buffer_meta`: for token slot `indices` (whole pages, `page_size`
@@ -660,7 +601,7 @@ pub unsafe extern "C" fn pw_page_meta(
     capacity: usize,
     n_out: *mut usize,
 ) -> PwStatus {
-    guard(PwStatus::Internal, || {
+    run(|| {
         // SAFETY: per this function's contract.
         unsafe { page_meta_impl(pool, indices, n_indices, ptrs, lens, capacity, n_out, false) }
     })
@@ -680,7 +621,7 @@ pub unsafe extern "C" fn pw_page_meta_for_pages(
     capacity: usize,
     n_out: *mut usize,
 ) -> PwStatus {
-    guard(PwStatus::Internal, || {
+    run(|| {
         // SAFETY: per this function's contract.
         unsafe { page_meta_impl(pool, pages, n_pages, ptrs, lens, capacity, n_out, true) }
     })
@@ -705,21 +646,21 @@ pub unsafe extern "C" fn pw_plan(
     capacity: usize,
     n_out: *mut usize,
 ) -> PwStatus {
-    guard(PwStatus::Internal, || {
+    run(|| {
         if src.is_null() || dst.is_null() {
-            return status(null_arg("src or dst"));
+            return null_arg("src or dst");
         }
         // SAFETY: non-null; readable per this function's contract.
-        let (s, d) = unsafe { (src.read().model(), dst.read().model()) };
+        let (s, d) = unsafe { (src.read(), dst.read()) };
         // SAFETY: per this function's contract.
         let (Some(sp), Some(dp)) =
             (unsafe { (slice_arg(src_pages, n_pages), slice_arg(dst_pages, n_pages)) })
         else {
-            return status(null_arg("src_pages or dst_pages"));
+            return null_arg("src_pages or dst_pages");
         };
-        status(native::plan(&s, &d, sp, dp).and_then(|(a, b, c)| {
+        native::plan(&s, &d, sp, dp).and_then(|(a, b, c)| {
             // SAFETY: per this function's contract.
             unsafe { put_lists(&[&a, &b, &c], &[srcs, dsts, lens], capacity, n_out) }
-        }))
+        })
     })
 }

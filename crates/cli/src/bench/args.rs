@@ -138,6 +138,8 @@ pub enum BenchCmd {
     /// KV page transfer between two engines, using real layout plans.
     #[command(after_help = PAGES_EXAMPLES)]
     Pages(super::pages::PagesArgs),
+    /// Put and get of KV page batches through the store (pagewire-store), with p50/p99.
+    Store(super::store::StoreBenchArgs),
 }
 
 /// Which end(s) this process runs, from the address and `--server` / `--local`.

@@ -21,6 +21,7 @@ mod progress;
 mod report;
 mod session;
 mod stats;
+mod store;
 
 pub use args::{BENCH_ABOUT, BenchArgs};
 use args::{BenchCmd, TestKind};
@@ -32,6 +33,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         BenchCmd::Read(a) => perf::run(TestKind::Read, a.into()),
         BenchCmd::Lat(a) => perf::run(TestKind::Lat, a.into()),
         BenchCmd::Pages(a) => pages::run(a),
+        BenchCmd::Store(a) => store::run(a),
     }
 }
 
@@ -75,7 +77,7 @@ mod tests {
             BenchCmd::Write(a) => (TestKind::Write, a.into()),
             BenchCmd::Read(a) => (TestKind::Read, a.into()),
             BenchCmd::Lat(a) => (TestKind::Lat, a.into()),
-            BenchCmd::Pages(_) => panic!("pages"),
+            _ => panic!("not a perftest-style command"),
         }
     }
 

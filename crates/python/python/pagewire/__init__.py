@@ -43,3 +43,10 @@ from pagewire._native import (  # noqa: E402
 
 __all__ += ["Engine", "Region", "Peer", "Handle", "PreparedBatch", "Notification"]
 # --- end transport ----------------------------------------------------------------------
+
+# --- store: the KV page store (pagewire_store) -----------------------------------------
+from pagewire._native import StoreClient, StoreMaster  # noqa: E402
+from pagewire.errors import StoreError  # noqa: E402
+
+__all__ += ["StoreClient", "StoreMaster", "StoreError"]
+# --- end store -------------------------------------------------------------------------

@@ -90,3 +90,9 @@ __all__ += [
     "VerbsError",
 ]
 # --- end transport errors ---------------------------------------------------------------
+
+# --- store ---------------------------------------------------------------------------
+from pagewire._native import StoreError  # noqa: E402  (PagewireError; `.code`: Mooncake's number)
+
+__all__ += ["StoreError"]
+# --- end store -----------------------------------------------------------------------

@@ -25,7 +25,7 @@ from __future__ import annotations
 import enum
 from typing import Any, List
 
-from pagewire._native import _MooncakeEngine
+from pagewire._native import _MooncakeTransfers
 
 __all__ = [
     "TransferEngine",
@@ -105,7 +105,7 @@ def _not_implemented(name: str) -> NotImplementedError:
     )
 
 
-class TransferEngine(_MooncakeEngine):
+class TransferEngine(_MooncakeTransfers):
     """Mooncake's ``TransferEngine`` on pagewire.
 
     ``TransferEngine()`` reads ``MC_TRANSFER_TIMEOUT`` (seconds, floor 5, default 30);
@@ -180,3 +180,16 @@ class TransferEngine(_MooncakeEngine):
                                     stream_ptr: int = 0, transport_hint: str = "") -> None:
         """Not implemented by pagewire (no CUDA path); raises ``NotImplementedError``."""
         raise _not_implemented("batch_transfer_read_on_cuda")
+
+
+# --- store: mooncake.store.MooncakeDistributedStore on the pagewire store --------------
+# (pagewire._mooncake_store has the class and its doctest; the master is pagewire's.)
+from pagewire._mooncake_store import (  # noqa: E402
+    MooncakeDistributedStore,
+    ObjectDataType,
+    ReplicateConfig,
+    SoftPinAction,
+)
+
+__all__ += ["MooncakeDistributedStore", "ReplicateConfig", "SoftPinAction", "ObjectDataType"]
+# --- end store -------------------------------------------------------------------------

@@ -286,3 +286,10 @@ def unpatch_host_pool(host_pool: Any) -> None:
     """Undo :func:`patch_host_pool`: the object answers with its class's methods again."""
     for name in (*_PATCHED, "_pagewire_pool"):
         host_pool.__dict__.pop(name, None)
+
+
+# --- store: PagewireStore, an SGLang HiCache L3 backend on the pagewire store ----------
+from pagewire._hicache import PagewireStore  # noqa: E402
+
+__all__ += ["PagewireStore"]
+# --- end store -------------------------------------------------------------------------

@@ -1,15 +1,16 @@
-//! Is a raw `(address, length)` from Python really writable memory of this process?
+//! Is a caller's `(address, length)` ordinary, readable and writable memory of this
+//! process?
 //!
-//! A registered region is written by the engine's own threads (TCP, loopback) or by the
-//! NIC (verbs). An integer that does not point at writable memory (a typo, a freed
-//! buffer, a GPU pointer in a build without GPU support) would make the first incoming
-//! WRITE crash the process instead of failing the registration, so raw addresses are
-//! checked against `/proc/self/maps` before they are registered. Registration is rare;
-//! the file is read once per call.
+//! The TCP and loopback backends move bytes with the CPU, so registering a pointer that
+//! is not mapped (a stale or made-up address) or not host memory (a GPU pointer, mapped
+//! `---p` in the host) would crash a transport thread at the first transfer instead of
+//! failing the registration. C and Python callers can pass any integer, so the range is
+//! checked against `/proc/self/maps` once, at registration (which is rare: the file is
+//! read once per call).
 
 /// `Ok` when every byte of `[addr, addr + len)` lies in mappings that are readable and
-/// writable; otherwise says which part is not.
-pub(crate) fn check_writable(addr: u64, len: u64) -> Result<(), String> {
+/// writable, with no gap; otherwise says which address is not. `len == 0` is `Ok`.
+pub fn check_host_rw(addr: u64, len: u64) -> Result<(), String> {
     let end = addr
         .checked_add(len)
         .ok_or_else(|| format!("range {addr:#x}+{len} overflows"))?;
@@ -26,14 +27,7 @@ fn check_in(maps: &str, addr: u64, end: u64) -> Result<(), String> {
     let mut cursor = addr;
     // The file is sorted by address; walk the mappings that cover the range in order.
     for line in maps.lines() {
-        let mut fields = line.split_ascii_whitespace();
-        let (Some(range), Some(perms)) = (fields.next(), fields.next()) else {
-            continue;
-        };
-        let Some((lo, hi)) = range.split_once('-') else {
-            continue;
-        };
-        let (Ok(lo), Ok(hi)) = (u64::from_str_radix(lo, 16), u64::from_str_radix(hi, 16)) else {
+        let Some((lo, hi, perms)) = parse_line(line) else {
             continue;
         };
         if hi <= cursor {
@@ -42,8 +36,7 @@ fn check_in(maps: &str, addr: u64, end: u64) -> Result<(), String> {
         if lo > cursor {
             return Err(format!("address {cursor:#x} is not mapped"));
         }
-        let p = perms.as_bytes();
-        if p.len() < 2 || p[0] != b'r' || p[1] != b'w' {
+        if !perms.starts_with("rw") {
             return Err(format!(
                 "address {cursor:#x} is in a mapping without read/write access ({perms})"
             ));
@@ -54,6 +47,17 @@ fn check_in(maps: &str, addr: u64, end: u64) -> Result<(), String> {
         }
     }
     Err(format!("address {cursor:#x} is not mapped"))
+}
+
+fn parse_line(line: &str) -> Option<(u64, u64, &str)> {
+    let mut it = line.split_ascii_whitespace();
+    let (lo, hi) = it.next()?.split_once('-')?;
+    let perms = it.next()?;
+    Some((
+        u64::from_str_radix(lo, 16).ok()?,
+        u64::from_str_radix(hi, 16).ok()?,
+        perms,
+    ))
 }
 
 #[cfg(test)]
@@ -80,12 +84,21 @@ mod tests {
         assert!(check_in(MAPS, 0x7f00_0000_5000, 0x7f00_0000_5800).is_err()); // ---
         assert!(check_in(MAPS, 0x10, 0x20).is_err()); // below everything
         assert!(check_in(MAPS, 0x7fff_0000_0000, 0x7fff_0000_1000).is_err()); // above
+        assert_eq!(
+            parse_line("7f00-7f10 rw-p 00000000 00:00 0"),
+            Some((0x7f00, 0x7f10, "rw-p"))
+        );
     }
 
     #[test]
-    fn own_heap_is_writable() {
-        let v = vec![0u8; 1 << 16];
-        assert!(check_writable(v.as_ptr() as u64, v.len() as u64).is_ok());
-        assert!(check_writable(8, 8).is_err());
+    fn this_process() {
+        let v = vec![1u8; 3 << 20];
+        assert!(check_host_rw(v.as_ptr() as u64, v.len() as u64).is_ok());
+        assert!(check_host_rw(0, 4096).is_err());
+        assert!(check_host_rw(8, 8).is_err());
+        assert!(check_host_rw(u64::MAX - 10, 100).is_err());
+        // Code is mapped r-x: not writable.
+        let f = check_host_rw as fn(u64, u64) -> Result<(), String>;
+        assert!(check_host_rw(f as usize as u64, 16).is_err());
     }
 }

@@ -1,0 +1,209 @@
+//! `pagewire store master|serve`: the KV page store's master and storage nodes
+//! (`pagewire-store`). The benchmark is `pagewire bench store`.
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::{Args, Subcommand, ValueEnum};
+use pagewire_store::{ClientConfig, Master, MasterConfig, StoreClient};
+use pagewire_transport::{BackendKind, EngineConfig};
+
+/// The transport a storage node serves its segment over.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Transport {
+    /// verbs if an RDMA device is usable, else TCP.
+    Auto,
+    /// RDMA verbs.
+    Verbs,
+    /// TCP streams.
+    Tcp,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum StoreCommand {
+    /// Run the master: membership, object metadata, allocation, leases, eviction.
+    ///
+    /// Example: pagewire store master --listen 0.0.0.0:50051
+    Master(MasterArgs),
+    /// Run a storage node: allocate and register a segment, offer it to the master.
+    ///
+    /// Example: pagewire store serve --master 10.0.0.1:50051 --segment 8G
+    Serve(ServeArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct MasterArgs {
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1:50051")]
+    pub listen: SocketAddr,
+    /// Read lease length in milliseconds (a leased object is neither removed nor evicted).
+    #[arg(long, default_value_t = 10_000)]
+    pub lease_ttl_ms: u64,
+    /// Silence after which a client is dropped and its segments unmounted (ms).
+    #[arg(long, default_value_t = 10_000)]
+    pub client_ttl_ms: u64,
+    /// Heartbeat period asked of clients (ms; at most half the client TTL).
+    #[arg(long, default_value_t = 1_000)]
+    pub heartbeat_ms: u64,
+    /// Usage fraction at which eviction starts.
+    #[arg(long, default_value_t = 0.90)]
+    pub high_watermark: f64,
+    /// Fraction of the capacity one eviction round frees.
+    #[arg(long, default_value_t = 0.05)]
+    pub evict_ratio: f64,
+    /// A put unfinished after this long is taken away from its writer (ms).
+    #[arg(long, default_value_t = 30_000)]
+    pub put_discard_ms: u64,
+    /// Space of such a put is reused this long after the put started (ms).
+    #[arg(long, default_value_t = 600_000)]
+    pub put_release_ms: u64,
+}
+
+#[derive(Debug, Args)]
+pub struct ServeArgs {
+    /// The master's host:port.
+    #[arg(long)]
+    pub master: String,
+    /// Bytes of memory to offer (suffixes K, M, G, T = powers of 1024).
+    #[arg(long, value_parser = parse_bytes)]
+    pub segment: u64,
+    /// Transport listener (ip:port). With an unspecified IP the node announces the
+    /// address it reaches the master from.
+    #[arg(long, default_value = "0.0.0.0:0")]
+    pub listen: SocketAddr,
+    /// Transport backend.
+    #[arg(long, value_enum, default_value_t = Transport::Auto)]
+    pub transport: Transport,
+    /// RDMA device.
+    #[arg(short = 'd', long = "ib-dev")]
+    pub device: Option<String>,
+    /// GID index.
+    #[arg(short = 'x', long = "gid-index")]
+    pub gid_index: Option<u32>,
+}
+
+/// `1024`, `64K`, `8G`, `1T` (powers of 1024).
+pub fn parse_bytes(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("invalid size {s:?}: expected bytes such as 4096, 64M or 8G"))?;
+    let shift = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 0,
+        "k" | "kb" | "kib" => 10,
+        "m" | "mb" | "mib" => 20,
+        "g" | "gb" | "gib" => 30,
+        "t" | "tb" | "tib" => 40,
+        _ => return Err(format!("invalid size {s:?}: unknown unit {unit:?}")),
+    };
+    let v = n
+        .checked_mul(1u64 << shift)
+        .ok_or_else(|| format!("size {s:?} overflows"))?;
+    if v == 0 {
+        return Err("size must be positive".into());
+    }
+    Ok(v)
+}
+
+pub fn run(cmd: StoreCommand) -> anyhow::Result<()> {
+    match cmd {
+        StoreCommand::Master(a) => master(a),
+        StoreCommand::Serve(a) => serve(a),
+    }
+}
+
+fn master(a: MasterArgs) -> anyhow::Result<()> {
+    let mut cfg = MasterConfig {
+        listen: a.listen,
+        token: std::env::var("PAGEWIRE_TOKEN").ok().map(String::into_bytes),
+        ..MasterConfig::default()
+    };
+    let c = &mut cfg.core;
+    c.lease_ttl_ms = a.lease_ttl_ms;
+    c.client_ttl_ms = a.client_ttl_ms;
+    c.heartbeat_ms = a.heartbeat_ms;
+    c.high_watermark = a.high_watermark;
+    c.evict_ratio = a.evict_ratio;
+    c.put_discard_ms = a.put_discard_ms;
+    c.put_release_ms = a.put_release_ms;
+    let m = Master::start(cfg).context("starting the store master")?;
+    println!(
+        "pagewire store master: listening on {} (lease {} ms, client TTL {} ms, eviction at {:.0} %)",
+        m.local_addr(),
+        a.lease_ttl_ms,
+        a.client_ttl_ms,
+        a.high_watermark * 100.0
+    );
+    m.wait();
+    Ok(())
+}
+
+fn serve(a: ServeArgs) -> anyhow::Result<()> {
+    let mut b = EngineConfig::builder()
+        .with_env()?
+        .backend(match a.transport {
+            Transport::Auto => BackendKind::Auto,
+            Transport::Verbs => BackendKind::Verbs,
+            Transport::Tcp => BackendKind::Tcp,
+        })
+        .listen(a.listen);
+    if let Some(d) = &a.device {
+        b = b.rdma_device(d.clone());
+    }
+    if let Some(x) = a.gid_index {
+        b = b.gid_index(x);
+    }
+    let mut cfg = ClientConfig::new(a.master.clone());
+    cfg.engine = b.build()?;
+    cfg.segment_size = a.segment;
+    cfg.token = std::env::var("PAGEWIRE_TOKEN").ok();
+    let node =
+        StoreClient::connect(cfg).with_context(|| format!("joining the store at {}", a.master))?;
+    let info = node.engine().backend_info();
+    println!(
+        "pagewire store serve: {} segment at {} ({} {}), mounted on {} as segment {}",
+        human(a.segment),
+        node.endpoint(),
+        info.kind,
+        info.device,
+        a.master,
+        node.segment_id()?
+            .map_or_else(|| "?".into(), |s| s.to_string())
+    );
+    // The heartbeat thread keeps the segment mounted (and mounts it again after a master
+    // restart); this thread only waits. Stopping the process unmounts it at the master
+    // after the client TTL.
+    loop {
+        std::thread::sleep(Duration::from_secs(3600));
+    }
+}
+
+fn human(b: u64) -> String {
+    const U: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = b as f64;
+    let mut i = 0;
+    while v >= 1024.0 && i + 1 < U.len() {
+        v /= 1024.0;
+        i += 1;
+    }
+    format!("{v:.1} {}", U[i])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_bytes("4096"), Ok(4096));
+        assert_eq!(parse_bytes("64M"), Ok(64 << 20));
+        assert_eq!(parse_bytes("8G"), Ok(8 << 30));
+        assert_eq!(parse_bytes("2TiB"), Ok(2 << 40));
+        assert!(parse_bytes("0").is_err());
+        assert!(parse_bytes("5Q").is_err());
+        assert!(parse_bytes("99999999999T").is_err());
+        assert_eq!(human(3 << 30), "3.0 GiB");
+    }
+}

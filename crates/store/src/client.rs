@@ -1,0 +1,1108 @@
+//! The store client: puts and gets of objects straight between the caller's registered
+//! memory and the segments of storage nodes, with the master consulted once per batch.
+//!
+//! * **Put** = `PutStart` on the master (it reserves every replica), then every replica of
+//!   every object written with one pagewire batch per storage node, all in flight at once
+//!   (a replica in a segment of this process is copied with `memcpy` instead), then one
+//!   `PutFinish` that publishes what was written and revokes the rest. After a failed
+//!   transfer the connection to that node is closed before the revoke goes out, so no byte
+//!   of the failed put can land later; the master reuses revoked space only after a grace
+//!   period on top.
+//! * **Get** = `Get` with a read lease on the master, then one READ batch per storage node
+//!   straight into the caller's memory. A replica that fails is retried on the next one.
+//!   A read that ends after its lease is reported as `LeaseExpired`: the space might have
+//!   been reused.
+//! * Every call has one deadline (`ClientConfig::timeout`).
+//! * A storage node is a client that contributes a segment (`segment_size > 0`).
+
+use std::collections::HashMap;
+use std::sync::mpsc::{self, RecvTimeoutError};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+use pagewire_transport::{Batch, Engine, EngineConfig, Error as TError, Op, PeerId, TransferOp};
+
+use crate::error::{Code, Result, StoreError};
+use crate::local::{self, Buffers, SegmentMem, Span};
+use crate::proto::{self, Found, Pin, Placement, Request, Response, SegmentRef, Stats};
+use crate::rpc::{MasterLink, SegmentSpec};
+
+/// Client settings.
+#[derive(Debug, Clone)]
+pub struct ClientConfig {
+    /// The master's `host:port`.
+    pub master: String,
+    /// The transport engine's settings (backend, listen address, device). Its listen
+    /// address is what storage nodes and other clients connect to; with an unspecified IP
+    /// (`0.0.0.0`) the client announces the IP it reaches the master from.
+    pub engine: EngineConfig,
+    /// Bytes of this client's memory offered to the store (0: a pure client).
+    pub segment_size: u64,
+    /// Shared secret for the master (none: no token).
+    pub token: Option<String>,
+    /// Deadline of each call (put, get, ...), set-up included (default 30 s).
+    pub timeout: Duration,
+    /// Deadline for reaching the master at set-up (default 10 s).
+    pub connect_timeout: Duration,
+    /// Copy replicas held in this process with `memcpy` (default true).
+    pub local_copy: bool,
+}
+
+impl ClientConfig {
+    /// Defaults around a master address: engine from [`EngineConfig::default`], no
+    /// segment, 30 s per call.
+    pub fn new(master: impl Into<String>) -> Self {
+        ClientConfig {
+            master: master.into(),
+            engine: EngineConfig::default(),
+            segment_size: 0,
+            token: None,
+            timeout: Duration::from_secs(30),
+            connect_timeout: Duration::from_secs(10),
+            local_copy: true,
+        }
+    }
+}
+
+/// How a put places its objects.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PutOptions {
+    /// Replicas per object (on distinct segments; fewer when fewer segments have room).
+    pub replicas: u8,
+    /// Eviction protection.
+    pub pin: Pin,
+    /// Endpoint whose segment should take the first replica.
+    pub preferred: Option<String>,
+}
+
+impl Default for PutOptions {
+    fn default() -> Self {
+        PutOptions {
+            replicas: 1,
+            pin: Pin::None,
+            preferred: None,
+        }
+    }
+}
+
+/// Where one replica of an object lives.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Target {
+    /// Segment id.
+    pub segment: u64,
+    /// The storage node's endpoint.
+    pub endpoint: Arc<str>,
+    /// Address in the node's memory.
+    pub addr: u64,
+}
+
+/// A complete object as the master describes it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Located {
+    /// Bytes.
+    pub size: u64,
+    /// Replicas, the ones to try first first.
+    pub replicas: Vec<Target>,
+}
+
+struct Inner {
+    cfg: ClientConfig,
+    engine: Engine,
+    owns_engine: bool,
+    link: Arc<MasterLink>,
+    endpoint: String,
+    segment: Option<Arc<SegmentMem>>,
+    buffers: Buffers,
+    peers: Mutex<HashMap<Arc<str>, PeerId>>,
+    stop: Mutex<Option<mpsc::Sender<()>>>,
+}
+
+/// A client of the store (cheap to clone). Dropping the last clone leaves the store
+/// (as [`StoreClient::close`]).
+#[derive(Clone)]
+pub struct StoreClient {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for StoreClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StoreClient")
+            .field("master", &self.inner.cfg.master)
+            .field("endpoint", &self.inner.endpoint)
+            .field("segment", &self.inner.segment.as_ref().map(|s| s.size()))
+            .finish()
+    }
+}
+
+fn deadline_of(d: Duration) -> Instant {
+    Instant::now() + d
+}
+
+/// Groups of indices whose keys fit one request frame comfortably.
+fn chunks(lens: impl Iterator<Item = usize>) -> Vec<std::ops::Range<usize>> {
+    const BYTES: usize = 4 << 20;
+    const ITEMS: usize = 8192;
+    let mut out = Vec::new();
+    let (mut start, mut i, mut bytes) = (0, 0, 0);
+    for len in lens {
+        if i > start && (bytes + len + 16 > BYTES || i - start >= ITEMS) {
+            out.push(start..i);
+            start = i;
+            bytes = 0;
+        }
+        bytes += len + 16;
+        i += 1;
+    }
+    if i > start {
+        out.push(start..i);
+    }
+    out
+}
+
+fn valid_key(k: &[u8]) -> bool {
+    !k.is_empty() && k.len() <= proto::MAX_KEY_LEN
+}
+
+fn total(parts: &[Span]) -> Option<u64> {
+    parts.iter().try_fold(0u64, |a, s| a.checked_add(s.len))
+}
+
+/// One storage node's share of a transfer: its ops and the items they serve.
+struct Work {
+    endpoint: Arc<str>,
+    ops: Vec<TransferOp>,
+    /// `(item index, segment)` per replica served.
+    items: Vec<(usize, u64)>,
+}
+
+impl StoreClient {
+    /// Opens a transport engine from `cfg.engine` and joins the store.
+    pub fn connect(cfg: ClientConfig) -> Result<StoreClient> {
+        let engine = Engine::new(cfg.engine.clone())?;
+        Self::build(engine, true, cfg)
+    }
+
+    /// Joins the store with an engine the caller already has (shared with other uses).
+    pub fn with_engine(engine: Engine, cfg: ClientConfig) -> Result<StoreClient> {
+        Self::build(engine, false, cfg)
+    }
+
+    fn build(engine: Engine, owns_engine: bool, cfg: ClientConfig) -> Result<StoreClient> {
+        let fail = |e: StoreError| {
+            if owns_engine {
+                engine.shutdown();
+            }
+            e
+        };
+        let set_up_by = deadline_of(cfg.connect_timeout.min(cfg.timeout));
+        let mut endpoint_addr = engine.local_addr();
+        let probe = MasterLink::new(&cfg.master, Vec::new(), None);
+        if endpoint_addr.ip().is_unspecified() {
+            // Announce the address this host reaches the master from.
+            let s = probe.dial(set_up_by).map_err(fail)?;
+            let ip = s
+                .local_addr()
+                .map_err(|e| fail(StoreError::io("local address", e)))?
+                .ip();
+            endpoint_addr.set_ip(ip);
+        }
+        let endpoint = endpoint_addr.to_string();
+        let segment = if cfg.segment_size > 0 {
+            Some(SegmentMem::new(&engine, cfg.segment_size, &endpoint).map_err(fail)?)
+        } else {
+            None
+        };
+        let spec = segment.as_ref().map(|s| SegmentSpec {
+            base: s.base(),
+            size: s.size(),
+        });
+        let token = cfg.token.clone().unwrap_or_default().into_bytes();
+        let link = MasterLink::new(&cfg.master, token, spec);
+        link.set_endpoint(endpoint.clone());
+        if let Err(e) = link.session(set_up_by) {
+            if let Some(s) = &segment {
+                let _ = engine.deregister(s.region());
+            }
+            return Err(fail(e));
+        }
+        let (tx, rx) = mpsc::channel();
+        let inner = Arc::new(Inner {
+            cfg,
+            engine,
+            owns_engine,
+            link,
+            endpoint,
+            segment,
+            buffers: Buffers::default(),
+            peers: Mutex::new(HashMap::new()),
+            stop: Mutex::new(Some(tx)),
+        });
+        let weak = Arc::downgrade(&inner);
+        let period = inner.link.welcome().map_or(1000, |w| w.heartbeat_ms as u64);
+        std::thread::Builder::new()
+            .name("pagewire-store-hb".into())
+            .spawn(move || heartbeat(weak, rx, Duration::from_millis(period)))
+            .map_err(|e| StoreError::io("spawn heartbeat thread", e))?;
+        Ok(StoreClient { inner })
+    }
+
+    /// The transport engine.
+    pub fn engine(&self) -> &Engine {
+        &self.inner.engine
+    }
+
+    /// The endpoint announced to the master (`host:port`).
+    pub fn endpoint(&self) -> &str {
+        &self.inner.endpoint
+    }
+
+    /// The master's address.
+    pub fn master(&self) -> &str {
+        &self.inner.cfg.master
+    }
+
+    /// `(base, size)` of this client's segment, if it contributes one.
+    pub fn segment(&self) -> Option<(u64, u64)> {
+        self.inner.segment.as_ref().map(|s| (s.base(), s.size()))
+    }
+
+    /// The segment id the master gave this client's segment (connecting if needed).
+    pub fn segment_id(&self) -> Result<Option<u64>> {
+        Ok(self
+            .inner
+            .link
+            .session(deadline_of(self.inner.cfg.timeout))?
+            .segment)
+    }
+
+    /// The read-lease length the master grants.
+    pub fn lease_ttl(&self) -> Option<Duration> {
+        self.inner
+            .link
+            .welcome()
+            .map(|w| Duration::from_millis(w.lease_ttl_ms as u64))
+    }
+
+    // ---------------------------------------------------------------- buffers
+
+    /// Registers `[ptr, ptr+len)` as memory puts read from and gets write to.
+    ///
+    /// # Safety
+    /// The range must be valid memory that stays allocated until
+    /// [`unregister_buffer`](Self::unregister_buffer) returned for it (or the client is
+    /// closed), and must not be freed or remapped meanwhile.
+    pub unsafe fn register_buffer(&self, ptr: *mut u8, len: usize) -> Result<()> {
+        // SAFETY: forwarded from this function's contract.
+        unsafe {
+            self.inner
+                .buffers
+                .insert(&self.inner.engine, ptr as u64, len as u64)
+        }
+    }
+
+    /// Deregisters the buffer starting at `ptr`, waiting for transfers that use it.
+    pub fn unregister_buffer(&self, ptr: *mut u8) -> Result<()> {
+        self.inner.buffers.remove(
+            &self.inner.engine,
+            ptr as u64,
+            deadline_of(self.inner.cfg.timeout),
+        )
+    }
+
+    // ---------------------------------------------------------------- puts
+
+    /// Stores each `keys[i]` as the concatenation of `parts[i]` (registered memory).
+    /// Per key: `Ok`, or `AlreadyExists` (the first write stays), `NoSpace`,
+    /// `InvalidParams` (empty, unregistered), `InvalidKey`, `TransferFailed`, ...
+    pub fn put<K: AsRef<[u8]>, P: AsRef<[Span]>>(
+        &self,
+        keys: &[K],
+        parts: &[P],
+        opts: &PutOptions,
+    ) -> Result<Vec<Result<(), Code>>> {
+        if keys.len() != parts.len() {
+            return Err(StoreError::invalid(format!(
+                "{} keys but {} part lists",
+                keys.len(),
+                parts.len()
+            )));
+        }
+        let sizes: Vec<u64> = parts
+            .iter()
+            .map(|p| match total(p.as_ref()) {
+                Some(t) if t > 0 && self.inner.buffers.covers(p.as_ref()) => t,
+                _ => 0, // refused per key below
+            })
+            .collect();
+        let res = self.reserve(keys, &sizes, opts)?;
+        res.write(parts)
+    }
+
+    /// First half of a put: reserves space for `keys[i]` of `sizes[i]` bytes. Size 0 is
+    /// refused per key (`InvalidParams`). Finish with [`Reservation::write`]; dropping the
+    /// reservation revokes it.
+    pub fn reserve<K: AsRef<[u8]>>(
+        &self,
+        keys: &[K],
+        sizes: &[u64],
+        opts: &PutOptions,
+    ) -> Result<Reservation<'_>> {
+        if keys.len() != sizes.len() {
+            return Err(StoreError::invalid(format!(
+                "{} keys but {} sizes",
+                keys.len(),
+                sizes.len()
+            )));
+        }
+        let deadline = deadline_of(self.inner.cfg.timeout);
+        let mut items: Vec<Result<Vec<Target>, Code>> = keys
+            .iter()
+            .zip(sizes)
+            .map(|(k, &s)| {
+                if !valid_key(k.as_ref()) {
+                    Err(Code::InvalidKey)
+                } else if s == 0 {
+                    Err(Code::InvalidParams)
+                } else {
+                    // Until the master answers for it (never revoked unless reserved).
+                    Err(Code::MasterUnavailable)
+                }
+            })
+            .collect();
+        let todo: Vec<usize> = (0..keys.len())
+            .filter(|&i| items[i] == Err(Code::MasterUnavailable))
+            .collect();
+        for range in chunks(todo.iter().map(|&i| keys[i].as_ref().len())) {
+            let idx = &todo[range];
+            let req = Request::PutStart(proto::PutStart {
+                replicas: opts.replicas.clamp(1, proto::MAX_REPLICAS as u8),
+                pin: opts.pin,
+                preferred: opts.preferred.clone().unwrap_or_default(),
+                items: idx
+                    .iter()
+                    .map(|&i| (keys[i].as_ref().to_vec(), sizes[i]))
+                    .collect(),
+            });
+            let placement = match self.inner.link.call(&req, deadline) {
+                Ok(Response::Placed(p)) if p.items.len() == idx.len() => p,
+                Ok(other) => {
+                    // Revoke what earlier chunks reserved, then fail the call.
+                    let r = Reservation::new(self, keys, sizes, items, deadline);
+                    drop(r);
+                    return Err(self.bad_reply(other));
+                }
+                Err(e) => {
+                    drop(Reservation::new(self, keys, sizes, items, deadline));
+                    return Err(e);
+                }
+            };
+            let Placement {
+                segments,
+                items: placed,
+            } = placement;
+            for (&i, item) in idx.iter().zip(placed) {
+                items[i] = item.map(|reps| {
+                    reps.into_iter()
+                        .map(|r| target(&segments, r.segment, r.addr))
+                        .collect()
+                });
+            }
+        }
+        Ok(Reservation::new(self, keys, sizes, items, deadline))
+    }
+
+    fn bad_reply(&self, r: Response) -> StoreError {
+        match r {
+            Response::Error { code, message } => StoreError::Rejected { code, message },
+            other => StoreError::Protocol {
+                from: self.inner.link.addr().to_string(),
+                source: proto::ProtoError::UnknownKind(other.kind()),
+            },
+        }
+    }
+
+    /// The peer for a storage node's endpoint (connecting, or reconnecting a broken one).
+    fn peer(&self, ep: &Arc<str>) -> Result<PeerId> {
+        let engine = &self.inner.engine;
+        {
+            let mut peers = self.inner.peers.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(&p) = peers.get(ep) {
+                if engine.peer_alive(p).unwrap_or(false) {
+                    return Ok(p);
+                }
+                peers.remove(ep);
+                let _ = engine.disconnect(p);
+            }
+        }
+        let p = engine.connect(&**ep)?;
+        let mut peers = self.inner.peers.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(&other) = peers.get(ep) {
+            let _ = engine.disconnect(p);
+            return Ok(other);
+        }
+        peers.insert(ep.clone(), p);
+        Ok(p)
+    }
+
+    /// Drops the connection to a node after a failure (stopping whatever is in flight).
+    fn forget_peer(&self, ep: &str) {
+        let p = self
+            .inner
+            .peers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(ep);
+        if let Some(p) = p {
+            let _ = self.inner.engine.disconnect(p);
+        }
+    }
+
+    /// Runs every node's work as one batch each, all in flight together; returns the
+    /// items that failed and the segments involved in failures.
+    fn run(&self, op: Op, work: Vec<Work>, deadline: Instant) -> (Vec<usize>, Vec<u64>) {
+        let mut failed = Vec::new();
+        let mut suspects = Vec::new();
+        let mut handles = Vec::with_capacity(work.len());
+        for w in work {
+            let submitted = self.peer(&w.endpoint).and_then(|peer| {
+                let batch = || {
+                    let mut b = Batch::with_capacity(w.ops.len()).deadline(deadline);
+                    b.extend(w.ops.iter().copied());
+                    b
+                };
+                match self.inner.engine.submit(peer, batch()) {
+                    Err(TError::RemoteOutOfBounds { .. }) => {
+                        // The node registered its segment after we connected: look again.
+                        self.inner.engine.redescribe(peer)?;
+                        Ok(self.inner.engine.submit(peer, batch())?)
+                    }
+                    r => Ok(r?),
+                }
+            });
+            match submitted {
+                Ok(h) => handles.push((h, w)),
+                Err(e) => {
+                    tracing::warn!(endpoint = %w.endpoint, "store: {op:?} to storage node failed: {e}");
+                    self.forget_peer(&w.endpoint);
+                    failed.extend(w.items.iter().map(|x| x.0));
+                    suspects.extend(w.items.iter().map(|x| x.1));
+                }
+            }
+        }
+        for (h, w) in handles {
+            if let Err(e) = h.wait(deadline) {
+                tracing::warn!(endpoint = %w.endpoint, "store: {op:?} batch to storage node failed: {e}");
+                h.cancel();
+                self.forget_peer(&w.endpoint);
+                failed.extend(w.items.iter().map(|x| x.0));
+                suspects.extend(w.items.iter().map(|x| x.1));
+            }
+        }
+        suspects.sort_unstable();
+        suspects.dedup();
+        (failed, suspects)
+    }
+
+    fn local_segment(&self, t: &Target, len: u64) -> Option<Arc<SegmentMem>> {
+        if !self.inner.cfg.local_copy {
+            return None;
+        }
+        local::find(&t.endpoint, t.addr, len)
+    }
+
+    // ---------------------------------------------------------------- gets
+
+    /// Reads each `keys[i]` into `parts[i]` (registered memory, filled in order; their
+    /// total must be at least the object's size). Per key: the object's size, or
+    /// `NotFound`, `InvalidParams` (too small, unregistered), `TransferFailed`,
+    /// `LeaseExpired`, ...
+    pub fn get<K: AsRef<[u8]>, P: AsRef<[Span]>>(
+        &self,
+        keys: &[K],
+        parts: &[P],
+    ) -> Result<Vec<Result<u64, Code>>> {
+        if keys.len() != parts.len() {
+            return Err(StoreError::invalid(format!(
+                "{} keys but {} part lists",
+                keys.len(),
+                parts.len()
+            )));
+        }
+        let deadline = deadline_of(self.inner.cfg.timeout);
+        let mut out: Vec<Result<u64, Code>> = vec![Err(Code::NotFound); keys.len()];
+        let mut located: Vec<Option<(Located, Instant)>> = vec![None; keys.len()];
+        let todo: Vec<usize> = (0..keys.len())
+            .filter(|&i| {
+                let p = parts[i].as_ref();
+                if !valid_key(keys[i].as_ref()) {
+                    out[i] = Err(Code::InvalidKey);
+                    false
+                } else if total(p).is_none_or(|t| t == 0) || !self.inner.buffers.covers(p) {
+                    out[i] = Err(Code::InvalidParams);
+                    false
+                } else {
+                    true
+                }
+            })
+            .collect();
+        for range in chunks(todo.iter().map(|&i| keys[i].as_ref().len())) {
+            let idx = &todo[range];
+            let sent = Instant::now();
+            let found = self.find(idx.iter().map(|&i| keys[i].as_ref()), true, deadline)?;
+            let lease_end = sent + Duration::from_millis(found.lease_ttl_ms as u64);
+            for (&i, item) in idx.iter().zip(self.locate(found)) {
+                match item {
+                    Ok(l) if total(parts[i].as_ref()).is_some_and(|t| t >= l.size) => {
+                        located[i] = Some((l, lease_end));
+                    }
+                    Ok(_) => out[i] = Err(Code::InvalidParams),
+                    Err(c) => out[i] = Err(c),
+                }
+            }
+        }
+        // Each round reads every outstanding object from its next replica.
+        let mut next: Vec<usize> = vec![0; keys.len()];
+        let mut reported = Vec::new();
+        for _ in 0..proto::MAX_REPLICAS {
+            let mut work: HashMap<Arc<str>, Work> = HashMap::new();
+            let mut round: Vec<usize> = Vec::new();
+            for i in 0..keys.len() {
+                let Some((l, lease_end)) = &located[i] else {
+                    continue;
+                };
+                let Some(t) = l.replicas.get(next[i]) else {
+                    out[i] = Err(Code::TransferFailed);
+                    located[i] = None;
+                    continue;
+                };
+                let p = parts[i].as_ref();
+                if let Some(seg) = self.local_segment(t, l.size) {
+                    out[i] = if !local::copy_out(&self.inner.buffers, &seg, t.addr, l.size, p) {
+                        Err(Code::InvalidParams)
+                    } else if Instant::now() > *lease_end {
+                        Err(Code::LeaseExpired)
+                    } else {
+                        Ok(l.size)
+                    };
+                    located[i] = None;
+                    continue;
+                }
+                let w = work.entry(t.endpoint.clone()).or_insert_with(|| Work {
+                    endpoint: t.endpoint.clone(),
+                    ops: Vec::new(),
+                    items: Vec::new(),
+                });
+                let mut off = 0;
+                for s in p {
+                    if off == l.size {
+                        break;
+                    }
+                    let n = s.len.min(l.size - off);
+                    w.ops.push(TransferOp {
+                        op: Op::Read,
+                        local: s.addr,
+                        remote: t.addr + off,
+                        len: n,
+                    });
+                    off += n;
+                }
+                w.items.push((i, t.segment));
+                round.push(i);
+            }
+            if round.is_empty() {
+                break;
+            }
+            let latest = round
+                .iter()
+                .filter_map(|&i| located[i].as_ref().map(|x| x.1))
+                .max()
+                .unwrap_or(deadline);
+            let (failed, suspects) =
+                self.run(Op::Read, work.into_values().collect(), deadline.min(latest));
+            reported.extend(suspects);
+            let now = Instant::now();
+            for i in round {
+                if failed.contains(&i) {
+                    next[i] += 1;
+                    continue;
+                }
+                let (l, lease_end) = located[i].take().expect("in round");
+                out[i] = if now > lease_end {
+                    Err(Code::LeaseExpired)
+                } else {
+                    Ok(l.size)
+                };
+            }
+        }
+        if !reported.is_empty() {
+            reported.sort_unstable();
+            reported.dedup();
+            let _ = self
+                .inner
+                .link
+                .call(&Request::Report { suspects: reported }, deadline);
+        }
+        Ok(out)
+    }
+
+    fn find<'k>(
+        &self,
+        keys: impl Iterator<Item = &'k [u8]>,
+        lease: bool,
+        deadline: Instant,
+    ) -> Result<Found> {
+        let keys: Vec<Vec<u8>> = keys.map(<[u8]>::to_vec).collect();
+        let n = keys.len();
+        match self
+            .inner
+            .link
+            .call(&Request::Get { lease, keys }, deadline)?
+        {
+            Response::Found(f) if f.items.len() == n => Ok(f),
+            other => Err(self.bad_reply(other)),
+        }
+    }
+
+    /// Replica lists with endpoints; replicas in this process first.
+    fn locate(&self, f: Found) -> Vec<Result<Located, Code>> {
+        let Found {
+            segments, items, ..
+        } = f;
+        items
+            .into_iter()
+            .map(|it| {
+                it.map(|o| {
+                    let mut replicas: Vec<Target> = o
+                        .replicas
+                        .iter()
+                        .map(|r| target(&segments, r.segment, r.addr))
+                        .collect();
+                    replicas.sort_by_key(|t| self.local_segment(t, o.size).is_none());
+                    Located {
+                        size: o.size,
+                        replicas,
+                    }
+                })
+            })
+            .collect()
+    }
+
+    /// Sizes and replicas of complete objects (with a read lease when `lease`).
+    pub fn query<K: AsRef<[u8]>>(
+        &self,
+        keys: &[K],
+        lease: bool,
+    ) -> Result<Vec<Result<Located, Code>>> {
+        let deadline = deadline_of(self.inner.cfg.timeout);
+        let mut out: Vec<Result<Located, Code>> = vec![Err(Code::InvalidKey); keys.len()];
+        let todo: Vec<usize> = (0..keys.len())
+            .filter(|&i| valid_key(keys[i].as_ref()))
+            .collect();
+        for range in chunks(todo.iter().map(|&i| keys[i].as_ref().len())) {
+            let idx = &todo[range];
+            let f = self.find(idx.iter().map(|&i| keys[i].as_ref()), lease, deadline)?;
+            for (&i, item) in idx.iter().zip(self.locate(f)) {
+                out[i] = item;
+            }
+        }
+        Ok(out)
+    }
+
+    /// Whether complete objects exist. Each object found is leased, as Mooncake's
+    /// `is_exist` does.
+    pub fn exist<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<Vec<Result<bool, Code>>> {
+        let deadline = deadline_of(self.inner.cfg.timeout);
+        let mut out = Vec::with_capacity(keys.len());
+        for range in chunks(keys.iter().map(|k| k.as_ref().len())) {
+            let ks = &keys[range];
+            let valid: Vec<Vec<u8>> = ks
+                .iter()
+                .filter(|k| valid_key(k.as_ref()))
+                .map(|k| k.as_ref().to_vec())
+                .collect();
+            let n = valid.len();
+            let codes = match self
+                .inner
+                .link
+                .call(&Request::Exist { keys: valid }, deadline)?
+            {
+                Response::Codes(c) if c.len() == n => c,
+                other => return Err(self.bad_reply(other)),
+            };
+            let mut codes = codes.into_iter();
+            for k in ks {
+                out.push(if !valid_key(k.as_ref()) {
+                    Err(Code::InvalidKey)
+                } else {
+                    match codes.next().expect("counted") {
+                        Code::Ok => Ok(true),
+                        Code::NotFound => Ok(false),
+                        c => Err(c),
+                    }
+                });
+            }
+        }
+        Ok(out)
+    }
+
+    /// Removes objects: per key `Ok`, `NotFound`, `HasLease` (leased, not `force`),
+    /// `NotReady` (being written).
+    pub fn remove<K: AsRef<[u8]>>(&self, keys: &[K], force: bool) -> Result<Vec<Code>> {
+        let deadline = deadline_of(self.inner.cfg.timeout);
+        let mut out = Vec::with_capacity(keys.len());
+        for range in chunks(keys.iter().map(|k| k.as_ref().len())) {
+            let ks = &keys[range];
+            let valid: Vec<Vec<u8>> = ks
+                .iter()
+                .filter(|k| valid_key(k.as_ref()))
+                .map(|k| k.as_ref().to_vec())
+                .collect();
+            let n = valid.len();
+            let codes = match self
+                .inner
+                .link
+                .call(&Request::Remove { force, keys: valid }, deadline)?
+            {
+                Response::Codes(c) if c.len() == n => c,
+                other => return Err(self.bad_reply(other)),
+            };
+            let mut codes = codes.into_iter();
+            for k in ks {
+                out.push(if valid_key(k.as_ref()) {
+                    codes.next().expect("counted")
+                } else {
+                    Code::InvalidKey
+                });
+            }
+        }
+        Ok(out)
+    }
+
+    /// Removes every complete object (not leased unless `force`); returns how many.
+    pub fn remove_all(&self, force: bool) -> Result<u64> {
+        let deadline = deadline_of(self.inner.cfg.timeout);
+        match self
+            .inner
+            .link
+            .call(&Request::RemoveAll { force }, deadline)?
+        {
+            Response::Count(n) => Ok(n),
+            other => Err(self.bad_reply(other)),
+        }
+    }
+
+    /// The master's counts.
+    pub fn stats(&self) -> Result<Stats> {
+        let deadline = deadline_of(self.inner.cfg.timeout);
+        match self.inner.link.call(&Request::Stats, deadline)? {
+            Response::Stats(s) => Ok(s),
+            other => Err(self.bad_reply(other)),
+        }
+    }
+
+    /// Asks the master whether it is there (one round trip); `Ok` when it answered.
+    pub fn ping(&self, timeout: Duration) -> Result<()> {
+        match self
+            .inner
+            .link
+            .call(&Request::Heartbeat, deadline_of(timeout))?
+        {
+            Response::Ack => Ok(()),
+            other => Err(self.bad_reply(other)),
+        }
+    }
+
+    /// Leaves the store: the master unmounts this client's segment, the heartbeat stops,
+    /// registrations are dropped and an engine the client opened shuts down. Idempotent;
+    /// later calls fail.
+    pub fn close(&self) {
+        let stop = self
+            .inner
+            .stop
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        if stop.is_none() {
+            return;
+        }
+        drop(stop);
+        self.inner.link.bye();
+        self.inner.close_transport();
+    }
+}
+
+impl Inner {
+    fn close_transport(&self) {
+        let peers: Vec<PeerId> = self
+            .peers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .drain()
+            .map(|(_, p)| p)
+            .collect();
+        for p in peers {
+            let _ = self.engine.disconnect(p);
+        }
+        self.buffers.clear(&self.engine);
+        if self.owns_engine {
+            self.engine.shutdown();
+        } else if let Some(s) = &self.segment {
+            let _ = self
+                .engine
+                .deregister_wait(s.region(), Instant::now() + Duration::from_secs(5));
+        }
+    }
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        let stop = self
+            .stop
+            .get_mut()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        if stop.is_some() {
+            drop(stop);
+            self.link.bye();
+            self.close_transport();
+        }
+    }
+}
+
+fn target(segments: &[SegmentRef], id: u64, addr: u64) -> Target {
+    let endpoint = segments
+        .iter()
+        .find(|s| s.id == id)
+        .map_or_else(|| Arc::from(""), |s| Arc::from(s.endpoint.as_str()));
+    Target {
+        segment: id,
+        endpoint,
+        addr,
+    }
+}
+
+/// The heartbeat thread: one `Heartbeat` per period while the client lives. It also
+/// brings the session back after a master restart (the link reconnects and remounts).
+fn heartbeat(client: Weak<Inner>, stop: mpsc::Receiver<()>, period: Duration) {
+    let mut failing = false;
+    loop {
+        match stop.recv_timeout(period) {
+            Err(RecvTimeoutError::Timeout) => {}
+            _ => return,
+        }
+        let Some(c) = client.upgrade() else { return };
+        let r = c.link.call(
+            &Request::Heartbeat,
+            Instant::now() + period.max(Duration::from_millis(500)) * 2,
+        );
+        match r {
+            Ok(_) if failing => {
+                tracing::info!(master = %c.cfg.master, "store: master reachable again");
+                failing = false;
+            }
+            Ok(_) => {}
+            Err(e) if !failing => {
+                tracing::warn!(master = %c.cfg.master, "store: heartbeat failed: {e}");
+                failing = true;
+            }
+            Err(_) => {}
+        }
+    }
+}
+
+/// The second half of a put: the master's reservation, to be written.
+pub struct Reservation<'c> {
+    client: &'c StoreClient,
+    keys: Vec<Vec<u8>>,
+    sizes: Vec<u64>,
+    items: Vec<Result<Vec<Target>, Code>>,
+    deadline: Instant,
+    open: bool,
+}
+
+impl std::fmt::Debug for Reservation<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Reservation")
+            .field("keys", &self.keys.len())
+            .field("items", &self.items)
+            .finish()
+    }
+}
+
+impl<'c> Reservation<'c> {
+    fn new<K: AsRef<[u8]>>(
+        client: &'c StoreClient,
+        keys: &[K],
+        sizes: &[u64],
+        items: Vec<Result<Vec<Target>, Code>>,
+        deadline: Instant,
+    ) -> Self {
+        Reservation {
+            client,
+            keys: keys.iter().map(|k| k.as_ref().to_vec()).collect(),
+            sizes: sizes.to_vec(),
+            items,
+            deadline,
+            open: true,
+        }
+    }
+
+    /// Per key: the replicas reserved, or why none.
+    pub fn items(&self) -> &[Result<Vec<Target>, Code>] {
+        &self.items
+    }
+
+    /// Writes `parts[i]` (registered memory, concatenated; exactly the reserved size) to
+    /// every replica of key `i`, then publishes the keys written and revokes the others.
+    /// Returns the per-key outcome.
+    pub fn write<P: AsRef<[Span]>>(mut self, parts: &[P]) -> Result<Vec<Result<(), Code>>> {
+        let c = self.client;
+        let n = self.keys.len();
+        if parts.len() != n {
+            return Err(StoreError::invalid(format!(
+                "{n} keys but {} part lists",
+                parts.len()
+            )));
+        }
+        // Leave time to publish or revoke inside the call's deadline.
+        let left = self.deadline.saturating_duration_since(Instant::now());
+        let data_deadline = self.deadline - (left / 10).min(Duration::from_secs(1));
+        let mut out: Vec<Result<(), Code>> = Vec::with_capacity(n);
+        let mut failed = vec![false; n];
+        let mut work: HashMap<Arc<str>, Work> = HashMap::new();
+        for i in 0..n {
+            let reps = match &self.items[i] {
+                Ok(r) => r,
+                Err(code) => {
+                    out.push(Err(*code));
+                    continue;
+                }
+            };
+            let p = parts[i].as_ref();
+            if total(p) != Some(self.sizes[i]) || !c.inner.buffers.covers(p) {
+                out.push(Err(Code::InvalidParams));
+                failed[i] = true;
+                continue;
+            }
+            out.push(Ok(()));
+            for t in reps {
+                if let Some(seg) = c.local_segment(t, self.sizes[i]) {
+                    if !local::copy_in(&c.inner.buffers, &seg, t.addr, p) {
+                        failed[i] = true;
+                        out[i] = Err(Code::TransferFailed);
+                    }
+                    continue;
+                }
+                let w = work.entry(t.endpoint.clone()).or_insert_with(|| Work {
+                    endpoint: t.endpoint.clone(),
+                    ops: Vec::new(),
+                    items: Vec::new(),
+                });
+                let mut off = 0;
+                for s in p {
+                    w.ops.push(TransferOp {
+                        op: Op::Write,
+                        local: s.addr,
+                        remote: t.addr + off,
+                        len: s.len,
+                    });
+                    off += s.len;
+                }
+                w.items.push((i, t.segment));
+            }
+        }
+        let (bad, suspects) = c.run(Op::Write, work.into_values().collect(), data_deadline);
+        for i in bad {
+            failed[i] = true;
+            if out[i].is_ok() {
+                out[i] = Err(Code::TransferFailed);
+            }
+        }
+        let mut done = Vec::new();
+        let mut done_idx = Vec::new();
+        let mut revoked = Vec::new();
+        for (i, (item, key)) in self.items.iter().zip(&self.keys).enumerate() {
+            if item.is_ok() {
+                if failed[i] {
+                    revoked.push(key.clone());
+                } else {
+                    done.push(key.clone());
+                    done_idx.push(i);
+                }
+            }
+        }
+        self.open = false;
+        let codes = c.finish(done, revoked, suspects, self.deadline);
+        match codes {
+            Ok(codes) => {
+                for (j, &i) in done_idx.iter().enumerate() {
+                    match codes[j] {
+                        Code::Ok => {}
+                        // Taken away meanwhile (too slow) or a replica's node was lost.
+                        _ => out[i] = Err(Code::TransferFailed),
+                    }
+                }
+                Ok(out)
+            }
+            Err(e) => Err(e),
+        }
+    }
+}
+
+impl StoreClient {
+    /// `PutFinish` in chunks; codes for `done` (in order) only.
+    fn finish(
+        &self,
+        done: Vec<Vec<u8>>,
+        revoked: Vec<Vec<u8>>,
+        suspects: Vec<u64>,
+        deadline: Instant,
+    ) -> Result<Vec<Code>> {
+        let mut codes = Vec::with_capacity(done.len());
+        let mut suspects = Some(suspects);
+        let done_ranges = chunks(done.iter().map(Vec::len));
+        let rev_ranges = chunks(revoked.iter().map(Vec::len));
+        let rounds = done_ranges.len().max(rev_ranges.len()).max(1);
+        for r in 0..rounds {
+            let d = done_ranges.get(r).map_or(&[][..], |x| &done[x.clone()]);
+            let v = rev_ranges.get(r).map_or(&[][..], |x| &revoked[x.clone()]);
+            let s = suspects.take().unwrap_or_default();
+            if d.is_empty() && v.is_empty() && s.is_empty() {
+                continue;
+            }
+            let req = Request::PutFinish(proto::PutFinish {
+                done: d.to_vec(),
+                revoked: v.to_vec(),
+                suspects: s,
+            });
+            match self.inner.link.call(&req, deadline)? {
+                Response::Codes(c) if c.len() == d.len() + v.len() => {
+                    codes.extend_from_slice(&c[..d.len()]);
+                }
+                other => return Err(self.bad_reply(other)),
+            }
+        }
+        Ok(codes)
+    }
+}
+
+impl Drop for Reservation<'_> {
+    fn drop(&mut self) {
+        if !self.open {
+            return;
+        }
+        let revoked: Vec<Vec<u8>> = self
+            .items
+            .iter()
+            .zip(&self.keys)
+            .filter(|(it, _)| it.is_ok())
+            .map(|(_, k)| k.clone())
+            .collect();
+        if !revoked.is_empty() {
+            let deadline = self.deadline.max(Instant::now() + Duration::from_secs(1));
+            let _ = self
+                .client
+                .finish(Vec::new(), revoked, Vec::new(), deadline);
+        }
+    }
+}

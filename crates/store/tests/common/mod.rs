@@ -1,0 +1,77 @@
+//! Helpers shared by the store's integration tests: engine configs per backend, page
+//! patterns derived from the key (so any process can check any page), registered buffers.
+#![allow(dead_code)]
+
+use std::time::Duration;
+
+use pagewire_store::{ClientConfig, Span, StoreClient};
+use pagewire_transport::{BackendKind, EngineConfig};
+
+/// An engine config for `kind` on localhost (verbs takes `RDMA_DEVICE`).
+pub fn engine(kind: BackendKind) -> EngineConfig {
+    let mut b = EngineConfig::builder()
+        .backend(kind)
+        .listen("127.0.0.1:0".parse().expect("literal"))
+        .batch_timeout(Duration::from_secs(30))
+        .io_timeout(Duration::from_secs(10));
+    if kind == BackendKind::Verbs
+        && let Ok(d) = std::env::var("RDMA_DEVICE")
+    {
+        b = b.rdma_device(d);
+    }
+    b.build().expect("engine config")
+}
+
+/// A client config for `kind` against `master`.
+pub fn client_cfg(master: &str, kind: BackendKind, segment: u64) -> ClientConfig {
+    let mut c = ClientConfig::new(master);
+    c.engine = engine(kind);
+    c.segment_size = segment;
+    c.timeout = Duration::from_secs(10);
+    c.connect_timeout = Duration::from_secs(5);
+    c
+}
+
+/// splitmix64 step.
+fn mix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// The bytes a page with this key and seed holds.
+pub fn fill(key: &str, seed: u64, out: &mut [u8]) {
+    let mut h = seed ^ 0xcbf2_9ce4_8422_2325;
+    for b in key.bytes() {
+        h = (h ^ b as u64).wrapping_mul(0x100_0000_01b3);
+    }
+    for (i, chunk) in out.chunks_mut(8).enumerate() {
+        let v = mix(h.wrapping_add(i as u64)).to_le_bytes();
+        chunk.copy_from_slice(&v[..chunk.len()]);
+    }
+}
+
+/// A buffer registered with a client, freed after it.
+pub struct Buf {
+    pub mem: Vec<u8>,
+}
+
+impl Buf {
+    /// `len` zero bytes registered with `c`.
+    pub fn new(c: &StoreClient, len: usize) -> Buf {
+        let mut mem = vec![0u8; len];
+        // SAFETY: the vector lives in the returned `Buf`; tests keep each `Buf` alive
+        // until the client is closed or the buffer unregistered.
+        unsafe { c.register_buffer(mem.as_mut_ptr(), len) }.expect("register buffer");
+        Buf { mem }
+    }
+    pub fn addr(&self) -> u64 {
+        self.mem.as_ptr() as u64
+    }
+    /// One span of `len` bytes at `off`.
+    pub fn span(&self, off: usize, len: usize) -> Span {
+        assert!(off + len <= self.mem.len());
+        Span::new(self.addr() + off as u64, len as u64)
+    }
+}

@@ -1,0 +1,53 @@
+//! Replays the minimized `cargo fuzz` corpus of the store's protocol decoder through the
+//! fuzz target's own entry points on stable Rust, so every test run checks the inputs that
+//! fuzzing found to reach new code (fuzzing itself needs nightly; docs/store.md says how).
+//! With `PW_WRITE_SEEDS=DIR` it also writes one valid frame of every kind to DIR, the
+//! seeds a fuzzing session starts from.
+
+use pagewire_store::fuzzing;
+
+const CORPUS: &str = include_str!("data/store_proto_decode.corpus");
+
+fn unhex(s: &str) -> Option<Vec<u8>> {
+    if s == "-" {
+        return Some(Vec::new());
+    }
+    if !s.len().is_multiple_of(2) {
+        return None;
+    }
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(s.get(i..i + 2)?, 16).ok())
+        .collect()
+}
+
+#[test]
+fn store_protocol_corpus_decodes_without_panicking() {
+    let mut inputs = 0;
+    for (i, line) in CORPUS.lines().enumerate() {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let bytes = unhex(line).unwrap_or_else(|| panic!("corpus line {}: not hex", i + 1));
+        let _ = fuzzing::decode_frame(&bytes);
+        fuzzing::decode_bodies(&bytes);
+        inputs += 1;
+    }
+    assert!(inputs >= 50, "only {inputs} corpus inputs");
+}
+
+#[test]
+fn every_sample_frame_decodes() {
+    let frames = fuzzing::sample_frames();
+    assert_eq!(frames.len(), 22);
+    for (i, f) in frames.iter().enumerate() {
+        assert!(fuzzing::decode_frame(f), "sample {i} does not decode");
+    }
+    if let Ok(dir) = std::env::var("PW_WRITE_SEEDS") {
+        std::fs::create_dir_all(&dir).unwrap();
+        for (i, f) in frames.iter().enumerate() {
+            std::fs::write(format!("{dir}/seed-{i:02}"), f).unwrap();
+        }
+    }
+}
