@@ -15,8 +15,16 @@ per-call time over all calls.
 Cases: `batch_transfer_sync_write` of 32 x 64 KiB (SGLang's PD send: one call per
 request, one entry per contiguous run of pages) and `transfer_sync_write` of 4 KiB.
 
+`--baseline DIR` adds a third implementation, another pagewire build installed in DIR
+(`pip install --target DIR --no-deps pagewire-*.whl`), run the same way: the table then
+also gives pagewire over that baseline, an A/B of two builds in one run. The order of
+the implementations rotates from round to round. "cs/call" is the context switches of
+both processes of an implementation (every thread, voluntary and involuntary, from
+/proc) per call, over all rounds.
+
     .venv/bin/python benches/python/bench_mooncake_compat.py            # 10 rounds
     .venv/bin/python benches/python/bench_mooncake_compat.py --rounds 20 --json out.json
+    .venv/bin/python benches/python/bench_mooncake_compat.py --baseline /tmp/pw-main
 
 Needs both wheels in the interpreter's environment (scripts/python-test.sh installs
 them into .venv). Bytes are checked on the target once before timing starts.
@@ -45,6 +53,8 @@ def engine_class(impl):
     if impl == "mooncake":
         from mooncake.engine import TransferEngine
     else:
+        if impl == "baseline":
+            sys.path.insert(0, os.environ["PW_BENCH_BASELINE"])
         from pagewire.mooncake_compat import TransferEngine
     return TransferEngine
 
@@ -147,6 +157,20 @@ class Proc:
             raise SystemExit(out["error"])
         return out
 
+    def switches(self):
+        """Context switches of every thread of the process so far."""
+        n = 0
+        task = f"/proc/{self.p.pid}/task"
+        for t in os.listdir(task):
+            try:
+                with open(f"{task}/{t}/status") as f:
+                    for line in f:
+                        if "ctxt_switches:" in line:  # voluntary and nonvoluntary
+                            n += int(line.split()[-1])
+            except OSError:
+                pass  # the thread ended
+        return n
+
     def cmd(self, *words):
         self.p.stdin.write(" ".join(map(str, words)) + "\n")
         self.p.stdin.flush()
@@ -173,6 +197,7 @@ def main():
     ap.add_argument("--calls-single", type=int, default=2000, help="calls per round, 4 KiB case")
     ap.add_argument("--warmup", type=int, default=200, help="untimed calls per case before round 1")
     ap.add_argument("--json", help="write the raw per-round figures here")
+    ap.add_argument("--baseline", metavar="DIR", help="another pagewire build installed in DIR, run as 'baseline'")
     ap.add_argument("--role", nargs=2, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.role:
@@ -181,6 +206,9 @@ def main():
 
     os.environ.setdefault("MC_TRANSFER_TIMEOUT", "30")
     impls = ["mooncake", "pagewire"]
+    if a.baseline:
+        os.environ["PW_BENCH_BASELINE"] = os.path.abspath(a.baseline)
+        impls.append("baseline")
     procs = {}
     for impl in impls:
         tgt = Proc("target", impl)
@@ -200,46 +228,73 @@ def main():
         for name, (kind, entries, size) in CASES.items():
             ini.cmd("run", kind, entries, size, a.warmup)
 
+    # (numerator, denominator) of each ratio reported
+    pairs = [("pagewire", "mooncake")]
+    if a.baseline:
+        pairs += [("baseline", "mooncake"), ("pagewire", "baseline")]
     rows = {name: {impl: [] for impl in impls} for name in CASES}
-    ratios = {name: [] for name in CASES}
-    med_ratios = {name: [] for name in CASES}
+    switches = {name: {impl: 0 for impl in impls} for name in CASES}
+    ratios = {name: {p: [] for p in pairs} for name in CASES}
+    med_ratios = {name: {p: [] for p in pairs} for name in CASES}
     for r in range(a.rounds):
-        order = impls if r % 2 == 0 else impls[::-1]
+        if len(impls) == 2:
+            order = impls if r % 2 == 0 else impls[::-1]
+        else:
+            order = impls[r % len(impls):] + impls[: r % len(impls)]
         for name, (kind, entries, size) in CASES.items():
             means, medians = {}, {}
             for impl in order:
-                ns = procs[impl][1].cmd("run", kind, entries, size, calls[kind])["ns"]
+                tgt, ini = procs[impl]
+                cs = tgt.switches() + ini.switches()
+                ns = ini.cmd("run", kind, entries, size, calls[kind])["ns"]
+                switches[name][impl] += tgt.switches() + ini.switches() - cs
                 rows[name][impl].extend(ns)
                 means[impl] = statistics.fmean(ns)
                 medians[impl] = statistics.median(ns)
-            ratios[name].append(means["pagewire"] / means["mooncake"])
-            med_ratios[name].append(medians["pagewire"] / medians["mooncake"])
+            for num, den in pairs:
+                ratios[name][(num, den)].append(means[num] / means[den])
+                med_ratios[name][(num, den)].append(medians[num] / medians[den])
     for tgt, ini in procs.values():
         ini.close()
         tgt.close()
 
     load = os.getloadavg()
     print(f"# {a.rounds} rounds, TCP on 127.0.0.1, {os.cpu_count()} CPUs, load {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
-    print(
-        "| case | Mooncake median / p99 (us) | pagewire median / p99 (us) "
-        "| ratio of means [min, max] | ratio of medians [min, max] |"
-    )
-    print("|---|---|---|---|---|")
+    print("| case | implementation | median / p99 (us) | cs/call |")
+    print("|---|---|---|---|")
+    for name in CASES:
+        for impl in impls:
+            xs = rows[name][impl]
+            print(
+                f"| {name} | {impl} | {pct(xs, .5) / 1e3:.1f} / {pct(xs, .99) / 1e3:.1f} "
+                f"| {switches[name][impl] / max(1, len(xs)):.2f} |"
+            )
+    print()
+    print("| case | ratio | of means: median [min, max] | of medians: median [min, max] |")
+    print("|---|---|---|---|")
 
     def spread(rt):
         return f"{statistics.median(rt):.3f} [{min(rt):.3f}, {max(rt):.3f}]"
 
     for name in CASES:
-        m, p = rows[name]["mooncake"], rows[name]["pagewire"]
-        print(
-            f"| {name} | {pct(m, .5) / 1e3:.1f} / {pct(m, .99) / 1e3:.1f} "
-            f"| {pct(p, .5) / 1e3:.1f} / {pct(p, .99) / 1e3:.1f} "
-            f"| {spread(ratios[name])} | {spread(med_ratios[name])} |"
-        )
+        for num, den in pairs:
+            print(
+                f"| {name} | {num} / {den} "
+                f"| {spread(ratios[name][(num, den)])} | {spread(med_ratios[name][(num, den)])} |"
+            )
     if a.json:
         with open(a.json, "w") as f:
             json.dump(
-                {"mean_ratios": ratios, "median_ratios": med_ratios, "load": load, "rounds": a.rounds, "calls": calls},
+                {
+                    "mean_ratios": {n: {f"{x}/{y}": v for (x, y), v in r.items()} for n, r in ratios.items()},
+                    "median_ratios": {n: {f"{x}/{y}": v for (x, y), v in r.items()} for n, r in med_ratios.items()},
+                    "switches_per_call": {
+                        n: {i: switches[n][i] / max(1, len(rows[n][i])) for i in impls} for n in CASES
+                    },
+                    "load": load,
+                    "rounds": a.rounds,
+                    "calls": calls,
+                },
                 f,
                 indent=1,
             )

@@ -21,7 +21,7 @@
 //! or flushes on its own; see docs/transport.md.)
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use smallvec::SmallVec;
@@ -253,6 +253,19 @@ pub(crate) struct BatchShared {
     sleepers: AtomicUsize,
     /// Lets `wait` reap completions on the caller's thread (verbs).
     driver: Option<Arc<dyn Progress>>,
+    /// Lets `wait` read this batch's completion on the caller's thread, blocking (TCP,
+    /// a batch sent directly on one stream); weak, so a batch never keeps its
+    /// connection's state alive.
+    reader: OnceLock<Weak<dyn Reader>>,
+}
+
+/// Where a waiting caller can read a batch's completion itself, blocking in the kernel
+/// instead of on the batch's condition variable: the thread that would otherwise read
+/// it and then wake the caller is not involved (TCP: one hand-off fewer per batch).
+pub(crate) trait Reader: Send + Sync {
+    /// Reads until `done()` holds or `until` passes. Returns at once, having read
+    /// nothing, when another thread is reading; the caller then blocks as usual.
+    fn read_until(&self, done: &dyn Fn() -> bool, until: Instant);
 }
 
 impl BatchShared {
@@ -345,6 +358,7 @@ impl BatchState {
                 cv: Condvar::new(),
                 sleepers: AtomicUsize::new(0),
                 driver,
+                reader: OnceLock::new(),
             }),
             _pins: pins,
             _keep: None,
@@ -435,6 +449,12 @@ impl BatchState {
         self.shared.done_bytes.fetch_add(bytes, Ordering::AcqRel);
     }
 
+    /// Lets a caller waiting for this batch read its completion through `reader` (at
+    /// most once; later calls are ignored).
+    pub(crate) fn set_reader(&self, reader: Weak<dyn Reader>) {
+        let _ = self.shared.reader.set(reader);
+    }
+
     /// Marks the batch done (no effect if it already finished).
     pub(crate) fn succeed(&self) {
         let elapsed = self.shared.submitted.elapsed();
@@ -490,7 +510,9 @@ impl TransferHandle {
     /// `Timeout` (wait deadline passed, batch still running) otherwise.
     ///
     /// On verbs the calling thread first busy-polls the completion queues itself (for up
-    /// to the engine's `poll_spin` without any completion), then blocks.
+    /// to the engine's `poll_spin` without any completion), then blocks. On TCP, for a
+    /// small batch sent on an idle stream, it blocks reading the batch's responses from
+    /// that stream itself (unless the stream's receiver thread is reading right then).
     pub fn wait(&self, deadline: Instant) -> Result<BatchStats> {
         let s = &self.shared;
         let started = Instant::now();
@@ -501,6 +523,14 @@ impl TransferHandle {
                 // No completion thread would wake the sleep below: keep reaping.
                 poll_with_naps(&**d, until, finished);
             }
+        }
+        if let Some(r) = s.reader.get().and_then(Weak::upgrade)
+            && !s.finished.load(Ordering::Acquire)
+        {
+            r.read_until(
+                &|| s.finished.load(Ordering::Acquire),
+                deadline.min(s.deadline),
+            );
         }
         let mut p = s.lock();
         loop {

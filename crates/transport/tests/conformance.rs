@@ -252,6 +252,49 @@ mod suite {
         Ok(())
     }
 
+    /// A batch with a notification, one of whose writes the peer refuses (its target was
+    /// deregistered after we learnt it): the batch fails and the peer surfaces no tag,
+    /// although the writes before and after the refused one land. Small enough that TCP
+    /// sends the tag in the data's burst, where the responder must skip it. A good batch
+    /// on the same connection is notified afterwards (where the connection survived the
+    /// refusal: not on verbs, whose QP went to error).
+    pub fn refused_write_is_not_notified(kind: BackendKind) -> Result<()> {
+        let (a, b) = (engine(kind)?, engine(kind)?);
+        let (mut src, _) = buffer(&a, 1 << 14, Access::LOCAL_WRITE)?;
+        let (dst, _) = buffer(&b, 1 << 14, Access::ALL)?;
+        let (gone, gone_id) = buffer(&b, 1 << 14, Access::ALL)?;
+        fill_pattern(&mut src, 5);
+        let (ab, _ba) = connect(&a, &b)?;
+        b.deregister(gone_id)?;
+        let s = src.addr();
+        let h = a.submit(
+            ab,
+            Batch::new()
+                .write(s, dst.addr(), 4096)
+                .write(s + 4096, gone.addr(), 4096)
+                .write(s + 8192, dst.addr() + 8192, 4096)
+                .notify(77),
+        )?;
+        let r = h.wait(secs(30));
+        ensure!(r.is_err(), "a batch with a refused write succeeded");
+        if let Some(n) = b.poll_notification(Instant::now() + Duration::from_millis(300)) {
+            bail!(
+                "tag {} surfaced for a batch with a refused write ({r:?})",
+                n.tag
+            );
+        }
+        if a.peer_alive(ab)? {
+            a.submit(ab, Batch::new().write(s, dst.addr(), 4096).notify(78))?
+                .wait(secs(30))?;
+            let n = b
+                .poll_notification(secs(10))
+                .context("the good batch's tag")?;
+            ensure!(n.tag == 78, "got tag {}", n.tag);
+            ensure!(dst.read_vec(..4096) == src.read_vec(..4096));
+        }
+        Ok(())
+    }
+
     /// A thread blocked posting a large batch (every window full, reaping on its own
     /// thread) must not hold up what other peers send meanwhile: a notification from a
     /// second peer reaches a thread that only blocks on the notification channel, without
@@ -1223,6 +1266,7 @@ macro_rules! all_backends {
                 $attrs,
                 write_read_sizes,
                 notifications_in_order,
+                refused_write_is_not_notified,
                 many_small_ops,
                 hostile_handshakes,
                 handshake_flood,
@@ -1369,7 +1413,7 @@ fn hostile_data_streams() -> Result<()> {
     let hello = |sid: u64| {
         let mut h = Vec::new();
         h.extend_from_slice(b"PGWS");
-        h.extend_from_slice(&1u16.to_le_bytes());
+        h.extend_from_slice(&2u16.to_le_bytes());
         h.extend_from_slice(&0u16.to_le_bytes());
         h.extend_from_slice(&sid.to_le_bytes());
         h
@@ -1432,9 +1476,39 @@ fn hostile_data_streams() -> Result<()> {
         status(&mut s, req(2, rkey, 4, hidden.addr(), 16), 0)? == 1,
         "hidden read"
     );
-    // Malformed header: unknown kind, then an absurd length. Each drops the stream.
-    s.write_all(&req(9, rkey, 5, exp.addr(), 16))?;
+    // A burst (more-follows flag) of a refused WRITE and a NOTIFY flagged to ride in it:
+    // both acks come at the burst's end, the NOTIFY's skipped (5), and no tag surfaces.
+    let mut refused = req(1, rkey, 5, hidden.addr(), 16);
+    refused[1] = 1;
+    let mut in_burst = req(3, 0, 6, 0, 0);
+    in_burst[2] = 1;
+    in_burst[32..36].copy_from_slice(&99u32.to_le_bytes());
+    s.write_all(&refused)?;
+    s.write_all(&[0xAB; 16])?;
+    s.write_all(&in_burst)?;
+    let mut acks = [0u8; 32];
+    s.read_exact(&mut acks)?;
+    let st = |r: &[u8]| u32::from_le_bytes(r[8..12].try_into().expect("4 bytes"));
+    ensure!(
+        (st(&acks[..16]), st(&acks[16..])) == (1, 5),
+        "burst statuses {:?}",
+        (st(&acks[..16]), st(&acks[16..]))
+    );
+    ensure!(
+        b.try_notification().is_none(),
+        "a skipped NOTIFY surfaced its tag"
+    );
+    // Malformed header: unknown kind, the in-burst flag on a WRITE, an absurd length.
+    // Each drops the stream.
+    s.write_all(&req(9, rkey, 7, exp.addr(), 16))?;
     ensure!(closed(&mut s), "unknown kind not dropped");
+    let mut s1 = TcpStream::connect(data)?;
+    s1.write_all(&hello(session))?;
+    s1.read_exact(&mut ok)?;
+    let mut flagged = req(1, rkey, 8, exp.addr(), 16);
+    flagged[2] = 1;
+    s1.write_all(&flagged)?;
+    ensure!(closed(&mut s1), "in-burst flag on a WRITE not dropped");
     let mut s2 = TcpStream::connect(data)?;
     s2.write_all(&hello(session))?;
     s2.read_exact(&mut ok)?;

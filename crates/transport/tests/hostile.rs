@@ -17,7 +17,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
 use common::*;
-use pagewire_transport::{Access, BackendKind, Batch, EndpointInfo, Engine, Error, HostBuffer};
+use pagewire_transport::{
+    Access, BackendKind, Batch, BatchStatus, EndpointInfo, Engine, Error, HostBuffer,
+    TransferHandle,
+};
 
 // ---------------------------------------------------------------- harness
 
@@ -219,11 +222,11 @@ fn reject_reason(body: &[u8]) -> String {
     String::from_utf8_lossy(&body[2..2 + n]).into_owned()
 }
 
-/// A data-stream hello: "PGWS", version 1, token length, session, token.
+/// A data-stream hello: "PGWS", version 2, token length, session, token.
 fn stream_hello(session: u64, token: &[u8]) -> Vec<u8> {
     let mut h = Vec::new();
     h.extend_from_slice(b"PGWS");
-    h.extend_from_slice(&1u16.to_le_bytes());
+    h.extend_from_slice(&2u16.to_le_bytes());
     h.extend_from_slice(&(token.len() as u16).to_le_bytes());
     h.extend_from_slice(&session.to_le_bytes());
     h.extend_from_slice(token);
@@ -620,8 +623,8 @@ struct FakePeer {
     regions: Vec<(u64, u64, u32)>,
     /// Our stream to the listener.
     to_b: TcpStream,
-    /// The listener's stream to us (never served).
-    _from_b: Vec<TcpStream>,
+    /// The listener's streams to us (served by hand, if at all).
+    from_b: Vec<TcpStream>,
     _ctrl: TcpStream,
 }
 
@@ -671,9 +674,88 @@ fn fake_initiator(b: &Engine, region: (u64, u64, u32, Access)) -> Result<FakePee
         data,
         regions,
         to_b,
-        _from_b: vec![from_b],
+        from_b: vec![from_b],
         _ctrl: ctrl,
     })
+}
+
+/// TCP: a caller waiting for a small batch reads its response from the stream itself
+/// (the stream's receiver thread is not woken), and hands the stream back when its wait
+/// ends first, even in the middle of a response header: the receiver thread then
+/// completes the batch without anyone waiting. Bytes that answer no request break the
+/// connection. The peer here answers by hand, when the test says so.
+#[test]
+fn hostonly_tcp_waiter_hands_the_stream_back() {
+    let _g = serial();
+    if !host_only("hostonly_tcp_waiter_hands_the_stream_back") {
+        return;
+    }
+    let b = engine(BackendKind::Tcp).unwrap();
+    let (src, _) = buffer(&b, 4096, Access::LOCAL_WRITE).unwrap();
+    let mut fake = fake_initiator(&b, (0x10_0000, 4096, 1, Access::REMOTE_WRITE)).unwrap();
+    let ba = b.accept(secs(5)).expect("fake peer accepted");
+    let mut from_b = fake.from_b.pop().expect("one stream");
+    from_b
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .unwrap();
+    // Reads one 64-byte WRITE request; returns its ack.
+    fn take_request(s: &mut TcpStream) -> [u8; 16] {
+        let mut req = [0u8; 40 + 64];
+        s.read_exact(&mut req).expect("the request");
+        assert_eq!(req[0], 1, "a WRITE");
+        let mut ack = [0u8; 16];
+        ack[..8].copy_from_slice(&req[8..16]);
+        ack
+    }
+    fn done_within(h: &TransferHandle, t: Duration) -> BatchStatus {
+        let end = Instant::now() + t;
+        while !h.status().is_finished() && Instant::now() < end {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        h.status()
+    }
+    let write = || Batch::new().write(src.addr(), 0x10_0000, 64);
+    let short = || Instant::now() + Duration::from_millis(100);
+
+    // 1. The wait ends before the response; the receiver thread completes the batch.
+    let h = b.submit(ba, write()).unwrap();
+    let ack = take_request(&mut from_b);
+    assert!(matches!(h.wait(short()), Err(Error::Timeout { .. })));
+    from_b.write_all(&ack).unwrap();
+    let st = done_within(&h, Duration::from_secs(5));
+    assert!(matches!(st, BatchStatus::Done), "{st:?}");
+
+    // 2. The same, with half the header read by the waiter when its wait ends.
+    let h = b.submit(ba, write()).unwrap();
+    let ack = take_request(&mut from_b);
+    from_b.write_all(&ack[..8]).unwrap();
+    assert!(matches!(h.wait(short()), Err(Error::Timeout { .. })));
+    from_b.write_all(&ack[8..]).unwrap();
+    let st = done_within(&h, Duration::from_secs(5));
+    assert!(matches!(st, BatchStatus::Done), "{st:?}");
+
+    // 3. The response comes while the caller waits: it reads it.
+    let h = b.submit(ba, write()).unwrap();
+    let ack = take_request(&mut from_b);
+    let mut to = from_b.try_clone().unwrap();
+    let answer = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(50));
+        to.write_all(&ack).unwrap();
+    });
+    h.wait(secs(5)).expect("answered while waiting");
+    answer.join().unwrap();
+    assert!(b.peer_alive(ba).unwrap());
+
+    // 4. A response to no request breaks the connection.
+    from_b.write_all(&[0u8; 16]).unwrap();
+    let end = Instant::now() + Duration::from_secs(5);
+    while b.peer_alive(ba).unwrap() && Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(
+        !b.peer_alive(ba).unwrap(),
+        "an unsolicited response was accepted"
+    );
 }
 
 /// Defect 7 (TCP): once the engine reports a connection broken (here: the peer stopped

@@ -5,7 +5,7 @@
 //! so the engine never forms a `&[u8]` or `&mut [u8]` over it: such a reference tells the
 //! compiler that nobody else writes the bytes while it lives, which would be a promise the
 //! engine cannot keep. The TCP backend moves payload with these functions instead, which
-//! hand the kernel `(pointer, length)` pairs (`read(2)`, `recv(2)`, `writev(2)`). Besides
+//! hand the kernel `(pointer, length)` pairs (`read(2)`, `recv(2)`, `sendmsg(2)`). Besides
 //! the verbs backend, this is the crate's only module that calls into libc.
 //! `setsockopt` is plain: it borrows a descriptor the caller owns.
 
@@ -97,41 +97,144 @@ pub(crate) fn wait_readable(fd: &impl AsRawFd, timeout: Duration) -> io::Result<
     }
 }
 
-/// Writes every byte of `iov` with `writev(2)`, advancing over partial writes. A socket
-/// write timeout surfaces as `WouldBlock`.
+/// One `sendmsg(2)` of the gather list `iov` (at most `UIO_MAXIOV` entries of it); how many
+/// bytes the kernel took. `MSG_NOSIGNAL`: a peer that reset the stream is `EPIPE`, not a
+/// `SIGPIPE` that kills a host application which never ignored it (a C program using the
+/// C ABI). `now`: `MSG_DONTWAIT`, so a full send buffer is `Err(WouldBlock)` at once
+/// instead of a wait. Retries on `EINTR`.
+///
+/// # Safety
+/// Every entry must point at bytes valid for reads for the duration of the call.
+unsafe fn send_iov(fd: &impl AsRawFd, iov: &[IoVec], now: bool) -> io::Result<usize> {
+    let cnt = iov.len().min(libc::UIO_MAXIOV as usize);
+    // SAFETY: an all-zero `msghdr` is valid (no name, no control data).
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = iov.as_ptr().cast_mut().cast();
+    msg.msg_iovlen = cnt as _;
+    let flags = libc::MSG_NOSIGNAL | if now { libc::MSG_DONTWAIT } else { 0 };
+    loop {
+        // SAFETY: `IoVec` is `repr(transparent)` over `libc::iovec`, `msg` names `cnt`
+        // entries that exist, and the caller guarantees each one is readable; the kernel
+        // only reads them.
+        let n = unsafe { libc::sendmsg(fd.as_raw_fd(), &msg, flags) };
+        if n >= 0 {
+            return Ok(n as usize);
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
+}
+
+/// Drops the first `n` bytes of `iov`: the entries written in full, then the front of the
+/// first one left. Returns what is left.
+pub(crate) fn advance(mut iov: &mut [IoVec], mut n: usize) -> &mut [IoVec] {
+    while let Some(first) = iov.first_mut() {
+        if n < first.0.iov_len {
+            // SAFETY: `n < iov_len`, so the advanced pointer stays inside the entry.
+            first.0.iov_base = unsafe { first.0.iov_base.cast::<u8>().add(n) }.cast();
+            first.0.iov_len -= n;
+            break;
+        }
+        n -= first.0.iov_len;
+        iov = &mut iov[1..];
+    }
+    iov
+}
+
+/// Bytes in `iov`.
+pub(crate) fn iov_len(iov: &[IoVec]) -> usize {
+    iov.iter().map(|v| v.0.iov_len).sum()
+}
+
+/// Writes every byte of `iov` (`sendmsg(2)`, see [`send_iov`]), advancing over partial
+/// writes. A socket write timeout surfaces as `WouldBlock`.
 ///
 /// # Safety
 /// Every entry must point at bytes valid for reads for the duration of the call.
 pub(crate) unsafe fn write_all(fd: &impl AsRawFd, mut iov: &mut [IoVec]) -> io::Result<()> {
     while !iov.is_empty() {
-        let cnt = iov.len().min(libc::UIO_MAXIOV as usize);
-        // SAFETY: `IoVec` is `repr(transparent)` over `libc::iovec`, `cnt` entries exist,
-        // and the caller guarantees each one is readable; the kernel only reads them.
-        let n = unsafe { libc::writev(fd.as_raw_fd(), iov.as_ptr().cast(), cnt as libc::c_int) };
-        if n < 0 {
-            let e = io::Error::last_os_error();
-            if e.kind() == io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(e);
-        }
-        if n == 0 {
+        // SAFETY: forwarded from the caller.
+        let n = unsafe { send_iov(fd, iov, false) }?;
+        if n == 0 && iov_len(iov) > 0 {
             return Err(io::ErrorKind::WriteZero.into());
         }
-        let mut n = n as usize;
-        // Drop the entries written in full, then shorten the first one left.
-        while let Some(first) = iov.first_mut() {
-            if n < first.0.iov_len {
-                // SAFETY: `n < iov_len`, so the advanced pointer stays inside the entry.
-                first.0.iov_base = unsafe { first.0.iov_base.cast::<u8>().add(n) }.cast();
-                first.0.iov_len -= n;
-                break;
-            }
-            n -= first.0.iov_len;
-            iov = &mut iov[1..];
-        }
+        iov = advance(iov, n);
     }
     Ok(())
+}
+
+/// As much of `iov` as the socket's send buffer takes now, without waiting: the bytes
+/// sent (possibly fewer than all, or `Err(WouldBlock)` for none).
+///
+/// # Safety
+/// As for [`write_all`].
+pub(crate) unsafe fn write_now(fd: &impl AsRawFd, iov: &[IoVec]) -> io::Result<usize> {
+    // SAFETY: forwarded from the caller.
+    unsafe { send_iov(fd, iov, true) }
+}
+
+/// An epoll instance watching at most one socket for input: a stream's receiver thread
+/// waits in it, and a thread that reads the stream itself meanwhile takes the socket out
+/// ([`Epoll::remove`]) so the receiver is not woken by what it reads, then puts it back
+/// (level-triggered: bytes left unread wake the receiver at once).
+#[derive(Debug)]
+pub(crate) struct Epoll(std::os::fd::OwnedFd);
+
+impl Epoll {
+    pub(crate) fn new() -> io::Result<Epoll> {
+        // SAFETY: no pointers; a new descriptor or -1.
+        let fd = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: `fd` is a fresh descriptor that nothing else owns.
+        Ok(Epoll(unsafe { std::os::fd::FromRawFd::from_raw_fd(fd) }))
+    }
+
+    fn ctl(&self, op: libc::c_int, fd: &impl AsRawFd) -> io::Result<()> {
+        let mut ev = libc::epoll_event {
+            events: libc::EPOLLIN as u32,
+            u64: 0,
+        };
+        // SAFETY: both descriptors are open (borrowed from live owners); `ev` is a valid
+        // event that outlives the call (the kernel copies it, and ignores it for DEL).
+        let r = unsafe { libc::epoll_ctl(self.0.as_raw_fd(), op, fd.as_raw_fd(), &mut ev) };
+        if r == 0 {
+            Ok(())
+        } else {
+            Err(io::Error::last_os_error())
+        }
+    }
+
+    /// Watches `fd` for input.
+    pub(crate) fn add(&self, fd: &impl AsRawFd) -> io::Result<()> {
+        self.ctl(libc::EPOLL_CTL_ADD, fd)
+    }
+
+    /// Stops watching `fd`.
+    pub(crate) fn remove(&self, fd: &impl AsRawFd) -> io::Result<()> {
+        self.ctl(libc::EPOLL_CTL_DEL, fd)
+    }
+
+    /// Waits until a watched socket is readable (or at its end, or failed), at most
+    /// `timeout`; `Ok(false)` when the time ran out or a signal interrupted the wait.
+    pub(crate) fn wait(&self, timeout: Duration) -> io::Result<bool> {
+        let mut ev = libc::epoll_event { events: 0, u64: 0 };
+        // Round up, so a wait never ends early and spins.
+        let ms = timeout.as_micros().div_ceil(1000).min(i32::MAX as u128) as libc::c_int;
+        // SAFETY: room for one event at `ev`, which lives across the call.
+        let n = unsafe { libc::epoll_wait(self.0.as_raw_fd(), &mut ev, 1, ms) };
+        if n >= 0 {
+            return Ok(n > 0);
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() == io::ErrorKind::Interrupted {
+            return Ok(false);
+        }
+        Err(e)
+    }
 }
 
 #[cfg(test)]
@@ -184,6 +287,90 @@ mod tests {
         drop(c);
         // SAFETY: as above.
         assert_eq!(unsafe { recv_now(&d, buf.as_mut_ptr(), 8) }.unwrap(), 0);
+    }
+
+    #[test]
+    fn write_now_takes_what_fits_and_advance_resumes() {
+        let (a, mut b) = pair();
+        // More than any socket buffer takes at once: the first call is short.
+        let big: Vec<u8> = (0..16_000_000u32).map(|i| (i % 251) as u8).collect();
+        let mut iov = [
+            IoVec::from_slice(b"hdr"),
+            IoVec::raw(big.as_ptr(), big.len()),
+            IoVec::from_slice(b"end"),
+        ];
+        let total = iov_len(&iov);
+        // SAFETY: every entry points at live bytes owned by this test.
+        let first = unsafe { write_now(&a, &iov) }.unwrap();
+        assert!(0 < first && first < total, "{first} of {total}");
+        // Nobody reads: a second try returns at once, with little or nothing taken.
+        let mut left = advance(&mut iov, first);
+        assert_eq!(iov_len(left), total - first);
+        // SAFETY: as above.
+        match unsafe { write_now(&a, left) } {
+            Ok(n) => {
+                assert!(n < iov_len(left));
+                left = advance(left, n);
+            }
+            Err(e) => assert_eq!(e.kind(), io::ErrorKind::WouldBlock),
+        }
+        let reader = std::thread::spawn(move || {
+            let mut all = Vec::new();
+            b.read_to_end(&mut all).unwrap();
+            all
+        });
+        // SAFETY: as above.
+        unsafe { write_all(&a, left) }.unwrap();
+        drop(a);
+        let all = reader.join().unwrap();
+        assert_eq!(all.len(), total);
+        assert_eq!(&all[..3], b"hdr");
+        assert!(all[3..3 + big.len()] == big[..]);
+        assert_eq!(&all[3 + big.len()..], b"end");
+    }
+
+    #[test]
+    fn epoll_wakes_on_input_only_while_watching() {
+        let (mut a, b) = pair();
+        let ep = Epoll::new().unwrap();
+        ep.add(&b).unwrap();
+        assert!(!ep.wait(Duration::from_millis(1)).unwrap());
+        a.write_all(b"x").unwrap();
+        assert!(ep.wait(Duration::from_secs(5)).unwrap());
+        // Taken out: the unread byte wakes nobody; put back, it does at once.
+        ep.remove(&b).unwrap();
+        assert!(!ep.wait(Duration::from_millis(20)).unwrap());
+        ep.add(&b).unwrap();
+        assert!(ep.wait(Duration::from_millis(0)).unwrap());
+        drop(b);
+    }
+
+    #[test]
+    fn a_reset_stream_is_an_error_not_a_signal() {
+        let (a, b) = pair();
+        drop(b);
+        let buf = [7u8; 1 << 16];
+        let iov = [IoVec::from_slice(&buf)];
+        // The first send may still be taken; a later one sees the reset. (Rust's runtime
+        // ignores SIGPIPE in this process, so only the error is checked here, not that
+        // MSG_NOSIGNAL spares a host application that left SIGPIPE at its default.)
+        let mut failed = None;
+        for _ in 0..100 {
+            // SAFETY: `buf` is ours.
+            if let Err(e) = unsafe { write_all(&a, &mut iov.clone()) } {
+                failed = Some(e);
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let e = failed.expect("writes to a closed peer fail");
+        assert!(
+            matches!(
+                e.kind(),
+                io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionReset
+            ),
+            "{e}"
+        );
     }
 }
 
