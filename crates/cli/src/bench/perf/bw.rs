@@ -206,3 +206,54 @@ fn bw_loop(
     }
     Ok(s)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    fn args(argv: &[&str]) -> PerfArgs {
+        #[derive(Parser)]
+        struct Wrap {
+            #[command(flatten)]
+            a: crate::bench::args::BwArgs,
+        }
+        Wrap::try_parse_from(std::iter::once("bw").chain(argv.iter().copied()))
+            .unwrap()
+            .a
+            .into()
+    }
+
+    /// (client source, client lands, server source, server lands): what the driver fills,
+    /// zeroes and checks on each end. The driver reads the peer's `lands` from the same
+    /// table, so a wrong entry would skip or invent a verdict.
+    fn table(kind: TestKind, a: &PerfArgs) -> [bool; 4] {
+        let m = Bandwidth { kind, a };
+        let (c, s) = (m.flows(true), m.flows(false));
+        [c.source, c.lands, s.source, s.lands]
+    }
+
+    #[test]
+    fn flows_follow_the_op_and_who_initiates() {
+        let one = args(&[]);
+        let both = args(&["-b"]);
+        // WRITE: the client's data lands at the server.
+        assert_eq!(table(TestKind::Write, &one), [true, false, false, true]);
+        // READ: the client pulls the server's data into its own buffer.
+        assert_eq!(table(TestKind::Read, &one), [false, true, true, false]);
+        // Bidirectional: both ends send and both receive, and the server measures too.
+        assert_eq!(table(TestKind::Write, &both), [true; 4]);
+        assert_eq!(table(TestKind::Read, &both), [true; 4]);
+        let (m1, m2) = (
+            Bandwidth {
+                kind: TestKind::Write,
+                a: &one,
+            },
+            Bandwidth {
+                kind: TestKind::Write,
+                a: &both,
+            },
+        );
+        assert!(!m1.server_measures() && m2.server_measures());
+    }
+}
