@@ -5,7 +5,7 @@
 //! `cargo run --release -p pagewire-examples --no-default-features --features cuda \
 //!   --example gpu_staged_bench -- --bytes 256M --chunk 2M --depth 4 --iters 5 [--require-gpu]`
 
-use pagewire_gpudirect::bench::{StagedBenchOptions, run_staged_bench};
+use pagewire_examples::staged_bench::{StagedBenchOptions, run_staged_bench};
 
 fn main() {
     let opts = match StagedBenchOptions::from_args(std::env::args().skip(1)) {

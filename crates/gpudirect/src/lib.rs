@@ -6,6 +6,10 @@
 //! answers [`Unavailable`] instead of panicking, and the staging pipeline runs
 //! with [`HostCopyEngine`] (host memory standing in for device memory).
 //!
+//! The example below stages into `testing::MemWire`, an in-memory remote region; the
+//! `testing` module (in-memory wires for tests, examples and CPU benchmarks) is
+//! compiled only with the `testing` feature.
+//!
 //! ```
 //! use pagewire_gpudirect::{probe, testing::MemWire, CopyEngine, HostCopyEngine, Segment,
 //!                          StagedPipeline, StagingConfig};
@@ -34,7 +38,6 @@
 //! # Ok::<(), pagewire_gpudirect::GpuError>(())
 //! ```
 
-pub mod bench;
 pub mod copy;
 pub mod engine_wire;
 mod error;
@@ -46,6 +49,7 @@ pub mod probe;
 pub mod region;
 pub mod remote_ring;
 pub mod staging;
+#[cfg(feature = "testing")]
 pub mod testing;
 
 #[cfg(feature = "cuda")]

@@ -1,4 +1,5 @@
 //! In-memory wires for tests, examples and CPU benchmarks.
+//! Compiled only with the `testing` feature: a production build carries none of it.
 //!
 //! [`MemWire`] plays a remote region reached by one-sided writes and reads,
 //! executed on a worker thread (like a NIC), with injectable failures, delays

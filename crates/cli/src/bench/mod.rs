@@ -5,7 +5,7 @@
 //! * `report`: the header block and table (or JSON records).
 //! * `oob`: the TCP side channel for hello, barriers and results.
 //! * `pattern`: seeded byte patterns for `--verify`.
-//! * `perf`: `write`, `read`, `lat` over the engine.
+//! * `perf`: `write`, `read`, `lat` over the engine: one driver, two measurements.
 //! * `pages`: KV page transfers driven by layout plans.
 //! * `session`: engine setup, the meeting on the side channel, header data.
 //! * `progress`: the progress bar of runs longer than two seconds.

@@ -1,14 +1,16 @@
-//! Measurements shared by `pagewire bench pages --gpu`, the GPU check script and
-//! the criterion benches: plain one-shot copies (the `cudaMemcpy` reference) and
-//! the staged pipeline in each direction.
+//! The staged-mode GPU benchmark of the `gpu_staged_bench` example (which
+//! `scripts/gpu-check.sh` runs): plain one-shot copies (the `cudaMemcpy` reference), the
+//! staged pipeline in each direction through the ring alone, and staged transfers end to
+//! end over a transport engine, with the bytes verified on the far side. Its flags are
+//! parsed here too ([`StagedBenchOptions::from_args`]): the library has no flags.
 
 use std::time::{Duration, Instant};
 
-use crate::copy::{CopyEngine, Direction};
-use crate::error::Result;
-use crate::memory::{DeviceBuffer, PinnedBuffer};
-use crate::staging::{Segment, StagedPipeline, StagingConfig, Wire};
-use crate::testing::NullWire;
+use pagewire_gpudirect::testing::NullWire;
+use pagewire_gpudirect::{
+    CopyEngine, DeviceBuffer, Direction, GpuError, PinnedBuffer, Result, Segment, StagedPipeline,
+    StagingConfig, Unavailable, Wire,
+};
 
 /// One bandwidth figure.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -134,96 +136,6 @@ pub fn staged_end_to_end<C: CopyEngine, W: Wire>(
     let w = repeat(dev.len() as u64, iters, || p.write(dev.span(), &seg, None))?;
     let r = repeat(dev.len() as u64, iters, || p.read(dev.span(), &seg))?;
     Ok((w, r))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::HostCopyEngine;
-    use std::sync::Arc;
-
-    #[test]
-    fn args_parse() {
-        assert_eq!(parse_size("2M"), Ok(2 << 20));
-        assert_eq!(parse_size("4096"), Ok(4096));
-        assert!(parse_size("x").is_err());
-        let o = StagedBenchOptions::from_args(
-            [
-                "--bytes",
-                "8M",
-                "--chunk",
-                "512K",
-                "--depth",
-                "3",
-                "--backend",
-                "tcp",
-                "--require-gpu",
-            ]
-            .map(String::from),
-        )
-        .unwrap();
-        assert_eq!(
-            (o.bytes, o.staging.chunk_size, o.staging.depth),
-            (8 << 20, 512 << 10, 3)
-        );
-        assert!(o.require_gpu);
-        assert!(StagedBenchOptions::from_args(["--what".to_string(), "1".to_string()]).is_err());
-    }
-
-    #[test]
-    fn staged_bench_runs_on_the_host_engine() {
-        if crate::probe::cuda().is_ok() {
-            return; // covered by the GPU check script on GPU machines
-        }
-        let o = StagedBenchOptions {
-            bytes: 1 << 20,
-            iters: 1,
-            staging: StagingConfig {
-                chunk_size: 256 << 10,
-                depth: 2,
-                timeout: Duration::from_secs(10),
-            },
-            ..Default::default()
-        };
-        let r = run_staged_bench(&o).unwrap();
-        assert!(r.verified);
-        assert_eq!(r.engine, "host");
-        let text = r.to_string();
-        assert!(text.contains("staged write GPU -> remote"), "{text}");
-        // The wire's own rate is printed beside the end-to-end rows.
-        assert!(
-            text.contains("loopback write host -> remote (ref)"),
-            "{text}"
-        );
-        assert!(r.wire_write.gb_per_s() > 0.0 && r.wire_read.gb_per_s() > 0.0);
-        assert!(matches!(
-            run_staged_bench(&StagedBenchOptions {
-                require_gpu: true,
-                ..o
-            }),
-            Err(crate::GpuError::Unavailable(_))
-        ));
-    }
-
-    #[test]
-    fn host_rates_are_positive() {
-        let copy = Arc::new(HostCopyEngine::default());
-        let dev = copy.alloc_device(1 << 20).unwrap();
-        let host = copy.alloc_pinned(1 << 20).unwrap();
-        let t = Duration::from_secs(5);
-        let r = plain_copy(&*copy, &dev, &host, Direction::D2H, 2, t).unwrap();
-        assert!(r.gb_per_s() > 0.0 && r.best <= r.mean);
-        let cfg = StagingConfig {
-            chunk_size: 128 << 10,
-            depth: 3,
-            timeout: t,
-        };
-        assert!(staged_d2h(copy.clone(), &dev, cfg, 2).unwrap().gb_per_s() > 0.0);
-        assert!(staged_h2d(copy.clone(), &dev, cfg, 2).unwrap().gb_per_s() > 0.0);
-        let wire = crate::testing::MemWire::new(1 << 20);
-        let (w, r) = staged_end_to_end(copy, wire, &dev, cfg, 1).unwrap();
-        assert_eq!((w.bytes, r.bytes), (1 << 20, 1 << 20));
-    }
 }
 
 /// Options of [`run_staged_bench`] (what `pagewire bench pages --gpu`, the
@@ -429,25 +341,36 @@ pub fn pick_engine(
     gpu: u32,
     require_gpu: bool,
 ) -> Result<(std::sync::Arc<dyn CopyEngine>, String)> {
-    #[cfg(not(feature = "cuda"))]
-    let _ = gpu; // only a CUDA engine has an ordinal
-    match crate::probe::cuda() {
+    let fallback = |why: Unavailable| -> Result<(std::sync::Arc<dyn CopyEngine>, String)> {
+        if require_gpu {
+            return Err(GpuError::Unavailable(why));
+        }
+        Ok((
+            std::sync::Arc::new(pagewire_gpudirect::HostCopyEngine::default()),
+            format!("host stand-in: CUDA unavailable: {why}"),
+        ))
+    };
+    match pagewire_gpudirect::probe::cuda() {
         #[cfg(feature = "cuda")]
         Ok(info) => {
             let name = info
                 .gpus
                 .get(gpu as usize)
                 .map(|g| g.name.clone())
-                .ok_or(crate::GpuError::NoSuchDevice(gpu))?;
-            Ok((std::sync::Arc::new(crate::CudaCopyEngine::new(gpu)?), name))
+                .ok_or(GpuError::NoSuchDevice(gpu))?;
+            Ok((
+                std::sync::Arc::new(pagewire_gpudirect::CudaCopyEngine::new(gpu)?),
+                name,
+            ))
         }
+        // This package built without its `cuda` feature has no CUDA engine to offer,
+        // even where another package turned the library's CUDA on.
         #[cfg(not(feature = "cuda"))]
-        Ok(_) => unreachable!("the probe needs the cuda feature to succeed"),
-        Err(why) if require_gpu => Err(crate::GpuError::Unavailable(why.clone())),
-        Err(why) => Ok((
-            std::sync::Arc::new(crate::HostCopyEngine::default()),
-            format!("host stand-in: CUDA unavailable: {why}"),
-        )),
+        Ok(_) => {
+            let _ = gpu; // only a CUDA engine has an ordinal
+            fallback(Unavailable::FeatureDisabled)
+        }
+        Err(why) => fallback(why),
     }
 }
 
@@ -456,7 +379,7 @@ pub fn pick_engine(
 /// bytes verified on the far side.
 pub fn run_staged_bench(o: &StagedBenchOptions) -> Result<StagedBenchReport> {
     use pagewire_transport::{Access, Engine, EngineConfig, HostBuffer};
-    let terr = |e: pagewire_transport::Error| crate::GpuError::Transport(e.to_string());
+    let terr = |e: pagewire_transport::Error| GpuError::Transport(e.to_string());
     o.staging.validate()?;
     let (copy, device) = pick_engine(o.gpu, o.require_gpu)?;
     let timeout = o.staging.timeout;
@@ -520,7 +443,8 @@ pub fn run_staged_bench(o: &StagedBenchOptions) -> Result<StagedBenchReport> {
         remote_off: 0,
         len: o.bytes as u64,
     }];
-    let wire = crate::EngineWire::new(local.clone(), peer, pool.addr()).with_batch_timeout(timeout);
+    let wire = pagewire_gpudirect::EngineWire::new(local.clone(), peer, pool.addr())
+        .with_batch_timeout(timeout);
     let mut p = StagedPipeline::new(copy.clone(), wire, o.staging)?;
     p.write(dev.span(), &seg, None)?; // warm-up
     let e2e_write = repeat(o.bytes as u64, o.iters, || p.write(dev.span(), &seg, None))?;
@@ -547,4 +471,94 @@ pub fn run_staged_bench(o: &StagedBenchOptions) -> Result<StagedBenchReport> {
         e2e_read,
         verified,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pagewire_gpudirect::HostCopyEngine;
+    use std::sync::Arc;
+
+    #[test]
+    fn args_parse() {
+        assert_eq!(parse_size("2M"), Ok(2 << 20));
+        assert_eq!(parse_size("4096"), Ok(4096));
+        assert!(parse_size("x").is_err());
+        let o = StagedBenchOptions::from_args(
+            [
+                "--bytes",
+                "8M",
+                "--chunk",
+                "512K",
+                "--depth",
+                "3",
+                "--backend",
+                "tcp",
+                "--require-gpu",
+            ]
+            .map(String::from),
+        )
+        .unwrap();
+        assert_eq!(
+            (o.bytes, o.staging.chunk_size, o.staging.depth),
+            (8 << 20, 512 << 10, 3)
+        );
+        assert!(o.require_gpu);
+        assert!(StagedBenchOptions::from_args(["--what".to_string(), "1".to_string()]).is_err());
+    }
+
+    #[test]
+    fn staged_bench_runs_on_the_host_engine() {
+        if pagewire_gpudirect::probe::cuda().is_ok() {
+            return; // covered by the GPU check script on GPU machines
+        }
+        let o = StagedBenchOptions {
+            bytes: 1 << 20,
+            iters: 1,
+            staging: StagingConfig {
+                chunk_size: 256 << 10,
+                depth: 2,
+                timeout: Duration::from_secs(10),
+            },
+            ..Default::default()
+        };
+        let r = run_staged_bench(&o).unwrap();
+        assert!(r.verified);
+        assert_eq!(r.engine, "host");
+        let text = r.to_string();
+        assert!(text.contains("staged write GPU -> remote"), "{text}");
+        // The wire's own rate is printed beside the end-to-end rows.
+        assert!(
+            text.contains("loopback write host -> remote (ref)"),
+            "{text}"
+        );
+        assert!(r.wire_write.gb_per_s() > 0.0 && r.wire_read.gb_per_s() > 0.0);
+        assert!(matches!(
+            run_staged_bench(&StagedBenchOptions {
+                require_gpu: true,
+                ..o
+            }),
+            Err(GpuError::Unavailable(_))
+        ));
+    }
+
+    #[test]
+    fn host_rates_are_positive() {
+        let copy = Arc::new(HostCopyEngine::default());
+        let dev = copy.alloc_device(1 << 20).unwrap();
+        let host = copy.alloc_pinned(1 << 20).unwrap();
+        let t = Duration::from_secs(5);
+        let r = plain_copy(&*copy, &dev, &host, Direction::D2H, 2, t).unwrap();
+        assert!(r.gb_per_s() > 0.0 && r.best <= r.mean);
+        let cfg = StagingConfig {
+            chunk_size: 128 << 10,
+            depth: 3,
+            timeout: t,
+        };
+        assert!(staged_d2h(copy.clone(), &dev, cfg, 2).unwrap().gb_per_s() > 0.0);
+        assert!(staged_h2d(copy.clone(), &dev, cfg, 2).unwrap().gb_per_s() > 0.0);
+        let wire = pagewire_gpudirect::testing::MemWire::new(1 << 20);
+        let (w, r) = staged_end_to_end(copy, wire, &dev, cfg, 1).unwrap();
+        assert_eq!((w.bytes, r.bytes), (1 << 20, 1 << 20));
+    }
 }
