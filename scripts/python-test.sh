@@ -39,6 +39,10 @@ rm -rf target/wheels
 "$venv/bin/pip" install -q --disable-pip-version-check --no-index --force-reinstall \
     --no-deps target/wheels/pagewire-*.whl
 
+echo "== python: the C ABI library (for the C <-> Python interop test)"
+cargo build --locked -q -p pagewire-capi
+export PAGEWIRE_CAPI_LIB="${CARGO_TARGET_DIR:-$PWD/target}/debug/libtransfer_engine.so"
+
 echo "== python: pytest"
 # Run from the tests directory so that `import pagewire` finds the installed wheel, not
 # the source tree.
