@@ -36,19 +36,27 @@ for b in "$old" "$new"; do
     [ -x "$b" ] || { echo "bench-ab: $b is not an executable" >&2; exit 2; }
 done
 
+# Builds from before perftest's server semantics ran both ends in one process without an
+# address and have no `--local`.
+local_flag() {
+    if "$1" bench write --help 2>/dev/null | grep -q -- '--local'; then echo --local; fi
+}
+old_local=$(local_flag "$old") new_local=$(local_flag "$new")
+
 raw=$(mktemp)
 trap 'rm -f "$raw"' EXIT
 
 # One measurement: prints the figure (MiB/s, or typical latency in us).
 measure() {
-    local bin=$1 kind=$2 size=$3 json
+    local bin=$1 kind=$2 size=$3 json loc=$old_local
+    [ "$bin" = "$new" ] && loc=$new_local
     if [ "$kind" = lat ]; then
-        json=$("$bin" bench lat --local --transport "$transport" -s "$size" -n "$lat_iters" --json)
+        json=$("$bin" bench lat $loc --transport "$transport" -s "$size" -n "$lat_iters" --json)
         python3 -c 'import json,sys; print(json.loads(sys.argv[1])["t_typical_us"])' "$json"
     else
         local iters=$(( mib * 1048576 / size ))
         [ "$iters" -ge 16 ] || iters=16
-        json=$("$bin" bench "$kind" --local --transport "$transport" -s "$size" -n "$iters" --json)
+        json=$("$bin" bench "$kind" $loc --transport "$transport" -s "$size" -n "$iters" --json)
         python3 -c 'import json,sys; print(json.loads(sys.argv[1])["bw_avg_mib_s"])' "$json"
     fi
 }
