@@ -35,6 +35,20 @@ def pattern(seed: int, n: int) -> bytes:
     return bytes(out[:n])
 
 
+class Buf:
+    """A ctypes buffer and its address, optionally filled with ``pattern(seed, n)``."""
+
+    def __init__(self, n, seed=None):
+        self.n = n
+        self.raw = ctypes.create_string_buffer(n)
+        self.addr = ctypes.addressof(self.raw)
+        if seed is not None:
+            ctypes.memmove(self.addr, pattern(seed, n), n)
+
+    def bytes(self, off=0, n=None):
+        return ctypes.string_at(self.addr + off, self.n - off if n is None else n)
+
+
 def _serve(impl: str, protocol: str, size: int) -> None:
     if impl == "mooncake":
         from mooncake.engine import TransferEngine

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from pagewire.mooncake_compat import TransferEngine, TransferNotify, TransferOpcode
-from peer_proc import pattern
+from peer_proc import Buf, pattern
 
 ROOT = Path(__file__).resolve().parents[3]
 OPCODE_READ, OPCODE_WRITE = 0, 1
@@ -84,18 +84,6 @@ def load():
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = res, args
     return lib
-
-
-class Buf:
-    def __init__(self, n, seed=None):
-        self.n = n
-        self.raw = ctypes.create_string_buffer(n)
-        self.addr = ctypes.addressof(self.raw)
-        if seed is not None:
-            ctypes.memmove(self.addr, pattern(seed, n), n)
-
-    def bytes(self, off=0, n=None):
-        return ctypes.string_at(self.addr + off, self.n - off if n is None else n)
 
 
 @pytest.fixture

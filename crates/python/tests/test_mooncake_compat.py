@@ -14,23 +14,9 @@ import pytest
 
 from pagewire import mooncake_compat as mc
 from pagewire.mooncake_compat import TransferEngine, TransferNotify, TransferOpcode
-from peer_proc import PeerProcess, pattern, stop_process
+from peer_proc import Buf, PeerProcess, pattern, stop_process
 
 MB = 1 << 20
-
-
-class Buf:
-    """A ctypes buffer and its address."""
-
-    def __init__(self, n, seed=None):
-        self.n = n
-        self.raw = ctypes.create_string_buffer(n)
-        self.addr = ctypes.addressof(self.raw)
-        if seed is not None:
-            ctypes.memmove(self.addr, pattern(seed, n), n)
-
-    def bytes(self, off=0, n=None):
-        return ctypes.string_at(self.addr + off, self.n - off if n is None else n)
 
 
 @pytest.fixture
