@@ -17,14 +17,13 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::config::BackendKind;
-use crate::memory::{Access, RegionId};
+use crate::types::{Access, BackendKind, RegionId};
 
 /// Convenience alias.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// Peer id inside one engine (re-exported as [`crate::PeerId`]).
-pub use crate::engine::PeerId;
+pub use crate::types::PeerId;
 
 /// Everything the transport can fail with.
 #[non_exhaustive]

@@ -16,33 +16,31 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
 
-use crate::admission::Admission;
-use crate::backend::{
-    self, Backend, BackendInfo, BackendInit, BackendMr, Conn, ConnCtx, NotifySink, NotifyWait,
-    Progress, ResolvedOp, ResolvedOps, Yield, busy_poll, poll_with_naps,
+use crate::backends;
+use crate::buffer::HostBuffer;
+use crate::config::EngineConfig;
+use crate::contract::{
+    Backend, BackendInfo, BackendInit, Conn, ConnCtx, NotifySink, NotifyWait, Reaper,
 };
-use crate::batch::{Batch, BatchState, Op, TransferHandle, TransferOp};
-use crate::config::{BackendKind, EngineConfig};
-use crate::deadline::{self, Deadlined};
+use crate::core::batch::{Batch, BatchState};
+use crate::core::registry::{Chunk, InsertPlan, RegionInfo, Registry, RemoteTable};
+use crate::core::resolve::{ResolvedOp, ResolvedOps};
+use crate::core::wait::Yield;
+use crate::core::wire::{self, EndpointInfo, Frame, Hello, Welcome};
 use crate::error::{Error, HandshakeError, Result};
-use crate::memory::{
-    Access, Chunk, HostBuffer, InsertPlan, RegionId, RegionInfo, Registry, RemoteRegion,
-    RemoteTable,
+use crate::net::admission::{Admission, MAX_CONCURRENT_HANDSHAKES, MAX_HANDSHAKES_PER_IP};
+use crate::net::deadline::{self, Deadlined};
+use crate::types::{
+    Access, BackendKind, MrHandle, Notification, Op, PeerId, RegionId, RemoteRegion, TransferOp,
 };
-use crate::prepared::PreparedBatch;
-use crate::wire::{self, EndpointInfo, Frame, Hello, Welcome};
+use crate::util::{ct_eq, random_u64};
+use handle::TransferHandle;
+use prepared::PreparedBatch;
+use wait::{busy_poll, poll_with_naps};
 
-/// Most handshakes served at the same time from one source IP, so a single host holding
-/// half-open connections cannot starve the others.
-pub(crate) const MAX_HANDSHAKES_PER_IP: usize = 16;
-
-/// Most handshakes served at the same time; further connections are dropped at once,
-/// unless they take over a slot of a busier address (see `admission`).
-pub(crate) const MAX_CONCURRENT_HANDSHAKES: usize = 64;
-
-/// Id of a connected peer, unique within one engine.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct PeerId(pub(crate) u64);
+pub(crate) mod handle;
+pub mod prepared;
+pub(crate) mod wait;
 
 /// Map keyed by [`PeerId`]. Ids are this engine's own sequence numbers, never peer
 /// input, so the hash needs no flooding resistance: one multiply instead of SipHash
@@ -64,29 +62,6 @@ impl std::hash::Hasher for PeerIdHasher {
     fn write_u64(&mut self, n: u64) {
         self.0 = (self.0 ^ n).wrapping_mul(0x9e37_79b9_7f4a_7c15);
     }
-}
-
-impl PeerId {
-    /// The raw number (for logs and wire tags).
-    pub fn get(self) -> u64 {
-        self.0
-    }
-}
-
-impl fmt::Display for PeerId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "peer#{}", self.0)
-    }
-}
-
-/// A remote notification: `peer` finished a batch tagged `tag` into our memory, and
-/// every byte of it is in place.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct Notification {
-    /// Who wrote.
-    pub peer: PeerId,
-    /// The batch's tag.
-    pub tag: u32,
 }
 
 /// One `(src, dst, len)` entry of a transfer plan.
@@ -156,7 +131,7 @@ struct Inner {
     config: Arc<EngineConfig>,
     backend: Arc<dyn Backend>,
     /// Caller-side completion reaping (verbs), for batch waits and notifications.
-    progress: Option<Arc<dyn Progress>>,
+    progress: Option<Arc<dyn Reaper>>,
     info: BackendInfo,
     registry: Arc<Registry>,
     peers: RwLock<PeerMap<Arc<Peer>>>,
@@ -219,7 +194,7 @@ impl Engine {
             engine_id: id,
             registry: registry.clone(),
         };
-        let (backend, reason) = backend::open(&config, &init)?;
+        let (backend, reason) = backends::open(&config, &init)?;
         let mut info = backend.info();
         debug_assert_eq!(info.kind, backend.kind());
         info.selection = reason.clone();
@@ -245,7 +220,7 @@ impl Engine {
         }
         let (notify_tx, notify_rx) = crossbeam_channel::unbounded();
         let (accept_tx, accept_rx) = crossbeam_channel::unbounded();
-        let progress = backend.progress();
+        let progress = backend.reaper();
         let inner = Arc::new(Inner {
             id,
             config,
@@ -706,7 +681,7 @@ impl Inner {
         len: u64,
         access: Access,
         keepalive: Option<Arc<dyn std::any::Any + Send + Sync>>,
-        reg: &dyn Fn(u64, u64) -> Result<BackendMr>,
+        reg: &dyn Fn(u64, u64) -> Result<MrHandle>,
     ) -> Result<RegionId> {
         self.check_open()?;
         if let InsertPlan::Existing(id) = self.registry.begin_insert(addr, len, access)? {
@@ -720,7 +695,7 @@ impl Inner {
             max = u64::MAX;
         }
         let mut chunks = Vec::new();
-        let mut mrs: Vec<BackendMr> = Vec::new();
+        let mut mrs: Vec<MrHandle> = Vec::new();
         let mut off = 0u64;
         while off < len {
             let n = (len - off).min(max);
@@ -950,10 +925,10 @@ impl Inner {
         // not a service's port on its host.
         if let EndpointInfo::Tcp { data_port, .. } = h.endpoint
             && self.config.token.is_none()
-            && !crate::backend::tcp::ephemeral_ports().contains(&data_port)
+            && !backends::tcp::ephemeral_ports().contains(&data_port)
         {
             let _ = reject(s, "data port outside the ephemeral port range");
-            let r = crate::backend::tcp::ephemeral_ports();
+            let r = backends::tcp::ephemeral_ports();
             return Err(HandshakeError::BadField {
                 field: "data port",
                 value: format!("{data_port} (ephemeral range {}-{})", r.start(), r.end()),
@@ -1098,7 +1073,7 @@ impl Inner {
         // A deadline that has already passed fails the batch before anything is posted
         // (backends check `is_stopped` before their first post, without a clock read).
         state.expire_if_due(now);
-        let handle = state.handle();
+        let handle = TransferHandle::new(state.shared());
         p.conn.post(state, resolved, batch.notify)?;
         Ok(handle)
     }
@@ -1107,8 +1082,8 @@ impl Inner {
         let (p, pins, resolved, bytes) = self.resolve(peer, &batch)?;
         // An absolute deadline cannot recur; each run gets the batch's relative one.
         let timeout = match batch.deadline {
-            Some(crate::batch::Deadline::After(d)) => d,
-            Some(crate::batch::Deadline::At(_)) => {
+            Some(crate::core::batch::Deadline::After(d)) => d,
+            Some(crate::core::batch::Deadline::At(_)) => {
                 return Err(Error::Unsupported {
                     what: "an absolute deadline on a prepared batch (use Batch::timeout)".into(),
                 });
@@ -1137,7 +1112,7 @@ impl Inner {
         &self,
         peer: PeerId,
         batch: &Batch,
-    ) -> Result<(Arc<Peer>, crate::batch::Pins, ResolvedOps, u64)> {
+    ) -> Result<(Arc<Peer>, crate::core::batch::Pins, ResolvedOps, u64)> {
         self.check_open()?;
         // No ops is fine with a notification: the tag travels alone.
         if batch.ops.is_empty() && batch.notify.is_none() {
@@ -1151,7 +1126,7 @@ impl Inner {
             });
         }
         let table = p.table();
-        let mut pins = crate::batch::Pins::new();
+        let mut pins = crate::core::batch::Pins::new();
         let mut resolved = ResolvedOps::with_capacity(batch.ops.len());
         let mut bytes = 0u64;
         for o in &batch.ops {
@@ -1159,8 +1134,8 @@ impl Inner {
                 Op::Write => (Access::NONE, Access::REMOTE_WRITE),
                 Op::Read => (Access::LOCAL_WRITE, Access::REMOTE_READ),
             };
-            crate::memory::checked_end(o.remote, o.len)?;
-            let local_end = crate::memory::checked_end(o.local, o.len)?;
+            crate::core::registry::checked_end(o.remote, o.len)?;
+            let local_end = crate::core::registry::checked_end(o.local, o.len)?;
             // A batch's ops nearly always lie in a region it pinned already (one KV pool):
             // reuse that pin rather than a registry lookup and a pin/unpin per op.
             let held = pins.iter().position(|p| {
@@ -1249,7 +1224,14 @@ impl Inner {
         {
             let _ = t.join();
         }
-        for mr in self.registry.drain() {
+        let revoked = self.registry.revoke_all();
+        // Peer ops served here stop within one slice of the revocation.
+        let mut nap = Duration::from_micros(20);
+        while !revoked.peers_done() {
+            std::thread::sleep(nap);
+            nap = (nap * 2).min(Duration::from_millis(1));
+        }
+        for mr in revoked.into_handles() {
             self.backend.deregister(mr);
         }
         *done = true;
@@ -1315,31 +1297,4 @@ fn reject(s: &mut Deadlined<'_>, reason: &str) -> Result<(), HandshakeError> {
     let _ = s.stream().shutdown(Shutdown::Write);
     let _ = s.read(&mut [0u8; 64]);
     Ok(())
-}
-
-/// Constant-time comparison (the token is a secret).
-pub(crate) fn ct_eq(a: &[u8], b: &[u8]) -> bool {
-    if a.len() != b.len() {
-        return false;
-    }
-    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-}
-
-/// 64 random bits from the OS (falls back to std's randomly keyed hasher).
-pub(crate) fn random_u64() -> u64 {
-    let mut b = [0u8; 8];
-    if std::fs::File::open("/dev/urandom")
-        .and_then(|mut f| f.read_exact(&mut b))
-        .is_ok()
-    {
-        return u64::from_le_bytes(b);
-    }
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u128(
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos()),
-    );
-    h.finish()
 }

@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 use super::conn::{BatchSink, TagSink, VerbsConn};
 use super::engine::{VerbsEngine, VerbsMr, VerbsOptions};
 use super::plan::{Dir, PlanOp};
-use crate::engine::PeerId;
 use crate::error::Error;
+use crate::types::PeerId;
 
 fn device(test: &str) -> String {
     match std::env::var("RDMA_DEVICE") {
@@ -34,7 +34,7 @@ fn opts(dev: &str, qps: usize) -> VerbsOptions {
         max_wr_bytes: 256 << 10,
         max_mr_bytes: None,
         poll_spin: Duration::from_millis(5),
-        progress: crate::ProgressMode::Auto,
+        progress: crate::types::ProgressMode::Auto,
     }
 }
 
@@ -411,7 +411,7 @@ fn rxe_receive_only_side_learns_of_peer_death() {
 }
 
 /// Reaps `c` until `cell` has an outcome.
-fn run_outcome(c: &VerbsConn, cell: &crate::prepared::RunCell) -> Result<(), Error> {
+fn run_outcome(c: &VerbsConn, cell: &crate::core::run::RunCell) -> Result<(), Error> {
     let end = Instant::now() + Duration::from_secs(30);
     loop {
         if let Some(r) = cell.outcome() {
@@ -428,7 +428,7 @@ fn run_outcome(c: &VerbsConn, cell: &crate::prepared::RunCell) -> Result<(), Err
 #[ignore = "needs an RDMA device: runs in scripts/rdma-vm.sh"]
 fn rxe_lanes_lend_window_space_and_give_it_back() {
     let dev = device("rxe_lanes_lend_window_space_and_give_it_back");
-    use crate::prepared::RunCell;
+    use crate::core::run::RunCell;
     let p = pair(&dev, 1);
     const N: usize = 64 << 10;
     let mut src = pattern(N, 3);
@@ -444,7 +444,7 @@ fn rxe_lanes_lend_window_space_and_give_it_back() {
         rkey: md.rkey(),
         len,
     };
-    let cell = || Arc::new(RunCell::new(crate::batch::Pins::new()));
+    let cell = || Arc::new(RunCell::new(crate::core::registry::Pins::new()));
 
     // Two WRs (the remote ranges are not contiguous) and a notification on the last.
     let c1 = cell();

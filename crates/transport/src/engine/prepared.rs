@@ -50,100 +50,23 @@
 //! # Ok(()) }
 //! ```
 
-use std::sync::atomic::{AtomicU8, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::backend::{Conn, Progress, ResolvedOps, Yield, busy_poll_since, poll_with_naps};
-use crate::batch::{BatchState, Pins, TransferHandle};
-use crate::engine::PeerId;
+use crate::contract::{Conn, LaneRequest, PreparedLane, Reaper};
+use crate::core::batch::{BatchState, BatchStatus, Pins};
+use crate::core::resolve::ResolvedOps;
+use crate::core::run::RunCell;
+use crate::core::wait::Yield;
+use crate::engine::handle::TransferHandle;
+use crate::engine::wait::{busy_poll_since, poll_with_naps};
 use crate::error::{Error, Result};
-
-/// A run is in flight.
-const RUNNING: u8 = 0;
-/// The last run completed (or none was started).
-const DONE: u8 = 1;
-/// The last run failed; the error is in `RunCell::error`.
-const FAILED: u8 = 2;
-
-/// The outcome of a prepared batch's current run, and the pins of its local regions. A
-/// backend's in-flight work holds it (through its batch control), so the regions stay
-/// registered until the last WR of a run has completed or been flushed, even when the
-/// [`PreparedBatch`] is dropped first.
-#[derive(Debug)]
-pub(crate) struct RunCell {
-    state: AtomicU8,
-    error: Mutex<Option<Error>>,
-    _pins: Pins,
-}
-
-impl RunCell {
-    pub(crate) fn new(pins: Pins) -> Self {
-        RunCell {
-            state: AtomicU8::new(DONE),
-            error: Mutex::new(None),
-            _pins: pins,
-        }
-    }
-
-    /// The run completed successfully (ignored unless one is in flight).
-    #[cfg_attr(not(feature = "verbs"), allow(dead_code))] // only lanes report runs
-    pub(crate) fn succeed(&self) {
-        let _ = self
-            .state
-            .compare_exchange(RUNNING, DONE, Ordering::AcqRel, Ordering::Acquire);
-    }
-
-    /// The run failed with `err` (the first outcome wins).
-    pub(crate) fn fail(&self, err: Error) {
-        let mut e = self.error.lock().unwrap_or_else(|p| p.into_inner());
-        if self.state.load(Ordering::Acquire) == RUNNING {
-            *e = Some(err);
-            self.state.store(FAILED, Ordering::Release);
-        }
-    }
-
-    /// A new run. The previous run's error needs no clearing: it is read only in the
-    /// FAILED state, which only a new `fail` (overwriting it) can enter.
-    pub(crate) fn begin(&self) {
-        self.state.store(RUNNING, Ordering::Release);
-    }
-
-    /// `None` while running.
-    pub(crate) fn outcome(&self) -> Option<Result<()>> {
-        match self.state.load(Ordering::Acquire) {
-            RUNNING => None,
-            DONE => Some(Ok(())),
-            _ => Some(Err(self.error())),
-        }
-    }
-
-    /// The error of a FAILED run (`Cancelled` if none was recorded).
-    #[cold]
-    fn error(&self) -> Error {
-        self.error
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
-            .unwrap_or(Error::Cancelled)
-    }
-}
-
-/// A backend's fast lane for one prepared batch (verbs: one chain on one QP).
-pub(crate) trait PreparedLane: Send + Sync {
-    /// Posts one run without waiting; `tag` is the notification's immediate, if the batch
-    /// has one. The run reports into the [`RunCell`] the lane was built with. `Err`:
-    /// nothing was posted, or the connection broke while posting.
-    fn start(&self, tag: Option<u32>) -> Result<()>;
-    /// One reaping round of a thread waiting for the run (verbs: its connection's send
-    /// CQ, and now and then every connection of the engine).
-    fn poll(&self) -> usize;
-}
+use crate::types::PeerId;
 
 /// Reaps through a lane while the engine's progress handle accounts for the waiter.
 struct LaneProgress<'a> {
     lane: &'a dyn PreparedLane,
-    engine: &'a dyn Progress,
+    engine: &'a dyn Reaper,
 }
 
 impl std::fmt::Debug for LaneProgress<'_> {
@@ -152,7 +75,7 @@ impl std::fmt::Debug for LaneProgress<'_> {
     }
 }
 
-impl Progress for LaneProgress<'_> {
+impl Reaper for LaneProgress<'_> {
     fn poll_once(&self) -> usize {
         self.lane.poll()
     }
@@ -172,24 +95,16 @@ enum Path {
     Lane {
         lane: Box<dyn PreparedLane>,
         cell: Arc<RunCell>,
-        progress: Arc<dyn Progress>,
+        progress: Arc<dyn Reaper>,
     },
     /// Each run is an ordinary batch of the already validated ops.
     Resubmit {
         conn: Arc<dyn Conn>,
         ops: ResolvedOps,
         cell: Arc<RunCell>,
-        progress: Option<Arc<dyn Progress>>,
+        progress: Option<Arc<dyn Reaper>>,
         handle: Option<TransferHandle>,
     },
-}
-
-/// What [`Engine::prepare`](crate::Engine::prepare) hands a backend to build a lane from.
-#[cfg_attr(not(feature = "verbs"), allow(dead_code))] // only verbs builds lanes
-pub(crate) struct LaneRequest<'a> {
-    pub ops: &'a ResolvedOps,
-    pub notify: Option<u32>,
-    pub cell: &'a Arc<RunCell>,
 }
 
 /// A batch validated, pinned and planned once; see the module docs. Built by
@@ -231,7 +146,7 @@ impl PreparedBatch {
         resolved: ResolvedOps,
         pins: Pins,
         conn: Arc<dyn Conn>,
-        progress: Option<Arc<dyn Progress>>,
+        progress: Option<Arc<dyn Reaper>>,
     ) -> Self {
         let cell = Arc::new(RunCell::new(pins));
         let lane = progress.clone().and_then(|progress| {
@@ -344,7 +259,7 @@ impl PreparedBatch {
                 .keeping(Arc::clone(cell));
                 // As `submit`: a run whose deadline has already passed is not posted.
                 state.expire_if_due(now);
-                *handle = Some(state.handle());
+                *handle = Some(TransferHandle::new(state.shared()));
                 conn.post(state, ops.clone(), tag)?;
             }
         }
@@ -393,10 +308,10 @@ impl PreparedBatch {
                 cell.outcome()
             }),
             Path::Resubmit { handle, .. } => match handle.as_ref().map(TransferHandle::status) {
-                Some(crate::BatchStatus::Pending) => None,
-                Some(crate::BatchStatus::Failed(e)) => Some(Err(e)),
-                Some(crate::BatchStatus::Cancelled) => Some(Err(Error::Cancelled)),
-                Some(crate::BatchStatus::Done) | None => Some(Ok(())),
+                Some(BatchStatus::Pending) => None,
+                Some(BatchStatus::Failed(e)) => Some(Err(e)),
+                Some(BatchStatus::Cancelled) => Some(Err(Error::Cancelled)),
+                Some(BatchStatus::Done) | None => Some(Ok(())),
             },
         };
         if r.is_some() {
@@ -409,7 +324,7 @@ impl PreparedBatch {
 fn wait_lane(
     lane: &dyn PreparedLane,
     cell: &RunCell,
-    engine: &dyn Progress,
+    engine: &dyn Reaper,
     deadline: Instant,
 ) -> Result<()> {
     let p = LaneProgress { lane, engine };
@@ -430,7 +345,7 @@ fn wait_lane(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::atomic::AtomicU32;
+    use std::sync::atomic::{AtomicU32, Ordering};
 
     #[test]
     fn prepared_batches_move_between_threads() {
@@ -446,7 +361,7 @@ mod tests {
         cell: Arc<RunCell>,
     }
 
-    impl Progress for FakeEngine {
+    impl Reaper for FakeEngine {
         fn poll_once(&self) -> usize {
             if self.polls.fetch_add(1, Ordering::SeqCst) + 1 == self.after {
                 self.cell.succeed();
@@ -491,23 +406,5 @@ mod tests {
         );
         assert!(r.is_ok(), "{r:?}");
         assert!(engine.polls.load(Ordering::SeqCst) >= 3);
-    }
-
-    #[test]
-    fn run_cell_first_outcome_wins_and_begin_resets() {
-        let c = RunCell::new(Pins::new());
-        assert!(matches!(c.outcome(), Some(Ok(()))), "idle reads as done");
-        c.begin();
-        assert!(c.outcome().is_none());
-        c.fail(Error::Cancelled);
-        c.succeed();
-        assert!(matches!(c.outcome(), Some(Err(Error::Cancelled))));
-        c.begin();
-        c.succeed();
-        c.fail(Error::Shutdown);
-        assert!(matches!(c.outcome(), Some(Ok(()))));
-        // An outcome with no run in flight is ignored.
-        c.fail(Error::Shutdown);
-        assert!(matches!(c.outcome(), Some(Ok(()))));
     }
 }

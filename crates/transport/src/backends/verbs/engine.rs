@@ -15,10 +15,9 @@ use super::conn::{ConnCfg, TagSink, VerbsConn, recv_wr_id};
 use super::device::{OpenDevice, open, verbs_err};
 use super::plan::MAX_QPS;
 use super::qp::{LocalPath, RcQp, RemoteQp};
-use crate::backend::Progress;
-use crate::config::ProgressMode;
-use crate::engine::PeerId;
+use crate::contract::Reaper;
 use crate::error::Error;
+use crate::types::{PeerId, ProgressMode};
 
 /// What the engine asks of the verbs backend.
 #[derive(Clone, Debug)]
@@ -73,7 +72,7 @@ pub(crate) struct VerbsEndpoint {
 }
 
 /// What the completion thread and callers that reap completions themselves share: the
-/// engine's connections, and the engine-wide [`Progress`] handle batches and the
+/// engine's connections, and the engine-wide [`Reaper`] handle batches and the
 /// notification queue use.
 pub(crate) struct PollerShared {
     conns: Mutex<Vec<Weak<VerbsConn>>>,
@@ -99,7 +98,7 @@ impl std::fmt::Debug for PollerShared {
     }
 }
 
-impl Progress for PollerShared {
+impl Reaper for PollerShared {
     fn poll_once(&self) -> usize {
         self.wake.caller_polled();
         // Another caller (or the completion thread taking its snapshot) holds the list:
@@ -173,7 +172,7 @@ const THREAD_YIELDING: u8 = 2;
 pub(crate) struct PollWake {
     /// Bumped by every post; a change counts as activity and restarts the grace period.
     posts: AtomicU64,
-    /// Bumped by every caller-side reap ([`Progress::poll_once`], a poster waiting for
+    /// Bumped by every caller-side reap ([`Reaper::poll_once`], a poster waiting for
     /// window room); a change makes the completion thread step aside for a nap.
     callers: AtomicU64,
     /// Callers busy-polling in a wait right now.

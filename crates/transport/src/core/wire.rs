@@ -27,7 +27,7 @@
 use std::io::{Read, Write};
 
 use crate::error::HandshakeError;
-use crate::memory::{Access, RemoteRegion};
+use crate::types::{Access, RemoteRegion};
 
 /// `b"PGWR"` as a little-endian u32.
 pub(crate) const MAGIC: u32 = u32::from_le_bytes(*b"PGWR");

@@ -28,15 +28,13 @@ pub use gid::{GidInfo, GidKind};
 use self::conn::{TagSink, VerbsConn};
 use self::engine::{PendingVerbs, VerbsEndpoint, VerbsEngine, VerbsMr, VerbsOptions};
 use self::plan::{Dir, PlanOp};
-use super::{
-    Backend, BackendInfo, BackendMr, BatchState, Conn, ConnCtx, EndpointInfo, PendingConn,
-    Progress, QpInfo, ResolvedOps,
+use crate::config::EngineConfig;
+use crate::contract::{
+    Backend, BackendInfo, BatchState, Conn, ConnCtx, EndpointInfo, LaneRequest, PendingConn,
+    PreparedLane, QpInfo, Reaper, ResolvedOp, ResolvedOps,
 };
-use crate::batch::Op;
-use crate::config::{BackendKind, EngineConfig};
 use crate::error::Error;
-use crate::memory::Access;
-use crate::prepared::{LaneRequest, PreparedLane};
+use crate::types::{Access, BackendKind, MrHandle, Op, PeerId};
 
 /// Opens the verbs backend: the configured device (or the first with an ACTIVE port),
 /// its PD and (under auto progress) the completion thread. No device, no kernel RDMA or
@@ -65,8 +63,8 @@ struct VerbsBackend {
 }
 
 impl VerbsBackend {
-    fn mr(mr: VerbsMr) -> BackendMr {
-        BackendMr {
+    fn mr(mr: VerbsMr) -> MrHandle {
+        MrHandle {
             lkey: mr.lkey(),
             rkey: mr.rkey(),
             handle: Some(Box::new(mr)),
@@ -104,7 +102,7 @@ impl Backend for VerbsBackend {
         }
     }
 
-    fn register(&self, addr: usize, len: usize, access: Access) -> Result<BackendMr, Error> {
+    fn register(&self, addr: usize, len: usize, access: Access) -> Result<MrHandle, Error> {
         // SAFETY: the engine core only registers memory the caller promised to keep mapped
         // until deregistration (`HostBuffer` keep-alive or `register_raw`'s contract), and
         // drops the returned MR (deregistering it) before giving the memory back.
@@ -126,7 +124,7 @@ impl Backend for VerbsBackend {
         len: usize,
         iova: u64,
         access: Access,
-    ) -> Result<BackendMr, Error> {
+    ) -> Result<MrHandle, Error> {
         // SAFETY: `Engine::register_dmabuf`'s contract: `fd` is a dma-buf whose range stays
         // allocated until the region is deregistered, which drops this MR first.
         let mr = unsafe {
@@ -142,7 +140,7 @@ impl Backend for VerbsBackend {
         Ok(Self::mr(mr))
     }
 
-    fn deregister(&self, mr: BackendMr) {
+    fn deregister(&self, mr: MrHandle) {
         // Dropping the `VerbsMr` runs `ibv_dereg_mr`.
         drop(mr);
     }
@@ -162,7 +160,7 @@ impl Backend for VerbsBackend {
         Ok((Box::new(Pending(pending)), info))
     }
 
-    fn progress(&self) -> Option<Arc<dyn Progress>> {
+    fn reaper(&self) -> Option<Arc<dyn Reaper>> {
         Some(self.engine.progress())
     }
 
@@ -202,11 +200,11 @@ impl PendingConn for Pending {
 #[derive(Debug)]
 struct VerbsPeerConn {
     conn: Arc<VerbsConn>,
-    peer: crate::engine::PeerId,
+    peer: PeerId,
 }
 
 /// The verbs view of a validated op.
-fn plan_op(o: &crate::backend::ResolvedOp) -> PlanOp {
+fn plan_op(o: &ResolvedOp) -> PlanOp {
     PlanOp {
         dir: match o.op {
             Op::Write => Dir::Write,
@@ -224,7 +222,7 @@ fn plan_op(o: &crate::backend::ResolvedOp) -> PlanOp {
 struct VerbsLane {
     conn: Arc<VerbsConn>,
     chain: conn::LaneChain,
-    peer: crate::engine::PeerId,
+    peer: PeerId,
     /// Waiting rounds so far (see `VerbsConn::reap_waiting`).
     polls: AtomicU32,
 }
@@ -250,7 +248,7 @@ impl Drop for VerbsLane {
     }
 }
 
-fn closed_as_gone(e: Error, peer: crate::engine::PeerId) -> Error {
+fn closed_as_gone(e: Error, peer: PeerId) -> Error {
     match e {
         Error::Shutdown => Error::PeerGone {
             peer,

@@ -55,19 +55,22 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
 
-use super::sys::{self, IoVec};
-use super::{
-    Backend, BackendInfo, BackendInit, BackendMr, BatchState, Conn, ConnCtx, EndpointInfo,
-    NotifySink, PendingConn, ResolvedOp, ResolvedOps, lock,
+use crate::config::EngineConfig;
+use crate::contract::{
+    Backend, BackendInfo, BackendInit, BatchState, Conn, ConnCtx, EndpointInfo, NotifySink,
+    PendingConn, ResolvedOp, ResolvedOps,
 };
-use crate::admission::{Admission, Ticket};
-use crate::batch::{Op, Reader};
-use crate::config::{BackendKind, EngineConfig};
-use crate::deadline::{self, Deadlined};
-use crate::engine::{PeerId, ct_eq, random_u64};
+use crate::core::batch::Reader;
+use crate::core::registry::Registry;
+use crate::core::wire::{MAX_STREAMS, MAX_TOKEN};
 use crate::error::{Error, HandshakeError, Result};
-use crate::memory::{Access, Registry};
-use crate::wire::MAX_STREAMS;
+use crate::net::admission::{Admission, MAX_CONCURRENT_HANDSHAKES, MAX_HANDSHAKES_PER_IP, Ticket};
+use crate::net::deadline::{self, Deadlined};
+use crate::types::{Access, BackendKind, MrHandle, Op, PeerId};
+use crate::util::{ct_eq, lock, random_u64};
+use sys::IoVec;
+
+mod sys;
 use smallvec::SmallVec;
 
 const STREAM_MAGIC: u32 = u32::from_le_bytes(*b"PGWS");
@@ -111,8 +114,8 @@ const F_IN_BURST: u8 = 1;
 /// Incoming data streams served before their hello is complete (each has a thread), in
 /// all and from one source address; the excess is closed at once (`admission`). A
 /// legitimate peer has at most one stream in its hello per handshake in progress.
-const MAX_UNAUTHENTICATED: usize = crate::engine::MAX_CONCURRENT_HANDSHAKES;
-const MAX_UNAUTHENTICATED_PER_IP: usize = crate::engine::MAX_HANDSHAKES_PER_IP;
+const MAX_UNAUTHENTICATED: usize = MAX_CONCURRENT_HANDSHAKES;
+const MAX_UNAUTHENTICATED_PER_IP: usize = MAX_HANDSHAKES_PER_IP;
 
 /// The ports a data listener can be given (it binds port 0): the kernel's ephemeral range
 /// (`net.ipv4.ip_local_port_range`, Linux's default 32768-60999 if unreadable). A
@@ -269,14 +272,14 @@ impl Backend for TcpBackend {
         }
     }
 
-    fn register(&self, _addr: usize, _len: usize, _access: Access) -> Result<BackendMr> {
+    fn register(&self, _addr: usize, _len: usize, _access: Access) -> Result<MrHandle> {
         // Keys only guard against stale addresses (a peer's view from before a
         // re-registration); start at a random value so another process's keys differ.
         let k = self.shared.next_key.fetch_add(2, Ordering::Relaxed);
-        Ok(BackendMr::keyed(k))
+        Ok(MrHandle::keyed(k))
     }
 
-    fn deregister(&self, _mr: BackendMr) {}
+    fn deregister(&self, _mr: MrHandle) {}
 
     fn prepare(&self) -> Result<(Box<dyn PendingConn>, EndpointInfo)> {
         let session = Arc::new(Session {
@@ -966,7 +969,9 @@ impl ConnShared {
                 if let TxMsg::Job(job) = msg {
                     if self.broken.load(Ordering::Acquire) {
                         job.batch.fail(self.gone());
-                    } else if !(matches!(job.kind, Kind::Data(_)) && job.batch.should_stop()) {
+                    } else if !(matches!(job.kind, Kind::Data(_))
+                        && job.batch.should_stop(Instant::now()))
+                    {
                         bytes += job.payload() as u64;
                         gather.push(job);
                     }
@@ -1252,7 +1257,7 @@ impl ConnShared {
                     self.last_data_done(job);
                 }
             }
-            Kind::Notify(_) | Kind::NotifyInBurst(_) => job.batch.succeed(),
+            Kind::Notify(_) | Kind::NotifyInBurst(_) => job.batch.succeed(Instant::now()),
         }
         Ok(())
     }
@@ -1328,10 +1333,10 @@ impl ConnShared {
             return;
         }
         let Some(tag) = job.tracker.notify else {
-            job.batch.succeed();
+            job.batch.succeed(Instant::now());
             return;
         };
-        if job.batch.should_stop() {
+        if job.batch.should_stop(Instant::now()) {
             return;
         }
         let n = Job {
@@ -1376,7 +1381,7 @@ impl Conn for TcpConn {
             // A notification alone (the core refuses an empty batch without one): no data
             // to wait for, so the notify request goes out at once.
             let Some(tag) = notify else {
-                batch.succeed();
+                batch.succeed(Instant::now());
                 return Ok(());
             };
             return c.send(smallvec::smallvec![Job {
@@ -1410,7 +1415,7 @@ impl Conn for TcpConn {
         };
         let bytes = ops.iter().fold(0u64, |a, o| a.saturating_add(o.len));
         if bytes <= DIRECT_BYTES && chunks <= DIRECT_JOBS {
-            if batch.should_stop() {
+            if batch.should_stop(Instant::now()) {
                 // Expired (now failed) or cancelled before anything went out: as the
                 // sender threads do, send none of it.
                 return Ok(());
@@ -1543,7 +1548,7 @@ fn serve_stream(
     let version = u16::from_le_bytes(h[4..6].try_into().expect("2 bytes"));
     let tlen = u16::from_le_bytes(h[6..8].try_into().expect("2 bytes")) as usize;
     let sid = u64::from_le_bytes(h[8..16].try_into().expect("8 bytes"));
-    if magic != STREAM_MAGIC || version != STREAM_VERSION || tlen > crate::wire::MAX_TOKEN {
+    if magic != STREAM_MAGIC || version != STREAM_VERSION || tlen > MAX_TOKEN {
         return Err(format!(
             "bad stream hello (magic {magic:#x}, version {version})"
         ));

@@ -17,11 +17,10 @@ use super::plan::{
 use super::qp::{
     POLL_BATCH, RcQp, WC_RECV_RDMA_WITH_IMM, WC_SUCCESS, Wc, WrSpec, poll_cq, wc_status_name,
 };
-use crate::backend::Progress;
-use crate::backend::{BatchState, NotifySink, lock};
-use crate::engine::PeerId;
+use crate::contract::{BatchState, NotifySink, Reaper, RunCell};
 use crate::error::Error;
-use crate::prepared::RunCell;
+use crate::types::PeerId;
+use crate::util::lock;
 
 /// Where a batch's progress goes (the engine core's [`BatchState`]; a plain recorder in
 /// the verbs-layer tests).
@@ -57,10 +56,10 @@ impl BatchSink for BatchState {
         BatchState::fail(self, err);
     }
     fn complete(&self) {
-        self.succeed();
+        self.succeed(Instant::now());
     }
     fn should_stop(&self) -> bool {
-        BatchState::should_stop(self)
+        BatchState::should_stop(self, Instant::now())
     }
     fn is_stopped(&self) -> bool {
         BatchState::is_stopped(self)
@@ -234,14 +233,14 @@ impl Deferred {
 /// A reaper's scratch space: the completions of one poll, and the groups they retired.
 /// A wait polls once per spin, so its buffers are kept instead of cleared every round.
 #[derive(Default)]
-struct Reaper {
+struct ReapScratch {
     wcs: [Wc; POLL_BATCH],
     retired: Vec<Group<Arc<BatchCtl>>>,
 }
 
 /// See [`VerbsConn::hold_reaping`].
 #[cfg(test)]
-pub(crate) struct ReapingHold<'a>(#[allow(dead_code)] std::sync::MutexGuard<'a, Reaper>);
+pub(crate) struct ReapingHold<'a>(#[allow(dead_code)] std::sync::MutexGuard<'a, ReapScratch>);
 
 struct QpSlot {
     /// Post lock: sequence numbers are reserved and posted under it, so send-queue order and
@@ -326,7 +325,7 @@ pub(crate) struct VerbsConn {
     /// caller); the others skip, so completions are handled in CQ order by one thread.
     /// Holds the reaper's buffers, reused so that a reaping round allocates and clears
     /// nothing.
-    reaping: Mutex<Reaper>,
+    reaping: Mutex<ReapScratch>,
     /// The engine's completion thread: kicked on every post so it polls at once.
     poller: Arc<PollWake>,
     /// The engine's connections, reaped now and then by a thread that waits on this one
@@ -386,7 +385,7 @@ impl VerbsConn {
             deferred: Deferred::default(),
             graveyard: Mutex::new(Vec::new()),
             lanes: Mutex::default(),
-            reaping: Mutex::new(Reaper::default()),
+            reaping: Mutex::new(ReapScratch::default()),
             poller: Arc::default(),
             engine: Weak::new(),
             label,
@@ -976,7 +975,7 @@ impl VerbsConn {
         let Ok(mut guard) = self.reaping.try_lock() else {
             return 0;
         };
-        let Reaper { wcs, retired } = &mut *guard;
+        let ReapScratch { wcs, retired } = &mut *guard;
         let mut handled = self.reap_send(wcs, retired).unwrap_or(0);
         if recv {
             match poll_cq(&self.recv_cq, wcs) {

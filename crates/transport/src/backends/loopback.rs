@@ -15,18 +15,19 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::thread::JoinHandle;
+use std::time::Instant;
 
 use crossbeam_channel::Sender;
 
-use super::{
-    Backend, BackendInfo, BackendInit, BackendMr, BatchState, Conn, ConnCtx, EndpointInfo,
-    NotifySink, PendingConn, ResolvedOp, ResolvedOps, lock,
+use crate::config::EngineConfig;
+use crate::contract::{
+    Backend, BackendInfo, BackendInit, BatchState, Conn, ConnCtx, EndpointInfo, NotifySink,
+    PendingConn, ResolvedOp, ResolvedOps,
 };
-use crate::batch::Op;
-use crate::config::{BackendKind, EngineConfig};
-use crate::engine::PeerId;
+use crate::core::registry::{PeerPin, Registry};
 use crate::error::{Error, HandshakeError, Result};
-use crate::memory::{Access, PeerPin, Registry};
+use crate::types::{Access, BackendKind, MrHandle, Op, PeerId};
+use crate::util::lock;
 
 type ConnKey = (u64, u64);
 
@@ -84,12 +85,12 @@ impl Backend for LoopbackBackend {
         }
     }
 
-    fn register(&self, _addr: usize, _len: usize, _access: Access) -> Result<BackendMr> {
+    fn register(&self, _addr: usize, _len: usize, _access: Access) -> Result<MrHandle> {
         let k = self.next_key.fetch_add(1, Ordering::Relaxed);
-        Ok(BackendMr::keyed(k))
+        Ok(MrHandle::keyed(k))
     }
 
-    fn deregister(&self, _mr: BackendMr) {}
+    fn deregister(&self, _mr: MrHandle) {}
 
     fn prepare(&self) -> Result<(Box<dyn PendingConn>, EndpointInfo)> {
         let conn = self.next_conn.fetch_add(1, Ordering::Relaxed);
@@ -213,7 +214,7 @@ impl Shared {
         // One pin is reused while consecutive ops stay in the same peer region.
         let mut pin: Option<PeerPin> = None;
         for op in &job.ops {
-            if b.should_stop() {
+            if b.should_stop(Instant::now()) {
                 return;
             }
             if let Err(e) = self.copy(b, &mut pin, op) {
@@ -241,7 +242,7 @@ impl Shared {
                 }
             }
         }
-        b.succeed();
+        b.succeed(Instant::now());
     }
 
     /// One resolved op: validate against the peer's live registry, pin, copy.
@@ -275,7 +276,7 @@ impl Shared {
         }
         let mut off = 0u64;
         while off < op.len {
-            if b.should_stop() {
+            if b.should_stop(Instant::now()) {
                 return Ok(());
             }
             // Our close waits for this worker, the peer's shutdown for `pin`: stop at once.

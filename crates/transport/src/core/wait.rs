@@ -1,0 +1,58 @@
+//! The caller-side wait policy as data: how long a waiter spins, when it yields, when it
+//! reads the clock, and the nap schedule once it must reap with pauses. The loops that
+//! execute these steps (spin, `sched_yield`, sleep) live in the engine (`engine::wait`);
+//! what a waiter drives, a [`Reaper`], is defined here so that a batch can carry one.
+
+use std::fmt;
+use std::time::Duration;
+
+/// Completions a waiting thread can reap itself. A caller that busy-polls through this
+/// sees its completion or notification without a hand-off from the backend's completion
+/// thread (a futex wake-up per batch), and that thread steps aside meanwhile, so one
+/// core, not two, spins per waiter: what a perftest-style loop does.
+pub(crate) trait Reaper: Send + Sync + fmt::Debug {
+    /// Reaps completions once on the calling thread; returns how many were handled (0 also
+    /// when another thread is reaping at this moment).
+    fn poll_once(&self) -> usize;
+    /// A caller starts (`true`) or stops (`false`) busy-polling.
+    fn set_waiting(&self, on: bool);
+    /// How long a waiter busy-polls while nothing completes before it blocks instead.
+    fn spin_budget(&self) -> Duration;
+    /// No completion thread ([`crate::ProgressMode::Manual`]): a waiter past its spin
+    /// budget must keep reaping (with naps) instead of blocking on what that thread
+    /// would have signalled.
+    fn callers_only(&self) -> bool {
+        false
+    }
+}
+
+/// How often an idle busy-poll gives the CPU away.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Yield {
+    /// Every idle round after the first few: for waits on our own WRs, whose completion
+    /// is kernel work (soft-RoCE's tasklets and softirqs) that may need this very CPU; a
+    /// spinner that yields rarely halves large-message bandwidth on small hosts.
+    Often,
+    /// Every [`BUSY_YIELD_RARELY`] idle rounds: for waits on the peer (a notification).
+    /// Each `sched_yield` may switch tasks, which costs tens of microseconds on small
+    /// virtual machines; a receiver spins like perftest's memory poll, and the kernel still
+    /// preempts it when another task must run.
+    Rarely,
+}
+
+/// Idle busy-poll rounds that only spin before yielding starts.
+pub(crate) const BUSY_SPIN_ROUNDS: u32 = 16;
+/// Idle rounds between two yields under [`Yield::Rarely`].
+pub(crate) const BUSY_YIELD_RARELY: u32 = 128;
+/// Idle rounds between two clock reads (deadline and spin budget checks).
+pub(crate) const BUSY_CLOCK_EVERY: u32 = 8;
+
+/// First pause of a wait that reaps with naps ([`Reaper::callers_only`]).
+pub(crate) const NAP_FIRST: Duration = Duration::from_micros(50);
+/// Longest pause of such a wait; each pause doubles up to it.
+pub(crate) const NAP_MAX: Duration = Duration::from_millis(1);
+
+/// The pause after `nap`: doubled, at most [`NAP_MAX`].
+pub(crate) fn next_nap(nap: Duration) -> Duration {
+    (nap * 2).min(NAP_MAX)
+}
