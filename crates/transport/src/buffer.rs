@@ -105,6 +105,7 @@ impl HostBuffer {
             addr: 0,
             len: len as u64,
             reason: "host allocation failed".into(),
+            source: None,
         })?;
         Ok(HostBuffer {
             alloc: Arc::new(Alloc { ptr, layout }),

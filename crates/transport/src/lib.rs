@@ -61,7 +61,7 @@ pub use engine::handle::TransferHandle;
 pub use engine::prepared;
 pub use engine::prepared::PreparedBatch;
 pub use engine::{Engine, PeerInfo, PlanEntry};
-pub use error::{Error, HandshakeError, Result};
+pub use error::{Error, Fault, HandshakeError, PeerFault, Result};
 pub use types::{
     Access, BackendKind, Notification, Op, PeerId, ProgressMode, RegionId, RemoteRegion, TransferOp,
 };

@@ -25,7 +25,7 @@ use crate::contract::{
     PendingConn, ResolvedOp, ResolvedOps,
 };
 use crate::core::registry::{PeerPin, Registry};
-use crate::error::{Error, HandshakeError, Result};
+use crate::error::{Error, HandshakeError, PeerFault, Result};
 use crate::types::{Access, BackendKind, MrHandle, Op, PeerId};
 use crate::util::lock;
 
@@ -180,12 +180,9 @@ struct Shared {
 
 impl Shared {
     /// Breaks this end and the peer's.
-    fn gone(&self, why: &str) -> Error {
+    fn gone(&self, fault: PeerFault, why: &str) -> Error {
         self.break_both();
-        Error::PeerGone {
-            peer: self.peer,
-            reason: why.into(),
-        }
+        Error::peer_gone(self.peer, fault, why)
     }
 
     /// Marks this end broken: no more batches, no more notifications into it, the worker
@@ -208,7 +205,7 @@ impl Shared {
     fn run(&self, job: Job) {
         let b = &job.batch;
         if self.broken.load(Ordering::Acquire) {
-            b.fail(self.gone("connection closed"));
+            b.fail(self.gone(PeerFault::Disconnected, "connection closed"));
             return;
         }
         // One pin is reused while consecutive ops stay in the same peer region.
@@ -237,7 +234,10 @@ impl Shared {
                     }
                 }
                 None => {
-                    b.fail(self.gone("peer connection closed before the notification"));
+                    b.fail(self.gone(
+                        PeerFault::Disconnected,
+                        "peer connection closed before the notification",
+                    ));
                     return;
                 }
             }
@@ -261,7 +261,7 @@ impl Shared {
             let registry = lock(engines())
                 .get(&self.remote.0)
                 .and_then(Weak::upgrade)
-                .ok_or_else(|| self.gone("peer engine shut down"))?;
+                .ok_or_else(|| self.gone(PeerFault::Disconnected, "peer engine shut down"))?;
             let p = registry
                 .pin_for_peer(op.remote, op.len, needed)
                 .map_err(|e| self.refused(e.to_string()))?;
@@ -281,10 +281,10 @@ impl Shared {
             }
             // Our close waits for this worker, the peer's shutdown for `pin`: stop at once.
             if self.broken.load(Ordering::Acquire) {
-                return Err(self.gone("connection closed"));
+                return Err(self.gone(PeerFault::Disconnected, "connection closed"));
             }
             if region.revoked() {
-                return Err(self.gone("peer engine shut down"));
+                return Err(self.gone(PeerFault::Disconnected, "peer engine shut down"));
             }
             let n = (op.len - off).min(self.slice);
             let (src, dst) = match op.op {
@@ -329,16 +329,19 @@ impl Conn for LoopConn {
         let batch = Arc::new(batch);
         let tx = lock(&self.shared.tx);
         let Some(tx) = tx.as_ref().filter(|_| !self.is_broken()) else {
-            return Err(Error::PeerGone {
-                peer: self.shared.peer,
-                reason: "connection closed".into(),
-            });
+            return Err(Error::peer_gone(
+                self.shared.peer,
+                PeerFault::Disconnected,
+                "connection closed",
+            ));
         };
-        tx.send(Job { batch, ops, notify })
-            .map_err(|_| Error::PeerGone {
-                peer: self.shared.peer,
-                reason: "loopback worker stopped".into(),
-            })
+        tx.send(Job { batch, ops, notify }).map_err(|_| {
+            Error::peer_gone(
+                self.shared.peer,
+                PeerFault::Disconnected,
+                "loopback worker stopped",
+            )
+        })
     }
 
     fn is_broken(&self) -> bool {

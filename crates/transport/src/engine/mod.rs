@@ -27,7 +27,7 @@ use crate::core::registry::{Chunk, InsertPlan, RegionInfo, Registry, RemoteTable
 use crate::core::resolve::{ResolvedOp, ResolvedOps};
 use crate::core::wait::Yield;
 use crate::core::wire::{self, EndpointInfo, Frame, Hello, Welcome};
-use crate::error::{Error, HandshakeError, Result};
+use crate::error::{Error, HandshakeError, PeerFault, Result};
 use crate::net::admission::{Admission, MAX_CONCURRENT_HANDSHAKES, MAX_HANDSHAKES_PER_IP};
 use crate::net::deadline::{self, Deadlined};
 use crate::types::{
@@ -1120,10 +1120,11 @@ impl Inner {
         }
         let p = self.peer(peer)?;
         if p.conn.is_broken() {
-            return Err(Error::PeerGone {
+            return Err(Error::peer_gone(
                 peer,
-                reason: "connection is broken".into(),
-            });
+                PeerFault::Disconnected,
+                "connection is broken",
+            ));
         }
         let table = p.table();
         let mut pins = crate::core::batch::Pins::new();

@@ -18,7 +18,7 @@ use super::qp::{
     POLL_BATCH, RcQp, WC_RECV_RDMA_WITH_IMM, WC_SUCCESS, Wc, WrSpec, poll_cq, wc_status_name,
 };
 use crate::contract::{BatchState, NotifySink, Reaper, RunCell};
-use crate::error::Error;
+use crate::error::{Error, PeerFault};
 use crate::types::PeerId;
 use crate::util::lock;
 
@@ -686,7 +686,7 @@ impl VerbsConn {
             .collect();
         match self.post_queues(&ctl, &mut per_qp, deadline) {
             Ok(_) => {}
-            Err(Error::Timeout { .. }) => return Err(probe_timeout()),
+            Err(e @ Error::Timeout { .. }) => return Err(probe_timeout(e)),
             Err(e) => return Err(e),
         }
         self.release(&ctl, 1);
@@ -695,10 +695,11 @@ impl VerbsConn {
                 return r;
             }
             if Instant::now() >= deadline {
-                ctl.fail(Error::Timeout {
+                let e = Error::Timeout {
                     after: started.elapsed(),
-                });
-                return Err(probe_timeout());
+                };
+                ctl.fail(e.clone());
+                return Err(probe_timeout(e));
             }
             self.poll_now();
             std::thread::yield_now();
@@ -1095,11 +1096,11 @@ impl VerbsConn {
             if !n.notify(tag, wc.byte_len) {
                 // The WRITE_WITH_IMM was acknowledged already: the sender learns of the
                 // drop only from the connection breaking.
-                self.break_conn(Error::PeerGone {
-                    peer: self.peer,
-                    reason: "our notification queue is full: the peer's notification was dropped"
-                        .into(),
-                });
+                self.break_conn(Error::peer_gone(
+                    self.peer,
+                    PeerFault::Overran,
+                    "our notification queue is full: the peer's notification was dropped",
+                ));
             }
         }
         self.qps[qi].recv_owed.fetch_add(1, Ordering::AcqRel);
@@ -1147,23 +1148,25 @@ impl VerbsConn {
             };
             if qp.query_state() == Some(QueuePairState::Error) {
                 drop(qp);
-                self.break_conn(Error::PeerGone {
-                    peer: self.peer,
-                    reason: format!("QP {:#x} is in ERR state", slot.qpn),
-                });
+                self.break_conn(Error::peer_gone(
+                    self.peer,
+                    PeerFault::Disconnected,
+                    format!("QP {:#x} is in ERR state", slot.qpn),
+                ));
                 return;
             }
             let outstanding = slot.outstanding();
             let idle = slot.idle();
             if outstanding > 0 && idle > STALL_TIMEOUT {
                 drop(qp);
-                self.break_conn(Error::PeerGone {
-                    peer: self.peer,
-                    reason: format!(
+                self.break_conn(Error::peer_gone(
+                    self.peer,
+                    PeerFault::Unresponsive,
+                    format!(
                         "no completion on QP {:#x} for {idle:.1?} with {outstanding} WRs outstanding",
                         slot.qpn
                     ),
-                });
+                ));
                 return;
             }
             if qi == 0
@@ -1250,12 +1253,11 @@ impl BatchSink for ProbeSink {
     }
 }
 
-fn probe_timeout() -> Error {
-    Error::Verbs {
-        call: "connect",
-        reason: "the data-path probe (a zero-length RDMA WRITE per QP) did not complete before the handshake deadline"
-            .into(),
-    }
+/// The data-path probe (a zero-length RDMA WRITE per QP) did not complete before the
+/// handshake deadline: a timeout, whatever backend (logged with what it was).
+fn probe_timeout(e: Error) -> Error {
+    tracing::debug!("the data-path probe did not complete before the handshake deadline");
+    e
 }
 
 /// `wrs` as one chain: WR `k` gets `wr_id(k)`, and only the last is signalled and carries

@@ -16,7 +16,7 @@ use super::device::{OpenDevice, open, verbs_err};
 use super::plan::MAX_QPS;
 use super::qp::{LocalPath, RcQp, RemoteQp};
 use crate::contract::Reaper;
-use crate::error::Error;
+use crate::error::{Error, HandshakeError};
 use crate::types::{PeerId, ProgressMode};
 
 /// What the engine asks of the verbs backend.
@@ -305,7 +305,7 @@ impl VerbsEngine {
         // SAFETY: the caller guarantees the range stays mapped while the MR exists (this
         // fn's contract); the MR pins the pages.
         let mr = unsafe { self.pd.reg_mr(addr as usize, len as usize, acc) }
-            .map_err(|e| registration_error(addr, len, "ibv_reg_mr".into(), &e))?;
+            .map_err(|e| registration_error(addr, len, "ibv_reg_mr".into(), e))?;
         Ok(VerbsMr { mr })
     }
 
@@ -324,10 +324,8 @@ impl VerbsEngine {
     ) -> Result<VerbsMr, Error> {
         let acc = mr_access(remote_write, remote_read);
         // SAFETY: the caller guarantees the dma-buf range outlives the MR (this fn's contract).
-        let mr =
-            unsafe { self.pd.reg_dmabuf_mr(offset, len as usize, iova, fd, acc) }.map_err(|e| {
-                registration_error(iova, len, format!("ibv_reg_dmabuf_mr(fd {fd})"), &e)
-            })?;
+        let mr = unsafe { self.pd.reg_dmabuf_mr(offset, len as usize, iova, fd, acc) }
+            .map_err(|e| registration_error(iova, len, format!("ibv_reg_dmabuf_mr(fd {fd})"), e))?;
         Ok(VerbsMr { mr })
     }
 
@@ -443,10 +441,11 @@ impl PendingVerbs {
     ) -> Result<Arc<VerbsConn>, Error> {
         let n = self.qps.len().min(remote.qps.len());
         if n == 0 {
-            return Err(Error::Verbs {
-                call: "connect",
-                reason: "peer announced no QPs".into(),
-            });
+            return Err(HandshakeError::BadField {
+                field: "qps",
+                value: "0".into(),
+            }
+            .into());
         }
         self.qps.truncate(n);
         let e = &self.engine;
@@ -519,7 +518,12 @@ fn mr_access(remote_write: bool, remote_read: bool) -> AccessFlags {
 }
 
 /// A failed registration of `[addr, addr+len)`: the verbs call and the provider's reason.
-fn registration_error(addr: u64, len: u64, call: String, e: &dyn std::error::Error) -> Error {
+fn registration_error(
+    addr: u64,
+    len: u64,
+    call: String,
+    e: impl std::error::Error + Send + Sync + 'static,
+) -> Error {
     Error::Registration {
         addr,
         len,
@@ -527,6 +531,7 @@ fn registration_error(addr: u64, len: u64, call: String, e: &dyn std::error::Err
             "{call}: {}",
             e.source().map_or(e.to_string(), |s| s.to_string())
         ),
+        source: Some(Arc::new(e)),
     }
 }
 

@@ -33,7 +33,7 @@ use crate::contract::{
     Backend, BackendInfo, BatchState, Conn, ConnCtx, EndpointInfo, LaneRequest, PendingConn,
     PreparedLane, QpInfo, Reaper, ResolvedOp, ResolvedOps,
 };
-use crate::error::Error;
+use crate::error::{Error, HandshakeError, PeerFault};
 use crate::types::{Access, BackendKind, MrHandle, Op, PeerId};
 
 /// Opens the verbs backend: the configured device (or the first with an ACTIVE port),
@@ -179,10 +179,11 @@ impl PendingConn for Pending {
         ctx: ConnCtx,
     ) -> Result<Arc<dyn Conn>, Error> {
         let EndpointInfo::Verbs { gid, lid, mtu, qps } = remote else {
-            return Err(Error::Verbs {
-                call: "connect",
-                reason: "peer did not send a verbs endpoint".into(),
-            });
+            return Err(HandshakeError::BackendMismatch {
+                ours: "verbs".into(),
+                theirs: remote.backend_name().into(),
+            }
+            .into());
         };
         let ep = VerbsEndpoint {
             gid: *gid,
@@ -250,10 +251,7 @@ impl Drop for VerbsLane {
 
 fn closed_as_gone(e: Error, peer: PeerId) -> Error {
     match e {
-        Error::Shutdown => Error::PeerGone {
-            peer,
-            reason: "connection closed".into(),
-        },
+        Error::Shutdown => Error::peer_gone(peer, PeerFault::ClosedLocally, "connection closed"),
         e => e,
     }
 }
@@ -290,9 +288,10 @@ impl Conn for VerbsPeerConn {
     }
 
     fn close(&self) {
-        self.conn.close(Error::PeerGone {
-            peer: self.peer,
-            reason: "connection closed".into(),
-        });
+        self.conn.close(Error::peer_gone(
+            self.peer,
+            PeerFault::ClosedLocally,
+            "connection closed",
+        ));
     }
 }

@@ -210,12 +210,7 @@ impl RcQp {
                 unsafe { lb.setup_sge_list(&sges) };
             }
         }
-        g.post().map_err(|e| {
-            verr(
-                "ibv_wr_complete",
-                format!("{e}: {:?}", std::error::Error::source(&e)),
-            )
-        })
+        g.post().map_err(|e| verr("ibv_wr_complete", e))
     }
 
     /// Posts `n` SGE-less RECVs (they only absorb WRITE_WITH_IMM immediates).

@@ -565,10 +565,11 @@ fn rxe_break_while_posting_still_stops_every_qp() {
     let md = reg(&p.b, &mut dst);
     {
         let held = p.ba.hold_qp(0);
-        p.ba.break_conn(Error::PeerGone {
-            peer: PeerId(2),
-            reason: "test".into(),
-        });
+        p.ba.break_conn(Error::peer_gone(
+            PeerId(2),
+            crate::error::PeerFault::Disconnected,
+            "test",
+        ));
         assert!(p.ba.is_broken());
         assert!(
             held.query_state() != Some(sideway::ibverbs::queue_pair::QueuePairState::Error),
