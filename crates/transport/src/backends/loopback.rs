@@ -24,7 +24,9 @@ use crate::contract::{
     Backend, BackendInfo, BackendInit, BatchState, Conn, ConnCtx, EndpointInfo, NotifySink,
     PendingConn, ResolvedOp, ResolvedOps,
 };
+use crate::core::batch::NotifyGate;
 use crate::core::registry::{PeerPin, Registry};
+use crate::core::slice::{piece_count, pieces};
 use crate::error::{Error, HandshakeError, PeerFault, Result};
 use crate::types::{Access, BackendKind, MrHandle, Op, PeerId};
 use crate::util::lock;
@@ -210,16 +212,25 @@ impl Shared {
         }
         // One pin is reused while consecutive ops stay in the same peer region.
         let mut pin: Option<PeerPin> = None;
+        let slices = job.ops.iter().map(|o| piece_count(o.len, self.slice)).sum();
+        let gate = NotifyGate::new(slices);
+        let mut last = slices == 0;
         for op in &job.ops {
             if b.should_stop(Instant::now()) {
                 return;
             }
-            if let Err(e) = self.copy(b, &mut pin, op) {
-                b.fail(e);
-                return;
+            match self.copy(b, &mut pin, op, &gate) {
+                Ok(l) => last |= l,
+                Err(e) => {
+                    b.fail(e);
+                    return;
+                }
             }
         }
         drop(pin);
+        if !last {
+            return; // stopped (cancelled, failed or past its deadline) before the last slice
+        }
         if let Some(tag) = job.notify {
             let sink = lock(sinks()).get(&self.remote).cloned();
             match sink {
@@ -246,7 +257,14 @@ impl Shared {
     }
 
     /// One resolved op: validate against the peer's live registry, pin, copy.
-    fn copy(&self, b: &BatchState, pin: &mut Option<PeerPin>, op: &ResolvedOp) -> Result<()> {
+    /// `Ok(true)`: its last slice was the batch's last (the notify gate opened).
+    fn copy(
+        &self,
+        b: &BatchState,
+        pin: &mut Option<PeerPin>,
+        op: &ResolvedOp,
+        gate: &NotifyGate,
+    ) -> Result<bool> {
         let needed = match op.op {
             Op::Write => Access::REMOTE_WRITE,
             Op::Read => Access::REMOTE_READ,
@@ -274,10 +292,10 @@ impl Shared {
         if !rkey_ok {
             return Err(self.refused(format!("rkey {:#x} does not match", op.rkey)));
         }
-        let mut off = 0u64;
-        while off < op.len {
+        let mut opened = false;
+        for (off, n) in pieces(op.len, self.slice) {
             if b.should_stop(Instant::now()) {
-                return Ok(());
+                return Ok(false);
             }
             // Our close waits for this worker, the peer's shutdown for `pin`: stop at once.
             if self.broken.load(Ordering::Acquire) {
@@ -286,7 +304,6 @@ impl Shared {
             if region.revoked() {
                 return Err(self.gone(PeerFault::Disconnected, "peer engine shut down"));
             }
-            let n = (op.len - off).min(self.slice);
             let (src, dst) = match op.op {
                 Op::Write => (op.local + off, op.remote + off),
                 Op::Read => (op.remote + off, op.local + off),
@@ -294,7 +311,7 @@ impl Shared {
             // Held for the slice: a failure or cancellation reported from now on waits for
             // it, and none is given after one, so nothing lands after it is reported.
             let Some(_landing) = b.landing() else {
-                return Ok(());
+                return Ok(false);
             };
             // SAFETY: the local range was validated by the engine against a registered
             // region that the batch pins (it cannot be deregistered while `b` lives); the
@@ -304,10 +321,12 @@ impl Shared {
             // tolerates overlap when an engine is connected to itself.
             unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, n as usize) };
             b.add_progress(0, n);
-            off += n;
+            if gate.landed(1) {
+                opened = true;
+            }
         }
         b.add_progress(1, 0);
-        Ok(())
+        Ok(opened)
     }
 
     fn refused(&self, reason: String) -> Error {

@@ -292,6 +292,39 @@ impl BatchShared {
     }
 }
 
+/// The notify gate, one rule for every backend: a batch's notification goes to the peer
+/// only after every data piece of the batch landed there (was acknowledged), and a batch
+/// without one is done at that moment. A backend arms it with its piece count (verbs: data
+/// WRs, plus one the poster holds until it has posted them all; TCP: chunks; loopback:
+/// slices), reports pieces as they land, and acts when [`NotifyGate::landed`] says the last
+/// one did.
+#[derive(Debug)]
+pub(crate) struct NotifyGate {
+    remaining: AtomicU64,
+}
+
+impl NotifyGate {
+    /// A gate waiting for `pieces` pieces.
+    pub(crate) const fn new(pieces: u64) -> Self {
+        NotifyGate {
+            remaining: AtomicU64::new(pieces),
+        }
+    }
+
+    /// `n` more pieces landed. `true` exactly once, for the call that lands the last one:
+    /// the caller then sends the notification, or completes a batch without one.
+    pub(crate) fn landed(&self, n: u64) -> bool {
+        self.remaining.fetch_sub(n, Ordering::AcqRel) == n
+    }
+
+    /// Waits for `n` more pieces after the gate opened (verbs: the notification WR itself,
+    /// whose completion ends the batch).
+    #[cfg_attr(not(feature = "verbs"), allow(dead_code))] // verbs only
+    pub(crate) fn rearm(&self, n: u64) {
+        self.remaining.store(n, Ordering::Release);
+    }
+}
+
 /// The backend's view of a batch. Holding it keeps the local regions pinned, so a
 /// backend must keep its `Arc<BatchState>` until nothing it posted can still touch
 /// local memory (e.g. until the last CQE of the batch, or the QP is flushed).
@@ -441,5 +474,23 @@ impl BatchState {
         if self.shared.finish(Phase::Failed(err.clone())) {
             tracing::debug!(batch = self.shared.id, peer = %self.shared.peer, error = %err, "batch failed");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_gate_opens_once_at_the_last_piece() {
+        let g = NotifyGate::new(3);
+        assert!(!g.landed(1));
+        assert!(!g.landed(1));
+        assert!(g.landed(1), "the last piece opens it");
+        g.rearm(1);
+        assert!(g.landed(1), "re-armed for the notification itself");
+        let g = NotifyGate::new(4);
+        assert!(!g.landed(3));
+        assert!(g.landed(1), "pieces may land in groups");
     }
 }

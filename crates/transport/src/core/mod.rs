@@ -10,5 +10,7 @@ pub(crate) mod batch;
 pub(crate) mod registry;
 pub(crate) mod resolve;
 pub(crate) mod run;
+pub(crate) mod slice;
 pub(crate) mod wait;
+pub(crate) mod window;
 pub(crate) mod wire;

@@ -60,8 +60,9 @@ use crate::contract::{
     Backend, BackendInfo, BackendInit, BatchState, Conn, ConnCtx, EndpointInfo, NotifySink,
     PendingConn, ResolvedOp, ResolvedOps,
 };
-use crate::core::batch::Reader;
+use crate::core::batch::{NotifyGate, Reader};
 use crate::core::registry::Registry;
+use crate::core::slice::{piece_count, pieces};
 use crate::core::wire::{MAX_STREAMS, MAX_TOKEN};
 use crate::error::{Error, HandshakeError, PeerFault, Result};
 use crate::net::admission::{Admission, MAX_CONCURRENT_HANDSHAKES, MAX_HANDSHAKES_PER_IP, Ticket};
@@ -442,8 +443,8 @@ enum Kind {
 }
 
 struct Tracker {
-    /// Data chunks not yet acknowledged.
-    remaining: AtomicUsize,
+    /// Opens when every data chunk is acknowledged.
+    gate: NotifyGate,
     notify: Option<u32>,
     /// The notification went out in the data's burst: its response ends the batch.
     in_burst: AtomicBool,
@@ -1273,7 +1274,7 @@ impl ConnShared {
         match job.kind {
             Kind::Data(_) => {
                 job.batch.add_progress(1, job.len);
-                if job.tracker.remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
+                if job.tracker.gate.landed(1) {
                     self.last_data_done(job);
                 }
             }
@@ -1393,9 +1394,12 @@ impl Conn for TcpConn {
         if c.broken.load(Ordering::Acquire) {
             return Err(c.gone());
         }
-        let chunks: usize = ops.iter().map(|o| o.len.div_ceil(c.chunk) as usize).sum();
+        let chunks: usize = ops
+            .iter()
+            .map(|o| piece_count(o.len, c.chunk) as usize)
+            .sum();
         let tracker = Arc::new(Tracker {
-            remaining: AtomicUsize::new(chunks),
+            gate: NotifyGate::new(chunks as u64),
             notify,
             in_burst: AtomicBool::new(false),
         });
@@ -1423,19 +1427,16 @@ impl Conn for TcpConn {
         }
         let chunks_of = |o: ResolvedOp| {
             let (batch, tracker) = (batch.clone(), tracker.clone());
-            (0..o.len.div_ceil(c.chunk)).map(move |k| {
-                let off = k * c.chunk;
-                Job {
-                    batch: batch.clone(),
-                    tracker: tracker.clone(),
-                    kind: Kind::Data(o.op),
-                    local: o.local + off,
-                    remote: o.remote + off,
-                    rkey: o.rkey,
-                    len: (o.len - off).min(c.chunk),
-                    seq: seq(),
-                    sent: now,
-                }
+            pieces(o.len, c.chunk).map(move |(off, len)| Job {
+                batch: batch.clone(),
+                tracker: tracker.clone(),
+                kind: Kind::Data(o.op),
+                local: o.local + off,
+                remote: o.remote + off,
+                rkey: o.rkey,
+                len,
+                seq: seq(),
+                sent: now,
             })
         };
         let bytes = ops.iter().fold(0u64, |a, o| a.saturating_add(o.len));

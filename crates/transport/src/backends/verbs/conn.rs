@@ -10,14 +10,15 @@ use sideway::ibverbs::completion::BasicCompletionQueue;
 use sideway::ibverbs::queue_pair::QueuePairState;
 
 use super::engine::{PollWake, PollerShared};
-use super::plan::{
-    Dir, Group, InFlight, PlanOp, PlannedWr, SEQ_MASK, WrKind, WrQueue, Wrs, decode_wr_id,
-    encode_wr_id, is_signaled, plan_wrs, stripe,
-};
 use super::qp::{
     POLL_BATCH, RcQp, WC_RECV_RDMA_WITH_IMM, WC_SUCCESS, Wc, WrSpec, poll_cq, wc_status_name,
 };
 use crate::contract::{BatchState, NotifySink, Reaper, RunCell};
+use crate::core::batch::NotifyGate;
+use crate::core::slice::{Dir, PlanOp, PlannedWr, WrQueue, Wrs, plan_wrs, stripe};
+use crate::core::window::{
+    Group, InFlight, SEQ_MASK, WrKind, decode_wr_id, encode_wr_id, is_signaled,
+};
 use crate::error::{Error, PeerFault};
 use crate::types::PeerId;
 use crate::util::lock;
@@ -174,7 +175,7 @@ struct BatchCtl {
     sink: CtlSink,
     /// Data WRs not yet completed, plus one while the poster still holds the batch; when it
     /// reaches zero the held notification WR (if any) is posted, then the batch completes.
-    pending: AtomicU64,
+    pending: NotifyGate,
     /// The final WRITE_WITH_IMM, held back until every data WR on every QP has completed.
     held: Mutex<Option<PlannedWr>>,
     tag: Option<u32>,
@@ -456,7 +457,7 @@ impl VerbsConn {
         });
         let ctl = Arc::new(BatchCtl {
             sink: sink.into(),
-            pending: AtomicU64::new(wrs.len() as u64 + 1),
+            pending: NotifyGate::new(wrs.len() as u64 + 1),
             held: Mutex::new(held),
             tag: notify,
             done: AtomicBool::new(false),
@@ -676,7 +677,7 @@ impl VerbsConn {
         let n = self.qps.len();
         let ctl = Arc::new(BatchCtl {
             sink: CtlSink::from(Arc::clone(&done)),
-            pending: AtomicU64::new(n as u64 + 1),
+            pending: NotifyGate::new(n as u64 + 1),
             held: Mutex::new(None),
             tag: None,
             done: AtomicBool::new(false),
@@ -766,7 +767,7 @@ impl VerbsConn {
 
     /// Drops `n` from the batch's pending count; at zero posts the notification or completes.
     fn release(&self, ctl: &Arc<BatchCtl>, n: u64) {
-        if ctl.pending.fetch_sub(n, Ordering::AcqRel) != n {
+        if !ctl.pending.landed(n) {
             return;
         }
         if ctl.done.load(Ordering::Acquire) {
@@ -780,7 +781,7 @@ impl VerbsConn {
         };
         match held {
             Some(w) => {
-                ctl.pending.store(1, Ordering::Release);
+                ctl.pending.rearm(1);
                 self.deferred.push_back((Arc::clone(ctl), w));
                 self.post_deferred();
             }
@@ -1189,7 +1190,7 @@ impl VerbsConn {
     fn post_heartbeat(&self, qp: &mut RcQp) -> Result<(), Error> {
         let ctl = Arc::new(BatchCtl {
             sink: CtlSink::from(Arc::new(Heartbeat)),
-            pending: AtomicU64::new(1),
+            pending: NotifyGate::new(1),
             held: Mutex::new(None),
             tag: None,
             done: AtomicBool::new(false),

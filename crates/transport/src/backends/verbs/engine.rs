@@ -13,9 +13,9 @@ use sideway::ibverbs::protection_domain::ProtectionDomain;
 
 use super::conn::{ConnCfg, TagSink, VerbsConn, recv_wr_id};
 use super::device::{OpenDevice, open, verbs_err};
-use super::plan::MAX_QPS;
 use super::qp::{LocalPath, RcQp, RemoteQp};
 use crate::contract::Reaper;
+use crate::core::window::MAX_QPS;
 use crate::error::{Error, HandshakeError};
 use crate::types::{PeerId, ProgressMode};
 

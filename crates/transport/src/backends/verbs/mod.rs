@@ -14,7 +14,6 @@ mod conn;
 mod device;
 mod engine;
 mod gid;
-mod plan;
 mod qp;
 #[cfg(test)]
 mod rxe_tests;
@@ -27,12 +26,12 @@ pub use gid::{GidInfo, GidKind};
 
 use self::conn::{TagSink, VerbsConn};
 use self::engine::{PendingVerbs, VerbsEndpoint, VerbsEngine, VerbsMr, VerbsOptions};
-use self::plan::{Dir, PlanOp};
 use crate::config::EngineConfig;
 use crate::contract::{
     Backend, BackendInfo, BatchState, Conn, ConnCtx, EndpointInfo, LaneRequest, PendingConn,
     PreparedLane, QpInfo, Reaper, ResolvedOp, ResolvedOps,
 };
+use crate::core::slice::{Dir, PlanOp};
 use crate::error::{Error, HandshakeError, PeerFault};
 use crate::types::{Access, BackendKind, MrHandle, Op, PeerId};
 

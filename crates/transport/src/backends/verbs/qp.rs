@@ -16,7 +16,7 @@ use sideway::ibverbs::queue_pair::{
 
 use super::device::mtu_from_bytes;
 use super::device::verbs_err as verr;
-use super::plan::{Dir, Sge};
+use crate::core::slice::{Dir, Sge};
 use crate::error::Error;
 use crate::util::random_psn;
 

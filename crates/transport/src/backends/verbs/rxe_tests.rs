@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use super::conn::{BatchSink, TagSink, VerbsConn};
 use super::engine::{VerbsEngine, VerbsMr, VerbsOptions};
-use super::plan::{Dir, PlanOp};
+use crate::core::slice::{Dir, PlanOp};
 use crate::error::Error;
 use crate::types::PeerId;
 
