@@ -7,10 +7,15 @@
 #![forbid(unsafe_code)]
 
 pub(crate) mod batch;
+// WR planning, the QP window and health verdicts serve only the verbs backend.
+#[cfg_attr(not(feature = "verbs"), allow(dead_code))]
+pub(crate) mod health;
 pub(crate) mod registry;
 pub(crate) mod resolve;
 pub(crate) mod run;
+#[cfg_attr(not(feature = "verbs"), allow(dead_code))]
 pub(crate) mod slice;
 pub(crate) mod wait;
+#[cfg_attr(not(feature = "verbs"), allow(dead_code))]
 pub(crate) mod window;
 pub(crate) mod wire;

@@ -26,10 +26,11 @@ use crate::core::batch::{Batch, BatchState};
 use crate::core::registry::{Chunk, InsertPlan, RegionInfo, Registry, RemoteTable};
 use crate::core::resolve::{ResolvedOp, ResolvedOps};
 use crate::core::wait::Yield;
-use crate::core::wire::{self, EndpointInfo, Frame, Hello, Welcome};
+use crate::core::wire::{EndpointInfo, Frame, Hello, Welcome};
 use crate::error::{Error, HandshakeError, PeerFault, Result};
 use crate::net::admission::{Admission, MAX_CONCURRENT_HANDSHAKES, MAX_HANDSHAKES_PER_IP};
 use crate::net::deadline::{self, Deadlined};
+use crate::net::frame;
 use crate::types::{
     Access, BackendKind, MrHandle, Notification, Op, PeerId, RegionId, RemoteRegion, TransferOp,
 };
@@ -772,8 +773,8 @@ impl Inner {
             endpoint: ep.clone(),
             regions: self.registry.exposed(),
         });
-        wire::write_frame(&mut s, &hello)?;
-        let w = match wire::read_frame(&mut s, self.config.handshake_max_bytes)? {
+        frame::write_frame(&mut s, &hello)?;
+        let w = match frame::read_frame(&mut s, self.config.handshake_max_bytes)? {
             Frame::Welcome(w) => w,
             Frame::Reject { reason } => return Err(HandshakeError::Rejected { reason }.into()),
             other => {
@@ -799,13 +800,13 @@ impl Inner {
             conn.close();
             return Err(e);
         }
-        if let Err(e) = wire::write_frame(&mut s, &Frame::Ready) {
+        if let Err(e) = frame::write_frame(&mut s, &Frame::Ready) {
             conn.close();
             return Err(e.into());
         }
         // The listener's own `Ready` says it has published us: from here on everything we
         // send it (a notification, a `Describe`) finds the peer it names.
-        match wire::read_frame(&mut s, self.config.handshake_max_bytes) {
+        match frame::read_frame(&mut s, self.config.handshake_max_bytes) {
             Ok(Frame::Ready) => {}
             Ok(Frame::Reject { reason }) => {
                 conn.close();
@@ -880,7 +881,7 @@ impl Inner {
         let from = stream.peer_addr()?;
         let _ = stream.set_nodelay(true);
         let mut s = Deadlined::new(&stream, deadline);
-        match wire::read_frame(&mut s, self.config.handshake_max_bytes)? {
+        match frame::read_frame(&mut s, self.config.handshake_max_bytes)? {
             Frame::Hello(h) => self.accept_hello(&mut s, from, h, deadline),
             Frame::Describe { token, session } => {
                 if !ct_eq(&token, self.token()) {
@@ -899,7 +900,7 @@ impl Inner {
                         value: "unknown".into(),
                     });
                 }
-                wire::write_frame(&mut s, &Frame::Regions(self.registry.exposed()))
+                frame::write_frame(&mut s, &Frame::Regions(self.registry.exposed()))
             }
             other => Err(HandshakeError::UnexpectedFrame {
                 expected: "Hello or Describe",
@@ -970,8 +971,8 @@ impl Inner {
             endpoint: ep.clone(),
             regions: self.registry.exposed(),
         });
-        let ready = wire::write_frame(s, &welcome)
-            .and_then(|()| wire::read_frame(s, self.config.handshake_max_bytes));
+        let ready = frame::write_frame(s, &welcome)
+            .and_then(|()| frame::read_frame(s, self.config.handshake_max_bytes));
         match ready {
             Ok(Frame::Ready) => {
                 if let Err(e) = conn.probe(deadline) {
@@ -1009,7 +1010,7 @@ impl Inner {
         // Tell the initiator it is known here; its `connect` returns only then. If it
         // cannot hear that (gone, out of time), it closes its end, and the departure
         // takes this peer down too.
-        if let Err(e) = wire::write_frame(s, &Frame::Ready) {
+        if let Err(e) = frame::write_frame(s, &Frame::Ready) {
             self.unpublish(id);
             return Err(e);
         }
@@ -1027,14 +1028,14 @@ impl Inner {
             source: Arc::new(e),
         })?;
         let mut s = Deadlined::new(&s, deadline);
-        wire::write_frame(
+        frame::write_frame(
             &mut s,
             &Frame::Describe {
                 token: self.token().to_vec(),
                 session: p.remote_session,
             },
         )?;
-        let regions = match wire::read_frame(&mut s, self.config.handshake_max_bytes)? {
+        let regions = match frame::read_frame(&mut s, self.config.handshake_max_bytes)? {
             Frame::Regions(r) => r,
             Frame::Reject { reason } => return Err(HandshakeError::Rejected { reason }.into()),
             other => {
@@ -1289,7 +1290,7 @@ fn listen_loop(listener: TcpListener, inner: Weak<Inner>) {
 }
 
 fn reject(s: &mut Deadlined<'_>, reason: &str) -> Result<(), HandshakeError> {
-    wire::write_frame(
+    frame::write_frame(
         s,
         &Frame::Reject {
             reason: reason.into(),

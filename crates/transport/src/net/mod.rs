@@ -3,3 +3,4 @@
 
 pub(crate) mod admission;
 pub(crate) mod deadline;
+pub(crate) mod frame;

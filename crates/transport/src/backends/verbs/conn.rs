@@ -15,7 +15,9 @@ use super::qp::{
 };
 use crate::contract::{BatchState, NotifySink, Reaper, RunCell};
 use crate::core::batch::NotifyGate;
+use crate::core::health::{self, Verdict};
 use crate::core::slice::{Dir, PlanOp, PlannedWr, WrQueue, Wrs, plan_wrs, stripe};
+use crate::core::wait::ENGINE_REAP_EVERY;
 use crate::core::window::{
     Group, InFlight, SEQ_MASK, WrKind, decode_wr_id, encode_wr_id, is_signaled,
 };
@@ -291,20 +293,6 @@ impl QpSlot {
         w.1.elapsed()
     }
 }
-
-/// Every this many reaping rounds, a thread waiting on one connection reaps the engine's.
-const ENGINE_REAP_EVERY: u32 = 64;
-
-/// A QP with WRs outstanding and no progress for this long counts as a dead peer.
-/// Hardware reports a dead peer itself (RETRY_EXC_ERR after `(retry_cnt + 1) x 4.096 us x
-/// 2^timeout` = 8 x 67 ms with our attributes); rxe on kernel 6.1 never completes WRs to
-/// a destroyed QP, so without this watchdog the connection would only time out batch by
-/// batch.
-pub(crate) const STALL_TIMEOUT: Duration = Duration::from_secs(5);
-
-/// QP 0 of a connection idle this long gets a heartbeat (a zero-length WRITE): RC has no
-/// keepalive, so without one a side that only receives never learns that its peer died.
-pub(crate) const HEARTBEAT_IDLE: Duration = Duration::from_secs(2);
 
 pub(crate) struct VerbsConn {
     qps: Vec<QpSlot>,
@@ -1133,9 +1121,9 @@ impl VerbsConn {
 
     /// Queries each QP's real state (the cached one misses async errors); a QP in ERR breaks
     /// the connection, and so does a QP whose outstanding WRs made no progress for
-    /// [`STALL_TIMEOUT`]. QPs busy posting are skipped this round (a post in progress is
+    /// [`STALL_TIMEOUT`](health::STALL_TIMEOUT). QPs busy posting are skipped this round (a post in progress is
     /// progress: rxe moves the data inside the post call). A connection whose QP 0 has
-    /// been idle for [`HEARTBEAT_IDLE`] gets a heartbeat there, so a side that only
+    /// been idle for [`HEARTBEAT_IDLE`](health::HEARTBEAT_IDLE) gets a heartbeat there, so a side that only
     /// receives still learns that its peer died.
     pub fn health_check(&self) {
         if self.is_broken() {
@@ -1158,7 +1146,8 @@ impl VerbsConn {
             }
             let outstanding = slot.outstanding();
             let idle = slot.idle();
-            if outstanding > 0 && idle > STALL_TIMEOUT {
+            let verdict = health::verdict(outstanding, idle, qi == 0);
+            if verdict == Verdict::Stalled {
                 drop(qp);
                 self.break_conn(Error::peer_gone(
                     self.peer,
@@ -1170,9 +1159,7 @@ impl VerbsConn {
                 ));
                 return;
             }
-            if qi == 0
-                && outstanding == 0
-                && idle >= HEARTBEAT_IDLE
+            if verdict == Verdict::Heartbeat
                 && self.deferred.is_empty()
                 && let Err(e) = self.post_heartbeat(&mut qp)
             {

@@ -15,6 +15,8 @@ use super::conn::{ConnCfg, TagSink, VerbsConn, recv_wr_id};
 use super::device::{OpenDevice, open, verbs_err};
 use super::qp::{LocalPath, RcQp, RemoteQp};
 use crate::contract::Reaper;
+use crate::core::health::{self, HEALTH_CLOCK_EVERY, HEALTH_EVERY};
+use crate::core::wait::{CALLER_NAP, SPIN_ROUNDS, idle_nap, next_caller_nap};
 use crate::core::window::MAX_QPS;
 use crate::error::{Error, HandshakeError};
 use crate::types::{PeerId, ProgressMode};
@@ -541,27 +543,6 @@ fn registration_error(
 /// entry.
 const MAX_RD_ATOMIC: u8 = 16;
 
-/// Idle rounds that only spin (`spin_loop`) before the hot loop yields the CPU every round.
-const SPIN_ROUNDS: u32 = 16;
-
-/// How long the completion thread first naps while callers reap completions themselves;
-/// each further nap in a row doubles, up to [`CALLER_NAP_MAX`].
-pub(crate) const CALLER_NAP: Duration = Duration::from_millis(2);
-
-/// The longest such nap. Each wake-up preempts a spinning caller on a small host (the 99th
-/// percentile of a ping-pong on 2 vCPUs fell from about 420 to 160 us with 50 ms naps
-/// instead of 2 ms). While callers reap they also reap the whole engine regularly, so
-/// what a longer nap delays is only work that completes after the last caller stopped,
-/// by at most this long.
-const CALLER_NAP_MAX: Duration = Duration::from_millis(16);
-
-/// How often the completion thread queries the real QP states.
-const HEALTH_EVERY: Duration = Duration::from_millis(50);
-
-/// Manual progress: engine-wide caller rounds between two clock reads for the health
-/// checks (a clock read is about as dear as the round itself under TCG).
-const HEALTH_CLOCK_EVERY: u32 = 16;
-
 /// The completion thread. While a caller reaps completions itself (busy-polling in
 /// `TransferHandle::wait` or `Engine::poll_notification`, or since the last round through
 /// `try_notification` or a poster waiting for window room), it steps aside: it naps for
@@ -599,7 +580,7 @@ fn completion_loop(shared: &PollerShared) {
     };
     while !shared.stop.load(Ordering::Acquire) {
         let now = Instant::now();
-        let health_due = now.duration_since(last_health) >= HEALTH_EVERY;
+        let health_due = health::due(now.duration_since(last_health));
         let callers = wake.callers.load(Ordering::Acquire);
         if wake.waiters.load(Ordering::Acquire) > 0 || callers != seen_callers {
             // Callers reap: touch nothing they use (the connection list, the CQs) except
@@ -615,7 +596,7 @@ fn completion_loop(shared: &PollerShared) {
             }
             wake.state.store(THREAD_YIELDING, Ordering::Release);
             std::thread::park_timeout(caller_nap);
-            caller_nap = (caller_nap * 2).min(CALLER_NAP_MAX);
+            caller_nap = next_caller_nap(caller_nap);
             wake.state.store(THREAD_HOT, Ordering::Release);
             // Callers may have stopped with work outstanding: the next rounds are hot.
             last_active = Instant::now();
@@ -657,15 +638,13 @@ fn completion_loop(shared: &PollerShared) {
             }
             continue;
         }
-        let step = naps.min(5);
+        let nap = idle_nap(naps);
         naps = naps.saturating_add(1);
         wake.state.store(THREAD_IDLE, Ordering::Release);
         // A post between the last check and the store above would be missed until the
         // nap ends; re-check it now that kickers can see the idle state.
         if wake.posts.load(Ordering::Acquire) == seen_posts {
-            std::thread::park_timeout(
-                Duration::from_micros(50u64 << step).min(Duration::from_millis(1)),
-            );
+            std::thread::park_timeout(nap);
         }
         wake.state.store(THREAD_HOT, Ordering::Release);
     }

@@ -352,7 +352,7 @@ fn rxe_peer_destroyed_qps_fail_the_batch() {
         "{err}"
     );
     assert!(
-        dt < super::conn::STALL_TIMEOUT + Duration::from_secs(2),
+        dt < crate::core::health::STALL_TIMEOUT + Duration::from_secs(2),
         "{dt:?}"
     );
     assert!(ab.is_broken());
@@ -390,7 +390,9 @@ fn rxe_receive_only_side_learns_of_peer_death() {
     ba.close(Error::Shutdown);
     drop(ba);
     let t0 = Instant::now();
-    let limit = super::conn::HEARTBEAT_IDLE + super::conn::STALL_TIMEOUT + Duration::from_secs(3);
+    let limit = crate::core::health::HEARTBEAT_IDLE
+        + crate::core::health::STALL_TIMEOUT
+        + Duration::from_secs(3);
     while !ab.is_broken() {
         assert!(
             t0.elapsed() < limit,
