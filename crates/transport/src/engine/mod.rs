@@ -24,7 +24,7 @@ use crate::contract::{
 };
 use crate::core::batch::{Batch, BatchState};
 use crate::core::registry::{Chunk, InsertPlan, RegionInfo, Registry, RemoteTable};
-use crate::core::resolve::{ResolvedOp, ResolvedOps};
+use crate::core::resolve::{self, ResolvedOps};
 use crate::core::wait::Yield;
 use crate::core::wire::{EndpointInfo, Frame, Hello, Welcome};
 use crate::error::{Error, HandshakeError, PeerFault, Result};
@@ -1128,64 +1128,7 @@ impl Inner {
             ));
         }
         let table = p.table();
-        let mut pins = crate::core::batch::Pins::new();
-        let mut resolved = ResolvedOps::with_capacity(batch.ops.len());
-        let mut bytes = 0u64;
-        for o in &batch.ops {
-            let (need_local, need_remote) = match o.op {
-                Op::Write => (Access::NONE, Access::REMOTE_WRITE),
-                Op::Read => (Access::LOCAL_WRITE, Access::REMOTE_READ),
-            };
-            crate::core::registry::checked_end(o.remote, o.len)?;
-            let local_end = crate::core::registry::checked_end(o.local, o.len)?;
-            // A batch's ops nearly always lie in a region it pinned already (one KV pool):
-            // reuse that pin rather than a registry lookup and a pin/unpin per op.
-            let held = pins.iter().position(|p| {
-                let r = p.region();
-                r.addr <= o.local && local_end <= r.addr + r.len && r.access.contains(need_local)
-            });
-            let i = match held {
-                Some(i) => i,
-                None => {
-                    pins.push(self.registry.pin(o.local, o.len, need_local)?);
-                    pins.len() - 1
-                }
-            };
-            let region = pins[i].region();
-            let mut off = 0u64;
-            while off < o.len {
-                let l = o.local + off;
-                let r = o.remote + off;
-                let lc = region.chunk_at(l).ok_or_else(|| Error::Unregistered {
-                    addr: o.local,
-                    len: o.len,
-                })?;
-                let rr = table.at(r).ok_or_else(|| Error::RemoteOutOfBounds {
-                    peer,
-                    addr: o.remote,
-                    len: o.len,
-                })?;
-                if !rr.access.contains(need_remote) {
-                    return Err(Error::RemotePermission {
-                        peer,
-                        addr: o.remote,
-                        len: o.len,
-                        needed: need_remote,
-                    });
-                }
-                let n = (o.len - off).min(lc.addr + lc.len - l).min(rr.end() - r);
-                resolved.push(ResolvedOp {
-                    op: o.op,
-                    local: l,
-                    lkey: lc.lkey,
-                    remote: r,
-                    rkey: rr.rkey,
-                    len: n,
-                });
-                off += n;
-            }
-            bytes += o.len;
-        }
+        let (pins, resolved, bytes) = resolve::resolve(&self.registry, &table, peer, &batch.ops)?;
         Ok((p, pins, resolved, bytes))
     }
 
