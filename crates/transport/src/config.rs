@@ -24,7 +24,7 @@
 //! | `PAGEWIRE_HANDSHAKE_TIMEOUT_MS` | `handshake_timeout` | `5000` | connect + handshake deadline |
 //! | `PAGEWIRE_BATCH_TIMEOUT_MS` | `batch_timeout` | `30000` | default batch deadline |
 //! | `PAGEWIRE_IO_TIMEOUT_MS` | `io_timeout` | `10000` | TCP data-stream read/write timeout |
-//! | `PAGEWIRE_PROGRESS` | `progress` | `auto` | verbs: `auto` (a completion thread reaps whatever callers leave) or `manual` (only callers reap: waits, `Engine::progress`) |
+//! | `PAGEWIRE_PROGRESS` | `progress` | `auto` | verbs: `auto` (a completion thread reaps whatever callers leave) or `manual` (only callers reap: waits, `Engine::reap`) |
 //! | `PAGEWIRE_NOTIFY_QUEUE` | `notify_queue` | `65536` | most notifications queued for the application (1..=16M); at the bound a notification is dropped, counted, and its peer's connection broken |
 //! | `PAGEWIRE_POLL_SPIN_US` | `poll_spin` | `5000` | verbs: completion thread keeps polling this long after the last post or completion; a waiting caller busy-polls this long without a completion before it blocks (0..=10 s) |
 //!

@@ -218,7 +218,7 @@ pub(crate) trait Backend: Send + Sync + 'static {
     /// Releases one registration.
     fn deregister(&self, mr: MrHandle);
     /// Builds the local half of a new connection and its part of the handshake.
-    fn prepare(&self) -> Result<(Box<dyn PendingConn>, EndpointInfo), Error>;
+    fn prepare_conn(&self) -> Result<(Box<dyn PendingConn>, EndpointInfo), Error>;
     /// Stops background threads; called once when the engine shuts down.
     fn shutdown(&self) {}
     /// The handle through which a waiting thread reaps completions itself, for backends
@@ -246,7 +246,7 @@ pub(crate) trait Conn: Send + Sync {
     fn post(&self, batch: BatchState, ops: ResolvedOps, notify: Option<u32>) -> Result<(), Error>;
     /// A fast lane for a prepared batch of these (validated) ops, if this backend has one
     /// for them; `None`: each run is re-submitted through [`Conn::post`].
-    fn prepare_lane(&self, _req: LaneRequest<'_>) -> Option<Box<dyn PreparedLane>> {
+    fn prepare_fast_path(&self, _req: FastPathRequest<'_>) -> Option<Box<dyn FastPath>> {
         None
     }
     /// Whether the connection failed (peer gone, QP in error).
@@ -261,7 +261,7 @@ pub(crate) trait Conn: Send + Sync {
 }
 
 /// A backend's fast lane for one prepared batch (verbs: one chain on one QP).
-pub(crate) trait PreparedLane: Send + Sync {
+pub(crate) trait FastPath: Send + Sync {
     /// Posts one run without waiting; `tag` is the notification's immediate, if the batch
     /// has one. The run reports into the [`RunCell`] the lane was built with. `Err`:
     /// nothing was posted, or the connection broke while posting.
@@ -273,8 +273,66 @@ pub(crate) trait PreparedLane: Send + Sync {
 
 /// What [`Engine::prepare`](crate::Engine::prepare) hands a backend to build a lane from.
 #[cfg_attr(not(feature = "verbs"), allow(dead_code))] // only verbs builds lanes
-pub(crate) struct LaneRequest<'a> {
+pub(crate) struct FastPathRequest<'a> {
     pub ops: &'a ResolvedOps,
     pub notify: Option<u32>,
     pub cell: &'a Arc<RunCell>,
+}
+
+/// Where a backend reports a batch's outcome: the core's [`BatchState`] (a plain recorder
+/// in the verbs-layer tests, the connection's own probe and heartbeat WRs).
+pub(crate) trait BatchSink: Send + Sync {
+    /// `wrs` more WRs carrying `bytes` have completed locally.
+    fn on_acked(&self, wrs: usize, bytes: u64);
+    /// The batch failed; called at most once per batch.
+    fn fail(&self, err: Error);
+    /// Every WR (and the notification, if any) completed successfully; at most once.
+    fn complete(&self);
+    /// Whether posting the rest is pointless (cancelled, failed, past its deadline).
+    fn should_stop(&self) -> bool {
+        false
+    }
+    /// [`Self::should_stop`] without reading the clock (cancelled, failed or done); the
+    /// engine core expires a batch whose deadline passed before submission itself.
+    fn is_stopped(&self) -> bool {
+        false
+    }
+    /// Whether cutting this batch short loses work someone asked for. The connection's
+    /// own WRs (heartbeat, connect-time probe) do not: a close that flushes only those is
+    /// a clean close.
+    fn is_user_work(&self) -> bool {
+        true
+    }
+}
+
+impl BatchSink for BatchState {
+    fn on_acked(&self, wrs: usize, bytes: u64) {
+        self.add_progress(wrs, bytes);
+    }
+    fn fail(&self, err: Error) {
+        BatchState::fail(self, err);
+    }
+    fn complete(&self) {
+        self.succeed(Instant::now());
+    }
+    fn should_stop(&self) -> bool {
+        BatchState::should_stop(self, Instant::now())
+    }
+    fn is_stopped(&self) -> bool {
+        BatchState::is_stopped(self)
+    }
+}
+
+/// Where a backend delivers the tags of incoming notifications (the engine's
+/// [`NotifySink`]).
+pub(crate) trait TagSink: Send + Sync {
+    /// `bytes` is the length of the WRITE_WITH_IMM that carried the tag. `false`: the
+    /// tag was dropped (the engine's queue is full) and the connection must break.
+    fn notify(&self, tag: u32, bytes: u32) -> bool;
+}
+
+impl TagSink for NotifySink {
+    fn notify(&self, tag: u32, _bytes: u32) -> bool {
+        NotifySink::notify(self, tag)
+    }
 }

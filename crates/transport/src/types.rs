@@ -217,7 +217,7 @@ pub enum ProgressMode {
     Auto,
     /// No completion thread: completions, notifications and the connection health checks
     /// move only while the application is inside the engine (a `wait`, `try_wait`,
-    /// `poll_notification`, `try_notification`, or [`crate::Engine::progress`]). For
+    /// `poll_notification`, `try_notification`, or [`crate::Engine::reap`]). For
     /// loops that poll anyway, like perftest's: no second thread competes for the cores
     /// or wakes up under the caller. A [`crate::TransferHandle::status`] or a blocking
     /// receive on [`crate::Engine::notifications`] alone does not reap. Both ends need

@@ -94,7 +94,7 @@ impl Backend for LoopbackBackend {
 
     fn deregister(&self, _mr: MrHandle) {}
 
-    fn prepare(&self) -> Result<(Box<dyn PendingConn>, EndpointInfo)> {
+    fn prepare_conn(&self) -> Result<(Box<dyn PendingConn>, EndpointInfo)> {
         let conn = self.next_conn.fetch_add(1, Ordering::Relaxed);
         let ep = EndpointInfo::Loopback {
             engine_id: self.engine_id,

@@ -132,7 +132,7 @@ struct Inner {
     config: Arc<EngineConfig>,
     backend: Arc<dyn Backend>,
     /// Caller-side completion reaping (verbs), for batch waits and notifications.
-    progress: Option<Arc<dyn Reaper>>,
+    reaper: Option<Arc<dyn Reaper>>,
     info: BackendInfo,
     registry: Arc<Registry>,
     peers: RwLock<PeerMap<Arc<Peer>>>,
@@ -221,12 +221,12 @@ impl Engine {
         }
         let (notify_tx, notify_rx) = crossbeam_channel::unbounded();
         let (accept_tx, accept_rx) = crossbeam_channel::unbounded();
-        let progress = backend.reaper();
+        let reaper = backend.reaper();
         let inner = Arc::new(Inner {
             id,
             config,
             backend,
-            progress,
+            reaper,
             info,
             registry,
             peers: RwLock::new(PeerMap::default()),
@@ -374,7 +374,7 @@ impl Engine {
         loop {
             match self.deregister(id) {
                 Err(Error::RegionBusy { .. }) if Instant::now() < deadline => {
-                    if self.progress() == 0 {
+                    if self.reap() == 0 {
                         std::thread::sleep(Duration::from_millis(1));
                     }
                 }
@@ -554,7 +554,7 @@ impl Engine {
     /// reaping, with naps of up to 1 ms).
     pub fn poll_notification(&self, deadline: Instant) -> Option<Notification> {
         let rx = &self.inner.notify_rx;
-        if let Some(p) = &self.inner.progress {
+        if let Some(p) = &self.inner.reaper {
             // This thread reaps: a tag it reaps itself comes straight to it (`NotifyWait`).
             let wait = NotifyWait::enter(self.inner.id, &self.inner.notify_tx);
             // `is_empty` first: most rounds of a wait find the queue empty, and it reads
@@ -589,7 +589,7 @@ impl Engine {
         if let Ok(n) = rx.try_recv() {
             return Some(n);
         }
-        if let Some(p) = &self.inner.progress {
+        if let Some(p) = &self.inner.reaper {
             p.poll_once();
         }
         rx.try_recv().ok()
@@ -601,8 +601,14 @@ impl Engine {
     /// application that is not inside a wait calls this to move batches and notifications
     /// along; under auto progress it is optional. 0 on TCP and loopback, whose threads
     /// move their bytes themselves.
+    pub fn reap(&self) -> usize {
+        self.inner.reaper.as_ref().map_or(0, |p| p.poll_once())
+    }
+
+    /// The old name of [`Engine::reap`].
+    #[deprecated(since = "0.1.0", note = "renamed to `Engine::reap`")]
     pub fn progress(&self) -> usize {
-        self.inner.progress.as_ref().map_or(0, |p| p.poll_once())
+        self.reap()
     }
 
     /// The notification queue itself (for `select!` with other channels). Every clone
@@ -763,7 +769,7 @@ impl Inner {
         })?;
         let _ = s.set_nodelay(true);
         let mut s = Deadlined::new(&s, deadline);
-        let (pending, ep) = self.backend.prepare()?;
+        let (pending, ep) = self.backend.prepare_conn()?;
         let local_session = random_u64();
         let hello = Frame::Hello(Hello {
             token: self.token().to_vec(),
@@ -937,7 +943,7 @@ impl Inner {
         }
         // Reasons sent to the client are fixed texts: what failed inside stays in our log
         // (the error returned here), not in a stranger's hands.
-        let (pending, ep) = match self.backend.prepare() {
+        let (pending, ep) = match self.backend.prepare_conn() {
             Ok(x) => x,
             Err(e) => {
                 let _ = reject(s, "connection setup failed");
@@ -1069,7 +1075,7 @@ impl Inner {
             now,
             deadline,
             pins,
-            self.progress.clone(),
+            self.reaper.clone(),
         );
         // A deadline that has already passed fails the batch before anything is posted
         // (backends check `is_stopped` before their first post, without a clock read).
@@ -1102,7 +1108,7 @@ impl Inner {
             resolved,
             pins,
             Arc::clone(&p.conn),
-            self.progress.clone(),
+            self.reaper.clone(),
         ))
     }
 

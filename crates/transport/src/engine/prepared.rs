@@ -53,7 +53,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::contract::{Conn, LaneRequest, PreparedLane, Reaper};
+use crate::contract::{Conn, FastPath, FastPathRequest, Reaper};
 use crate::core::batch::{BatchState, BatchStatus, Pins};
 use crate::core::resolve::ResolvedOps;
 use crate::core::run::RunCell;
@@ -64,45 +64,45 @@ use crate::error::{Error, Result};
 use crate::types::PeerId;
 
 /// Reaps through a lane while the engine's progress handle accounts for the waiter.
-struct LaneProgress<'a> {
-    lane: &'a dyn PreparedLane,
-    engine: &'a dyn Reaper,
+struct FastPathReaper<'a> {
+    lane: &'a dyn FastPath,
+    engine_reaper: &'a dyn Reaper,
 }
 
-impl std::fmt::Debug for LaneProgress<'_> {
+impl std::fmt::Debug for FastPathReaper<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("LaneProgress")
+        f.write_str("FastPathReaper")
     }
 }
 
-impl Reaper for LaneProgress<'_> {
+impl Reaper for FastPathReaper<'_> {
     fn poll_once(&self) -> usize {
         self.lane.poll()
     }
     fn set_waiting(&self, on: bool) {
-        self.engine.set_waiting(on);
+        self.engine_reaper.set_waiting(on);
     }
     fn spin_budget(&self) -> Duration {
-        self.engine.spin_budget()
+        self.engine_reaper.spin_budget()
     }
     fn callers_only(&self) -> bool {
-        self.engine.callers_only()
+        self.engine_reaper.callers_only()
     }
 }
 
 enum Path {
     /// The backend posts and reaps the prepared WRs itself.
     Lane {
-        lane: Box<dyn PreparedLane>,
+        lane: Box<dyn FastPath>,
         cell: Arc<RunCell>,
-        progress: Arc<dyn Reaper>,
+        reaper: Arc<dyn Reaper>,
     },
     /// Each run is an ordinary batch of the already validated ops.
     Resubmit {
         conn: Arc<dyn Conn>,
         ops: ResolvedOps,
         cell: Arc<RunCell>,
-        progress: Option<Arc<dyn Reaper>>,
+        reaper: Option<Arc<dyn Reaper>>,
         handle: Option<TransferHandle>,
     },
 }
@@ -146,28 +146,24 @@ impl PreparedBatch {
         resolved: ResolvedOps,
         pins: Pins,
         conn: Arc<dyn Conn>,
-        progress: Option<Arc<dyn Reaper>>,
+        reaper: Option<Arc<dyn Reaper>>,
     ) -> Self {
         let cell = Arc::new(RunCell::new(pins));
-        let lane = progress.clone().and_then(|progress| {
-            conn.prepare_lane(LaneRequest {
+        let lane = reaper.clone().and_then(|reaper| {
+            conn.prepare_fast_path(FastPathRequest {
                 ops: &resolved,
                 notify,
                 cell: &cell,
             })
-            .map(|lane| (lane, progress))
+            .map(|lane| (lane, reaper))
         });
         let path = match lane {
-            Some((lane, progress)) => Path::Lane {
-                lane,
-                cell,
-                progress,
-            },
+            Some((lane, reaper)) => Path::Lane { lane, cell, reaper },
             None => Path::Resubmit {
                 conn,
                 ops: resolved,
                 cell,
-                progress,
+                reaper,
                 handle: None,
             },
         };
@@ -241,7 +237,7 @@ impl PreparedBatch {
                 conn,
                 ops,
                 cell,
-                progress,
+                reaper,
                 handle,
             } => {
                 let now = Instant::now();
@@ -254,7 +250,7 @@ impl PreparedBatch {
                     now,
                     now + self.timeout,
                     Pins::new(),
-                    progress.clone(),
+                    reaper.clone(),
                 )
                 .keeping(Arc::clone(cell));
                 // As `submit`: a run whose deadline has already passed is not posted.
@@ -278,11 +274,7 @@ impl PreparedBatch {
             return Ok(());
         }
         let r = match &self.path {
-            Path::Lane {
-                lane,
-                cell,
-                progress,
-            } => wait_lane(&**lane, cell, &**progress, deadline),
+            Path::Lane { lane, cell, reaper } => wait_lane(&**lane, cell, &**reaper, deadline),
             Path::Resubmit { handle, .. } => match handle {
                 Some(h) => h.wait(deadline).map(|_| ()),
                 None => Ok(()),
@@ -303,8 +295,8 @@ impl PreparedBatch {
         let r = match &self.path {
             // Engine-wide: a caller spinning here makes the completion thread step
             // aside, so this round must also reap what nobody else waits for.
-            Path::Lane { cell, progress, .. } => cell.outcome().or_else(|| {
-                progress.poll_once();
+            Path::Lane { cell, reaper, .. } => cell.outcome().or_else(|| {
+                reaper.poll_once();
                 cell.outcome()
             }),
             Path::Resubmit { handle, .. } => match handle.as_ref().map(TransferHandle::status) {
@@ -322,12 +314,15 @@ impl PreparedBatch {
 }
 
 fn wait_lane(
-    lane: &dyn PreparedLane,
+    lane: &dyn FastPath,
     cell: &RunCell,
     engine: &dyn Reaper,
     deadline: Instant,
 ) -> Result<()> {
-    let p = LaneProgress { lane, engine };
+    let p = FastPathReaper {
+        lane,
+        engine_reaper: engine,
+    };
     let since = match busy_poll_since(&p, deadline, Yield::Often, || cell.outcome()) {
         Ok(r) => return r,
         Err(first_clock) => first_clock.unwrap_or_else(Instant::now),
@@ -377,7 +372,7 @@ mod tests {
 
     struct Lane;
 
-    impl PreparedLane for Lane {
+    impl FastPath for Lane {
         fn start(&self, _tag: Option<u32>) -> Result<()> {
             Ok(())
         }

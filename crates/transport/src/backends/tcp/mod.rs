@@ -282,7 +282,7 @@ impl Backend for TcpBackend {
 
     fn deregister(&self, _mr: MrHandle) {}
 
-    fn prepare(&self) -> Result<(Box<dyn PendingConn>, EndpointInfo)> {
+    fn prepare_conn(&self) -> Result<(Box<dyn PendingConn>, EndpointInfo)> {
         let session = Arc::new(Session {
             id: random_u64(),
             sink: OnceLock::new(),

@@ -9,11 +9,11 @@ use std::time::{Duration, Instant};
 use sideway::ibverbs::completion::BasicCompletionQueue;
 use sideway::ibverbs::queue_pair::QueuePairState;
 
-use super::engine::{PollWake, PollerShared};
+use super::poller::{PollWake, PollerShared};
 use super::qp::{
     POLL_BATCH, RcQp, WC_RECV_RDMA_WITH_IMM, WC_SUCCESS, Wc, WrSpec, poll_cq, wc_status_name,
 };
-use crate::contract::{BatchState, NotifySink, Reaper, RunCell};
+use crate::contract::{BatchSink, BatchState, Reaper, RunCell, TagSink};
 use crate::core::batch::NotifyGate;
 use crate::core::health::{self, Verdict};
 use crate::core::slice::{Dir, PlanOp, PlannedWr, WrQueue, Wrs, plan_wrs, stripe};
@@ -24,50 +24,6 @@ use crate::core::window::{
 use crate::error::{Error, PeerFault};
 use crate::types::PeerId;
 use crate::util::lock;
-
-/// Where a batch's progress goes (the engine core's [`BatchState`]; a plain recorder in
-/// the verbs-layer tests).
-pub(crate) trait BatchSink: Send + Sync {
-    /// `wrs` more WRs carrying `bytes` have completed locally.
-    fn progress(&self, wrs: usize, bytes: u64);
-    /// The batch failed; called at most once per batch.
-    fn fail(&self, err: Error);
-    /// Every WR (and the notification, if any) completed successfully; at most once.
-    fn complete(&self);
-    /// Whether posting the rest is pointless (cancelled, failed, past its deadline).
-    fn should_stop(&self) -> bool {
-        false
-    }
-    /// [`Self::should_stop`] without reading the clock (cancelled, failed or done); the
-    /// engine core expires a batch whose deadline passed before submission itself.
-    fn is_stopped(&self) -> bool {
-        false
-    }
-    /// Whether cutting this batch short loses work someone asked for. The connection's
-    /// own WRs (heartbeat, connect-time probe) do not: a close that flushes only those is
-    /// a clean close.
-    fn is_user_work(&self) -> bool {
-        true
-    }
-}
-
-impl BatchSink for BatchState {
-    fn progress(&self, wrs: usize, bytes: u64) {
-        self.add_progress(wrs, bytes);
-    }
-    fn fail(&self, err: Error) {
-        BatchState::fail(self, err);
-    }
-    fn complete(&self) {
-        self.succeed(Instant::now());
-    }
-    fn should_stop(&self) -> bool {
-        BatchState::should_stop(self, Instant::now())
-    }
-    fn is_stopped(&self) -> bool {
-        BatchState::is_stopped(self)
-    }
-}
 
 /// A prepared batch's lane: its WRs, planned once and posted as one chain on QP 0 per
 /// run, in window space lent to it for its lifetime (see [`VerbsConn::prepare_lane`]).
@@ -114,19 +70,6 @@ impl Lanes {
         if self.slots.get_mut(i).and_then(Option::take).is_some() {
             self.free.push(i);
         }
-    }
-}
-
-/// Where `(peer, tag)` notifications of incoming WRITE_WITH_IMM go.
-pub(crate) trait TagSink: Send + Sync {
-    /// `bytes` is the length of the WRITE_WITH_IMM that carried the tag. `false`: the
-    /// tag was dropped (the engine's queue is full) and the connection must break.
-    fn notify(&self, tag: u32, bytes: u32) -> bool;
-}
-
-impl TagSink for NotifySink {
-    fn notify(&self, tag: u32, _bytes: u32) -> bool {
-        NotifySink::notify(self, tag)
     }
 }
 
@@ -256,7 +199,7 @@ struct QpSlot {
     recv_owed: AtomicU64,
     /// Bumped whenever this QP's send queue makes progress (a post returned, a CQE retired
     /// WRs): one atomic add on the data path instead of a clock read under a lock.
-    progress: AtomicU64,
+    activity: AtomicU64,
     /// WRs of lane runs in flight (QP 0 only): lanes post outside `track`.
     lane_wrs: AtomicU32,
     /// The health check's view of `progress`: the value it last saw, and when it saw it
@@ -274,8 +217,8 @@ impl QpSlot {
         }
     }
 
-    fn progressed(&self) {
-        self.progress.fetch_add(1, Ordering::Release);
+    fn record_activity(&self) {
+        self.activity.fetch_add(1, Ordering::Release);
     }
 
     /// WRs posted and not yet completed: batches' and lanes'.
@@ -285,7 +228,7 @@ impl QpSlot {
 
     /// How long `progress` has not moved, as far as the health check has seen.
     fn idle(&self) -> Duration {
-        let seen = self.progress.load(Ordering::Acquire);
+        let seen = self.activity.load(Ordering::Acquire);
         let mut w = lock(&self.watch);
         if w.0 != seen {
             *w = (seen, Instant::now());
@@ -319,7 +262,7 @@ pub(crate) struct VerbsConn {
     poller: Arc<PollWake>,
     /// The engine's connections, reaped now and then by a thread that waits on this one
     /// (see [`Self::reap_waiting`]).
-    engine: Weak<PollerShared>,
+    engine_reaper: Weak<PollerShared>,
     label: String,
 }
 
@@ -355,7 +298,7 @@ impl VerbsConn {
                     qp: Mutex::new(q),
                     recv_seq: AtomicU64::new(u64::from(cfg.recv_depth)),
                     recv_owed: AtomicU64::new(0),
-                    progress: AtomicU64::new(0),
+                    activity: AtomicU64::new(0),
                     lane_wrs: AtomicU32::new(0),
                     watch: Mutex::new((0, Instant::now())),
                     errored: AtomicBool::new(false),
@@ -376,7 +319,7 @@ impl VerbsConn {
             lanes: Mutex::default(),
             reaping: Mutex::new(ReapScratch::default()),
             poller: Arc::default(),
-            engine: Weak::new(),
+            engine_reaper: Weak::new(),
             label,
         }
     }
@@ -385,7 +328,7 @@ impl VerbsConn {
     /// one nobody waits on.
     pub fn with_poller(mut self, engine: &Arc<PollerShared>) -> Self {
         self.poller = Arc::clone(&engine.wake);
-        self.engine = Arc::downgrade(engine);
+        self.engine_reaper = Arc::downgrade(engine);
         self
     }
 
@@ -398,7 +341,7 @@ impl VerbsConn {
     /// as long as this thread waits (a large transfer: seconds).
     pub fn reap_waiting(&self, round: u32, send_only: bool) -> usize {
         if round % ENGINE_REAP_EVERY == ENGINE_REAP_EVERY - 1
-            && let Some(e) = self.engine.upgrade()
+            && let Some(e) = self.engine_reaper.upgrade()
         {
             return e.poll_once();
         }
@@ -470,7 +413,12 @@ impl VerbsConn {
     /// no READ before a notification (the notification rides on the chain's last WRITE,
     /// which RC orders after the WRITEs before it on the same QP, but not after READ
     /// responses). `None`: re-submit it as ordinary batches.
-    pub fn prepare_lane<I>(&self, ops: I, notify: bool, cell: Arc<RunCell>) -> Option<LaneChain>
+    pub fn prepare_fast_path<I>(
+        &self,
+        ops: I,
+        notify: bool,
+        cell: Arc<RunCell>,
+    ) -> Option<LaneChain>
     where
         I: IntoIterator,
         I::Item: std::borrow::Borrow<PlanOp>,
@@ -531,7 +479,7 @@ impl VerbsConn {
             self.break_conn(e.clone());
             return Err(e);
         }
-        slot.progressed();
+        slot.record_activity();
         // A break that raced with this post (after the check above) may have missed the
         // run; the QP is in ERR, so fail it here rather than wait for a flush.
         if self.is_broken() {
@@ -558,10 +506,10 @@ impl VerbsConn {
             drop(lanes);
             lock(&slot.track).give_back(n);
             slot.lane_wrs.fetch_sub(n, Ordering::AcqRel);
-            slot.progressed();
+            slot.record_activity();
         } else {
             slot.lane_wrs.fetch_sub(n, Ordering::AcqRel);
-            slot.progressed();
+            slot.record_activity();
             l.cell.succeed();
         }
     }
@@ -749,7 +697,7 @@ impl VerbsConn {
         // region with in-flight batches is refused) until the batch is finished.
         unsafe { qp.post_chain(specs) }?;
         q.advance(n);
-        slot.progressed();
+        slot.record_activity();
         Ok(n)
     }
 
@@ -862,7 +810,7 @@ impl VerbsConn {
         );
         // SAFETY: forwarded from this fn's contract.
         unsafe { qp.post_chain(specs) }?;
-        slot.progressed();
+        slot.record_activity();
         Ok(true)
     }
 
@@ -1052,11 +1000,11 @@ impl VerbsConn {
         }
         let n = lock(&self.qps[qi].track).retire_through(seq, buf);
         if n > 0 {
-            self.qps[qi].progressed();
+            self.qps[qi].record_activity();
         }
         for g in buf.drain(..) {
             if !g.owner.done.load(Ordering::Acquire) {
-                g.owner.sink.progress(g.wrs as usize, g.bytes);
+                g.owner.sink.on_acked(g.wrs as usize, g.bytes);
             }
             self.release(&g.owner, u64::from(g.wrs));
         }
@@ -1207,7 +1155,7 @@ impl VerbsConn {
 struct Heartbeat;
 
 impl BatchSink for Heartbeat {
-    fn progress(&self, _wrs: usize, _bytes: u64) {}
+    fn on_acked(&self, _wrs: usize, _bytes: u64) {}
     fn fail(&self, _err: Error) {}
     fn complete(&self) {}
     fn is_user_work(&self) -> bool {
@@ -1228,7 +1176,7 @@ impl ProbeSink {
 }
 
 impl BatchSink for ProbeSink {
-    fn progress(&self, _wrs: usize, _bytes: u64) {}
+    fn on_acked(&self, _wrs: usize, _bytes: u64) {}
     fn fail(&self, err: Error) {
         lock(&self.outcome).get_or_insert(Err(err));
     }

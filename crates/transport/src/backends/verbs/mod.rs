@@ -12,8 +12,8 @@
 
 mod conn;
 mod device;
-mod engine;
 mod gid;
+mod poller;
 mod qp;
 #[cfg(test)]
 mod rxe_tests;
@@ -24,12 +24,12 @@ use std::sync::atomic::{AtomicU32, Ordering};
 pub use device::{NoRdma, RdmaDeviceInfo, RdmaPortInfo, host_rdma_missing, list_devices};
 pub use gid::{GidInfo, GidKind};
 
-use self::conn::{TagSink, VerbsConn};
-use self::engine::{PendingVerbs, VerbsEndpoint, VerbsEngine, VerbsMr, VerbsOptions};
+use self::conn::VerbsConn;
+use self::poller::{PendingVerbs, VerbsDevice, VerbsEndpoint, VerbsMr, VerbsOptions};
 use crate::config::EngineConfig;
 use crate::contract::{
-    Backend, BackendInfo, BatchState, Conn, ConnCtx, EndpointInfo, LaneRequest, PendingConn,
-    PreparedLane, QpInfo, Reaper, ResolvedOp, ResolvedOps,
+    Backend, BackendInfo, BatchState, Conn, ConnCtx, EndpointInfo, FastPath, FastPathRequest,
+    PendingConn, QpInfo, Reaper, ResolvedOp, ResolvedOps, TagSink,
 };
 use crate::core::slice::{Dir, PlanOp};
 use crate::error::{Error, HandshakeError, PeerFault};
@@ -40,7 +40,7 @@ use crate::types::{Access, BackendKind, MrHandle, Op, PeerId};
 /// no libibverbs gives [`Error::BackendUnavailable`], which `Auto` turns into a TCP
 /// fallback.
 pub(crate) fn open(config: &EngineConfig) -> Result<Arc<dyn Backend>, Error> {
-    let engine = VerbsEngine::open(VerbsOptions {
+    let engine = VerbsDevice::open(VerbsOptions {
         device: config.rdma_device.clone(),
         port: config.ib_port,
         gid_index: config.gid_index,
@@ -53,12 +53,12 @@ pub(crate) fn open(config: &EngineConfig) -> Result<Arc<dyn Backend>, Error> {
         poll_spin: config.poll_spin,
         progress: config.progress,
     })?;
-    Ok(Arc::new(VerbsBackend { engine }))
+    Ok(Arc::new(VerbsBackend { device: engine }))
 }
 
 #[derive(Debug)]
 struct VerbsBackend {
-    engine: Arc<VerbsEngine>,
+    device: Arc<VerbsDevice>,
 }
 
 impl VerbsBackend {
@@ -77,7 +77,7 @@ impl Backend for VerbsBackend {
     }
 
     fn info(&self) -> BackendInfo {
-        let e = &self.engine;
+        let e = &self.device;
         let d = &e.dev;
         BackendInfo {
             kind: BackendKind::Verbs,
@@ -106,7 +106,7 @@ impl Backend for VerbsBackend {
         // until deregistration (`HostBuffer` keep-alive or `register_raw`'s contract), and
         // drops the returned MR (deregistering it) before giving the memory back.
         let mr = unsafe {
-            self.engine.register(
+            self.device.register(
                 addr as u64,
                 len as u64,
                 access.contains(Access::REMOTE_WRITE),
@@ -127,7 +127,7 @@ impl Backend for VerbsBackend {
         // SAFETY: `Engine::register_dmabuf`'s contract: `fd` is a dma-buf whose range stays
         // allocated until the region is deregistered, which drops this MR first.
         let mr = unsafe {
-            self.engine.register_dmabuf(
+            self.device.register_dmabuf(
                 fd,
                 offset,
                 len as u64,
@@ -144,8 +144,8 @@ impl Backend for VerbsBackend {
         drop(mr);
     }
 
-    fn prepare(&self) -> Result<(Box<dyn PendingConn>, EndpointInfo), Error> {
-        let (pending, ep) = self.engine.prepare()?;
+    fn prepare_conn(&self) -> Result<(Box<dyn PendingConn>, EndpointInfo), Error> {
+        let (pending, ep) = self.device.prepare()?;
         let info = EndpointInfo::Verbs {
             gid: ep.gid,
             lid: ep.lid,
@@ -160,11 +160,11 @@ impl Backend for VerbsBackend {
     }
 
     fn reaper(&self) -> Option<Arc<dyn Reaper>> {
-        Some(self.engine.progress())
+        Some(self.device.progress())
     }
 
     fn shutdown(&self) {
-        self.engine.stop();
+        self.device.stop();
     }
 }
 
@@ -227,7 +227,7 @@ struct VerbsLane {
     polls: AtomicU32,
 }
 
-impl PreparedLane for VerbsLane {
+impl FastPath for VerbsLane {
     fn start(&self, tag: Option<u32>) -> Result<(), Error> {
         // sideway passes the immediate through as raw `__be32`: network order, as the
         // ordinary path sends it.
@@ -256,8 +256,8 @@ fn closed_as_gone(e: Error, peer: PeerId) -> Error {
 }
 
 impl Conn for VerbsPeerConn {
-    fn prepare_lane(&self, req: LaneRequest<'_>) -> Option<Box<dyn PreparedLane>> {
-        let chain = self.conn.prepare_lane(
+    fn prepare_fast_path(&self, req: FastPathRequest<'_>) -> Option<Box<dyn FastPath>> {
+        let chain = self.conn.prepare_fast_path(
             req.ops.iter().map(plan_op),
             req.notify.is_some(),
             Arc::clone(req.cell),

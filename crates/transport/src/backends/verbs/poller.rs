@@ -11,10 +11,11 @@ use sideway::ibverbs::completion::BasicCompletionQueue;
 use sideway::ibverbs::memory_region::MemoryRegion;
 use sideway::ibverbs::protection_domain::ProtectionDomain;
 
-use super::conn::{ConnCfg, TagSink, VerbsConn, recv_wr_id};
+use super::conn::{ConnCfg, VerbsConn, recv_wr_id};
 use super::device::{OpenDevice, open, verbs_err};
 use super::qp::{LocalPath, RcQp, RemoteQp};
 use crate::contract::Reaper;
+use crate::contract::TagSink;
 use crate::core::health::{self, HEALTH_CLOCK_EVERY, HEALTH_EVERY};
 use crate::core::wait::{CALLER_NAP, SPIN_ROUNDS, idle_nap, next_caller_nap};
 use crate::core::window::MAX_QPS;
@@ -204,7 +205,7 @@ impl PollWake {
 }
 
 /// Engine-wide verbs state.
-pub(crate) struct VerbsEngine {
+pub(crate) struct VerbsDevice {
     pub dev: OpenDevice,
     pub pd: Arc<ProtectionDomain>,
     pub opts: VerbsOptions,
@@ -215,9 +216,9 @@ pub(crate) struct VerbsEngine {
     conn_seq: AtomicU64,
 }
 
-impl std::fmt::Debug for VerbsEngine {
+impl std::fmt::Debug for VerbsDevice {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("VerbsEngine")
+        f.debug_struct("VerbsDevice")
             .field("dev", &self.dev)
             .field("opts", &self.opts)
             .finish_non_exhaustive()
@@ -229,7 +230,7 @@ const RECV_DEPTH: u32 = 64;
 /// WRs per doorbell at most.
 const CHAIN_MAX: u32 = 64;
 
-impl VerbsEngine {
+impl VerbsDevice {
     pub fn open(opts: VerbsOptions) -> Result<Arc<Self>, Error> {
         let dev = open(opts.device.as_deref(), opts.port, opts.gid_index)?;
         let pd = dev
@@ -395,7 +396,7 @@ impl VerbsEngine {
     }
 }
 
-impl VerbsEngine {
+impl VerbsDevice {
     /// Stops the completion thread (idempotent).
     pub fn stop(&self) {
         self.poller.stop.store(true, Ordering::Release);
@@ -409,7 +410,7 @@ impl VerbsEngine {
     }
 }
 
-impl Drop for VerbsEngine {
+impl Drop for VerbsDevice {
     fn drop(&mut self) {
         self.stop();
     }
@@ -417,7 +418,7 @@ impl Drop for VerbsEngine {
 
 /// QPs created and in INIT, waiting for the peer's half.
 pub(crate) struct PendingVerbs {
-    engine: Arc<VerbsEngine>,
+    engine: Arc<VerbsDevice>,
     qps: Vec<RcQp>,
     send_cq: Arc<BasicCompletionQueue>,
     recv_cq: Arc<BasicCompletionQueue>,
