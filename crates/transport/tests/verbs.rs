@@ -293,7 +293,7 @@ fn verbs_small_window_many_wrs() -> Result<()> {
 }
 
 /// Manual progress: no completion thread, so a batch nobody reaps stays pending however
-/// long it has been complete in the CQ; `Engine::progress` finishes it. With a zero spin
+/// long it has been complete in the CQ; `Engine::reap` finishes it. With a zero spin
 /// budget every wait goes straight to its slow phase, which must keep reaping (there is
 /// no thread to wake it): a write's wait and a notification that arrives 200 ms into
 /// `poll_notification`. Bytes checked on the receiving side.
@@ -332,9 +332,9 @@ fn verbs_manual_progress_reaps_only_in_calls() -> Result<()> {
     while !h.status().is_finished() {
         ensure!(
             Instant::now() < until,
-            "Engine::progress never finished the batch"
+            "Engine::reap never finished the batch"
         );
-        a.progress();
+        a.reap();
     }
     ensure!(matches!(h.status(), BatchStatus::Done), "{:?}", h.status());
 

@@ -271,10 +271,30 @@ pub fn host_rdma_missing() -> Option<NoRdma> {
     }
 }
 
-pub(crate) fn verbs_err(call: &'static str, e: impl std::fmt::Display) -> Error {
-    Error::Verbs {
-        call,
-        reason: e.to_string(),
+pub(crate) fn verbs_err(
+    call: &'static str,
+    e: impl std::error::Error + Send + Sync + 'static,
+) -> Error {
+    Error::verbs(call, e)
+}
+
+/// [`verbs_err`] about one named object (a device).
+pub(crate) fn verbs_err_on(
+    call: &'static str,
+    what: &str,
+    e: impl std::error::Error + Send + Sync + 'static,
+) -> Error {
+    match Error::verbs(call, e) {
+        Error::Verbs {
+            call,
+            reason,
+            source,
+        } => Error::Verbs {
+            call,
+            reason: format!("{what}: {reason}"),
+            source,
+        },
+        other => other,
     }
 }
 
@@ -351,7 +371,7 @@ pub fn list_devices() -> Result<Vec<RdmaDeviceInfo>, Error> {
         let name = dev.name();
         let ctx = dev
             .open()
-            .map_err(|e| verbs_err("ibv_open_device", format!("{name}: {e}")))?;
+            .map_err(|e| verbs_err_on("ibv_open_device", &name, e))?;
         let (caps, nports) = caps_of(&ctx)?;
         let mut ports = Vec::new();
         for p in 1..=nports {
@@ -412,7 +432,7 @@ pub(crate) fn open(
         }
         let ctx = dev
             .open()
-            .map_err(|e| verbs_err("ibv_open_device", format!("{dev_name}: {e}")))?;
+            .map_err(|e| verbs_err_on("ibv_open_device", &dev_name, e))?;
         let (caps, nports) = caps_of(&ctx)?;
         let attr = (port <= nports)
             .then(|| ctx.query_port(port).ok())

@@ -24,10 +24,8 @@
 //! notification, `peer_regions` or `Describe` from `C` finds it. `Describe{token, session}`
 //! -> `Regions{...}` re-fetches a peer's exposed regions on a fresh connection.
 
-use std::io::{Read, Write};
-
 use crate::error::HandshakeError;
-use crate::memory::{Access, RemoteRegion};
+use crate::types::{Access, RemoteRegion};
 
 /// `b"PGWR"` as a little-endian u32.
 pub(crate) const MAGIC: u32 = u32::from_le_bytes(*b"PGWR");
@@ -495,23 +493,6 @@ impl Reader<'_> {
     }
 }
 
-/// Writes a frame.
-pub(crate) fn write_frame(w: &mut impl Write, f: &Frame) -> Result<(), HandshakeError> {
-    w.write_all(&f.encode())?;
-    w.flush()?;
-    Ok(())
-}
-
-/// Reads one frame, validating the header before reading (or allocating) the body.
-pub(crate) fn read_frame(r: &mut impl Read, max: u32) -> Result<Frame, HandshakeError> {
-    let mut h = [0u8; HEADER_LEN];
-    r.read_exact(&mut h)?;
-    let header = decode_header(&h, max)?;
-    let mut body = vec![0u8; header.len as usize];
-    r.read_exact(&mut body)?;
-    decode_body(header.kind, &body)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -577,8 +558,6 @@ mod tests {
         for f in sample_frames() {
             let bytes = f.encode();
             assert_eq!(decode_frame(&bytes, 1 << 20).unwrap(), f);
-            let mut cur = std::io::Cursor::new(bytes);
-            assert_eq!(read_frame(&mut cur, 1 << 20).unwrap(), f);
         }
     }
 

@@ -12,9 +12,8 @@
 
 mod conn;
 mod device;
-mod engine;
 mod gid;
-mod plan;
+mod poller;
 mod qp;
 #[cfg(test)]
 mod rxe_tests;
@@ -25,25 +24,23 @@ use std::sync::atomic::{AtomicU32, Ordering};
 pub use device::{NoRdma, RdmaDeviceInfo, RdmaPortInfo, host_rdma_missing, list_devices};
 pub use gid::{GidInfo, GidKind};
 
-use self::conn::{TagSink, VerbsConn};
-use self::engine::{PendingVerbs, VerbsEndpoint, VerbsEngine, VerbsMr, VerbsOptions};
-use self::plan::{Dir, PlanOp};
-use super::{
-    Backend, BackendInfo, BackendMr, BatchState, Conn, ConnCtx, EndpointInfo, PendingConn,
-    Progress, QpInfo, ResolvedOps,
+use self::conn::VerbsConn;
+use self::poller::{PendingVerbs, VerbsDevice, VerbsEndpoint, VerbsMr, VerbsOptions};
+use crate::config::EngineConfig;
+use crate::contract::{
+    Backend, BackendInfo, BatchState, Conn, ConnCtx, EndpointInfo, FastPath, FastPathRequest,
+    PendingConn, QpInfo, Reaper, ResolvedOp, ResolvedOps, TagSink,
 };
-use crate::batch::Op;
-use crate::config::{BackendKind, EngineConfig};
-use crate::error::Error;
-use crate::memory::Access;
-use crate::prepared::{LaneRequest, PreparedLane};
+use crate::core::slice::{Dir, PlanOp};
+use crate::error::{Error, HandshakeError, PeerFault};
+use crate::types::{Access, BackendKind, MrHandle, Op, PeerId};
 
 /// Opens the verbs backend: the configured device (or the first with an ACTIVE port),
 /// its PD and (under auto progress) the completion thread. No device, no kernel RDMA or
 /// no libibverbs gives [`Error::BackendUnavailable`], which `Auto` turns into a TCP
 /// fallback.
 pub(crate) fn open(config: &EngineConfig) -> Result<Arc<dyn Backend>, Error> {
-    let engine = VerbsEngine::open(VerbsOptions {
+    let engine = VerbsDevice::open(VerbsOptions {
         device: config.rdma_device.clone(),
         port: config.ib_port,
         gid_index: config.gid_index,
@@ -56,17 +53,17 @@ pub(crate) fn open(config: &EngineConfig) -> Result<Arc<dyn Backend>, Error> {
         poll_spin: config.poll_spin,
         progress: config.progress,
     })?;
-    Ok(Arc::new(VerbsBackend { engine }))
+    Ok(Arc::new(VerbsBackend { device: engine }))
 }
 
 #[derive(Debug)]
 struct VerbsBackend {
-    engine: Arc<VerbsEngine>,
+    device: Arc<VerbsDevice>,
 }
 
 impl VerbsBackend {
-    fn mr(mr: VerbsMr) -> BackendMr {
-        BackendMr {
+    fn mr(mr: VerbsMr) -> MrHandle {
+        MrHandle {
             lkey: mr.lkey(),
             rkey: mr.rkey(),
             handle: Some(Box::new(mr)),
@@ -80,7 +77,7 @@ impl Backend for VerbsBackend {
     }
 
     fn info(&self) -> BackendInfo {
-        let e = &self.engine;
+        let e = &self.device;
         let d = &e.dev;
         BackendInfo {
             kind: BackendKind::Verbs,
@@ -104,12 +101,12 @@ impl Backend for VerbsBackend {
         }
     }
 
-    fn register(&self, addr: usize, len: usize, access: Access) -> Result<BackendMr, Error> {
+    fn register(&self, addr: usize, len: usize, access: Access) -> Result<MrHandle, Error> {
         // SAFETY: the engine core only registers memory the caller promised to keep mapped
         // until deregistration (`HostBuffer` keep-alive or `register_raw`'s contract), and
         // drops the returned MR (deregistering it) before giving the memory back.
         let mr = unsafe {
-            self.engine.register(
+            self.device.register(
                 addr as u64,
                 len as u64,
                 access.contains(Access::REMOTE_WRITE),
@@ -126,11 +123,11 @@ impl Backend for VerbsBackend {
         len: usize,
         iova: u64,
         access: Access,
-    ) -> Result<BackendMr, Error> {
+    ) -> Result<MrHandle, Error> {
         // SAFETY: `Engine::register_dmabuf`'s contract: `fd` is a dma-buf whose range stays
         // allocated until the region is deregistered, which drops this MR first.
         let mr = unsafe {
-            self.engine.register_dmabuf(
+            self.device.register_dmabuf(
                 fd,
                 offset,
                 len as u64,
@@ -142,13 +139,13 @@ impl Backend for VerbsBackend {
         Ok(Self::mr(mr))
     }
 
-    fn deregister(&self, mr: BackendMr) {
+    fn deregister(&self, mr: MrHandle) {
         // Dropping the `VerbsMr` runs `ibv_dereg_mr`.
         drop(mr);
     }
 
-    fn prepare(&self) -> Result<(Box<dyn PendingConn>, EndpointInfo), Error> {
-        let (pending, ep) = self.engine.prepare()?;
+    fn prepare_conn(&self) -> Result<(Box<dyn PendingConn>, EndpointInfo), Error> {
+        let (pending, ep) = self.device.prepare()?;
         let info = EndpointInfo::Verbs {
             gid: ep.gid,
             lid: ep.lid,
@@ -162,12 +159,12 @@ impl Backend for VerbsBackend {
         Ok((Box::new(Pending(pending)), info))
     }
 
-    fn progress(&self) -> Option<Arc<dyn Progress>> {
-        Some(self.engine.progress())
+    fn reaper(&self) -> Option<Arc<dyn Reaper>> {
+        Some(self.device.progress())
     }
 
     fn shutdown(&self) {
-        self.engine.stop();
+        self.device.stop();
     }
 }
 
@@ -181,10 +178,11 @@ impl PendingConn for Pending {
         ctx: ConnCtx,
     ) -> Result<Arc<dyn Conn>, Error> {
         let EndpointInfo::Verbs { gid, lid, mtu, qps } = remote else {
-            return Err(Error::Verbs {
-                call: "connect",
-                reason: "peer did not send a verbs endpoint".into(),
-            });
+            return Err(HandshakeError::BackendMismatch {
+                ours: "verbs".into(),
+                theirs: remote.backend_name().into(),
+            }
+            .into());
         };
         let ep = VerbsEndpoint {
             gid: *gid,
@@ -202,11 +200,11 @@ impl PendingConn for Pending {
 #[derive(Debug)]
 struct VerbsPeerConn {
     conn: Arc<VerbsConn>,
-    peer: crate::engine::PeerId,
+    peer: PeerId,
 }
 
 /// The verbs view of a validated op.
-fn plan_op(o: &crate::backend::ResolvedOp) -> PlanOp {
+fn plan_op(o: &ResolvedOp) -> PlanOp {
     PlanOp {
         dir: match o.op {
             Op::Write => Dir::Write,
@@ -224,12 +222,12 @@ fn plan_op(o: &crate::backend::ResolvedOp) -> PlanOp {
 struct VerbsLane {
     conn: Arc<VerbsConn>,
     chain: conn::LaneChain,
-    peer: crate::engine::PeerId,
+    peer: PeerId,
     /// Waiting rounds so far (see `VerbsConn::reap_waiting`).
     polls: AtomicU32,
 }
 
-impl PreparedLane for VerbsLane {
+impl FastPath for VerbsLane {
     fn start(&self, tag: Option<u32>) -> Result<(), Error> {
         // sideway passes the immediate through as raw `__be32`: network order, as the
         // ordinary path sends it.
@@ -250,19 +248,16 @@ impl Drop for VerbsLane {
     }
 }
 
-fn closed_as_gone(e: Error, peer: crate::engine::PeerId) -> Error {
+fn closed_as_gone(e: Error, peer: PeerId) -> Error {
     match e {
-        Error::Shutdown => Error::PeerGone {
-            peer,
-            reason: "connection closed".into(),
-        },
+        Error::Shutdown => Error::peer_gone(peer, PeerFault::ClosedLocally, "connection closed"),
         e => e,
     }
 }
 
 impl Conn for VerbsPeerConn {
-    fn prepare_lane(&self, req: LaneRequest<'_>) -> Option<Box<dyn PreparedLane>> {
-        let chain = self.conn.prepare_lane(
+    fn prepare_fast_path(&self, req: FastPathRequest<'_>) -> Option<Box<dyn FastPath>> {
+        let chain = self.conn.prepare_fast_path(
             req.ops.iter().map(plan_op),
             req.notify.is_some(),
             Arc::clone(req.cell),
@@ -292,9 +287,10 @@ impl Conn for VerbsPeerConn {
     }
 
     fn close(&self) {
-        self.conn.close(Error::PeerGone {
-            peer: self.peer,
-            reason: "connection closed".into(),
-        });
+        self.conn.close(Error::peer_gone(
+            self.peer,
+            PeerFault::ClosedLocally,
+            "connection closed",
+        ));
     }
 }
