@@ -7,6 +7,7 @@
 #![forbid(unsafe_code)]
 
 pub(crate) mod batch;
+pub(crate) mod handshake;
 // WR planning, the QP window and health verdicts serve only the verbs backend.
 #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
 pub(crate) mod health;

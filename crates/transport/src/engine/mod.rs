@@ -23,6 +23,7 @@ use crate::contract::{
     Backend, BackendInfo, BackendInit, Conn, ConnCtx, NotifySink, NotifyWait, Reaper,
 };
 use crate::core::batch::{Batch, BatchState};
+use crate::core::handshake;
 use crate::core::registry::{Chunk, InsertPlan, RegionInfo, Registry, RemoteTable};
 use crate::core::resolve::{self, ResolvedOps};
 use crate::core::wait::Yield;
@@ -34,7 +35,7 @@ use crate::net::frame;
 use crate::types::{
     Access, BackendKind, MrHandle, Notification, Op, PeerId, RegionId, RemoteRegion, TransferOp,
 };
-use crate::util::{ct_eq, random_u64};
+use crate::util::random_u64;
 use handle::TransferHandle;
 use prepared::PreparedBatch;
 use wait::{busy_poll, poll_with_naps};
@@ -780,24 +781,8 @@ impl Inner {
             regions: self.registry.exposed(),
         });
         frame::write_frame(&mut s, &hello)?;
-        let w = match frame::read_frame(&mut s, self.config.handshake_max_bytes)? {
-            Frame::Welcome(w) => w,
-            Frame::Reject { reason } => return Err(HandshakeError::Rejected { reason }.into()),
-            other => {
-                return Err(HandshakeError::UnexpectedFrame {
-                    expected: "Welcome",
-                    found: other.kind(),
-                }
-                .into());
-            }
-        };
-        if w.endpoint.backend_name() != ep.backend_name() {
-            return Err(HandshakeError::BackendMismatch {
-                ours: ep.backend_name().into(),
-                theirs: w.endpoint.backend_name().into(),
-            }
-            .into());
-        }
+        let (w, await_ready) = handshake::AwaitWelcome { ours: &ep }
+            .handle(frame::read_frame(&mut s, self.config.handshake_max_bytes)?)?;
         let id = PeerId(self.next_peer.fetch_add(1, Ordering::Relaxed));
         let conn = pending.complete(&w.endpoint, self.new_ctx(id, addr.ip(), deadline))?;
         // The acceptor's QPs are ready (it completed before its Welcome): prove the path
@@ -812,24 +797,11 @@ impl Inner {
         }
         // The listener's own `Ready` says it has published us: from here on everything we
         // send it (a notification, a `Describe`) finds the peer it names.
-        match frame::read_frame(&mut s, self.config.handshake_max_bytes) {
-            Ok(Frame::Ready) => {}
-            Ok(Frame::Reject { reason }) => {
-                conn.close();
-                return Err(HandshakeError::Rejected { reason }.into());
-            }
-            Ok(other) => {
-                conn.close();
-                return Err(HandshakeError::UnexpectedFrame {
-                    expected: "Ready",
-                    found: other.kind(),
-                }
-                .into());
-            }
-            Err(e) => {
-                conn.close();
-                return Err(e.into());
-            }
+        if let Err(e) = frame::read_frame(&mut s, self.config.handshake_max_bytes)
+            .and_then(|f| await_ready.handle(f))
+        {
+            conn.close();
+            return Err(e.into());
         }
         let peer = Arc::new(Peer {
             id,
@@ -887,13 +859,28 @@ impl Inner {
         let from = stream.peer_addr()?;
         let _ = stream.set_nodelay(true);
         let mut s = Deadlined::new(&stream, deadline);
-        match frame::read_frame(&mut s, self.config.handshake_max_bytes)? {
-            Frame::Hello(h) => self.accept_hello(&mut s, from, h, deadline),
-            Frame::Describe { token, session } => {
-                if !ct_eq(&token, self.token()) {
-                    let _ = reject(&mut s, "token mismatch");
-                    return Err(HandshakeError::TokenMismatch);
+        let first = frame::read_frame(&mut s, self.config.handshake_max_bytes)?;
+        let request = handshake::AwaitRequest {
+            token: self.token(),
+            // Completing a TCP connection dials the data port the Hello names, on the
+            // client's address: without a token, only a port its data listener could
+            // have been given.
+            tokenless_ports: self
+                .config
+                .token
+                .is_none()
+                .then_some(backends::tcp::ephemeral_ports as fn() -> _),
+        }
+        .handle(first);
+        match request {
+            Err(handshake::Refused { error, tell }) => {
+                if let Some(tell) = tell {
+                    let _ = reject(&mut s, tell);
                 }
+                Err(error)
+            }
+            Ok(handshake::Request::Hello(h)) => self.accept_hello(&mut s, from, h, deadline),
+            Ok(handshake::Request::Describe { session }) => {
                 let known = self
                     .sessions
                     .lock()
@@ -908,10 +895,6 @@ impl Inner {
                 }
                 frame::write_frame(&mut s, &Frame::Regions(self.registry.exposed()))
             }
-            other => Err(HandshakeError::UnexpectedFrame {
-                expected: "Hello or Describe",
-                found: other.kind(),
-            }),
         }
     }
 
@@ -922,25 +905,6 @@ impl Inner {
         h: Hello,
         deadline: Instant,
     ) -> Result<(), HandshakeError> {
-        if !ct_eq(&h.token, self.token()) {
-            let _ = reject(s, "token mismatch");
-            return Err(HandshakeError::TokenMismatch);
-        }
-        // Completing a TCP connection dials the data port the Hello names, on the
-        // client's address. Without a token nothing vouches for the client, so it may
-        // only name a port its data listener could have been given (an ephemeral one),
-        // not a service's port on its host.
-        if let EndpointInfo::Tcp { data_port, .. } = h.endpoint
-            && self.config.token.is_none()
-            && !backends::tcp::ephemeral_ports().contains(&data_port)
-        {
-            let _ = reject(s, "data port outside the ephemeral port range");
-            let r = backends::tcp::ephemeral_ports();
-            return Err(HandshakeError::BadField {
-                field: "data port",
-                value: format!("{data_port} (ephemeral range {}-{})", r.start(), r.end()),
-            });
-        }
         // Reasons sent to the client are fixed texts: what failed inside stays in our log
         // (the error returned here), not in a stranger's hands.
         let (pending, ep) = match self.backend.prepare_conn() {
@@ -952,11 +916,7 @@ impl Inner {
                 });
             }
         };
-        if h.endpoint.backend_name() != ep.backend_name() {
-            let e = HandshakeError::BackendMismatch {
-                ours: ep.backend_name().into(),
-                theirs: h.endpoint.backend_name().into(),
-            };
+        if let Err(e) = handshake::check_backend(&h.endpoint, &ep) {
             let _ = reject(s, &e.to_string());
             return Err(e);
         }
@@ -978,27 +938,17 @@ impl Inner {
             regions: self.registry.exposed(),
         });
         let ready = frame::write_frame(s, &welcome)
-            .and_then(|()| frame::read_frame(s, self.config.handshake_max_bytes));
-        match ready {
-            Ok(Frame::Ready) => {
-                if let Err(e) = conn.probe(deadline) {
-                    conn.close();
-                    return Err(HandshakeError::Probe {
-                        reason: e.to_string(),
-                    });
-                }
-            }
-            Ok(other) => {
-                conn.close();
-                return Err(HandshakeError::UnexpectedFrame {
-                    expected: "Ready",
-                    found: other.kind(),
-                });
-            }
-            Err(e) => {
-                conn.close();
-                return Err(e);
-            }
+            .and_then(|()| frame::read_frame(s, self.config.handshake_max_bytes))
+            .and_then(|f| handshake::AwaitReady.handle(f));
+        if let Err(e) = ready {
+            conn.close();
+            return Err(e);
+        }
+        if let Err(e) = conn.probe(deadline) {
+            conn.close();
+            return Err(HandshakeError::Probe {
+                reason: e.to_string(),
+            });
         }
         let peer = Arc::new(Peer {
             id,
@@ -1041,17 +991,8 @@ impl Inner {
                 session: p.remote_session,
             },
         )?;
-        let regions = match frame::read_frame(&mut s, self.config.handshake_max_bytes)? {
-            Frame::Regions(r) => r,
-            Frame::Reject { reason } => return Err(HandshakeError::Rejected { reason }.into()),
-            other => {
-                return Err(HandshakeError::UnexpectedFrame {
-                    expected: "Regions",
-                    found: other.kind(),
-                }
-                .into());
-            }
-        };
+        let regions = handshake::AwaitRegions
+            .handle(frame::read_frame(&mut s, self.config.handshake_max_bytes)?)?;
         let table = Arc::new(RemoteTable::new(regions));
         let out = table.regions().to_vec();
         *p.regions.write().unwrap_or_else(|e| e.into_inner()) = table;
