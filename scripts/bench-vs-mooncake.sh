@@ -142,12 +142,12 @@ run_mooncake() {
     local tpid=$!
     # P2P mode binds a free handshake port (15000-17000) and logs it.
     local seg=""
-    wait_until "grep -q 'listening on 127.0.0.1:[0-9]' '$f.target'" 1200
+    wait_until "grep -q 'listening on 127.0.0.1:[0-9]' '$f.target' 2>/dev/null" 1200
     seg="$(grep -o 'listening on 127.0.0.1:[0-9]*' "$f.target" | head -1 | sed 's/listening on //')"
     # The port is logged before the buffer is allocated and registered (which pins it on
     # rxe: seconds under TCG). Registered means the main thread has reached its idle loop,
     # sleep(1): clock_nanosleep (230) after the allocation's log line.
-    wait_until "grep -q 'numa node num' '$f.target' && [[ \$(cut -d' ' -f1 /proc/$tpid/syscall 2>/dev/null) == 230 ]]" 1200
+    wait_until "grep -q 'numa node num' '$f.target' 2>/dev/null && [[ \$(cut -d' ' -f1 /proc/$tpid/syscall 2>/dev/null) == 230 ]]" 1200
     local rc=1
     if [[ -n "$seg" ]]; then
         timeout "$limit" "$tebench" --mode=initiator "${common[@]}" --segment_id="$seg" \
