@@ -24,10 +24,11 @@
 #   --rounds N        rounds (default 5); each runs, for WRITE and READ and every size,
 #                     the two benches back to back, the order alternating between rounds
 #   --sizes "S..."    block sizes in bytes (default "65536 1048576 8388608")
-#   --batch B         requests per batch on both sides (default 16)
+#   --batch B         requests per batch on both sides (default 16 on TCP, 4 on RDMA: on
+#                     rxe under TCG a batch of 16 x 8 MiB takes Mooncake about 10 s)
 #   --threads T       Mooncake's submitting threads = pagewire's -q (default 1; on 2
 #                     cores more threads cost Mooncake: its threads spin on the status)
-#   --secs D          seconds per run (default 5 on TCP, 10 on RDMA)
+#   --secs D          seconds per run (default 5 on TCP, 8 on RDMA)
 #   --transport T     tcp | rdma (default: rdma if --device is visible, else tcp)
 #   --device DEV      RDMA device (default: $RDMA_DEVICE, else rxe0)
 #   --out DIR         raw outputs and mooncake.md (default target/bench-vs-mooncake/<time>-<pid>,
@@ -40,7 +41,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 MOONCAKE_WHEEL="mooncake-transfer-engine-non-cuda==0.3.13.post1"
-rounds=5 sizes="65536 1048576 8388608" batch=16 threads=1 secs="" transport="" dev="${RDMA_DEVICE:-rxe0}"
+rounds=5 sizes="65536 1048576 8388608" batch="" threads=1 secs="" transport="" dev="${RDMA_DEVICE:-rxe0}"
 out="" pw="target/release/pagewire" venv="target/bench-venv" install_only=0
 while (($#)); do
     case "$1" in
@@ -109,11 +110,11 @@ if [[ -z "$transport" ]]; then
     if [[ -e "/sys/class/infiniband/$dev" ]]; then transport=rdma; else transport=tcp; fi
 fi
 case "$transport" in
-    tcp) pw_transport=(--transport tcp); mc_extra=(--protocol=tcp); secs=${secs:-5} ;;
+    tcp) pw_transport=(--transport tcp); mc_extra=(--protocol=tcp); secs=${secs:-5} batch=${batch:-16} ;;
     rdma)
         [[ -e "/sys/class/infiniband/$dev" ]] || die "no RDMA device $dev"
         pw_transport=(--transport verbs -d "$dev"); mc_extra=(--protocol=rdma "--device_name=$dev")
-        export MC_GID_INDEX="${MC_GID_INDEX:-0}"; secs=${secs:-10} ;;
+        export MC_GID_INDEX="${MC_GID_INDEX:-0}"; secs=${secs:-8} batch=${batch:-4} ;;
     *) die "--transport is tcp or rdma" ;;
 esac
 if [[ -z "$out" ]]; then
@@ -129,15 +130,16 @@ wait_until() {
     eval "$1"
 }
 listening() { grep -q ":$(printf '%04X' "$1") 00000000" /proc/net/tcp /proc/net/tcp6 2>/dev/null; }
-# Generous: startup under TCG takes seconds, and one 8 MiB x 16 batch on rxe several more.
+# Generous: startup under TCG takes seconds, and a batch on rxe can take several more.
 limit=$((secs * 3 + 120))
 
-# One Mooncake run: a target that registers T*B*S bytes, an initiator that runs D seconds.
+# One Mooncake run: a target that registers T*B*S bytes (it sizes its buffer from the same
+# flags as the initiator), an initiator that runs D seconds.
 port=19600
 run_mooncake() {
     local op=$1 s=$2 f=$3 buf=$((threads * batch * s))
     local common=(--metadata_server=P2PHANDSHAKE --local_server_name=127.0.0.1:0 "${mc_extra[@]}"
-                  --buffer_size="$buf")
+                  --buffer_size="$buf" --block_size="$s" --batch_size="$batch" --threads="$threads")
     "$tebench" --mode=target "${common[@]}" >"$f.target" 2>&1 &
     local tpid=$!
     # P2P mode binds a free handshake port (15000-17000) and logs it.
@@ -151,8 +153,7 @@ run_mooncake() {
     local rc=1
     if [[ -n "$seg" ]]; then
         timeout "$limit" "$tebench" --mode=initiator "${common[@]}" --segment_id="$seg" \
-            --operation="$op" --block_size="$s" --batch_size="$batch" --threads="$threads" \
-            --duration="$secs" --report_unit=MiB --report_precision=3 >"$f" 2>&1
+            --operation="$op" --duration="$secs" --report_unit=MiB --report_precision=3 >"$f" 2>&1
         rc=$?
     fi
     kill "$tpid" 2>/dev/null

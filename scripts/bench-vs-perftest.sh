@@ -606,7 +606,7 @@ if ((report)); then
     rc_host=$?
     echo "report: paired, pages and mooncake sections in the soft-RoCE VM ($pair_rounds + $mc_rounds rounds)" >&2
     vm_timeout=$((600 + pair_rounds * 240 + mc_rounds * 360))
-    # 2 GiB: Mooncake's target and initiator each register batch x 8 MiB (128 MiB).
+    # 2 GiB: room for Mooncake's target and initiator, which each register batch x 8 MiB.
     scripts/rdma-vm.sh --quiet --cpus 2 --mem 2048 --timeout "$vm_timeout" --out "$abs_out" run -- \
         scripts/bench-vs-perftest.sh --section "paired pages mooncake" --out "$abs_out/vm" --pagewire "$pw" \
         --pair-rounds "$pair_rounds" --pair-mib "$pair_mib" --pair-small-iters "$pair_small_iters" \
