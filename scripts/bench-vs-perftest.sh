@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# pagewire vs perftest on the same RDMA device in the same run, and pagewire's TCP
-# backend vs iperf3 on loopback. Prints side-by-side tables (markdown) with the ratio
+# pagewire vs perftest on the same RDMA device in the same run, pagewire's TCP
+# backend vs iperf3 on loopback, and pagewire vs Mooncake's transfer_engine_bench on both
+# (scripts/bench-vs-mooncake.sh). Prints side-by-side tables (markdown) with the ratio
 # pagewire/perftest per message size: median of N runs, with the min and max.
 #
 #   scripts/bench-vs-perftest.sh --report                             # everything: the tables of docs/benchmarks.md
@@ -8,12 +9,15 @@
 #   scripts/bench-vs-perftest.sh --section tcp                        # TCP part only, on the host
 #
 # Options:
-#   --report                 run the TCP and TCP pages sections here, then the paired and
-#                            verbs pages sections in the soft-RoCE VM (scripts/rdma-vm.sh
-#                            --cpus 2), and write one markdown report of all the tables
-#                            (report.md in --out). The VM part takes about 2.5 min per
-#                            --pair-rounds round on a 2-core TCG host, plus a minute.
-#   --section S              rdma | paired | tcp | pages | all, or a list such as "rdma pages"
+#   --report                 run the TCP, TCP pages and Mooncake (TCP) sections here, then
+#                            the paired, verbs pages and Mooncake (rxe) sections in the
+#                            soft-RoCE VM (scripts/rdma-vm.sh --cpus 2 --mem 2048), and write
+#                            one markdown report of all the tables (report.md in --out). The
+#                            VM part takes about 2.5 min per --pair-rounds round on a 2-core
+#                            TCG host, plus about 4 min per --mc-rounds round, plus a minute.
+#   --section S              rdma | paired | tcp | pages | mooncake | all, or a list such as
+#                            "rdma pages" (mooncake: scripts/bench-vs-mooncake.sh, over
+#                            verbs when a device is visible, else TCP; not in "all")
 #                            (default: "rdma pages" if an RDMA device is visible, else
 #                            "tcp pages"). pages: `bench pages` (Llama-3-8B preset, random
 #                            pages) against `bench write` at the same bytes per work request,
@@ -37,6 +41,7 @@
 #                            ib_write_bw, so a process's first batch weighs little)
 #   --pages N --page-iters N pages per batch and batches of the pages runs (default 8 and 5
 #                            on verbs, 32 and 20 on TCP)
+#   --mc-rounds N            rounds of the mooncake section (default 5)
 #   --runs N                 runs of every test (default 3)
 #   --iters N                iterations per size for the bandwidth sweeps (default 50: with
 #                            fewer, each size is one or two batches and pagewire's fixed
@@ -60,7 +65,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-report=0 section="" pages_n="" page_iters="" runs=3 pair_rounds=5 pair_mib=32 pair_small_iters=5000 iters=50 lat_iters=1000 dev="${RDMA_DEVICE:-rxe0}" tcp_size=1M tcp_secs=5
+report=0 section="" mc_rounds=5 pages_n="" page_iters="" runs=3 pair_rounds=5 pair_mib=32 pair_small_iters=5000 iters=50 lat_iters=1000 dev="${RDMA_DEVICE:-rxe0}" tcp_size=1M tcp_secs=5
 streams="1 4" out="" pw="target/release/pagewire" raw="target/release/examples/raw_verbs_lat"
 pair_sizes="65536 131072 262144 524288 1048576 2097152 4194304 8388608" pair_small="2 8 64 512"
 pool_dirs=()
@@ -69,6 +74,7 @@ while (($#)); do
         --report) report=1; shift ;;
         --section) section="$2"; shift 2 ;;
         --runs) runs="$2"; shift 2 ;;
+        --mc-rounds) mc_rounds="$2"; shift 2 ;;
         --pair-rounds) pair_rounds="$2"; shift 2 ;;
         --pair-mib) pair_mib="$2"; shift 2 ;;
         --pair-small-iters) pair_small_iters="$2"; shift 2 ;;
@@ -579,6 +585,14 @@ PY
     cat "$out/pages.md"
 }
 
+# pagewire vs Mooncake: its own script (it installs the wheel into a virtualenv).
+mooncake_section() {
+    bash scripts/bench-vs-mooncake.sh --rounds "$mc_rounds" --device "$dev" --pagewire "$pw" \
+        --out "$out/mooncake" >/dev/null || return 1
+    cp "$out/mooncake/mooncake.md" "$out/mooncake.md"
+    cat "$out/mooncake.md"
+}
+
 # --report: the host's sections here, the RDMA ones in the VM, one report of all tables.
 if ((report)); then
     here_args=(--runs "$runs" --tcp-secs "$tcp_secs" --tcp-size "$tcp_size" --streams "$streams")
@@ -586,20 +600,22 @@ if ((report)); then
     [[ -n "$page_iters" ]] && here_args+=(--page-iters "$page_iters")
     abs_out="$(cd "$out" && pwd)"
     t0=$SECONDS
-    echo "report: TCP sections on this host" >&2
-    bash "$0" --section "tcp pages" --out "$abs_out/host" --pagewire "$pw" "${here_args[@]}" >/dev/null
+    here_args+=(--mc-rounds "$mc_rounds")
+    echo "report: TCP sections on this host (the Mooncake one installs its wheel once)" >&2
+    bash "$0" --section "tcp pages mooncake" --out "$abs_out/host" --pagewire "$pw" "${here_args[@]}" >/dev/null
     rc_host=$?
-    echo "report: paired and pages sections in the soft-RoCE VM ($pair_rounds rounds)" >&2
-    vm_timeout=$((600 + pair_rounds * 240))
-    scripts/rdma-vm.sh --quiet --cpus 2 --timeout "$vm_timeout" --out "$abs_out" run -- \
-        scripts/bench-vs-perftest.sh --section "paired pages" --out "$abs_out/vm" --pagewire "$pw" \
+    echo "report: paired, pages and mooncake sections in the soft-RoCE VM ($pair_rounds + $mc_rounds rounds)" >&2
+    vm_timeout=$((600 + pair_rounds * 240 + mc_rounds * 360))
+    # 2 GiB: room for Mooncake's target and initiator, which each register batch x 8 MiB.
+    scripts/rdma-vm.sh --quiet --cpus 2 --mem 2048 --timeout "$vm_timeout" --out "$abs_out" run -- \
+        scripts/bench-vs-perftest.sh --section "paired pages mooncake" --out "$abs_out/vm" --pagewire "$pw" \
         --pair-rounds "$pair_rounds" --pair-mib "$pair_mib" --pair-small-iters "$pair_small_iters" \
         --lat-iters "$lat_iters" --device "$dev" "${here_args[@]}" >"$abs_out/vm.log" 2>&1
     rc_vm=$?
     {
         echo "# pagewire benchmark report"
         echo
-        echo "\`scripts/bench-vs-perftest.sh --report --pair-rounds $pair_rounds --runs $runs\`, $((SECONDS - t0)) s in all."
+        echo "\`scripts/bench-vs-perftest.sh --report --pair-rounds $pair_rounds --mc-rounds $mc_rounds --runs $runs\`, $((SECONDS - t0)) s in all."
         echo
         echo "Host:"
         echo
@@ -607,7 +623,7 @@ if ((report)); then
         echo "Soft-RoCE guest (\`scripts/rdma-vm.sh --cpus 2\`):"
         echo
         sed '1,2d' "$abs_out/vm/machine.md" 2>/dev/null || echo "- (no output: see vm.log)"
-        for f in vm/paired.md vm/pages.md host/tcp.md host/pages.md; do
+        for f in vm/paired.md vm/pages.md vm/mooncake.md host/tcp.md host/pages.md host/mooncake.md; do
             [[ -f "$abs_out/$f" ]] && { echo; cat "$abs_out/$f"; }
         done
     } >"$abs_out/report.md"
@@ -635,7 +651,8 @@ for s in $section; do
         paired) paired_section || rc=1 ;;
         tcp) tcp_section || rc=1 ;;
         pages) pages_section || rc=1 ;;
-        *) echo "bench-vs-perftest: unknown section $s (rdma, paired, tcp, pages, all)" >&2; exit 2 ;;
+        mooncake) mooncake_section || rc=1 ;;
+        *) echo "bench-vs-perftest: unknown section $s (rdma, paired, tcp, pages, mooncake, all)" >&2; exit 2 ;;
     esac
 done
 echo "raw outputs: $out/raw" >&2
