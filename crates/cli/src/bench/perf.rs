@@ -426,6 +426,10 @@ impl End {
         }
         bar.finish();
         if self.print {
+            let rails = self.engine.rail_stats();
+            if !rails.is_empty() {
+                printer.rails(&rails)?;
+            }
             printer.end()?;
         }
         drop(printer);
