@@ -292,6 +292,7 @@ pub(crate) struct FastPathRequest<'a> {
 
 /// Where a backend reports a batch's outcome: the core's [`BatchState`] (a plain recorder
 /// in the verbs-layer tests, the connection's own probe and heartbeat WRs).
+#[cfg_attr(not(feature = "verbs"), allow(dead_code))] // TCP and loopback call BatchState
 pub(crate) trait BatchSink: Send + Sync {
     /// `wrs` more WRs carrying `bytes` have completed locally.
     fn on_acked(&self, wrs: usize, bytes: u64);
@@ -336,6 +337,7 @@ impl BatchSink for BatchState {
 
 /// Where a backend delivers the tags of incoming notifications (the engine's
 /// [`NotifySink`]).
+#[cfg_attr(not(feature = "verbs"), allow(dead_code))] // TCP and loopback call NotifySink
 pub(crate) trait TagSink: Send + Sync {
     /// `bytes` is the length of the WRITE_WITH_IMM that carried the tag. `false`: the
     /// tag was dropped (the engine's queue is full) and the connection must break.

@@ -280,6 +280,13 @@ impl BatchShared {
         }
     }
 
+    /// Requests cancellation: `true` if the batch was still pending (it is now
+    /// `Cancelled`), `false` if it had already finished.
+    pub(crate) fn cancel(&self) -> bool {
+        self.cancel.store(true, Ordering::Release);
+        self.finish(Phase::Cancelled)
+    }
+
     /// Where the batch stands at `now` (a pending batch past its deadline fails here).
     pub(crate) fn status(&self, now: Instant) -> BatchStatus {
         self.expire_if_due(now);

@@ -13,6 +13,8 @@ pub(crate) mod health;
 pub(crate) mod registry;
 pub(crate) mod resolve;
 pub(crate) mod run;
+#[cfg(test)]
+mod sim;
 #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
 pub(crate) mod slice;
 pub(crate) mod wait;

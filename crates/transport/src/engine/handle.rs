@@ -127,8 +127,7 @@ impl TransferHandle {
     /// Requests cancellation. Returns `true` if the batch was still pending (it is now
     /// `Cancelled`), `false` if it had already finished.
     pub fn cancel(&self) -> bool {
-        self.shared.cancel.store(true, Ordering::Release);
-        self.shared.finish(Phase::Cancelled)
+        self.shared.cancel()
     }
 }
 
