@@ -10,7 +10,7 @@
 //! | `PAGEWIRE_TRANSPORT` | `backend` | `auto` | `auto`, `verbs`, `tcp` or `loopback` |
 //! | `PAGEWIRE_LISTEN` | `listen` | `0.0.0.0:0` | control listener `ip:port` (port 0 = any) |
 //! | `PAGEWIRE_TOKEN` | `token` | none | shared secret both sides must present |
-//! | `PAGEWIRE_RDMA_DEVICE` | `rdma_device` | first usable | verbs device name (`mlx5_0`, `rxe0`) |
+//! | `PAGEWIRE_RDMA_DEVICE` | `rdma_device` | first usable | verbs device (`mlx5_0`), several to stripe over (`mlx5_0,mlx5_1:1:3`: `name[:port[:gid_index]]`), or `all` |
 //! | `PAGEWIRE_IB_PORT` | `ib_port` | `1` | verbs port number |
 //! | `PAGEWIRE_GID_INDEX` | `gid_index` | auto | GID table index (RoCE) |
 //! | `PAGEWIRE_MTU` | `mtu` | port active MTU | path MTU cap: 256, 512, 1024, 2048 or 4096 |

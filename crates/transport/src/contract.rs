@@ -18,14 +18,14 @@ use crossbeam_channel::Sender;
 
 use crate::config::EngineConfig;
 pub(crate) use crate::core::batch::BatchState;
-use crate::core::registry::Registry;
+use crate::core::registry::{Registry, RemoteTable};
 pub(crate) use crate::core::resolve::{ResolvedOp, ResolvedOps};
 pub(crate) use crate::core::run::RunCell;
 pub(crate) use crate::core::wait::Reaper;
 #[allow(unused_imports)] // QpInfo: for the verbs backend
 pub(crate) use crate::core::wire::{EndpointInfo, QpInfo};
 use crate::error::{Error, Result};
-use crate::types::{Access, BackendKind, MrHandle, Notification, PeerId};
+use crate::types::{Access, BackendKind, MrHandle, Notification, PeerId, RailStats};
 
 /// Which data path, and the figures a benchmark header prints.
 #[non_exhaustive]
@@ -62,6 +62,9 @@ pub struct BackendInfo {
     pub max_outstanding_reads: Option<u32>,
     /// Why this backend was chosen (filled by the engine).
     pub selection: String,
+    /// Verbs: every rail (device) the engine stripes over, `name:port` with its GID index
+    /// and link speed; rail 0 is the one the fields above describe. Empty otherwise.
+    pub rails: Vec<String>,
 }
 
 /// Delivers `(peer, tag)` notifications into the engine's queue.
@@ -226,6 +229,10 @@ pub(crate) trait Backend: Send + Sync + 'static {
     fn reaper(&self) -> Option<Arc<dyn Reaper>> {
         None
     }
+    /// Per-rail counters (a multi-rail verbs backend; empty otherwise).
+    fn rail_stats(&self) -> Vec<RailStats> {
+        Vec::new()
+    }
 }
 
 /// A connection waiting for the peer's half.
@@ -249,6 +256,10 @@ pub(crate) trait Conn: Send + Sync {
     fn prepare_fast_path(&self, _req: FastPathRequest<'_>) -> Option<Box<dyn FastPath>> {
         None
     }
+    /// The peer's exposed regions, each time they are (re)described: a backend that needs
+    /// more of them than the resolved ops carry (multi-rail verbs: their rkeys on every
+    /// rail) keeps it.
+    fn set_remote_table(&self, _table: &Arc<RemoteTable>) {}
     /// Whether the connection failed (peer gone, QP in error).
     fn is_broken(&self) -> bool;
     /// Tears the connection down; pending batches fail with `PeerGone`.

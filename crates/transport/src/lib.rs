@@ -53,7 +53,7 @@ mod util;
 
 pub use crate::core::batch::{Batch, BatchStats, BatchStatus};
 pub use crate::core::registry::RegionInfo;
-pub use crate::core::wire::{EndpointInfo, QpInfo};
+pub use crate::core::wire::{EndpointInfo, QpInfo, RailEndpoint};
 pub use buffer::HostBuffer;
 pub use config::{EngineConfig, EngineConfigBuilder};
 pub use contract::BackendInfo;
@@ -63,7 +63,8 @@ pub use engine::prepared::PreparedBatch;
 pub use engine::{Engine, PeerInfo, PlanEntry};
 pub use error::{Error, Fault, HandshakeError, PeerFault, Result};
 pub use types::{
-    Access, BackendKind, Notification, Op, PeerId, ProgressMode, RegionId, RemoteRegion, TransferOp,
+    Access, BackendKind, MAX_RAILS, Notification, Op, PeerId, ProgressMode, RailStats, RegionId,
+    RemoteRegion, TransferOp,
 };
 
 /// RDMA device inspection (for `pagewire devices`), from the verbs backend.

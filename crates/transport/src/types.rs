@@ -133,6 +133,8 @@ pub struct RemoteRegion {
     pub rkey: u32,
     /// What we may do with it (`REMOTE_WRITE` and/or `REMOTE_READ`).
     pub access: Access,
+    /// Its rkeys on the peer's rails 1.. (multi-rail verbs; empty otherwise).
+    pub(crate) rails: RailKeys,
 }
 
 impl RemoteRegion {
@@ -143,6 +145,7 @@ impl RemoteRegion {
             len,
             rkey,
             access,
+            rails: RailKeys::NONE,
         }
     }
     /// One past the end.
@@ -253,6 +256,74 @@ pub(crate) struct MrHandle {
     /// Backend state kept alive while registered (e.g. the verbs MR object).
     #[allow(dead_code)] // read by the verbs backend only
     pub handle: Option<Box<dyn Any + Send + Sync>>,
+    /// Keys on rails 1.. (a multi-rail verbs backend registers on every device): lkeys
+    /// and rkeys, in rail order. Empty for one rail.
+    pub lrails: RailKeys,
+    pub rrails: RailKeys,
+}
+
+/// One RDMA device (rail) of a multi-rail verbs engine and what it carried, as
+/// [`Engine::rail_stats`](crate::Engine::rail_stats) reports it. Counted only when the
+/// engine drives two rails or more (one rail keeps today's hot path, without counters).
+#[non_exhaustive]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RailStats {
+    /// Device name (`mlx5_0`, `rxe1`).
+    pub device: String,
+    /// Port number.
+    pub port: u8,
+    /// Link speed in Gb/s (width x lane rate) the stripe is weighted by.
+    pub gbps: u32,
+    /// Bytes this rail completed (data WRs acknowledged), over all peers.
+    pub bytes: u64,
+    /// Failures: a connection's rail taken out of the stripe (QP in error, port down).
+    pub errors: u64,
+    /// Slices another rail failed and this one carried again.
+    pub retries: u64,
+}
+
+/// Most RDMA devices (rails) one engine drives.
+pub const MAX_RAILS: usize = 8;
+
+/// A registration's keys on rails 1.. (rail 0's are the plain `lkey`/`rkey`), inline:
+/// `Copy`, no allocation, empty for a one-rail engine.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub(crate) struct RailKeys {
+    n: u8,
+    keys: [u32; MAX_RAILS - 1],
+}
+
+impl RailKeys {
+    /// No extra rail.
+    pub(crate) const NONE: RailKeys = RailKeys {
+        n: 0,
+        keys: [0; MAX_RAILS - 1],
+    };
+
+    /// From the keys of rails 1..; `None` if there are more than `MAX_RAILS - 1`.
+    pub(crate) fn from_slice(keys: &[u32]) -> Option<Self> {
+        if keys.len() >= MAX_RAILS {
+            return None;
+        }
+        let mut k = RailKeys::NONE;
+        k.keys[..keys.len()].copy_from_slice(keys);
+        k.n = keys.len() as u8;
+        Some(k)
+    }
+
+    /// Keys of rails 1.., in order.
+    pub(crate) fn as_slice(&self) -> &[u32] {
+        &self.keys[..usize::from(self.n)]
+    }
+
+    /// The key on `rail`, rail 0's being `base`; `None` past the last rail.
+    #[allow(dead_code)] // multi-rail verbs only
+    pub(crate) fn key(&self, base: u32, rail: usize) -> Option<u32> {
+        match rail {
+            0 => Some(base),
+            r => self.as_slice().get(r - 1).copied(),
+        }
+    }
 }
 
 impl MrHandle {
@@ -263,6 +334,8 @@ impl MrHandle {
             lkey: key,
             rkey: key,
             handle: None,
+            lrails: RailKeys::NONE,
+            rrails: RailKeys::NONE,
         }
     }
 }

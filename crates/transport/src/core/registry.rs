@@ -24,7 +24,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
 use crate::error::{Error, Result};
-use crate::types::{Access, MrHandle, RegionId, RemoteRegion};
+use crate::types::{Access, MrHandle, RailKeys, RegionId, RemoteRegion};
 
 /// A local region as reported by [`Engine::regions`](crate::Engine::regions).
 #[non_exhaustive]
@@ -63,6 +63,9 @@ pub(crate) struct Chunk {
     pub len: u64,
     pub lkey: u32,
     pub rkey: u32,
+    /// Keys on rails 1.. (multi-rail verbs), see [`MrHandle`](crate::types::MrHandle).
+    pub lrails: RailKeys,
+    pub rrails: RailKeys,
 }
 
 /// A registered local region.
@@ -346,7 +349,9 @@ impl Registry {
             let remote_bits =
                 Access(r.access.bits() & (Access::REMOTE_READ.0 | Access::REMOTE_WRITE.0));
             for c in &r.chunks {
-                out.push(RemoteRegion::new(c.addr, c.len, c.rkey, remote_bits));
+                let mut e = RemoteRegion::new(c.addr, c.len, c.rkey, remote_bits);
+                e.rails = c.rrails;
+                out.push(e);
             }
         }
         out
@@ -436,6 +441,8 @@ mod tests {
             len,
             lkey: 1,
             rkey: 2,
+            lrails: RailKeys::NONE,
+            rrails: RailKeys::NONE,
         }]
     }
 

@@ -110,6 +110,8 @@ mod tests {
             len: 0x1000,
             lkey,
             rkey: lkey,
+            lrails: crate::types::RailKeys::NONE,
+            rrails: crate::types::RailKeys::NONE,
         };
         reg.finish_insert(
             0x1000,

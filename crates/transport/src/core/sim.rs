@@ -47,6 +47,8 @@ impl Side {
                 len: n,
                 lkey: i as u32 + 1,
                 rkey: i as u32 + 1,
+                lrails: crate::types::RailKeys::NONE,
+                rrails: crate::types::RailKeys::NONE,
             })
             .collect();
         registry

@@ -2,7 +2,9 @@
 //! is cut into pieces of that size ([`pieces`]); TCP sends each piece as one request,
 //! loopback copies it as one slice, verbs plans work requests from them ([`plan_wrs`]:
 //! scatter-gather merging under the rxe equal-length rule, then round-robin striping over
-//! the QPs with [`stripe`]). Pure data, unit- and property-tested on the host.
+//! the QPs with [`stripe`]). Several RDMA devices (rails) take a batch's pieces by bytes,
+//! weighted by link speed ([`stripe_rails`]). Pure data, unit- and property-tested on the
+//! host.
 
 use std::borrow::Borrow;
 use std::ops::{Deref, DerefMut};
@@ -253,10 +255,140 @@ pub(crate) fn stripe<T>(wrs: SmallVec<[T; 2]>, nqps: usize) -> SmallVec<[WrQueue
     }
     per
 }
+/// A batch's bytes on one rail: `len` bytes at offset `off` of op `op`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct RailPiece {
+    pub rail: usize,
+    pub op: usize,
+    pub off: u64,
+    pub len: u64,
+}
+
+/// Stripes ops of lengths `lens` over rails by bytes, weighted (`weights[r]`: a rail's link
+/// speed; 0 leaves the rail out). Each op is cut with [`pieces`] at `unit`; each piece goes
+/// to the rail that, with it, carries the least bytes per unit of weight (ties: the first
+/// from `start`, so callers rotating `start` spread small batches over the rails too); a
+/// rail's consecutive pieces of one op merge. Every byte lands on exactly one rail, each
+/// rail's pieces in batch order. Empty when every weight is 0.
+pub(crate) fn stripe_rails<I>(lens: I, weights: &[u64], unit: u64, start: usize) -> Vec<RailPiece>
+where
+    I: IntoIterator<Item = u64>,
+{
+    let n = weights.len();
+    let mut out: Vec<RailPiece> = Vec::new();
+    if weights.iter().all(|&w| w == 0) {
+        return out;
+    }
+    let mut load = vec![0u64; n];
+    // Index in `out` of each rail's last piece, for merging.
+    let mut last: Vec<Option<usize>> = vec![None; n];
+    for (op, len) in lens.into_iter().enumerate() {
+        for (off, plen) in pieces(len, unit) {
+            let mut best: Option<usize> = None;
+            for k in 0..n {
+                let r = (start + k) % n;
+                if weights[r] == 0 {
+                    continue;
+                }
+                // (load + plen) / weight, compared without division.
+                let better = best.is_none_or(|b| {
+                    u128::from(load[r] + plen) * u128::from(weights[b])
+                        < u128::from(load[b] + plen) * u128::from(weights[r])
+                });
+                if better {
+                    best = Some(r);
+                }
+            }
+            let r = best.expect("a rail with weight");
+            load[r] += plen;
+            match last[r].map(|i| &mut out[i]) {
+                Some(p) if p.op == op && p.off + p.len == off => p.len += plen,
+                _ => {
+                    last[r] = Some(out.len());
+                    out.push(RailPiece {
+                        rail: r,
+                        op,
+                        off,
+                        len: plen,
+                    });
+                }
+            }
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    fn rail_bytes(p: &[RailPiece], n: usize) -> Vec<u64> {
+        let mut b = vec![0; n];
+        for x in p {
+            b[x.rail] += x.len;
+        }
+        b
+    }
+
+    #[test]
+    fn rails_share_by_weight() {
+        let p = stripe_rails([8 << 20], &[1, 1], 1 << 20, 0);
+        assert_eq!(rail_bytes(&p, 2), [4 << 20, 4 << 20]);
+        let p = stripe_rails([8 << 20], &[3, 1], 1 << 20, 0);
+        assert_eq!(rail_bytes(&p, 2), [6 << 20, 2 << 20]);
+        // A rail taken out (weight 0) carries nothing.
+        let p = stripe_rails([8 << 20, 4096], &[1, 0, 1], 1 << 20, 0);
+        assert_eq!(rail_bytes(&p, 3), [(4 << 20) + 4096, 0, 4 << 20]);
+        assert!(stripe_rails([100], &[0, 0], 10, 0).is_empty());
+    }
+
+    #[test]
+    fn small_batches_rotate_and_pieces_merge() {
+        assert_eq!(stripe_rails([64], &[1, 1], 1 << 20, 0)[0].rail, 0);
+        assert_eq!(stripe_rails([64], &[1, 1], 1 << 20, 1)[0].rail, 1);
+        // Contiguous pieces of one op on one rail become one piece.
+        let p = stripe_rails([40], &[1], 10, 0);
+        assert_eq!(
+            p,
+            [RailPiece {
+                rail: 0,
+                op: 0,
+                off: 0,
+                len: 40
+            }]
+        );
+    }
+
+    proptest! {
+        /// Every byte of every op lands on exactly one rail, in order per rail, and no
+        /// rail with weight carries more than its share plus one piece.
+        #[test]
+        fn rails_cover_every_byte_once(
+            lens in prop::collection::vec(0u64..5000, 0..12),
+            weights in prop::collection::vec(0u64..5, 1..5),
+            unit in 1u64..700,
+            start in 0usize..8,
+        ) {
+            let p = stripe_rails(lens.iter().copied(), &weights, unit, start);
+            if weights.iter().all(|&w| w == 0) {
+                prop_assert!(p.is_empty());
+                return Ok(());
+            }
+            let mut cover: Vec<Vec<u8>> = lens.iter().map(|&l| vec![0u8; l as usize]).collect();
+            for x in &p {
+                prop_assert!(weights[x.rail] > 0);
+                for b in x.off..x.off + x.len { cover[x.op][b as usize] += 1; }
+            }
+            prop_assert!(cover.iter().all(|c| c.iter().all(|&k| k == 1)));
+            let total: u64 = lens.iter().sum();
+            let wsum: u64 = weights.iter().sum();
+            let got = rail_bytes(&p, weights.len());
+            for (r, &w) in weights.iter().enumerate() {
+                prop_assert!(got[r] as u128 * wsum as u128 <= (total as u128 + unit as u128) * w as u128 + unit as u128 * wsum as u128);
+            }
+        }
+    }
 
     fn w(local: u64, remote: u64, len: u64) -> PlanOp {
         PlanOp {

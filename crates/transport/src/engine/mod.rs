@@ -33,7 +33,8 @@ use crate::net::admission::{Admission, MAX_CONCURRENT_HANDSHAKES, MAX_HANDSHAKES
 use crate::net::deadline::{self, Deadlined};
 use crate::net::frame;
 use crate::types::{
-    Access, BackendKind, MrHandle, Notification, Op, PeerId, RegionId, RemoteRegion, TransferOp,
+    Access, BackendKind, MrHandle, Notification, Op, PeerId, RailStats, RegionId, RemoteRegion,
+    TransferOp,
 };
 use crate::util::random_u64;
 use handle::TransferHandle;
@@ -280,6 +281,12 @@ impl Engine {
     /// Device, MTU, lanes... and why the backend was chosen.
     pub fn backend_info(&self) -> BackendInfo {
         self.inner.info.clone()
+    }
+
+    /// What each RDMA device (rail) carried, for an engine on two rails or more: bytes,
+    /// failures, slices carried again for a failed rail. Empty otherwise.
+    pub fn rail_stats(&self) -> Vec<RailStats> {
+        self.inner.backend.rail_stats()
     }
 
     /// The engine's random id.
@@ -714,6 +721,8 @@ impl Inner {
                         len: n,
                         lkey: mr.lkey,
                         rkey: mr.rkey,
+                        lrails: mr.lrails,
+                        rrails: mr.rrails,
                     });
                     mrs.push(mr);
                 }
@@ -815,6 +824,7 @@ impl Inner {
             remote_ep: w.endpoint,
             regions: RwLock::new(Arc::new(RemoteTable::new(w.regions))),
         });
+        peer.conn.set_remote_table(&peer.table());
         self.publish(peer);
         tracing::info!(peer = %id, %addr, "connected");
         Ok(id)
@@ -859,7 +869,18 @@ impl Inner {
         let from = stream.peer_addr()?;
         let _ = stream.set_nodelay(true);
         let mut s = Deadlined::new(&stream, deadline);
-        let first = frame::read_frame(&mut s, self.config.handshake_max_bytes)?;
+        let first = match frame::read_frame(&mut s, self.config.handshake_max_bytes) {
+            // Another protocol version (an engine from before multi-rail): say so in a
+            // Reject; that peer's decoder refuses our header in turn, naming both versions.
+            Err(e @ HandshakeError::Version { ours, theirs }) => {
+                let _ = reject(
+                    &mut s,
+                    &format!("protocol version {theirs} not supported (this engine speaks {ours})"),
+                );
+                return Err(e);
+            }
+            r => r?,
+        };
         let request = handshake::AwaitRequest {
             token: self.token(),
             // Completing a TCP connection dials the data port the Hello names, on the
@@ -962,6 +983,7 @@ impl Inner {
             remote_ep: h.endpoint,
             regions: RwLock::new(Arc::new(RemoteTable::new(h.regions))),
         });
+        peer.conn.set_remote_table(&peer.table());
         self.publish(peer);
         // Tell the initiator it is known here; its `connect` returns only then. If it
         // cannot hear that (gone, out of time), it closes its end, and the departure
@@ -995,6 +1017,7 @@ impl Inner {
             .handle(frame::read_frame(&mut s, self.config.handshake_max_bytes)?)?;
         let table = Arc::new(RemoteTable::new(regions));
         let out = table.regions().to_vec();
+        p.conn.set_remote_table(&table);
         *p.regions.write().unwrap_or_else(|e| e.into_inner()) = table;
         Ok(out)
     }

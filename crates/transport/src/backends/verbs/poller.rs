@@ -231,7 +231,13 @@ const RECV_DEPTH: u32 = 64;
 const CHAIN_MAX: u32 = 64;
 
 impl VerbsDevice {
-    pub fn open(opts: VerbsOptions) -> Result<Arc<Self>, Error> {
+    /// Opens one device (a rail). `shared`: the completion machinery of the engine's first
+    /// rail, which this one joins (one completion thread polls every rail's connections);
+    /// `None` for the first rail, which starts it.
+    pub fn open(
+        opts: VerbsOptions,
+        shared: Option<&Arc<PollerShared>>,
+    ) -> Result<Arc<Self>, Error> {
         let dev = open(opts.device.as_deref(), opts.port, opts.gid_index)?;
         let pd = dev
             .ctx
@@ -240,30 +246,36 @@ impl VerbsDevice {
         let mtu = opts.mtu.map_or(dev.mtu, |m| m.min(dev.mtu));
         tracing::info!(
             device = %dev.name, port = dev.port, gid_index = dev.gid.index, gid = %dev.gid.addr,
-            gid_kind = %dev.gid.kind, mtu, max_mr_size = dev.caps.max_mr_size,
+            gid_kind = %dev.gid.kind, mtu, gbps = dev.gbps, max_mr_size = dev.caps.max_mr_size,
             max_qp_wr = dev.caps.max_qp_wr, max_sge = dev.caps.max_sge,
             "verbs device opened"
         );
         let manual = opts.progress == ProgressMode::Manual;
-        let poller = Arc::new(PollerShared {
-            conns: Mutex::new(Vec::new()),
-            stop: AtomicBool::new(false),
-            wake: Arc::new(PollWake::default()),
-            spin: opts.poll_spin,
-            manual,
-            rounds: AtomicU32::new(0),
-            last_health: AtomicU64::new(0),
-            born: Instant::now(),
-        });
-        let thread = if manual {
-            None
-        } else {
-            let p2 = Arc::clone(&poller);
-            let t = std::thread::Builder::new()
-                .name(format!("pagewire-cq-{}", dev.name))
-                .spawn(move || completion_loop(&p2))
-                .map_err(|e| Error::io("spawning the verbs completion thread", e))?;
-            Some(t)
+        let (poller, thread) = match shared {
+            Some(p) => (Arc::clone(p), None),
+            None => {
+                let poller = Arc::new(PollerShared {
+                    conns: Mutex::new(Vec::new()),
+                    stop: AtomicBool::new(false),
+                    wake: Arc::new(PollWake::default()),
+                    spin: opts.poll_spin,
+                    manual,
+                    rounds: AtomicU32::new(0),
+                    last_health: AtomicU64::new(0),
+                    born: Instant::now(),
+                });
+                let thread = if manual {
+                    None
+                } else {
+                    let p2 = Arc::clone(&poller);
+                    let t = std::thread::Builder::new()
+                        .name(format!("pagewire-cq-{}", dev.name))
+                        .spawn(move || completion_loop(&p2))
+                        .map_err(|e| Error::io("spawning the verbs completion thread", e))?;
+                    Some(t)
+                };
+                (poller, thread)
+            }
         };
         Ok(Arc::new(Self {
             dev,

@@ -94,8 +94,8 @@ struct Pair {
 }
 
 fn pair(dev: &str, qps: usize) -> Pair {
-    let a = VerbsDevice::open(opts(dev, qps)).expect("open a");
-    let b = VerbsDevice::open(opts(dev, qps)).expect("open b");
+    let a = VerbsDevice::open(opts(dev, qps), None).expect("open a");
+    let b = VerbsDevice::open(opts(dev, qps), None).expect("open b");
     connect(a, b)
 }
 
