@@ -184,13 +184,16 @@ struct TcpShared {
     serving: Mutex<Serving>,
 }
 
-/// Responder threads, each with a clone of its stream (to shut it down) until it ends.
+/// A serving thread: the stream it serves (for shutdown; `None` once it ended) and its handle.
+type ServeThread = (Option<Arc<TcpStream>>, Option<JoinHandle<()>>);
+
+/// Responder threads, each with its stream (shared, to shut it down) until it ends.
 /// Never detached: the ones that ended are joined at the next accept, the rest at
 /// shutdown.
 #[derive(Default)]
 struct Serving {
     next: u64,
-    threads: HashMap<u64, (Option<TcpStream>, Option<JoinHandle<()>>)>,
+    threads: HashMap<u64, ServeThread>,
 }
 
 impl Serving {
@@ -216,7 +219,7 @@ struct Session {
     /// Set when the connection completes; NOTIFY before that is a protocol error.
     sink: OnceLock<NotifySink>,
     /// Accepted streams (clones, to shut them down on close), by a local stream id.
-    incoming: Mutex<Vec<(u64, TcpStream)>>,
+    incoming: Mutex<Vec<(u64, Arc<TcpStream>)>>,
     next_stream: AtomicU64,
     closed: AtomicBool,
     /// Our connection to the same peer, once complete: the peer closing all its streams
@@ -541,7 +544,7 @@ impl Rest {
 }
 
 struct Live {
-    sock: TcpStream,
+    sock: Arc<TcpStream>,
     /// The receiver thread's queue. A request is queued there before its first byte is
     /// written, so a response always finds its request.
     inflight: Sender<Job>,
@@ -579,7 +582,7 @@ struct StreamRx {
 
 struct RxState {
     /// The stream's reading end; `None` once the receiver thread ended.
-    sock: Option<TcpStream>,
+    sock: Option<Arc<TcpStream>>,
     /// Where the receiver thread waits for the stream to be readable; a caller reading
     /// the stream takes it out meanwhile. `None` once the receiver thread ended.
     epoll: Option<Arc<sys::Epoll>>,
@@ -671,9 +674,9 @@ struct ConnShared {
     queues: Mutex<Vec<Sender<TxMsg>>>,
     streams: Vec<StreamTx>,
     rx: Vec<Arc<StreamRx>>,
-    /// Clones of the outgoing streams, to shut them down; released when the connection
-    /// breaks (the threads hold the other clones and exit then).
-    socks: Mutex<Vec<TcpStream>>,
+    /// The outgoing streams, to shut them down; released when the connection breaks (the
+    /// sender and receiver hold the same sockets, one descriptor each, and exit then).
+    socks: Mutex<Vec<Arc<TcpStream>>>,
     /// The session of the peer's streams to us: closed when this connection breaks, so
     /// a peer we consider gone can no longer write or notify through it.
     session: Arc<Session>,
@@ -695,7 +698,10 @@ impl ConnShared {
         session: Arc<Session>,
         backend: Weak<TcpShared>,
     ) -> Result<Arc<ConnShared>> {
-        let clone = |s: &TcpStream| s.try_clone().map_err(|e| Error::io("clone data stream", e));
+        // One descriptor per stream, shared by its sender and receiver (`&TcpStream` reads
+        // and writes): no `dup` per thread, so a peer costs 2 descriptors per stream (the
+        // socket and its epoll instance), not 4.
+        let socks: Vec<Arc<TcpStream>> = socks.into_iter().map(Arc::new).collect();
         let mut queues = Vec::new();
         let mut jobs = Vec::new();
         let mut streams = Vec::new();
@@ -710,7 +716,7 @@ impl ConnShared {
             streams.push(StreamTx {
                 state: Mutex::new(TxState {
                     live: Some(Live {
-                        sock: clone(s)?,
+                        sock: Arc::clone(s),
                         inflight: in_tx,
                     }),
                     rest: None,
@@ -718,7 +724,7 @@ impl ConnShared {
                 outstanding: AtomicUsize::new(0),
             });
             // The descriptor in the epoll instance is the one `read_until` names.
-            let rsock = clone(s)?;
+            let rsock = Arc::clone(s);
             let epoll = sys::Epoll::new()
                 .and_then(|e| e.add(&rsock).map(|()| e))
                 .map_err(|e| Error::io("epoll for a data stream", e))?;
@@ -1519,7 +1525,10 @@ fn accept_loop(listener: TcpListener, shared: Weak<TcpShared>) {
         };
         let deadline = Instant::now() + b.handshake_timeout;
         // Tracked before it starts, so shutdown can stop and join it.
-        let Ok(clone) = s.try_clone() else { continue };
+        // One descriptor, shared with the serving thread (it reads and writes through
+        // `&TcpStream`): shutdown and the session's close reach it without a `dup`.
+        let s = Arc::new(s);
+        let clone = Arc::clone(&s);
         let id = {
             let mut serving = lock(&b.serving);
             serving.reap();
@@ -1538,7 +1547,7 @@ fn accept_loop(listener: TcpListener, shared: Weak<TcpShared>) {
                 {
                     tracing::warn!(?from, error = %e, "TCP data stream dropped");
                 }
-                // Close the clone too; the handle stays, to be joined.
+                // Let go of the shared stream too; the handle stays, to be joined.
                 if let Some(e) = lock(&b2.serving).threads.get_mut(&id) {
                     e.0 = None;
                 }
@@ -1564,7 +1573,7 @@ fn accept_loop(listener: TcpListener, shared: Weak<TcpShared>) {
 /// the client paces its bytes.
 fn serve_stream(
     b: &TcpShared,
-    mut s: TcpStream,
+    s: Arc<TcpStream>,
     ticket: Ticket,
     deadline: Instant,
 ) -> Result<(), Broken> {
@@ -1604,7 +1613,7 @@ fn serve_stream(
                 "session closed or stream limit reached",
             ));
         }
-        inc.push((sid, s.try_clone().map_err(|e| io_broken("stream", &e))?));
+        inc.push((sid, Arc::clone(&s)));
     }
     // Authenticated: the stream now counts against its session's limit.
     drop(ticket);
@@ -1614,8 +1623,8 @@ fn serve_stream(
     let left = deadline.saturating_duration_since(Instant::now());
     s.set_write_timeout(Some(left.max(Duration::from_millis(1))))
         .map_err(|e| io_broken("stream options", &e))?;
-    let r = serve_requests(b, &session, &mut s);
-    // Close for real (the clone in `incoming` would keep the socket open) and forget it.
+    let r = serve_requests(b, &session, &mut &*s);
+    // Close for real (`incoming` shares the socket and would keep it open) and forget it.
     let _ = s.shutdown(Shutdown::Both);
     let last = {
         let mut inc = lock(&session.incoming);
@@ -1637,7 +1646,7 @@ fn serve_stream(
 }
 
 /// Acknowledges the stream hello, then serves requests until the stream closes.
-fn serve_requests(b: &TcpShared, session: &Session, s: &mut TcpStream) -> Result<(), Broken> {
+fn serve_requests(b: &TcpShared, session: &Session, s: &mut &TcpStream) -> Result<(), Broken> {
     s.write_all(b"OK\0\0")
         .map_err(|e| io_broken("stream hello", &e))?;
     s.set_read_timeout(Some(b.io_timeout))
@@ -1685,7 +1694,7 @@ fn response(seq: u64, status: u32, len: u32) -> [u8; RESP_LEN] {
 fn serve_request(
     b: &TcpShared,
     session: &Session,
-    s: &mut TcpStream,
+    s: &mut &TcpStream,
     req: &[u8; REQ_LEN],
     scratch: &mut Vec<u8>,
     acks: &mut Vec<u8>,
@@ -1787,7 +1796,7 @@ fn serve_request(
                     // SAFETY: `acks` and `h` are ours; `[addr, addr+len)` lies in a
                     // registered region with REMOTE_READ that `_pin` keeps registered,
                     // hence allocated, until the write returned.
-                    unsafe { sys::write_all(&*s, &mut iov) }
+                    unsafe { sys::write_all(&**s, &mut iov) }
                         .map_err(|e| io_broken("payload", &e))?;
                     acks.clear();
                     Ok(())
@@ -1906,7 +1915,7 @@ fn missed(now: Instant, last: Instant, deadline: Instant, io: Duration) -> Broke
 }
 
 /// `read_exact` into our own buffer with a deadline of `timeout` of no progress.
-fn read_full(s: &mut TcpStream, buf: &mut [u8], timeout: Duration) -> std::io::Result<()> {
+fn read_full(s: &mut &TcpStream, buf: &mut [u8], timeout: Duration) -> std::io::Result<()> {
     let mut got = 0;
     let mut last = Instant::now();
     while got < buf.len() {
@@ -1936,7 +1945,7 @@ fn read_full(s: &mut TcpStream, buf: &mut [u8], timeout: Duration) -> std::io::R
 /// about 6 % less bandwidth) for 1-8 MiB WRITEs over 4 streams on loopback
 /// (`bench write --local -q 4`, A/B in alternating runs); the cause is not known.
 fn read_idle(
-    s: &mut TcpStream,
+    s: &mut &TcpStream,
     buf: &mut [u8],
     timeout: Duration,
     closed: &AtomicBool,
