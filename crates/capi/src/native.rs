@@ -445,7 +445,7 @@ pub(crate) fn poll_notification(engine_t: u64, timeout_ms: u32) -> PwResult<(u64
 pub(crate) fn progress(engine_t: u64) -> PwResult<usize> {
     let e = engine(engine_t)?;
     e.check_open()?;
-    Ok(e.engine.progress())
+    Ok(e.engine.reap())
 }
 
 // ------------------------------------------------------------------------- batches

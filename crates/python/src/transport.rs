@@ -692,7 +692,7 @@ impl PyEngine {
     /// ``PAGEWIRE_PROGRESS=manual``); returns how many were handled. 0 on TCP/loopback.
     fn progress(&self, py: Python<'_>) -> PyResult<usize> {
         let engine = self.engine(py)?;
-        detached(py, move || engine.progress())
+        detached(py, move || engine.reap())
     }
 
     /// Local regions: a list of ``(addr, length, access)`` tuples, by address.

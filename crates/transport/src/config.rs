@@ -10,7 +10,7 @@
 //! | `PAGEWIRE_TRANSPORT` | `backend` | `auto` | `auto`, `verbs`, `tcp` or `loopback` |
 //! | `PAGEWIRE_LISTEN` | `listen` | `0.0.0.0:0` | control listener `ip:port` (port 0 = any) |
 //! | `PAGEWIRE_TOKEN` | `token` | none | shared secret both sides must present |
-//! | `PAGEWIRE_RDMA_DEVICE` | `rdma_device` | first usable | verbs device name (`mlx5_0`, `rxe0`) |
+//! | `PAGEWIRE_RDMA_DEVICE` | `rdma_device` | first usable | verbs device (`mlx5_0`), several to stripe over (`mlx5_0,mlx5_1:1:3`: `name[:port[:gid_index]]`), or `all` |
 //! | `PAGEWIRE_IB_PORT` | `ib_port` | `1` | verbs port number |
 //! | `PAGEWIRE_GID_INDEX` | `gid_index` | auto | GID table index (RoCE) |
 //! | `PAGEWIRE_MTU` | `mtu` | port active MTU | path MTU cap: 256, 512, 1024, 2048 or 4096 |
@@ -24,51 +24,22 @@
 //! | `PAGEWIRE_HANDSHAKE_TIMEOUT_MS` | `handshake_timeout` | `5000` | connect + handshake deadline |
 //! | `PAGEWIRE_BATCH_TIMEOUT_MS` | `batch_timeout` | `30000` | default batch deadline |
 //! | `PAGEWIRE_IO_TIMEOUT_MS` | `io_timeout` | `10000` | TCP data-stream read/write timeout |
-//! | `PAGEWIRE_PROGRESS` | `progress` | `auto` | verbs: `auto` (a completion thread reaps whatever callers leave) or `manual` (only callers reap: waits, `Engine::progress`) |
+//! | `PAGEWIRE_PROGRESS` | `progress` | `auto` | verbs: `auto` (a completion thread reaps whatever callers leave) or `manual` (only callers reap: waits, `Engine::reap`) |
 //! | `PAGEWIRE_NOTIFY_QUEUE` | `notify_queue` | `65536` | most notifications queued for the application (1..=16M); at the bound a notification is dropped, counted, and its peer's connection broken |
 //! | `PAGEWIRE_POLL_SPIN_US` | `poll_spin` | `5000` | verbs: completion thread keeps polling this long after the last post or completion; a waiting caller busy-polls this long without a completion before it blocks (0..=10 s) |
 //!
 //! Sizes accept a plain byte count or a `K`/`M`/`G` suffix (powers of 1024).
 
-use std::fmt;
 use std::net::SocketAddr;
 use std::str::FromStr;
 use std::time::Duration;
 
 use crate::error::{Error, Result};
+pub use crate::types::{BackendKind, ProgressMode};
+use crate::util;
 
-/// Which data path moves the bytes.
-#[non_exhaustive]
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
-pub enum BackendKind {
-    /// Verbs when a usable RDMA device exists, TCP otherwise.
-    #[default]
-    Auto,
-    /// RDMA verbs (RC QPs through sideway). Needs the `verbs` feature and a device.
-    Verbs,
-    /// TCP streams; works everywhere.
-    Tcp,
-    /// In-process memcpy between engines of the same process.
-    Loopback,
-}
-
-impl BackendKind {
-    /// Lowercase name as accepted by `PAGEWIRE_TRANSPORT`.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            BackendKind::Auto => "auto",
-            BackendKind::Verbs => "verbs",
-            BackendKind::Tcp => "tcp",
-            BackendKind::Loopback => "loopback",
-        }
-    }
-}
-
-impl fmt::Display for BackendKind {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
+// The kinds are vocabulary (`types`); parsing them is configuration, so the impls that
+// report a config error live here.
 
 impl FromStr for BackendKind {
     type Err = Error;
@@ -84,42 +55,6 @@ impl FromStr for BackendKind {
                 "expected auto, verbs, tcp or loopback",
             )),
         }
-    }
-}
-
-/// Who reaps the verbs backend's completions (libfabric's `FI_PROGRESS_AUTO` and
-/// `FI_PROGRESS_MANUAL`). TCP and loopback move bytes on their own threads either way.
-#[non_exhaustive]
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
-pub enum ProgressMode {
-    /// A completion thread reaps what no caller is waiting for, and steps aside while
-    /// callers reap (so a waiter spins on one core, not two).
-    #[default]
-    Auto,
-    /// No completion thread: completions, notifications and the connection health checks
-    /// move only while the application is inside the engine (a `wait`, `try_wait`,
-    /// `poll_notification`, `try_notification`, or [`crate::Engine::progress`]). For
-    /// loops that poll anyway, like perftest's: no second thread competes for the cores
-    /// or wakes up under the caller. A [`crate::TransferHandle::status`] or a blocking
-    /// receive on [`crate::Engine::notifications`] alone does not reap. Both ends need
-    /// calls: a batch's notification that must follow data striped over several QPs is
-    /// posted when that data's completions are reaped on the sending engine.
-    Manual,
-}
-
-impl ProgressMode {
-    /// Lowercase name as accepted by `PAGEWIRE_PROGRESS`.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            ProgressMode::Auto => "auto",
-            ProgressMode::Manual => "manual",
-        }
-    }
-}
-
-impl fmt::Display for ProgressMode {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
     }
 }
 
@@ -453,27 +388,9 @@ fn parse_num<T: FromStr>(key: &str, v: &str) -> Result<T> {
         .map_err(|_| Error::config(key, v, "expected an unsigned integer in range"))
 }
 
-/// Parses `4096`, `64K`, `1M`, `2G` (powers of 1024).
+/// [`util::parse_size`] as a config error naming `key`.
 pub(crate) fn parse_size(key: &str, v: &str) -> Result<u64> {
-    let t = v.trim();
-    let (num, mul) = match t.char_indices().last() {
-        Some((i, c)) if c.is_ascii_alphabetic() => {
-            let mul: u64 = match c.to_ascii_uppercase() {
-                'K' => 1 << 10,
-                'M' => 1 << 20,
-                'G' => 1 << 30,
-                _ => return Err(Error::config(key, v, "size suffix must be K, M or G")),
-            };
-            (&t[..i], mul)
-        }
-        _ => (t, 1),
-    };
-    let n: u64 = num
-        .trim()
-        .parse()
-        .map_err(|_| Error::config(key, v, "expected a size like 4096, 64K, 1M"))?;
-    n.checked_mul(mul)
-        .ok_or_else(|| Error::config(key, v, "size overflows u64"))
+    util::parse_size(v).map_err(|reason| Error::config(key, v, reason))
 }
 
 #[cfg(test)]

@@ -6,25 +6,33 @@
 //! [`TransferHandle::wait`](crate::TransferHandle::wait). Handshake problems have their
 //! own enum, [`HandshakeError`], because they come from untrusted bytes on the network.
 //!
-//! Who is at fault, roughly:
-//! - caller: `Config`, `InvalidRange`, `Unregistered`, `PermissionDenied`, `RegionOverlap`,
-//!   `UnknownRegion`, `UnknownPeer`, `RemoteOutOfBounds`, `RemotePermission`, `EmptyBatch`,
-//!   `RegionBusy`;
-//! - peer or network: `Handshake`, `PeerGone`, `Remote`, `Connect`;
-//! - hardware / OS: `Completion`, `Verbs`, `Registration`, `Io`, `BackendUnavailable`;
-//! - time and control: `Timeout`, `Cancelled`, `Shutdown`.
+//! Each variant says *what* failed; [`Error::fault`] says *who is at fault*, as a
+//! [`Fault`], so a caller decides what to do (fix the call, reconnect, give up on the
+//! device, retry later) without matching every variant:
+//!
+//! | [`Fault`] | variants | caused by |
+//! |---|---|---|
+//! | `ApiMisuse` | `InvalidRange`, `Unregistered`, `PermissionDenied`, `RegionOverlap`, `UnknownRegion`, `RegionBusy`, `UnknownPeer`, `RemoteOutOfBounds`, `RemotePermission`, `EmptyBatch`, `Unsupported` | the caller's arguments or call order; never by bytes from a peer |
+//! | `Peer` | `PeerGone` (with a typed [`PeerFault`]), `Remote`, `Handshake` (except its `Io`), `Completion` with a remote or retry status | a peer that went away, misbehaved or is incompatible |
+//! | `Device` | `Verbs` (the verbs call, with its OS error as the source), `Completion` (other statuses), `Registration`, `BackendUnavailable` | the NIC, its driver or the host's limits |
+//! | `Io` | `Io`, `Connect`, `Handshake(HandshakeError::Io)` | the OS's sockets |
+//! | `Timeout` / `Cancelled` / `Shutdown` / `Config` | the variant of that name | a deadline, the caller's cancel, engine shutdown, a bad setting |
+//!
+//! The same peer fault gets the same variant and [`PeerFault`] on every backend: a peer
+//! that goes away is `PeerGone { fault: PeerFault::Disconnected, .. }` whether TCP saw an
+//! end of stream, verbs a QP in error state or loopback a stopped engine; a peer running
+//! another backend is `Handshake(HandshakeError::BackendMismatch)` on all three.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::config::BackendKind;
-use crate::memory::{Access, RegionId};
+use crate::types::{Access, BackendKind, RegionId};
 
 /// Convenience alias.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// Peer id inside one engine (re-exported as [`crate::PeerId`]).
-pub use crate::engine::PeerId;
+pub use crate::types::PeerId;
 
 /// Everything the transport can fail with.
 #[non_exhaustive]
@@ -99,6 +107,9 @@ pub enum Error {
         len: u64,
         /// Backend-specific reason.
         reason: String,
+        /// The backend's error, if any (verbs: its source chain holds the OS error).
+        #[source]
+        source: Option<Arc<dyn std::error::Error + Send + Sync>>,
     },
     /// No region with this id (never registered, or already deregistered).
     #[error("unknown region {id}")]
@@ -157,12 +168,15 @@ pub enum Error {
         #[source]
         source: Arc<std::io::Error>,
     },
-    /// The peer vanished (connection reset, process died, QP in error state).
-    #[error("peer {peer} gone: {reason}")]
+    /// The connection to the peer is unusable (it went away, stopped responding,
+    /// broke the protocol, or this side closed it); `fault` says which.
+    #[error("peer {peer} gone ({fault}): {reason}")]
     PeerGone {
         /// The peer.
         peer: PeerId,
-        /// What was observed.
+        /// What kind of failure, the same on every backend.
+        fault: PeerFault,
+        /// What was observed, for logs.
         reason: String,
     },
     /// The peer refused an operation (TCP backend: its own bounds/permission check).
@@ -201,10 +215,14 @@ pub enum Error {
     /// A verbs call failed (create QP, modify QP, post...).
     #[error("verbs {call} failed: {reason}")]
     Verbs {
-        /// The verbs function or step.
+        /// The verbs function.
         call: &'static str,
-        /// errno or library message.
+        /// The library's message.
         reason: String,
+        /// The library's error, whose source chain holds the OS error (see
+        /// [`Error::os_error`]).
+        #[source]
+        source: Option<Arc<dyn std::error::Error + Send + Sync>>,
     },
     /// An I/O error outside the handshake (TCP data streams, listener).
     #[error("{context}: {source}")]
@@ -220,7 +238,176 @@ pub enum Error {
     Shutdown,
 }
 
+/// `ibv_wc_status` values that mean the peer stopped acknowledging.
+const RETRY_WC_STATUSES: [u32; 2] = [12, 13]; // RETRY_EXC_ERR, RNR_RETRY_EXC_ERR
+/// `ibv_wc_status` values caused by the peer: it refused the op (REM_INV_REQ_ERR,
+/// REM_ACCESS_ERR, REM_OP_ERR, REM_INV_RD_REQ_ERR, REM_ABORT_ERR) or stopped acknowledging.
+const PEER_WC_STATUSES: [u32; 7] = [9, 10, 11, 12, 13, 15, 16];
+
+/// Who is at fault for an [`Error`]; see the module docs for the variants of each.
+#[non_exhaustive]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Fault {
+    /// The call itself is wrong (arguments, order, a feature this backend lacks). Never
+    /// caused by what a peer sent: retrying the same call fails the same way.
+    ApiMisuse,
+    /// A peer went away, misbehaved or is incompatible.
+    Peer,
+    /// The RDMA device, its driver or the host's limits (memlock, device memory).
+    Device,
+    /// The operating system's sockets.
+    Io,
+    /// A deadline passed.
+    Timeout,
+    /// The caller cancelled.
+    Cancelled,
+    /// The engine is shutting down.
+    Shutdown,
+    /// A configuration value is wrong.
+    Config,
+}
+
+/// Why a connection to a peer became unusable ([`Error::PeerGone`]). Each backend maps
+/// what it observes to the same kind.
+#[non_exhaustive]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum PeerFault {
+    /// The connection ended under us: the peer closed it, its process or host went away,
+    /// or the path failed (TCP: end of stream or reset; verbs: a QP in error state;
+    /// loopback: the peer engine stopped). The backends cannot tell these apart.
+    Disconnected,
+    /// This side closed the connection (a disconnect, engine shutdown) while work was
+    /// pending.
+    ClosedLocally,
+    /// The peer stopped responding: no progress or heartbeat within the stall limit, or
+    /// it took no bytes within the I/O timeout.
+    Unresponsive,
+    /// The peer sent bytes outside the protocol (a malformed request, a response to no
+    /// request, a bad token).
+    Protocol,
+    /// The peer sent notifications faster than this application takes them: the queue
+    /// was full, a notification was dropped and the connection broken.
+    Overran,
+}
+
+impl std::fmt::Display for PeerFault {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            PeerFault::Disconnected => "disconnected",
+            PeerFault::ClosedLocally => "closed locally",
+            PeerFault::Unresponsive => "unresponsive",
+            PeerFault::Protocol => "protocol violation",
+            PeerFault::Overran => "notification queue overrun",
+        })
+    }
+}
+
 impl Error {
+    /// Who is at fault (see the module docs).
+    pub fn fault(&self) -> Fault {
+        match self {
+            Error::InvalidRange { .. }
+            | Error::Unregistered { .. }
+            | Error::PermissionDenied { .. }
+            | Error::RegionOverlap { .. }
+            | Error::UnknownRegion { .. }
+            | Error::RegionBusy { .. }
+            | Error::UnknownPeer { .. }
+            | Error::RemoteOutOfBounds { .. }
+            | Error::RemotePermission { .. }
+            | Error::EmptyBatch
+            | Error::Unsupported { .. } => Fault::ApiMisuse,
+            Error::Handshake(HandshakeError::Io { .. })
+            | Error::Io { .. }
+            | Error::Connect { .. } => Fault::Io,
+            Error::PeerGone { .. } | Error::Remote { .. } | Error::Handshake(_) => Fault::Peer,
+            // The peer refused the op (like TCP's `Remote`) or stopped acknowledging.
+            Error::Completion { status, .. } if PEER_WC_STATUSES.contains(status) => Fault::Peer,
+            Error::Verbs { .. }
+            | Error::Completion { .. }
+            | Error::Registration { .. }
+            | Error::BackendUnavailable { .. } => Fault::Device,
+            Error::Timeout { .. } => Fault::Timeout,
+            Error::Cancelled => Fault::Cancelled,
+            Error::Shutdown => Fault::Shutdown,
+            Error::Config { .. } => Fault::Config,
+        }
+    }
+
+    /// Whether the call itself is wrong ([`Fault::ApiMisuse`]): never caused by a peer.
+    pub fn is_misuse(&self) -> bool {
+        self.fault() == Fault::ApiMisuse
+    }
+
+    /// Why the connection to the peer is unusable: the fault of a [`Error::PeerGone`],
+    /// and [`PeerFault::Disconnected`] for a verbs completion that says the peer stopped
+    /// acknowledging (`RETRY_EXC_ERR`, `RNR_RETRY_EXC_ERR`), what TCP sees as an end of
+    /// stream.
+    pub fn peer_fault(&self) -> Option<PeerFault> {
+        match self {
+            Error::PeerGone { fault, .. } => Some(*fault),
+            Error::Completion { status, .. } if RETRY_WC_STATUSES.contains(status) => {
+                Some(PeerFault::Disconnected)
+            }
+            _ => None,
+        }
+    }
+
+    /// The OS error number behind this error, if one is known: a socket error, or the
+    /// errno a verbs call or registration failed with.
+    pub fn os_error(&self) -> Option<i32> {
+        let mut e: Option<&(dyn std::error::Error + 'static)> = match self {
+            Error::Io { source, .. } | Error::Connect { source, .. } => {
+                return source.raw_os_error();
+            }
+            Error::Verbs { source, .. } | Error::Registration { source, .. } => source
+                .as_deref()
+                .map(|s| s as &(dyn std::error::Error + 'static)),
+            _ => None,
+        };
+        while let Some(cur) = e {
+            if let Some(n) = cur
+                .downcast_ref::<std::io::Error>()
+                .and_then(std::io::Error::raw_os_error)
+            {
+                return Some(n);
+            }
+            e = cur.source();
+        }
+        None
+    }
+
+    /// A failed verbs call, keeping the library's error (and through it the errno).
+    #[cfg_attr(not(feature = "verbs"), allow(dead_code))] // verbs only
+    pub(crate) fn verbs(
+        call: &'static str,
+        source: impl std::error::Error + Send + Sync + 'static,
+    ) -> Self {
+        // The reason carries the whole chain (the OS error is usually its last link),
+        // so the message alone says what failed.
+        let mut reason = source.to_string();
+        let mut next = source.source();
+        while let Some(s) = next {
+            reason.push_str(": ");
+            reason.push_str(&s.to_string());
+            next = s.source();
+        }
+        Error::Verbs {
+            call,
+            reason,
+            source: Some(Arc::new(source)),
+        }
+    }
+
+    /// A peer connection that is unusable for `fault`.
+    pub(crate) fn peer_gone(peer: PeerId, fault: PeerFault, reason: impl Into<String>) -> Self {
+        Error::PeerGone {
+            peer,
+            fault,
+            reason: reason.into(),
+        }
+    }
+
     /// Wraps an I/O error with a short context.
     pub(crate) fn io(context: &'static str, source: std::io::Error) -> Self {
         Error::Io {
@@ -359,5 +546,88 @@ impl From<std::io::Error> for HandshakeError {
             kind: e.kind(),
             msg: e.to_string(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_error_has_one_fault() {
+        let peer = PeerId(1);
+        let io = || Arc::new(std::io::Error::from_raw_os_error(libc::ECONNRESET));
+        let completion = |status| Error::Completion {
+            status,
+            status_str: String::new(),
+            vendor_err: 0,
+            wr_id: 0,
+            qp_num: 0,
+        };
+        let cases = [
+            (Error::EmptyBatch, Fault::ApiMisuse),
+            (Error::Unsupported { what: "x".into() }, Fault::ApiMisuse),
+            (
+                Error::peer_gone(peer, PeerFault::Protocol, "bad"),
+                Fault::Peer,
+            ),
+            (Error::Handshake(HandshakeError::TokenMismatch), Fault::Peer),
+            (
+                Error::Handshake(HandshakeError::Io {
+                    kind: std::io::ErrorKind::ConnectionReset,
+                    msg: "reset".into(),
+                }),
+                Fault::Io,
+            ),
+            (
+                Error::Io {
+                    context: "x",
+                    source: io(),
+                },
+                Fault::Io,
+            ),
+            (
+                Error::verbs(
+                    "ibv_create_cq",
+                    std::io::Error::from_raw_os_error(libc::ENOMEM),
+                ),
+                Fault::Device,
+            ),
+            (
+                Error::Timeout {
+                    after: Duration::ZERO,
+                },
+                Fault::Timeout,
+            ),
+            (completion(10), Fault::Peer),
+            (completion(4), Fault::Device),
+            (Error::Cancelled, Fault::Cancelled),
+            (Error::Shutdown, Fault::Shutdown),
+            (Error::config("k", "v", "r"), Fault::Config),
+        ];
+        for (e, f) in cases {
+            assert_eq!(e.fault(), f, "{e}");
+            assert_eq!(e.is_misuse(), f == Fault::ApiMisuse);
+        }
+    }
+
+    #[test]
+    fn the_os_error_survives_the_wrapping() {
+        // A library error whose source is the OS error, as sideway's are.
+        #[derive(Debug, thiserror::Error)]
+        #[error("create failed")]
+        struct Lib(#[source] std::io::Error);
+        let e = Error::verbs(
+            "ibv_create_qp_ex",
+            Lib(std::io::Error::from_raw_os_error(libc::ENOMEM)),
+        );
+        assert_eq!(e.os_error(), Some(libc::ENOMEM));
+        assert!(e.to_string().contains("create failed: "), "{e}");
+        let io = Error::io("send", std::io::Error::from_raw_os_error(libc::EPIPE));
+        assert_eq!(io.os_error(), Some(libc::EPIPE));
+        assert_eq!(Error::Cancelled.os_error(), None);
+        let gone = Error::peer_gone(PeerId(3), PeerFault::Unresponsive, "no completion");
+        assert_eq!(gone.peer_fault(), Some(PeerFault::Unresponsive));
+        assert!(gone.to_string().contains("unresponsive"), "{gone}");
     }
 }

@@ -39,31 +39,38 @@
 //!
 //! See `docs/transport.md` for the design, the config knobs and the error taxonomy.
 
+// Modules in dependency order: each imports only modules above it (tests/layering.rs).
+mod backends;
+mod buffer;
 pub mod config;
-pub mod error;
-
-mod admission;
-mod backend;
-mod batch;
-mod deadline;
+mod contract;
+mod core;
 mod engine;
-mod memory;
-pub mod prepared;
-mod wire;
+pub mod error;
+mod net;
+mod types;
+mod util;
 
-pub use backend::BackendInfo;
-pub use batch::{Batch, BatchStats, BatchStatus, Op, TransferHandle, TransferOp};
-pub use config::{BackendKind, EngineConfig, EngineConfigBuilder, ProgressMode};
-pub use engine::{Engine, Notification, PeerId, PeerInfo, PlanEntry};
-pub use error::{Error, HandshakeError, Result};
-pub use memory::{Access, HostBuffer, RegionId, RegionInfo, RemoteRegion};
-pub use prepared::PreparedBatch;
-pub use wire::{EndpointInfo, QpInfo};
+pub use crate::core::batch::{Batch, BatchStats, BatchStatus};
+pub use crate::core::registry::RegionInfo;
+pub use crate::core::wire::{EndpointInfo, QpInfo, RailEndpoint};
+pub use buffer::HostBuffer;
+pub use config::{EngineConfig, EngineConfigBuilder};
+pub use contract::BackendInfo;
+pub use engine::handle::TransferHandle;
+pub use engine::prepared;
+pub use engine::prepared::PreparedBatch;
+pub use engine::{Engine, PeerInfo, PlanEntry};
+pub use error::{Error, Fault, HandshakeError, PeerFault, Result};
+pub use types::{
+    Access, BackendKind, MAX_RAILS, Notification, Op, PeerId, ProgressMode, RailStats, RegionId,
+    RemoteRegion, TransferOp,
+};
 
 /// RDMA device inspection (for `pagewire devices`), from the verbs backend.
 #[cfg(feature = "verbs")]
 pub mod verbs {
-    pub use crate::backend::verbs::{
+    pub use crate::backends::verbs::{
         GidInfo, GidKind, NoRdma, RdmaDeviceInfo, RdmaPortInfo, host_rdma_missing, list_devices,
     };
 }
@@ -73,13 +80,13 @@ pub mod verbs {
 pub mod fuzzing {
     /// Decodes one handshake frame (header + body) with a 1 MiB cap; must never panic.
     pub fn decode_handshake(bytes: &[u8]) -> bool {
-        crate::wire::decode_frame(bytes, 1 << 20).is_ok()
+        crate::core::wire::decode_frame(bytes, 1 << 20).is_ok()
     }
 
     /// Decodes a body of each frame kind; must never panic.
     pub fn decode_bodies(bytes: &[u8]) {
         for kind in 1..=6u8 {
-            let _ = crate::wire::decode_body(kind, bytes);
+            let _ = crate::core::wire::decode_body(kind, bytes);
         }
     }
 }

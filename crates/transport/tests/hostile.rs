@@ -145,11 +145,11 @@ fn trickle(
     closed
 }
 
-/// A control-frame header: "PGWR", version 2, kind, flags 0, body length.
+/// A control-frame header: "PGWR", version 3, kind, flags 0, body length.
 fn frame(kind: u8, body: &[u8]) -> Vec<u8> {
     let mut f = Vec::with_capacity(12 + body.len());
     f.extend_from_slice(b"PGWR");
-    f.extend_from_slice(&2u16.to_le_bytes());
+    f.extend_from_slice(&3u16.to_le_bytes());
     f.extend_from_slice(&[kind, 0]);
     f.extend_from_slice(&(body.len() as u32).to_le_bytes());
     f.extend_from_slice(body);
@@ -174,6 +174,7 @@ fn tcp_endpoint_and_regions(
         b.extend_from_slice(&len.to_le_bytes());
         b.extend_from_slice(&rkey.to_le_bytes());
         b.push(access.bits());
+        b.push(0); // rkeys on further rails: none
     }
 }
 
@@ -1373,4 +1374,34 @@ fn hostile_end_to_end_run() -> Result<()> {
     eprintln!("e2e: server back to {after:?} (baseline {base:?}), RSS {rss} KiB");
     drop(child.0.stdin.take());
     Ok(())
+}
+
+/// A peer of the protocol before multi-rail (version 2) is refused with a Reject that
+/// names both versions, in a frame of our version (which that peer's decoder refuses in
+/// turn, naming both): never a silent reset or a misread endpoint.
+#[test]
+fn hostonly_an_older_protocol_version_gets_a_clear_refusal() {
+    let _g = serial();
+    if !host_only("hostonly_an_older_protocol_version_gets_a_clear_refusal") {
+        return;
+    }
+    let b = engine(BackendKind::Tcp).unwrap();
+    let mut old = hello_frame(b"", 40000, 1, 1, &[]);
+    old[4..6].copy_from_slice(&2u16.to_le_bytes());
+    let mut s = TcpStream::connect(b.local_addr()).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    s.write_all(&old).unwrap();
+    let mut h = [0u8; 12];
+    s.read_exact(&mut h).unwrap();
+    assert_eq!(&h[..4], b"PGWR");
+    assert_eq!(u16::from_le_bytes([h[4], h[5]]), 3);
+    assert_eq!(h[6], 4, "expected a Reject");
+    let len = u32::from_le_bytes(h[8..12].try_into().unwrap()) as usize;
+    let mut body = vec![0u8; len];
+    s.read_exact(&mut body).unwrap();
+    let reason = reject_reason(&body);
+    assert!(
+        reason.contains("version 2") && reason.contains("speaks 3"),
+        "{reason}"
+    );
 }

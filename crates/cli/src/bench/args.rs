@@ -178,9 +178,11 @@ pub struct EndArgs {
     #[arg(long, value_enum, default_value_t = TransportArg::Auto)]
     pub transport: TransportArg,
 
-    /// Verbs: RDMA device (default: the first one with an ACTIVE port). A device that
-    /// does not exist is an error.
-    #[arg(short = 'd', long = "ib-dev")]
+    /// Verbs: RDMA device (default: the first one with an ACTIVE port), or several to
+    /// stripe over (`rxe0,rxe1`, each `name[:port[:gid_index]]`), or `all` (every device
+    /// with the port ACTIVE); `--rails` is the same flag. A device that does not exist is
+    /// an error.
+    #[arg(short = 'd', long = "ib-dev", visible_alias = "rails")]
     pub device: Option<String>,
 
     /// Verbs: GID index (default: picked as perftest does).

@@ -37,6 +37,8 @@ pub struct EndpointDesc {
 pub struct Header {
     pub title: String,
     pub device: String,
+    /// Verbs: every rail (device) the engine stripes over; listed when there are two or more.
+    pub rails: Vec<String>,
     /// `verbs`, `tcp` or `loopback`.
     pub transport: String,
     /// perftest's "Link type": Ethernet / IB for verbs, TCP, or In-process.
@@ -143,6 +145,9 @@ impl Header {
             " Dual-port       : OFF\t\tDevice         : {}",
             self.device
         );
+        if self.rails.len() > 1 {
+            let _ = writeln!(s, " Rails           : {}", self.rails.join(", "));
+        }
         let _ = writeln!(
             s,
             " Number of qps   : {}\t\tTransport type : {}",
@@ -345,6 +350,31 @@ impl<W: Write> Printer<W> {
         self.out.flush()
     }
 
+    /// What each rail of a multi-rail engine carried: a line per rail, or one JSON record.
+    pub fn rails(&mut self, rails: &[pagewire_transport::RailStats]) -> io::Result<()> {
+        if self.json {
+            let v: Vec<_> = rails
+                .iter()
+                .map(|r| {
+                    serde_json::json!({
+                        "device": r.device, "port": r.port, "gbps": r.gbps,
+                        "bytes": r.bytes, "errors": r.errors, "retries": r.retries,
+                    })
+                })
+                .collect();
+            let rec = serde_json::json!({"kind": "rails", "test": self.info.test, "rails": v});
+            return writeln!(self.out, "{rec}");
+        }
+        for r in rails {
+            writeln!(
+                self.out,
+                " rail {}:{}\tbytes {}\terrors {}\tretries {}",
+                r.device, r.port, r.bytes, r.errors, r.retries
+            )?;
+        }
+        Ok(())
+    }
+
     pub fn end(&mut self) -> io::Result<()> {
         if !self.json && self.started {
             writeln!(self.out, "{RESULT_LINE}")?;
@@ -366,6 +396,7 @@ mod tests {
         Header {
             title: "RDMA_Write BW Test".into(),
             device: "rxe0".into(),
+            rails: vec![],
             transport: "verbs".into(),
             link_type: "Ethernet".into(),
             connection: "RC".into(),

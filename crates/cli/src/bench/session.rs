@@ -410,6 +410,7 @@ pub fn header(
     Ok(Header {
         title,
         device: info.device.clone(),
+        rails: info.rails.clone(),
         transport: kind.to_string(),
         link_type: info.link.clone(),
         connection: match kind {

@@ -196,6 +196,10 @@ impl End {
         }
         bar.finish();
         if self.print {
+            let rails = self.engine.rail_stats();
+            if !rails.is_empty() {
+                printer.rails(&rails)?;
+            }
             printer.end()?;
         }
         drop(printer);

@@ -24,16 +24,16 @@
 //! notification, `peer_regions` or `Describe` from `C` finds it. `Describe{token, session}`
 //! -> `Regions{...}` re-fetches a peer's exposed regions on a fresh connection.
 
-use std::io::{Read, Write};
-
 use crate::error::HandshakeError;
-use crate::memory::{Access, RemoteRegion};
+use crate::types::{Access, MAX_RAILS, RailKeys, RemoteRegion};
 
 /// `b"PGWR"` as a little-endian u32.
 pub(crate) const MAGIC: u32 = u32::from_le_bytes(*b"PGWR");
 /// Protocol version. 2: the listener answers `Ready` with `Ready` once it has published
-/// the peer.
-pub(crate) const VERSION: u16 = 2;
+/// the peer. 3: several verbs rails: the verbs endpoint lists every rail's addressing and
+/// QPs, and each region its rkeys on rails 1.. (a version-2 peer is refused at the header,
+/// with both versions named).
+pub(crate) const VERSION: u16 = 3;
 /// Header size.
 pub(crate) const HEADER_LEN: usize = 12;
 /// Most regions one peer may expose in a frame.
@@ -47,7 +47,7 @@ pub(crate) const MAX_TOKEN: usize = 256;
 /// Longest reject reason.
 pub(crate) const MAX_REASON: usize = 1024;
 
-const REGION_BYTES: usize = 8 + 8 + 4 + 1;
+const REGION_BYTES: usize = 8 + 8 + 4 + 1 + 1;
 
 /// One QP's addressing.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -56,6 +56,19 @@ pub struct QpInfo {
     pub qpn: u32,
     /// Initial packet sequence number (24 bits).
     pub psn: u32,
+}
+
+/// One further verbs rail's addressing (see [`EndpointInfo::Verbs`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RailEndpoint {
+    /// Port GID.
+    pub gid: [u8; 16],
+    /// Port LID (0 on RoCE).
+    pub lid: u16,
+    /// Active path MTU in bytes.
+    pub mtu: u32,
+    /// The rail's QPs, in order.
+    pub qps: Vec<QpInfo>,
 }
 
 /// The backend part of the handshake.
@@ -72,6 +85,9 @@ pub enum EndpointInfo {
         mtu: u32,
         /// The connection's QPs, in order.
         qps: Vec<QpInfo>,
+        /// Rails 1.. (further devices of a multi-rail engine), each with its own QPs; the
+        /// fields above are rail 0's. Empty for one device.
+        rails: Vec<RailEndpoint>,
     },
     /// TCP data path.
     Tcp {
@@ -204,14 +220,17 @@ fn put_bytes(b: &mut Vec<u8>, s: &[u8]) {
 fn put_endpoint(b: &mut Vec<u8>, e: &EndpointInfo) {
     b.push(e.tag());
     match e {
-        EndpointInfo::Verbs { gid, lid, mtu, qps } => {
-            b.extend_from_slice(gid);
-            b.extend_from_slice(&lid.to_le_bytes());
-            b.extend_from_slice(&mtu.to_le_bytes());
-            b.extend_from_slice(&(qps.len() as u16).to_le_bytes());
-            for q in qps {
-                b.extend_from_slice(&q.qpn.to_le_bytes());
-                b.extend_from_slice(&q.psn.to_le_bytes());
+        EndpointInfo::Verbs {
+            gid,
+            lid,
+            mtu,
+            qps,
+            rails,
+        } => {
+            put_rail(b, gid, *lid, *mtu, qps);
+            b.push(rails.len() as u8);
+            for r in rails {
+                put_rail(b, &r.gid, r.lid, r.mtu, &r.qps);
             }
         }
         EndpointInfo::Tcp {
@@ -230,6 +249,17 @@ fn put_endpoint(b: &mut Vec<u8>, e: &EndpointInfo) {
     }
 }
 
+fn put_rail(b: &mut Vec<u8>, gid: &[u8; 16], lid: u16, mtu: u32, qps: &[QpInfo]) {
+    b.extend_from_slice(gid);
+    b.extend_from_slice(&lid.to_le_bytes());
+    b.extend_from_slice(&mtu.to_le_bytes());
+    b.extend_from_slice(&(qps.len() as u16).to_le_bytes());
+    for q in qps {
+        b.extend_from_slice(&q.qpn.to_le_bytes());
+        b.extend_from_slice(&q.psn.to_le_bytes());
+    }
+}
+
 fn put_regions(b: &mut Vec<u8>, regions: &[RemoteRegion]) {
     b.extend_from_slice(&(regions.len() as u32).to_le_bytes());
     for r in regions {
@@ -237,6 +267,11 @@ fn put_regions(b: &mut Vec<u8>, regions: &[RemoteRegion]) {
         b.extend_from_slice(&r.len.to_le_bytes());
         b.extend_from_slice(&r.rkey.to_le_bytes());
         b.push(r.access.bits());
+        let rails = r.rails.as_slice();
+        b.push(rails.len() as u8);
+        for k in rails {
+            b.extend_from_slice(&k.to_le_bytes());
+        }
     }
 }
 
@@ -410,31 +445,22 @@ impl Reader<'_> {
     fn endpoint(&mut self) -> Result<EndpointInfo, HandshakeError> {
         match self.u8("endpoint kind")? {
             1 => {
-                let mut gid = [0u8; 16];
-                gid.copy_from_slice(self.take(16, "gid")?);
-                let lid = self.u16("lid")?;
-                let mtu = self.u32("mtu")?;
-                if ![256, 512, 1024, 2048, 4096].contains(&mtu) {
-                    return Err(bad("mtu", mtu));
+                let first = self.rail()?;
+                let n = usize::from(self.u8("rail count")?);
+                if n >= MAX_RAILS {
+                    return Err(bad("rail count", n + 1));
                 }
-                let n = self.u16("qp count")? as usize;
-                if n == 0 || n > MAX_QPS {
-                    return Err(bad("qp count", n));
-                }
-                let mut qps = Vec::with_capacity(n);
+                let mut rails = Vec::with_capacity(n);
                 for _ in 0..n {
-                    let qpn = self.u32("qpn")?;
-                    let psn = self.u32("psn")?;
-                    // QPN 0 and 1 are the special SMI/GSI QPs; both fields are 24 bits.
-                    if !(2..=0x00ff_ffff).contains(&qpn) {
-                        return Err(bad("qpn", format!("{qpn:#x}")));
-                    }
-                    if psn > 0x00ff_ffff {
-                        return Err(bad("psn", format!("{psn:#x}")));
-                    }
-                    qps.push(QpInfo { qpn, psn });
+                    rails.push(self.rail()?);
                 }
-                Ok(EndpointInfo::Verbs { gid, lid, mtu, qps })
+                Ok(EndpointInfo::Verbs {
+                    gid: first.gid,
+                    lid: first.lid,
+                    mtu: first.mtu,
+                    qps: first.qps,
+                    rails,
+                })
             }
             2 => {
                 let data_port = self.u16("data port")?;
@@ -461,6 +487,34 @@ impl Reader<'_> {
         }
     }
 
+    fn rail(&mut self) -> Result<RailEndpoint, HandshakeError> {
+        let mut gid = [0u8; 16];
+        gid.copy_from_slice(self.take(16, "gid")?);
+        let lid = self.u16("lid")?;
+        let mtu = self.u32("mtu")?;
+        if ![256, 512, 1024, 2048, 4096].contains(&mtu) {
+            return Err(bad("mtu", mtu));
+        }
+        let n = self.u16("qp count")? as usize;
+        if n == 0 || n > MAX_QPS {
+            return Err(bad("qp count", n));
+        }
+        let mut qps = Vec::with_capacity(n);
+        for _ in 0..n {
+            let qpn = self.u32("qpn")?;
+            let psn = self.u32("psn")?;
+            // QPN 0 and 1 are the special SMI/GSI QPs; both fields are 24 bits.
+            if !(2..=0x00ff_ffff).contains(&qpn) {
+                return Err(bad("qpn", format!("{qpn:#x}")));
+            }
+            if psn > 0x00ff_ffff {
+                return Err(bad("psn", format!("{psn:#x}")));
+            }
+            qps.push(QpInfo { qpn, psn });
+        }
+        Ok(RailEndpoint { gid, lid, mtu, qps })
+    }
+
     fn regions(&mut self) -> Result<Vec<RemoteRegion>, HandshakeError> {
         let n = self.u32("region count")? as usize;
         if n > MAX_REGIONS {
@@ -476,13 +530,23 @@ impl Reader<'_> {
             let len = self.u64("region len")?;
             let rkey = self.u32("region rkey")?;
             let bits = self.u8("region access")?;
+            let nr = usize::from(self.u8("region rail count")?);
+            if nr >= MAX_RAILS {
+                return Err(bad("region rail count", nr));
+            }
+            let mut keys = [0u32; MAX_RAILS];
+            for k in &mut keys[..nr] {
+                *k = self.u32("region rail rkey")?;
+            }
             if len == 0 || addr.checked_add(len).is_none() {
                 return Err(bad("region range", format!("{addr:#x}+{len}")));
             }
             let access = Access::from_bits(bits)
                 .filter(|a| a.is_remote() && !a.contains(Access::LOCAL_WRITE))
                 .ok_or_else(|| bad("region access", bits))?;
-            out.push(RemoteRegion::new(addr, len, rkey, access));
+            let mut region = RemoteRegion::new(addr, len, rkey, access);
+            region.rails = RailKeys::from_slice(&keys[..nr]).expect("count checked");
+            out.push(region);
         }
         let mut sorted = out.clone();
         sorted.sort_by_key(|r| r.addr);
@@ -495,37 +559,22 @@ impl Reader<'_> {
     }
 }
 
-/// Writes a frame.
-pub(crate) fn write_frame(w: &mut impl Write, f: &Frame) -> Result<(), HandshakeError> {
-    w.write_all(&f.encode())?;
-    w.flush()?;
-    Ok(())
-}
-
-/// Reads one frame, validating the header before reading (or allocating) the body.
-pub(crate) fn read_frame(r: &mut impl Read, max: u32) -> Result<Frame, HandshakeError> {
-    let mut h = [0u8; HEADER_LEN];
-    r.read_exact(&mut h)?;
-    let header = decode_header(&h, max)?;
-    let mut body = vec![0u8; header.len as usize];
-    r.read_exact(&mut body)?;
-    decode_body(header.kind, &body)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use proptest::prelude::*;
 
     fn sample_frames() -> Vec<Frame> {
+        let mut railed = RemoteRegion::new(
+            0x9000,
+            1 << 20,
+            8,
+            Access::REMOTE_READ | Access::REMOTE_WRITE,
+        );
+        railed.rails = RailKeys::from_slice(&[0x81, 0x82]).unwrap();
         let regions = vec![
             RemoteRegion::new(0x1000, 4096, 7, Access::REMOTE_WRITE),
-            RemoteRegion::new(
-                0x9000,
-                1 << 20,
-                8,
-                Access::REMOTE_READ | Access::REMOTE_WRITE,
-            ),
+            railed,
         ];
         vec![
             Frame::Hello(Hello {
@@ -538,6 +587,12 @@ mod tests {
                     lid: 0,
                     mtu: 1024,
                     qps: vec![QpInfo { qpn: 17, psn: 5 }, QpInfo { qpn: 18, psn: 6 }],
+                    rails: vec![RailEndpoint {
+                        gid: [4; 16],
+                        lid: 0,
+                        mtu: 4096,
+                        qps: vec![QpInfo { qpn: 19, psn: 7 }],
+                    }],
                 },
                 regions: regions.clone(),
             }),
@@ -577,8 +632,6 @@ mod tests {
         for f in sample_frames() {
             let bytes = f.encode();
             assert_eq!(decode_frame(&bytes, 1 << 20).unwrap(), f);
-            let mut cur = std::io::Cursor::new(bytes);
-            assert_eq!(read_frame(&mut cur, 1 << 20).unwrap(), f);
         }
     }
 
@@ -600,6 +653,44 @@ mod tests {
         assert!(matches!(
             decode_frame(&f, 1 << 20),
             Err(HandshakeError::Version { theirs: 9, .. })
+        ));
+        // A version-2 peer (one rail, no rail fields) is refused at the header, naming
+        // both versions, rather than misreading its endpoint.
+        let mut f = Frame::Ready.encode();
+        f[4] = 2;
+        let e = decode_frame(&f, 1 << 20).unwrap_err();
+        assert!(matches!(e, HandshakeError::Version { ours: 3, theirs: 2 }));
+        let t = e.to_string();
+        assert!(t.contains('2') && t.contains('3'), "{t}");
+    }
+
+    #[test]
+    fn rail_counts_are_capped() {
+        let mut f = Frame::Hello(Hello {
+            token: vec![],
+            engine_id: 1,
+            listen_port: 1,
+            session: 1,
+            endpoint: EndpointInfo::Verbs {
+                gid: [0; 16],
+                lid: 0,
+                mtu: 1024,
+                qps: vec![QpInfo { qpn: 5, psn: 0 }],
+                rails: vec![],
+            },
+            regions: vec![],
+        })
+        .encode();
+        // The rail count sits after token(2) engine(8) port(2) session(8) kind(1)
+        // gid(16) lid(2) mtu(4) nqps(2) qp(8).
+        let at = HEADER_LEN + 2 + 8 + 2 + 8 + 1 + 16 + 2 + 4 + 2 + 8;
+        f[at] = MAX_RAILS as u8;
+        assert!(matches!(
+            decode_frame(&f, 1 << 20),
+            Err(HandshakeError::BadField {
+                field: "rail count",
+                ..
+            })
         ));
     }
 
@@ -641,6 +732,7 @@ mod tests {
                 lid: 0,
                 mtu: 1500,
                 qps: vec![QpInfo { qpn: 5, psn: 0 }],
+                rails: vec![],
             },
             regions: vec![],
         })

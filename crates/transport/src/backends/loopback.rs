@@ -15,18 +15,21 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::thread::JoinHandle;
+use std::time::Instant;
 
 use crossbeam_channel::Sender;
 
-use super::{
-    Backend, BackendInfo, BackendInit, BackendMr, BatchState, Conn, ConnCtx, EndpointInfo,
-    NotifySink, PendingConn, ResolvedOp, ResolvedOps, lock,
+use crate::config::EngineConfig;
+use crate::contract::{
+    Backend, BackendInfo, BackendInit, BatchState, Conn, ConnCtx, EndpointInfo, NotifySink,
+    PendingConn, ResolvedOp, ResolvedOps,
 };
-use crate::batch::Op;
-use crate::config::{BackendKind, EngineConfig};
-use crate::engine::PeerId;
-use crate::error::{Error, HandshakeError, Result};
-use crate::memory::{Access, PeerPin, Registry};
+use crate::core::batch::NotifyGate;
+use crate::core::registry::{PeerPin, Registry};
+use crate::core::slice::{piece_count, pieces};
+use crate::error::{Error, HandshakeError, PeerFault, Result};
+use crate::types::{Access, BackendKind, MrHandle, Op, PeerId};
+use crate::util::lock;
 
 type ConnKey = (u64, u64);
 
@@ -84,14 +87,14 @@ impl Backend for LoopbackBackend {
         }
     }
 
-    fn register(&self, _addr: usize, _len: usize, _access: Access) -> Result<BackendMr> {
+    fn register(&self, _addr: usize, _len: usize, _access: Access) -> Result<MrHandle> {
         let k = self.next_key.fetch_add(1, Ordering::Relaxed);
-        Ok(BackendMr::keyed(k))
+        Ok(MrHandle::keyed(k))
     }
 
-    fn deregister(&self, _mr: BackendMr) {}
+    fn deregister(&self, _mr: MrHandle) {}
 
-    fn prepare(&self) -> Result<(Box<dyn PendingConn>, EndpointInfo)> {
+    fn prepare_conn(&self) -> Result<(Box<dyn PendingConn>, EndpointInfo)> {
         let conn = self.next_conn.fetch_add(1, Ordering::Relaxed);
         let ep = EndpointInfo::Loopback {
             engine_id: self.engine_id,
@@ -179,12 +182,9 @@ struct Shared {
 
 impl Shared {
     /// Breaks this end and the peer's.
-    fn gone(&self, why: &str) -> Error {
+    fn gone(&self, fault: PeerFault, why: &str) -> Error {
         self.break_both();
-        Error::PeerGone {
-            peer: self.peer,
-            reason: why.into(),
-        }
+        Error::peer_gone(self.peer, fault, why)
     }
 
     /// Marks this end broken: no more batches, no more notifications into it, the worker
@@ -207,21 +207,30 @@ impl Shared {
     fn run(&self, job: Job) {
         let b = &job.batch;
         if self.broken.load(Ordering::Acquire) {
-            b.fail(self.gone("connection closed"));
+            b.fail(self.gone(PeerFault::Disconnected, "connection closed"));
             return;
         }
         // One pin is reused while consecutive ops stay in the same peer region.
         let mut pin: Option<PeerPin> = None;
+        let slices = job.ops.iter().map(|o| piece_count(o.len, self.slice)).sum();
+        let gate = NotifyGate::new(slices);
+        let mut last = slices == 0;
         for op in &job.ops {
-            if b.should_stop() {
+            if b.should_stop(Instant::now()) {
                 return;
             }
-            if let Err(e) = self.copy(b, &mut pin, op) {
-                b.fail(e);
-                return;
+            match self.copy(b, &mut pin, op, &gate) {
+                Ok(l) => last |= l,
+                Err(e) => {
+                    b.fail(e);
+                    return;
+                }
             }
         }
         drop(pin);
+        if !last {
+            return; // stopped (cancelled, failed or past its deadline) before the last slice
+        }
         if let Some(tag) = job.notify {
             let sink = lock(sinks()).get(&self.remote).cloned();
             match sink {
@@ -236,16 +245,26 @@ impl Shared {
                     }
                 }
                 None => {
-                    b.fail(self.gone("peer connection closed before the notification"));
+                    b.fail(self.gone(
+                        PeerFault::Disconnected,
+                        "peer connection closed before the notification",
+                    ));
                     return;
                 }
             }
         }
-        b.succeed();
+        b.succeed(Instant::now());
     }
 
     /// One resolved op: validate against the peer's live registry, pin, copy.
-    fn copy(&self, b: &BatchState, pin: &mut Option<PeerPin>, op: &ResolvedOp) -> Result<()> {
+    /// `Ok(true)`: its last slice was the batch's last (the notify gate opened).
+    fn copy(
+        &self,
+        b: &BatchState,
+        pin: &mut Option<PeerPin>,
+        op: &ResolvedOp,
+        gate: &NotifyGate,
+    ) -> Result<bool> {
         let needed = match op.op {
             Op::Write => Access::REMOTE_WRITE,
             Op::Read => Access::REMOTE_READ,
@@ -260,7 +279,7 @@ impl Shared {
             let registry = lock(engines())
                 .get(&self.remote.0)
                 .and_then(Weak::upgrade)
-                .ok_or_else(|| self.gone("peer engine shut down"))?;
+                .ok_or_else(|| self.gone(PeerFault::Disconnected, "peer engine shut down"))?;
             let p = registry
                 .pin_for_peer(op.remote, op.len, needed)
                 .map_err(|e| self.refused(e.to_string()))?;
@@ -273,19 +292,18 @@ impl Shared {
         if !rkey_ok {
             return Err(self.refused(format!("rkey {:#x} does not match", op.rkey)));
         }
-        let mut off = 0u64;
-        while off < op.len {
-            if b.should_stop() {
-                return Ok(());
+        let mut opened = false;
+        for (off, n) in pieces(op.len, self.slice) {
+            if b.should_stop(Instant::now()) {
+                return Ok(false);
             }
             // Our close waits for this worker, the peer's shutdown for `pin`: stop at once.
             if self.broken.load(Ordering::Acquire) {
-                return Err(self.gone("connection closed"));
+                return Err(self.gone(PeerFault::Disconnected, "connection closed"));
             }
             if region.revoked() {
-                return Err(self.gone("peer engine shut down"));
+                return Err(self.gone(PeerFault::Disconnected, "peer engine shut down"));
             }
-            let n = (op.len - off).min(self.slice);
             let (src, dst) = match op.op {
                 Op::Write => (op.local + off, op.remote + off),
                 Op::Read => (op.remote + off, op.local + off),
@@ -293,7 +311,7 @@ impl Shared {
             // Held for the slice: a failure or cancellation reported from now on waits for
             // it, and none is given after one, so nothing lands after it is reported.
             let Some(_landing) = b.landing() else {
-                return Ok(());
+                return Ok(false);
             };
             // SAFETY: the local range was validated by the engine against a registered
             // region that the batch pins (it cannot be deregistered while `b` lives); the
@@ -303,10 +321,12 @@ impl Shared {
             // tolerates overlap when an engine is connected to itself.
             unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, n as usize) };
             b.add_progress(0, n);
-            off += n;
+            if gate.landed(1) {
+                opened = true;
+            }
         }
         b.add_progress(1, 0);
-        Ok(())
+        Ok(opened)
     }
 
     fn refused(&self, reason: String) -> Error {
@@ -328,16 +348,19 @@ impl Conn for LoopConn {
         let batch = Arc::new(batch);
         let tx = lock(&self.shared.tx);
         let Some(tx) = tx.as_ref().filter(|_| !self.is_broken()) else {
-            return Err(Error::PeerGone {
-                peer: self.shared.peer,
-                reason: "connection closed".into(),
-            });
+            return Err(Error::peer_gone(
+                self.shared.peer,
+                PeerFault::Disconnected,
+                "connection closed",
+            ));
         };
-        tx.send(Job { batch, ops, notify })
-            .map_err(|_| Error::PeerGone {
-                peer: self.shared.peer,
-                reason: "loopback worker stopped".into(),
-            })
+        tx.send(Job { batch, ops, notify }).map_err(|_| {
+            Error::peer_gone(
+                self.shared.peer,
+                PeerFault::Disconnected,
+                "loopback worker stopped",
+            )
+        })
     }
 
     fn is_broken(&self) -> bool {

@@ -6,11 +6,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use super::conn::{BatchSink, TagSink, VerbsConn};
-use super::engine::{VerbsEngine, VerbsMr, VerbsOptions};
-use super::plan::{Dir, PlanOp};
-use crate::engine::PeerId;
+use super::conn::VerbsConn;
+use super::poller::{VerbsDevice, VerbsMr, VerbsOptions};
+use crate::contract::{BatchSink, TagSink};
+use crate::core::slice::{Dir, PlanOp};
 use crate::error::Error;
+use crate::types::PeerId;
 
 fn device(test: &str) -> String {
     match std::env::var("RDMA_DEVICE") {
@@ -34,7 +35,7 @@ fn opts(dev: &str, qps: usize) -> VerbsOptions {
         max_wr_bytes: 256 << 10,
         max_mr_bytes: None,
         poll_spin: Duration::from_millis(5),
-        progress: crate::ProgressMode::Auto,
+        progress: crate::types::ProgressMode::Auto,
     }
 }
 
@@ -46,7 +47,7 @@ struct Sink {
 }
 
 impl BatchSink for Sink {
-    fn progress(&self, _wrs: usize, bytes: u64) {
+    fn on_acked(&self, _wrs: usize, bytes: u64) {
         self.bytes.fetch_add(bytes, Ordering::Relaxed);
     }
     fn fail(&self, err: Error) {
@@ -85,20 +86,20 @@ impl TagSink for Tags {
 }
 
 struct Pair {
-    a: Arc<VerbsEngine>,
-    b: Arc<VerbsEngine>,
+    a: Arc<VerbsDevice>,
+    b: Arc<VerbsDevice>,
     ab: Arc<VerbsConn>,
     ba: Arc<VerbsConn>,
     tags_b: Arc<Tags>,
 }
 
 fn pair(dev: &str, qps: usize) -> Pair {
-    let a = VerbsEngine::open(opts(dev, qps)).expect("open a");
-    let b = VerbsEngine::open(opts(dev, qps)).expect("open b");
+    let a = VerbsDevice::open(opts(dev, qps), None).expect("open a");
+    let b = VerbsDevice::open(opts(dev, qps), None).expect("open b");
     connect(a, b)
 }
 
-fn connect(a: Arc<VerbsEngine>, b: Arc<VerbsEngine>) -> Pair {
+fn connect(a: Arc<VerbsDevice>, b: Arc<VerbsDevice>) -> Pair {
     let (pa, ea) = a.prepare().expect("prepare a");
     let (pb, eb) = b.prepare().expect("prepare b");
     let tags_b = Arc::new(Tags::default());
@@ -115,7 +116,7 @@ fn connect(a: Arc<VerbsEngine>, b: Arc<VerbsEngine>) -> Pair {
     }
 }
 
-fn reg(e: &VerbsEngine, buf: &mut [u8]) -> VerbsMr {
+fn reg(e: &VerbsDevice, buf: &mut [u8]) -> VerbsMr {
     // SAFETY: test buffers outlive their MRs (dropped at the end of each test, MRs first).
     unsafe { e.register(buf.as_mut_ptr() as u64, buf.len() as u64, true, true) }.expect("reg_mr")
 }
@@ -352,7 +353,7 @@ fn rxe_peer_destroyed_qps_fail_the_batch() {
         "{err}"
     );
     assert!(
-        dt < super::conn::STALL_TIMEOUT + Duration::from_secs(2),
+        dt < crate::core::health::STALL_TIMEOUT + Duration::from_secs(2),
         "{dt:?}"
     );
     assert!(ab.is_broken());
@@ -390,7 +391,9 @@ fn rxe_receive_only_side_learns_of_peer_death() {
     ba.close(Error::Shutdown);
     drop(ba);
     let t0 = Instant::now();
-    let limit = super::conn::HEARTBEAT_IDLE + super::conn::STALL_TIMEOUT + Duration::from_secs(3);
+    let limit = crate::core::health::HEARTBEAT_IDLE
+        + crate::core::health::STALL_TIMEOUT
+        + Duration::from_secs(3);
     while !ab.is_broken() {
         assert!(
             t0.elapsed() < limit,
@@ -411,7 +414,7 @@ fn rxe_receive_only_side_learns_of_peer_death() {
 }
 
 /// Reaps `c` until `cell` has an outcome.
-fn run_outcome(c: &VerbsConn, cell: &crate::prepared::RunCell) -> Result<(), Error> {
+fn run_outcome(c: &VerbsConn, cell: &crate::core::run::RunCell) -> Result<(), Error> {
     let end = Instant::now() + Duration::from_secs(30);
     loop {
         if let Some(r) = cell.outcome() {
@@ -428,7 +431,7 @@ fn run_outcome(c: &VerbsConn, cell: &crate::prepared::RunCell) -> Result<(), Err
 #[ignore = "needs an RDMA device: runs in scripts/rdma-vm.sh"]
 fn rxe_lanes_lend_window_space_and_give_it_back() {
     let dev = device("rxe_lanes_lend_window_space_and_give_it_back");
-    use crate::prepared::RunCell;
+    use crate::core::run::RunCell;
     let p = pair(&dev, 1);
     const N: usize = 64 << 10;
     let mut src = pattern(N, 3);
@@ -444,12 +447,12 @@ fn rxe_lanes_lend_window_space_and_give_it_back() {
         rkey: md.rkey(),
         len,
     };
-    let cell = || Arc::new(RunCell::new(crate::batch::Pins::new()));
+    let cell = || Arc::new(RunCell::new(crate::core::registry::Pins::new()));
 
     // Two WRs (the remote ranges are not contiguous) and a notification on the last.
     let c1 = cell();
     let l1 =
-        p.ab.prepare_lane([w(0, 0, 4096), w(4096, 8192, 4096)], true, c1.clone())
+        p.ab.prepare_fast_path([w(0, 0, 4096), w(4096, 8192, 4096)], true, c1.clone())
             .expect("a two-WR lane");
     for run in 0..20u32 {
         let seed = run as u8;
@@ -478,12 +481,12 @@ fn rxe_lanes_lend_window_space_and_give_it_back() {
     let one = |k: u64| [w(k * 8, 16384 + k * 8, 8)];
     let mut more: Vec<_> = (0..62)
         .map(|k| {
-            p.ab.prepare_lane(one(k), false, cell())
+            p.ab.prepare_fast_path(one(k), false, cell())
                 .expect("within half")
         })
         .collect();
     assert!(
-        p.ab.prepare_lane(one(62), false, cell()).is_none(),
+        p.ab.prepare_fast_path(one(62), false, cell()).is_none(),
         "over half"
     );
     // Ordinary batches still get the other half meanwhile.
@@ -511,7 +514,7 @@ fn rxe_lanes_lend_window_space_and_give_it_back() {
     p.ab.drop_lane(&last); // a second drop must not free a lane that reused the index
     let c = cell();
     let l =
-        p.ab.prepare_lane(one(70), false, c.clone())
+        p.ab.prepare_fast_path(one(70), false, c.clone())
             .expect("room again");
     let hold = p.ab.hold_reaping();
     c.begin();
@@ -519,7 +522,7 @@ fn rxe_lanes_lend_window_space_and_give_it_back() {
     p.ab.drop_lane(&l);
     drop(l);
     assert!(
-        p.ab.prepare_lane(one(71), false, cell()).is_none(),
+        p.ab.prepare_fast_path(one(71), false, cell()).is_none(),
         "space still lent"
     );
     drop(hold);
@@ -530,7 +533,7 @@ fn rxe_lanes_lend_window_space_and_give_it_back() {
     }
     assert!(c.outcome().is_none(), "a dropped lane reports nothing");
     let again =
-        p.ab.prepare_lane(one(72), false, cell())
+        p.ab.prepare_fast_path(one(72), false, cell())
             .expect("space given back");
     p.ab.drop_lane(&again);
     for l in &more {
@@ -565,10 +568,11 @@ fn rxe_break_while_posting_still_stops_every_qp() {
     let md = reg(&p.b, &mut dst);
     {
         let held = p.ba.hold_qp(0);
-        p.ba.break_conn(Error::PeerGone {
-            peer: PeerId(2),
-            reason: "test".into(),
-        });
+        p.ba.break_conn(Error::peer_gone(
+            PeerId(2),
+            crate::error::PeerFault::Disconnected,
+            "test",
+        ));
         assert!(p.ba.is_broken());
         assert!(
             held.query_state() != Some(sideway::ibverbs::queue_pair::QueuePairState::Error),

@@ -1,9 +1,12 @@
-//! Pure planning for the verbs post path: slicing, SGE merging, striping, wr_id encoding,
-//! selective-signalling groups and the per-QP in-flight window. No FFI here, so all of it is
-//! unit-tested on the host.
+//! Slicing, one rule for every backend: an op longer than the backend's `max_wr_bytes`
+//! is cut into pieces of that size ([`pieces`]); TCP sends each piece as one request,
+//! loopback copies it as one slice, verbs plans work requests from them ([`plan_wrs`]:
+//! scatter-gather merging under the rxe equal-length rule, then round-robin striping over
+//! the QPs with [`stripe`]). Several RDMA devices (rails) take a batch's pieces by bytes,
+//! weighted by link speed ([`stripe_rails`]). Pure data, unit- and property-tested on the
+//! host.
 
 use std::borrow::Borrow;
-use std::collections::VecDeque;
 use std::ops::{Deref, DerefMut};
 
 use smallvec::SmallVec;
@@ -106,6 +109,21 @@ impl PlannedWr {
     }
 }
 
+/// The pieces `(offset, len)` of an op of `len` bytes cut at `max` bytes (at least 1):
+/// in order, each `max` long but the last. Every backend slices with this.
+pub(crate) fn pieces(len: u64, max: u64) -> impl Iterator<Item = (u64, u64)> + Clone {
+    let max = max.max(1);
+    (0..len.div_ceil(max)).map(move |k| {
+        let off = k * max;
+        (off, (len - off).min(max))
+    })
+}
+
+/// How many pieces [`pieces`] cuts `len` bytes into.
+pub(crate) fn piece_count(len: u64, max: u64) -> u64 {
+    len.div_ceil(max.max(1))
+}
+
 /// Largest message we ever put in one WR (RC allows 2^31; stay well below).
 pub(crate) const MAX_WR_BYTES_CAP: u64 = 1 << 30;
 
@@ -129,16 +147,13 @@ where
     let mut out = Wrs::with_capacity(ops.size_hint().0);
     for op in ops {
         let op = op.borrow();
-        let mut off = 0u64;
-        while off < op.len {
-            let n = (op.len - off).min(max_wr);
+        for (off, n) in pieces(op.len, max_wr) {
             let piece = Sge {
                 addr: op.local + off,
                 len: n as u32,
                 lkey: op.lkey,
             };
             let remote = op.remote + off;
-            off += n;
             if let Some(cur) = out.last_mut()
                 && try_merge(cur, op.dir, remote, op.rkey, piece, max_wr, max_sge)
             {
@@ -240,176 +255,140 @@ pub(crate) fn stripe<T>(wrs: SmallVec<[T; 2]>, nqps: usize) -> SmallVec<[WrQueue
     }
     per
 }
-
-/// What a completion belongs to, encoded in the 64-bit wr_id.
+/// A batch's bytes on one rail: `len` bytes at offset `off` of op `op`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum WrKind {
-    /// A data WRITE/READ of a batch.
-    Data = 0,
-    /// The final WRITE_WITH_IMM of a batch with remote notification.
-    Notify = 1,
-    /// A pre-posted RECV that absorbs a peer's WRITE_WITH_IMM.
-    Recv = 2,
-    /// A run of a prepared batch's lane; the sequence field holds the lane's index.
-    Lane = 3,
+pub(crate) struct RailPiece {
+    pub rail: usize,
+    pub op: usize,
+    pub off: u64,
+    pub len: u64,
 }
 
-const KIND_SHIFT: u32 = 62;
-const QP_SHIFT: u32 = 54;
-/// Per-QP sequence numbers wrap at 2^54 (never, in practice).
-pub(crate) const SEQ_MASK: u64 = (1 << QP_SHIFT) - 1;
-/// At most this many QPs per connection (8 bits of wr_id).
-pub(crate) const MAX_QPS: usize = 256;
-
-/// `[63:62] kind | [61:54] QP index in the connection | [53:0] per-QP WR sequence number`.
-pub(crate) fn encode_wr_id(kind: WrKind, qp: usize, seq: u64) -> u64 {
-    debug_assert!(qp < MAX_QPS);
-    ((kind as u64) << KIND_SHIFT) | (((qp as u64) & 0xff) << QP_SHIFT) | (seq & SEQ_MASK)
-}
-
-/// Inverse of [`encode_wr_id`] (the two kind bits have no spare value).
-pub(crate) fn decode_wr_id(id: u64) -> (WrKind, usize, u64) {
-    let kind = match id >> KIND_SHIFT {
-        0 => WrKind::Data,
-        1 => WrKind::Notify,
-        2 => WrKind::Recv,
-        _ => WrKind::Lane,
-    };
-    (kind, ((id >> QP_SHIFT) & 0xff) as usize, id & SEQ_MASK)
-}
-
-/// Selective signalling: WR `i` of a chain of `len` is signalled every `every` WRs and always
-/// at the end of the chain (so every chain's last WR produces a completion that retires it).
-pub(crate) fn is_signaled(i: usize, len: usize, every: usize) -> bool {
-    i + 1 == len || (i + 1).is_multiple_of(every.max(1))
-}
-
-/// One signalled group on a QP's send queue: the WRs up to and including a signalled WR.
-/// RC completes a send queue in order, so the signalled WR's completion retires the group.
-#[derive(Debug)]
-pub(crate) struct Group<T> {
-    /// Sequence number of the signalled WR that ends the group.
-    pub last_seq: u64,
-    /// WRs in the group (the window space it holds).
-    pub wrs: u32,
-    /// Payload bytes in the group.
-    pub bytes: u64,
-    pub owner: T,
-}
-
-/// The in-flight window of one QP: WRs posted but not yet retired, in send-queue order.
-/// Part of it may be lent out for good to prepared lanes (see [`InFlight::lend`]).
-#[derive(Debug)]
-pub(crate) struct InFlight<T> {
-    /// The window less what is lent out.
-    cap: u32,
-    /// The window as configured.
-    full: u32,
-    outstanding: u32,
-    next_seq: u64,
-    groups: VecDeque<Group<T>>,
-}
-
-impl<T> InFlight<T> {
-    pub fn new(cap: u32) -> Self {
-        Self {
-            cap: cap.max(1),
-            full: cap.max(1),
-            outstanding: 0,
-            next_seq: 0,
-            groups: VecDeque::new(),
+/// Stripes ops of lengths `lens` over rails by bytes, weighted (`weights[r]`: a rail's link
+/// speed; 0 leaves the rail out). Each op is cut with [`pieces`] at `unit`; each piece goes
+/// to the rail that, with it, carries the least bytes per unit of weight (ties: the first
+/// from `start`, so callers rotating `start` spread small batches over the rails too); a
+/// rail's consecutive pieces of one op merge. Every byte lands on exactly one rail, each
+/// rail's pieces in batch order. Empty when every weight is 0.
+pub(crate) fn stripe_rails<I>(lens: I, weights: &[u64], unit: u64, start: usize) -> Vec<RailPiece>
+where
+    I: IntoIterator<Item = u64>,
+{
+    let n = weights.len();
+    let mut out: Vec<RailPiece> = Vec::new();
+    if weights.iter().all(|&w| w == 0) {
+        return out;
+    }
+    let mut load = vec![0u64; n];
+    // Index in `out` of each rail's last piece, for merging.
+    let mut last: Vec<Option<usize>> = vec![None; n];
+    for (op, len) in lens.into_iter().enumerate() {
+        for (off, plen) in pieces(len, unit) {
+            let mut best: Option<usize> = None;
+            for k in 0..n {
+                let r = (start + k) % n;
+                if weights[r] == 0 {
+                    continue;
+                }
+                // (load + plen) / weight, compared without division.
+                let better = best.is_none_or(|b| {
+                    u128::from(load[r] + plen) * u128::from(weights[b])
+                        < u128::from(load[b] + plen) * u128::from(weights[r])
+                });
+                if better {
+                    best = Some(r);
+                }
+            }
+            let r = best.expect("a rail with weight");
+            load[r] += plen;
+            match last[r].map(|i| &mut out[i]) {
+                Some(p) if p.op == op && p.off + p.len == off => p.len += plen,
+                _ => {
+                    last[r] = Some(out.len());
+                    out.push(RailPiece {
+                        rail: r,
+                        op,
+                        off,
+                        len: plen,
+                    });
+                }
+            }
         }
     }
-
-    /// The window: most WRs in flight.
-    #[cfg(test)]
-    pub fn cap(&self) -> u32 {
-        self.cap
-    }
-
-    /// Free window space in WRs.
-    pub fn available(&self) -> u32 {
-        self.cap - self.outstanding
-    }
-
-    pub fn outstanding(&self) -> u32 {
-        self.outstanding
-    }
-
-    /// Lends `n` WRs of window space to a prepared lane until [`Self::give_back`]: the
-    /// lane's runs then never wait for room or touch this window. At most half the full
-    /// window is ever lent, so ordinary batches keep the other half; `false` if `n` does
-    /// not fit that or the room free right now.
-    pub fn lend(&mut self, n: u32) -> bool {
-        let lent = self.full - self.cap;
-        if n == 0 || n > self.available() || lent + n > self.full / 2 {
-            return false;
-        }
-        self.cap -= n;
-        true
-    }
-
-    /// Takes back `n` WRs of space lent by [`Self::lend`].
-    pub fn give_back(&mut self, n: u32) {
-        self.cap = (self.cap + n).min(self.full);
-    }
-
-    /// Reserves `n` sequence numbers (and window space); returns the first.
-    /// The caller must then push groups covering exactly those `n` WRs.
-    pub fn reserve(&mut self, n: u32) -> u64 {
-        assert!(
-            n <= self.available(),
-            "window overrun: {n} > {}",
-            self.available()
-        );
-        let first = self.next_seq;
-        self.next_seq = (self.next_seq + u64::from(n)) & SEQ_MASK;
-        self.outstanding += n;
-        first
-    }
-
-    pub fn push(&mut self, g: Group<T>) {
-        self.groups.push_back(g);
-    }
-
-    /// A successful completion of WR `seq`: retires every group up to the one it ends.
-    /// Stale or unknown sequence numbers retire nothing. The retired groups are appended
-    /// to `out` (a buffer the reaper reuses, so retiring allocates nothing); returns how
-    /// many there were.
-    pub fn retire_through(&mut self, seq: u64, out: &mut Vec<Group<T>>) -> usize {
-        // Nearly always the oldest group: one completion per signalled group, in order.
-        if self.groups.front().is_some_and(|g| g.last_seq == seq) {
-            let g = self.groups.pop_front().expect("checked non-empty");
-            self.outstanding -= g.wrs.min(self.outstanding);
-            out.push(g);
-            return 1;
-        }
-        let Some(pos) = self.groups.iter().position(|g| g.last_seq == seq) else {
-            return 0;
-        };
-        let before = out.len();
-        out.extend(self.groups.drain(..=pos));
-        let wrs: u32 = out[before..].iter().map(|g| g.wrs).sum();
-        self.outstanding -= wrs.min(self.outstanding);
-        out.len() - before
-    }
-
-    /// The QP failed: everything in flight is lost. Returns all groups.
-    pub fn drain_all(&mut self) -> Vec<Group<T>> {
-        self.outstanding = 0;
-        self.groups.drain(..).collect()
-    }
-
-    #[cfg(test)]
-    pub fn is_empty(&self) -> bool {
-        self.groups.is_empty()
-    }
+    out
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    fn rail_bytes(p: &[RailPiece], n: usize) -> Vec<u64> {
+        let mut b = vec![0; n];
+        for x in p {
+            b[x.rail] += x.len;
+        }
+        b
+    }
+
+    #[test]
+    fn rails_share_by_weight() {
+        let p = stripe_rails([8 << 20], &[1, 1], 1 << 20, 0);
+        assert_eq!(rail_bytes(&p, 2), [4 << 20, 4 << 20]);
+        let p = stripe_rails([8 << 20], &[3, 1], 1 << 20, 0);
+        assert_eq!(rail_bytes(&p, 2), [6 << 20, 2 << 20]);
+        // A rail taken out (weight 0) carries nothing.
+        let p = stripe_rails([8 << 20, 4096], &[1, 0, 1], 1 << 20, 0);
+        assert_eq!(rail_bytes(&p, 3), [(4 << 20) + 4096, 0, 4 << 20]);
+        assert!(stripe_rails([100], &[0, 0], 10, 0).is_empty());
+    }
+
+    #[test]
+    fn small_batches_rotate_and_pieces_merge() {
+        assert_eq!(stripe_rails([64], &[1, 1], 1 << 20, 0)[0].rail, 0);
+        assert_eq!(stripe_rails([64], &[1, 1], 1 << 20, 1)[0].rail, 1);
+        // Contiguous pieces of one op on one rail become one piece.
+        let p = stripe_rails([40], &[1], 10, 0);
+        assert_eq!(
+            p,
+            [RailPiece {
+                rail: 0,
+                op: 0,
+                off: 0,
+                len: 40
+            }]
+        );
+    }
+
+    proptest! {
+        /// Every byte of every op lands on exactly one rail, in order per rail, and no
+        /// rail with weight carries more than its share plus one piece.
+        #[test]
+        fn rails_cover_every_byte_once(
+            lens in prop::collection::vec(0u64..5000, 0..12),
+            weights in prop::collection::vec(0u64..5, 1..5),
+            unit in 1u64..700,
+            start in 0usize..8,
+        ) {
+            let p = stripe_rails(lens.iter().copied(), &weights, unit, start);
+            if weights.iter().all(|&w| w == 0) {
+                prop_assert!(p.is_empty());
+                return Ok(());
+            }
+            let mut cover: Vec<Vec<u8>> = lens.iter().map(|&l| vec![0u8; l as usize]).collect();
+            for x in &p {
+                prop_assert!(weights[x.rail] > 0);
+                for b in x.off..x.off + x.len { cover[x.op][b as usize] += 1; }
+            }
+            prop_assert!(cover.iter().all(|c| c.iter().all(|&k| k == 1)));
+            let total: u64 = lens.iter().sum();
+            let wsum: u64 = weights.iter().sum();
+            let got = rail_bytes(&p, weights.len());
+            for (r, &w) in weights.iter().enumerate() {
+                prop_assert!(got[r] as u128 * wsum as u128 <= (total as u128 + unit as u128) * w as u128 + unit as u128 * wsum as u128);
+            }
+        }
+    }
 
     fn w(local: u64, remote: u64, len: u64) -> PlanOp {
         PlanOp {
@@ -420,6 +399,16 @@ mod tests {
             rkey: 2,
             len,
         }
+    }
+
+    #[test]
+    fn pieces_cover_the_op_in_order() {
+        let p: Vec<_> = pieces(10, 4).collect();
+        assert_eq!(p, [(0, 4), (4, 4), (8, 2)]);
+        assert_eq!(piece_count(10, 4), 3);
+        assert_eq!(pieces(8, 4).count(), 2);
+        assert_eq!(pieces(0, 4).count(), 0);
+        assert_eq!(pieces(3, 0).count(), 3, "a zero cap slices byte by byte");
     }
 
     #[test]
@@ -529,81 +518,6 @@ mod tests {
         assert_eq!(l[..], [s(0), s(8), s(16)]);
         l[0].len = 4;
         assert_eq!(l[0].len, 4);
-    }
-
-    #[test]
-    fn wr_id_round_trips() {
-        for kind in [WrKind::Data, WrKind::Notify, WrKind::Recv, WrKind::Lane] {
-            for qp in [0, 1, 255] {
-                for seq in [0, 1, SEQ_MASK] {
-                    assert_eq!(decode_wr_id(encode_wr_id(kind, qp, seq)), (kind, qp, seq));
-                }
-            }
-        }
-    }
-
-    #[test]
-    fn lending_keeps_half_the_window_for_batches() {
-        let mut t: InFlight<()> = InFlight::new(16);
-        assert!(!t.lend(0));
-        assert!(!t.lend(9), "more than half");
-        assert!(t.lend(5));
-        assert_eq!((t.cap(), t.available()), (11, 11));
-        t.reserve(10);
-        assert!(!t.lend(2), "only 1 free right now");
-        assert!(t.lend(1));
-        assert_eq!(t.available(), 0);
-        assert!(!t.lend(1));
-        t.give_back(6);
-        assert_eq!((t.cap(), t.available()), (16, 6));
-        t.give_back(1);
-        assert_eq!(t.cap(), 16, "never above the full window");
-    }
-
-    #[test]
-    fn signalling_every_n_and_last() {
-        let s: Vec<bool> = (0..7).map(|i| is_signaled(i, 7, 3)).collect();
-        assert_eq!(s, vec![false, false, true, false, false, true, true]);
-        assert!(is_signaled(0, 1, 16));
-    }
-
-    #[test]
-    fn window_reserve_retire() {
-        let mut f: InFlight<u8> = InFlight::new(4);
-        let first = f.reserve(3);
-        assert_eq!(first, 0);
-        f.push(Group {
-            last_seq: 1,
-            wrs: 2,
-            bytes: 20,
-            owner: 1,
-        });
-        f.push(Group {
-            last_seq: 2,
-            wrs: 1,
-            bytes: 10,
-            owner: 2,
-        });
-        assert_eq!(f.available(), 1);
-        let mut done = Vec::new();
-        assert_eq!(
-            f.retire_through(7, &mut done),
-            0,
-            "unknown seq retires nothing"
-        );
-        assert_eq!(f.retire_through(2, &mut done), 2);
-        assert_eq!(done.len(), 2);
-        assert_eq!(f.available(), 4);
-        assert!(f.is_empty());
-        assert_eq!(f.reserve(4), 3);
-        f.push(Group {
-            last_seq: 6,
-            wrs: 4,
-            bytes: 0,
-            owner: 3,
-        });
-        assert_eq!(f.drain_all().len(), 1);
-        assert_eq!(f.outstanding(), 0);
     }
 
     proptest! {

@@ -16,33 +16,34 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
 
-use crate::admission::Admission;
-use crate::backend::{
-    self, Backend, BackendInfo, BackendInit, BackendMr, Conn, ConnCtx, NotifySink, NotifyWait,
-    Progress, ResolvedOp, ResolvedOps, Yield, busy_poll, poll_with_naps,
+use crate::backends;
+use crate::buffer::HostBuffer;
+use crate::config::EngineConfig;
+use crate::contract::{
+    Backend, BackendInfo, BackendInit, Conn, ConnCtx, NotifySink, NotifyWait, Reaper,
 };
-use crate::batch::{Batch, BatchState, Op, TransferHandle, TransferOp};
-use crate::config::{BackendKind, EngineConfig};
-use crate::deadline::{self, Deadlined};
-use crate::error::{Error, HandshakeError, Result};
-use crate::memory::{
-    Access, Chunk, HostBuffer, InsertPlan, RegionId, RegionInfo, Registry, RemoteRegion,
-    RemoteTable,
+use crate::core::batch::{Batch, BatchState};
+use crate::core::handshake;
+use crate::core::registry::{Chunk, InsertPlan, RegionInfo, Registry, RemoteTable};
+use crate::core::resolve::{self, ResolvedOps};
+use crate::core::wait::Yield;
+use crate::core::wire::{EndpointInfo, Frame, Hello, Welcome};
+use crate::error::{Error, HandshakeError, PeerFault, Result};
+use crate::net::admission::{Admission, MAX_CONCURRENT_HANDSHAKES, MAX_HANDSHAKES_PER_IP};
+use crate::net::deadline::{self, Deadlined};
+use crate::net::frame;
+use crate::types::{
+    Access, BackendKind, MrHandle, Notification, Op, PeerId, RailStats, RegionId, RemoteRegion,
+    TransferOp,
 };
-use crate::prepared::PreparedBatch;
-use crate::wire::{self, EndpointInfo, Frame, Hello, Welcome};
+use crate::util::random_u64;
+use handle::TransferHandle;
+use prepared::PreparedBatch;
+use wait::{busy_poll, poll_with_naps};
 
-/// Most handshakes served at the same time from one source IP, so a single host holding
-/// half-open connections cannot starve the others.
-pub(crate) const MAX_HANDSHAKES_PER_IP: usize = 16;
-
-/// Most handshakes served at the same time; further connections are dropped at once,
-/// unless they take over a slot of a busier address (see `admission`).
-pub(crate) const MAX_CONCURRENT_HANDSHAKES: usize = 64;
-
-/// Id of a connected peer, unique within one engine.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct PeerId(pub(crate) u64);
+pub(crate) mod handle;
+pub mod prepared;
+pub(crate) mod wait;
 
 /// Map keyed by [`PeerId`]. Ids are this engine's own sequence numbers, never peer
 /// input, so the hash needs no flooding resistance: one multiply instead of SipHash
@@ -64,29 +65,6 @@ impl std::hash::Hasher for PeerIdHasher {
     fn write_u64(&mut self, n: u64) {
         self.0 = (self.0 ^ n).wrapping_mul(0x9e37_79b9_7f4a_7c15);
     }
-}
-
-impl PeerId {
-    /// The raw number (for logs and wire tags).
-    pub fn get(self) -> u64 {
-        self.0
-    }
-}
-
-impl fmt::Display for PeerId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "peer#{}", self.0)
-    }
-}
-
-/// A remote notification: `peer` finished a batch tagged `tag` into our memory, and
-/// every byte of it is in place.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct Notification {
-    /// Who wrote.
-    pub peer: PeerId,
-    /// The batch's tag.
-    pub tag: u32,
 }
 
 /// One `(src, dst, len)` entry of a transfer plan.
@@ -156,7 +134,7 @@ struct Inner {
     config: Arc<EngineConfig>,
     backend: Arc<dyn Backend>,
     /// Caller-side completion reaping (verbs), for batch waits and notifications.
-    progress: Option<Arc<dyn Progress>>,
+    reaper: Option<Arc<dyn Reaper>>,
     info: BackendInfo,
     registry: Arc<Registry>,
     peers: RwLock<PeerMap<Arc<Peer>>>,
@@ -219,7 +197,7 @@ impl Engine {
             engine_id: id,
             registry: registry.clone(),
         };
-        let (backend, reason) = backend::open(&config, &init)?;
+        let (backend, reason) = backends::open(&config, &init)?;
         let mut info = backend.info();
         debug_assert_eq!(info.kind, backend.kind());
         info.selection = reason.clone();
@@ -245,12 +223,12 @@ impl Engine {
         }
         let (notify_tx, notify_rx) = crossbeam_channel::unbounded();
         let (accept_tx, accept_rx) = crossbeam_channel::unbounded();
-        let progress = backend.progress();
+        let reaper = backend.reaper();
         let inner = Arc::new(Inner {
             id,
             config,
             backend,
-            progress,
+            reaper,
             info,
             registry,
             peers: RwLock::new(PeerMap::default()),
@@ -303,6 +281,12 @@ impl Engine {
     /// Device, MTU, lanes... and why the backend was chosen.
     pub fn backend_info(&self) -> BackendInfo {
         self.inner.info.clone()
+    }
+
+    /// What each RDMA device (rail) carried, for an engine on two rails or more: bytes,
+    /// failures, slices carried again for a failed rail. Empty otherwise.
+    pub fn rail_stats(&self) -> Vec<RailStats> {
+        self.inner.backend.rail_stats()
     }
 
     /// The engine's random id.
@@ -398,7 +382,7 @@ impl Engine {
         loop {
             match self.deregister(id) {
                 Err(Error::RegionBusy { .. }) if Instant::now() < deadline => {
-                    if self.progress() == 0 {
+                    if self.reap() == 0 {
                         std::thread::sleep(Duration::from_millis(1));
                     }
                 }
@@ -578,7 +562,7 @@ impl Engine {
     /// reaping, with naps of up to 1 ms).
     pub fn poll_notification(&self, deadline: Instant) -> Option<Notification> {
         let rx = &self.inner.notify_rx;
-        if let Some(p) = &self.inner.progress {
+        if let Some(p) = &self.inner.reaper {
             // This thread reaps: a tag it reaps itself comes straight to it (`NotifyWait`).
             let wait = NotifyWait::enter(self.inner.id, &self.inner.notify_tx);
             // `is_empty` first: most rounds of a wait find the queue empty, and it reads
@@ -613,7 +597,7 @@ impl Engine {
         if let Ok(n) = rx.try_recv() {
             return Some(n);
         }
-        if let Some(p) = &self.inner.progress {
+        if let Some(p) = &self.inner.reaper {
             p.poll_once();
         }
         rx.try_recv().ok()
@@ -625,8 +609,14 @@ impl Engine {
     /// application that is not inside a wait calls this to move batches and notifications
     /// along; under auto progress it is optional. 0 on TCP and loopback, whose threads
     /// move their bytes themselves.
+    pub fn reap(&self) -> usize {
+        self.inner.reaper.as_ref().map_or(0, |p| p.poll_once())
+    }
+
+    /// The old name of [`Engine::reap`].
+    #[deprecated(since = "0.1.0", note = "renamed to `Engine::reap`")]
     pub fn progress(&self) -> usize {
-        self.inner.progress.as_ref().map_or(0, |p| p.poll_once())
+        self.reap()
     }
 
     /// The notification queue itself (for `select!` with other channels). Every clone
@@ -706,7 +696,7 @@ impl Inner {
         len: u64,
         access: Access,
         keepalive: Option<Arc<dyn std::any::Any + Send + Sync>>,
-        reg: &dyn Fn(u64, u64) -> Result<BackendMr>,
+        reg: &dyn Fn(u64, u64) -> Result<MrHandle>,
     ) -> Result<RegionId> {
         self.check_open()?;
         if let InsertPlan::Existing(id) = self.registry.begin_insert(addr, len, access)? {
@@ -720,7 +710,7 @@ impl Inner {
             max = u64::MAX;
         }
         let mut chunks = Vec::new();
-        let mut mrs: Vec<BackendMr> = Vec::new();
+        let mut mrs: Vec<MrHandle> = Vec::new();
         let mut off = 0u64;
         while off < len {
             let n = (len - off).min(max);
@@ -731,6 +721,8 @@ impl Inner {
                         len: n,
                         lkey: mr.lkey,
                         rkey: mr.rkey,
+                        lrails: mr.lrails,
+                        rrails: mr.rrails,
                     });
                     mrs.push(mr);
                 }
@@ -787,7 +779,7 @@ impl Inner {
         })?;
         let _ = s.set_nodelay(true);
         let mut s = Deadlined::new(&s, deadline);
-        let (pending, ep) = self.backend.prepare()?;
+        let (pending, ep) = self.backend.prepare_conn()?;
         let local_session = random_u64();
         let hello = Frame::Hello(Hello {
             token: self.token().to_vec(),
@@ -797,25 +789,9 @@ impl Inner {
             endpoint: ep.clone(),
             regions: self.registry.exposed(),
         });
-        wire::write_frame(&mut s, &hello)?;
-        let w = match wire::read_frame(&mut s, self.config.handshake_max_bytes)? {
-            Frame::Welcome(w) => w,
-            Frame::Reject { reason } => return Err(HandshakeError::Rejected { reason }.into()),
-            other => {
-                return Err(HandshakeError::UnexpectedFrame {
-                    expected: "Welcome",
-                    found: other.kind(),
-                }
-                .into());
-            }
-        };
-        if w.endpoint.backend_name() != ep.backend_name() {
-            return Err(HandshakeError::BackendMismatch {
-                ours: ep.backend_name().into(),
-                theirs: w.endpoint.backend_name().into(),
-            }
-            .into());
-        }
+        frame::write_frame(&mut s, &hello)?;
+        let (w, await_ready) = handshake::AwaitWelcome { ours: &ep }
+            .handle(frame::read_frame(&mut s, self.config.handshake_max_bytes)?)?;
         let id = PeerId(self.next_peer.fetch_add(1, Ordering::Relaxed));
         let conn = pending.complete(&w.endpoint, self.new_ctx(id, addr.ip(), deadline))?;
         // The acceptor's QPs are ready (it completed before its Welcome): prove the path
@@ -824,30 +800,17 @@ impl Inner {
             conn.close();
             return Err(e);
         }
-        if let Err(e) = wire::write_frame(&mut s, &Frame::Ready) {
+        if let Err(e) = frame::write_frame(&mut s, &Frame::Ready) {
             conn.close();
             return Err(e.into());
         }
         // The listener's own `Ready` says it has published us: from here on everything we
         // send it (a notification, a `Describe`) finds the peer it names.
-        match wire::read_frame(&mut s, self.config.handshake_max_bytes) {
-            Ok(Frame::Ready) => {}
-            Ok(Frame::Reject { reason }) => {
-                conn.close();
-                return Err(HandshakeError::Rejected { reason }.into());
-            }
-            Ok(other) => {
-                conn.close();
-                return Err(HandshakeError::UnexpectedFrame {
-                    expected: "Ready",
-                    found: other.kind(),
-                }
-                .into());
-            }
-            Err(e) => {
-                conn.close();
-                return Err(e.into());
-            }
+        if let Err(e) = frame::read_frame(&mut s, self.config.handshake_max_bytes)
+            .and_then(|f| await_ready.handle(f))
+        {
+            conn.close();
+            return Err(e.into());
         }
         let peer = Arc::new(Peer {
             id,
@@ -861,6 +824,7 @@ impl Inner {
             remote_ep: w.endpoint,
             regions: RwLock::new(Arc::new(RemoteTable::new(w.regions))),
         });
+        peer.conn.set_remote_table(&peer.table());
         self.publish(peer);
         tracing::info!(peer = %id, %addr, "connected");
         Ok(id)
@@ -905,13 +869,39 @@ impl Inner {
         let from = stream.peer_addr()?;
         let _ = stream.set_nodelay(true);
         let mut s = Deadlined::new(&stream, deadline);
-        match wire::read_frame(&mut s, self.config.handshake_max_bytes)? {
-            Frame::Hello(h) => self.accept_hello(&mut s, from, h, deadline),
-            Frame::Describe { token, session } => {
-                if !ct_eq(&token, self.token()) {
-                    let _ = reject(&mut s, "token mismatch");
-                    return Err(HandshakeError::TokenMismatch);
+        let first = match frame::read_frame(&mut s, self.config.handshake_max_bytes) {
+            // Another protocol version (an engine from before multi-rail): say so in a
+            // Reject; that peer's decoder refuses our header in turn, naming both versions.
+            Err(e @ HandshakeError::Version { ours, theirs }) => {
+                let _ = reject(
+                    &mut s,
+                    &format!("protocol version {theirs} not supported (this engine speaks {ours})"),
+                );
+                return Err(e);
+            }
+            r => r?,
+        };
+        let request = handshake::AwaitRequest {
+            token: self.token(),
+            // Completing a TCP connection dials the data port the Hello names, on the
+            // client's address: without a token, only a port its data listener could
+            // have been given.
+            tokenless_ports: self
+                .config
+                .token
+                .is_none()
+                .then_some(backends::tcp::ephemeral_ports as fn() -> _),
+        }
+        .handle(first);
+        match request {
+            Err(handshake::Refused { error, tell }) => {
+                if let Some(tell) = tell {
+                    let _ = reject(&mut s, tell);
                 }
+                Err(error)
+            }
+            Ok(handshake::Request::Hello(h)) => self.accept_hello(&mut s, from, h, deadline),
+            Ok(handshake::Request::Describe { session }) => {
                 let known = self
                     .sessions
                     .lock()
@@ -924,12 +914,8 @@ impl Inner {
                         value: "unknown".into(),
                     });
                 }
-                wire::write_frame(&mut s, &Frame::Regions(self.registry.exposed()))
+                frame::write_frame(&mut s, &Frame::Regions(self.registry.exposed()))
             }
-            other => Err(HandshakeError::UnexpectedFrame {
-                expected: "Hello or Describe",
-                found: other.kind(),
-            }),
         }
     }
 
@@ -940,28 +926,9 @@ impl Inner {
         h: Hello,
         deadline: Instant,
     ) -> Result<(), HandshakeError> {
-        if !ct_eq(&h.token, self.token()) {
-            let _ = reject(s, "token mismatch");
-            return Err(HandshakeError::TokenMismatch);
-        }
-        // Completing a TCP connection dials the data port the Hello names, on the
-        // client's address. Without a token nothing vouches for the client, so it may
-        // only name a port its data listener could have been given (an ephemeral one),
-        // not a service's port on its host.
-        if let EndpointInfo::Tcp { data_port, .. } = h.endpoint
-            && self.config.token.is_none()
-            && !crate::backend::tcp::ephemeral_ports().contains(&data_port)
-        {
-            let _ = reject(s, "data port outside the ephemeral port range");
-            let r = crate::backend::tcp::ephemeral_ports();
-            return Err(HandshakeError::BadField {
-                field: "data port",
-                value: format!("{data_port} (ephemeral range {}-{})", r.start(), r.end()),
-            });
-        }
         // Reasons sent to the client are fixed texts: what failed inside stays in our log
         // (the error returned here), not in a stranger's hands.
-        let (pending, ep) = match self.backend.prepare() {
+        let (pending, ep) = match self.backend.prepare_conn() {
             Ok(x) => x,
             Err(e) => {
                 let _ = reject(s, "connection setup failed");
@@ -970,11 +937,7 @@ impl Inner {
                 });
             }
         };
-        if h.endpoint.backend_name() != ep.backend_name() {
-            let e = HandshakeError::BackendMismatch {
-                ours: ep.backend_name().into(),
-                theirs: h.endpoint.backend_name().into(),
-            };
+        if let Err(e) = handshake::check_backend(&h.endpoint, &ep) {
             let _ = reject(s, &e.to_string());
             return Err(e);
         }
@@ -995,28 +958,18 @@ impl Inner {
             endpoint: ep.clone(),
             regions: self.registry.exposed(),
         });
-        let ready = wire::write_frame(s, &welcome)
-            .and_then(|()| wire::read_frame(s, self.config.handshake_max_bytes));
-        match ready {
-            Ok(Frame::Ready) => {
-                if let Err(e) = conn.probe(deadline) {
-                    conn.close();
-                    return Err(HandshakeError::Probe {
-                        reason: e.to_string(),
-                    });
-                }
-            }
-            Ok(other) => {
-                conn.close();
-                return Err(HandshakeError::UnexpectedFrame {
-                    expected: "Ready",
-                    found: other.kind(),
-                });
-            }
-            Err(e) => {
-                conn.close();
-                return Err(e);
-            }
+        let ready = frame::write_frame(s, &welcome)
+            .and_then(|()| frame::read_frame(s, self.config.handshake_max_bytes))
+            .and_then(|f| handshake::AwaitReady.handle(f));
+        if let Err(e) = ready {
+            conn.close();
+            return Err(e);
+        }
+        if let Err(e) = conn.probe(deadline) {
+            conn.close();
+            return Err(HandshakeError::Probe {
+                reason: e.to_string(),
+            });
         }
         let peer = Arc::new(Peer {
             id,
@@ -1030,11 +983,12 @@ impl Inner {
             remote_ep: h.endpoint,
             regions: RwLock::new(Arc::new(RemoteTable::new(h.regions))),
         });
+        peer.conn.set_remote_table(&peer.table());
         self.publish(peer);
         // Tell the initiator it is known here; its `connect` returns only then. If it
         // cannot hear that (gone, out of time), it closes its end, and the departure
         // takes this peer down too.
-        if let Err(e) = wire::write_frame(s, &Frame::Ready) {
+        if let Err(e) = frame::write_frame(s, &Frame::Ready) {
             self.unpublish(id);
             return Err(e);
         }
@@ -1052,26 +1006,18 @@ impl Inner {
             source: Arc::new(e),
         })?;
         let mut s = Deadlined::new(&s, deadline);
-        wire::write_frame(
+        frame::write_frame(
             &mut s,
             &Frame::Describe {
                 token: self.token().to_vec(),
                 session: p.remote_session,
             },
         )?;
-        let regions = match wire::read_frame(&mut s, self.config.handshake_max_bytes)? {
-            Frame::Regions(r) => r,
-            Frame::Reject { reason } => return Err(HandshakeError::Rejected { reason }.into()),
-            other => {
-                return Err(HandshakeError::UnexpectedFrame {
-                    expected: "Regions",
-                    found: other.kind(),
-                }
-                .into());
-            }
-        };
+        let regions = handshake::AwaitRegions
+            .handle(frame::read_frame(&mut s, self.config.handshake_max_bytes)?)?;
         let table = Arc::new(RemoteTable::new(regions));
         let out = table.regions().to_vec();
+        p.conn.set_remote_table(&table);
         *p.regions.write().unwrap_or_else(|e| e.into_inner()) = table;
         Ok(out)
     }
@@ -1093,12 +1039,12 @@ impl Inner {
             now,
             deadline,
             pins,
-            self.progress.clone(),
+            self.reaper.clone(),
         );
         // A deadline that has already passed fails the batch before anything is posted
         // (backends check `is_stopped` before their first post, without a clock read).
         state.expire_if_due(now);
-        let handle = state.handle();
+        let handle = TransferHandle::new(state.shared());
         p.conn.post(state, resolved, batch.notify)?;
         Ok(handle)
     }
@@ -1107,8 +1053,8 @@ impl Inner {
         let (p, pins, resolved, bytes) = self.resolve(peer, &batch)?;
         // An absolute deadline cannot recur; each run gets the batch's relative one.
         let timeout = match batch.deadline {
-            Some(crate::batch::Deadline::After(d)) => d,
-            Some(crate::batch::Deadline::At(_)) => {
+            Some(crate::core::batch::Deadline::After(d)) => d,
+            Some(crate::core::batch::Deadline::At(_)) => {
                 return Err(Error::Unsupported {
                     what: "an absolute deadline on a prepared batch (use Batch::timeout)".into(),
                 });
@@ -1126,7 +1072,7 @@ impl Inner {
             resolved,
             pins,
             Arc::clone(&p.conn),
-            self.progress.clone(),
+            self.reaper.clone(),
         ))
     }
 
@@ -1137,7 +1083,7 @@ impl Inner {
         &self,
         peer: PeerId,
         batch: &Batch,
-    ) -> Result<(Arc<Peer>, crate::batch::Pins, ResolvedOps, u64)> {
+    ) -> Result<(Arc<Peer>, crate::core::batch::Pins, ResolvedOps, u64)> {
         self.check_open()?;
         // No ops is fine with a notification: the tag travels alone.
         if batch.ops.is_empty() && batch.notify.is_none() {
@@ -1145,70 +1091,14 @@ impl Inner {
         }
         let p = self.peer(peer)?;
         if p.conn.is_broken() {
-            return Err(Error::PeerGone {
+            return Err(Error::peer_gone(
                 peer,
-                reason: "connection is broken".into(),
-            });
+                PeerFault::Disconnected,
+                "connection is broken",
+            ));
         }
         let table = p.table();
-        let mut pins = crate::batch::Pins::new();
-        let mut resolved = ResolvedOps::with_capacity(batch.ops.len());
-        let mut bytes = 0u64;
-        for o in &batch.ops {
-            let (need_local, need_remote) = match o.op {
-                Op::Write => (Access::NONE, Access::REMOTE_WRITE),
-                Op::Read => (Access::LOCAL_WRITE, Access::REMOTE_READ),
-            };
-            crate::memory::checked_end(o.remote, o.len)?;
-            let local_end = crate::memory::checked_end(o.local, o.len)?;
-            // A batch's ops nearly always lie in a region it pinned already (one KV pool):
-            // reuse that pin rather than a registry lookup and a pin/unpin per op.
-            let held = pins.iter().position(|p| {
-                let r = p.region();
-                r.addr <= o.local && local_end <= r.addr + r.len && r.access.contains(need_local)
-            });
-            let i = match held {
-                Some(i) => i,
-                None => {
-                    pins.push(self.registry.pin(o.local, o.len, need_local)?);
-                    pins.len() - 1
-                }
-            };
-            let region = pins[i].region();
-            let mut off = 0u64;
-            while off < o.len {
-                let l = o.local + off;
-                let r = o.remote + off;
-                let lc = region.chunk_at(l).ok_or_else(|| Error::Unregistered {
-                    addr: o.local,
-                    len: o.len,
-                })?;
-                let rr = table.at(r).ok_or_else(|| Error::RemoteOutOfBounds {
-                    peer,
-                    addr: o.remote,
-                    len: o.len,
-                })?;
-                if !rr.access.contains(need_remote) {
-                    return Err(Error::RemotePermission {
-                        peer,
-                        addr: o.remote,
-                        len: o.len,
-                        needed: need_remote,
-                    });
-                }
-                let n = (o.len - off).min(lc.addr + lc.len - l).min(rr.end() - r);
-                resolved.push(ResolvedOp {
-                    op: o.op,
-                    local: l,
-                    lkey: lc.lkey,
-                    remote: r,
-                    rkey: rr.rkey,
-                    len: n,
-                });
-                off += n;
-            }
-            bytes += o.len;
-        }
+        let (pins, resolved, bytes) = resolve::resolve(&self.registry, &table, peer, &batch.ops)?;
         Ok((p, pins, resolved, bytes))
     }
 
@@ -1249,7 +1139,14 @@ impl Inner {
         {
             let _ = t.join();
         }
-        for mr in self.registry.drain() {
+        let revoked = self.registry.revoke_all();
+        // Peer ops served here stop within one slice of the revocation.
+        let mut nap = Duration::from_micros(20);
+        while !revoked.peers_done() {
+            std::thread::sleep(nap);
+            nap = (nap * 2).min(Duration::from_millis(1));
+        }
+        for mr in revoked.into_handles() {
             self.backend.deregister(mr);
         }
         *done = true;
@@ -1306,7 +1203,7 @@ fn listen_loop(listener: TcpListener, inner: Weak<Inner>) {
 }
 
 fn reject(s: &mut Deadlined<'_>, reason: &str) -> Result<(), HandshakeError> {
-    wire::write_frame(
+    frame::write_frame(
         s,
         &Frame::Reject {
             reason: reason.into(),
@@ -1315,31 +1212,4 @@ fn reject(s: &mut Deadlined<'_>, reason: &str) -> Result<(), HandshakeError> {
     let _ = s.stream().shutdown(Shutdown::Write);
     let _ = s.read(&mut [0u8; 64]);
     Ok(())
-}
-
-/// Constant-time comparison (the token is a secret).
-pub(crate) fn ct_eq(a: &[u8], b: &[u8]) -> bool {
-    if a.len() != b.len() {
-        return false;
-    }
-    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-}
-
-/// 64 random bits from the OS (falls back to std's randomly keyed hasher).
-pub(crate) fn random_u64() -> u64 {
-    let mut b = [0u8; 8];
-    if std::fs::File::open("/dev/urandom")
-        .and_then(|mut f| f.read_exact(&mut b))
-        .is_ok()
-    {
-        return u64::from_le_bytes(b);
-    }
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u128(
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos()),
-    );
-    h.finish()
 }

@@ -69,6 +69,36 @@ pub(crate) struct OpenDevice {
     pub mtu: u32,
     pub caps: DeviceCaps,
     pub gid: GidInfo,
+    /// Link speed in Gb/s (0: not reported), what a multi-rail stripe is weighted by.
+    pub gbps: u32,
+}
+
+/// A port's link speed in Gb/s from the raw `active_width` and `active_speed(_ex)` of
+/// `ibv_port_attr` (lanes x lane rate); 0 for values this table does not know (read raw:
+/// sideway's conversions panic on unknown values).
+pub(crate) fn link_gbps(width: u8, speed: u32) -> u32 {
+    let lanes = match width {
+        1 => 1,
+        16 => 2,
+        2 => 4,
+        4 => 8,
+        8 => 12,
+        _ => return 0,
+    };
+    // Per-lane data rates: SDR, DDR, QDR, FDR10, FDR, EDR, HDR, NDR, XDR.
+    let lane = match speed {
+        1 => 2,
+        2 => 4,
+        4 => 8,
+        8 => 10,
+        16 => 14,
+        32 => 25,
+        64 => 50,
+        128 => 100,
+        256 => 200,
+        _ => return 0,
+    };
+    lanes * lane
 }
 
 impl std::fmt::Debug for OpenDevice {
@@ -271,10 +301,30 @@ pub fn host_rdma_missing() -> Option<NoRdma> {
     }
 }
 
-pub(crate) fn verbs_err(call: &'static str, e: impl std::fmt::Display) -> Error {
-    Error::Verbs {
-        call,
-        reason: e.to_string(),
+pub(crate) fn verbs_err(
+    call: &'static str,
+    e: impl std::error::Error + Send + Sync + 'static,
+) -> Error {
+    Error::verbs(call, e)
+}
+
+/// [`verbs_err`] about one named object (a device).
+pub(crate) fn verbs_err_on(
+    call: &'static str,
+    what: &str,
+    e: impl std::error::Error + Send + Sync + 'static,
+) -> Error {
+    match Error::verbs(call, e) {
+        Error::Verbs {
+            call,
+            reason,
+            source,
+        } => Error::Verbs {
+            call,
+            reason: format!("{what}: {reason}"),
+            source,
+        },
+        other => other,
     }
 }
 
@@ -351,7 +401,7 @@ pub fn list_devices() -> Result<Vec<RdmaDeviceInfo>, Error> {
         let name = dev.name();
         let ctx = dev
             .open()
-            .map_err(|e| verbs_err("ibv_open_device", format!("{name}: {e}")))?;
+            .map_err(|e| verbs_err_on("ibv_open_device", &name, e))?;
         let (caps, nports) = caps_of(&ctx)?;
         let mut ports = Vec::new();
         for p in 1..=nports {
@@ -412,7 +462,7 @@ pub(crate) fn open(
         }
         let ctx = dev
             .open()
-            .map_err(|e| verbs_err("ibv_open_device", format!("{dev_name}: {e}")))?;
+            .map_err(|e| verbs_err_on("ibv_open_device", &dev_name, e))?;
         let (caps, nports) = caps_of(&ctx)?;
         let attr = (port <= nports)
             .then(|| ctx.query_port(port).ok())
@@ -420,8 +470,19 @@ pub(crate) fn open(
         let active = attr
             .as_ref()
             .filter(|a| a.port_state() == PortState::Active)
-            .map(|a| (a.lid(), mtu_bytes(a.active_mtu())));
-        let Some((lid, mtu)) = active else {
+            .map(|a| {
+                let speed = if a.attr.active_speed_ex != 0 {
+                    a.attr.active_speed_ex
+                } else {
+                    u32::from(a.attr.active_speed)
+                };
+                (
+                    a.lid(),
+                    mtu_bytes(a.active_mtu()),
+                    link_gbps(a.attr.active_width, speed),
+                )
+            });
+        let Some((lid, mtu, gbps)) = active else {
             if name.is_some() {
                 return Err(no_device(NoRdma::PortDown {
                     device: dev_name,
@@ -457,6 +518,7 @@ pub(crate) fn open(
             mtu,
             caps,
             gid,
+            gbps,
         });
     }
     Err(no_device(match name {
@@ -491,6 +553,16 @@ mod tests {
         assert_eq!(mtu_from_bytes(9000), Mtu::Mtu4096);
         assert_eq!(mtu_from_bytes(1500), Mtu::Mtu1024);
         assert_eq!(mtu_from_bytes(0), Mtu::Mtu256);
+    }
+
+    #[test]
+    fn link_speeds() {
+        // 4x EDR = 100 Gb/s, 1x HDR = 50, 4x NDR = 400; unknown values are 0.
+        assert_eq!(link_gbps(2, 32), 100);
+        assert_eq!(link_gbps(1, 64), 50);
+        assert_eq!(link_gbps(2, 128), 400);
+        assert_eq!(link_gbps(3, 32), 0);
+        assert_eq!(link_gbps(1, 3), 0);
     }
 
     #[test]

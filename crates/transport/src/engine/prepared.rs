@@ -50,146 +50,61 @@
 //! # Ok(()) }
 //! ```
 
-use std::sync::atomic::{AtomicU8, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::backend::{Conn, Progress, ResolvedOps, Yield, busy_poll_since, poll_with_naps};
-use crate::batch::{BatchState, Pins, TransferHandle};
-use crate::engine::PeerId;
+use crate::contract::{Conn, FastPath, FastPathRequest, Reaper};
+use crate::core::batch::{BatchState, BatchStatus, Pins};
+use crate::core::resolve::ResolvedOps;
+use crate::core::run::RunCell;
+use crate::core::wait::Yield;
+use crate::engine::handle::TransferHandle;
+use crate::engine::wait::{busy_poll_since, poll_with_naps};
 use crate::error::{Error, Result};
-
-/// A run is in flight.
-const RUNNING: u8 = 0;
-/// The last run completed (or none was started).
-const DONE: u8 = 1;
-/// The last run failed; the error is in `RunCell::error`.
-const FAILED: u8 = 2;
-
-/// The outcome of a prepared batch's current run, and the pins of its local regions. A
-/// backend's in-flight work holds it (through its batch control), so the regions stay
-/// registered until the last WR of a run has completed or been flushed, even when the
-/// [`PreparedBatch`] is dropped first.
-#[derive(Debug)]
-pub(crate) struct RunCell {
-    state: AtomicU8,
-    error: Mutex<Option<Error>>,
-    _pins: Pins,
-}
-
-impl RunCell {
-    pub(crate) fn new(pins: Pins) -> Self {
-        RunCell {
-            state: AtomicU8::new(DONE),
-            error: Mutex::new(None),
-            _pins: pins,
-        }
-    }
-
-    /// The run completed successfully (ignored unless one is in flight).
-    #[cfg_attr(not(feature = "verbs"), allow(dead_code))] // only lanes report runs
-    pub(crate) fn succeed(&self) {
-        let _ = self
-            .state
-            .compare_exchange(RUNNING, DONE, Ordering::AcqRel, Ordering::Acquire);
-    }
-
-    /// The run failed with `err` (the first outcome wins).
-    pub(crate) fn fail(&self, err: Error) {
-        let mut e = self.error.lock().unwrap_or_else(|p| p.into_inner());
-        if self.state.load(Ordering::Acquire) == RUNNING {
-            *e = Some(err);
-            self.state.store(FAILED, Ordering::Release);
-        }
-    }
-
-    /// A new run. The previous run's error needs no clearing: it is read only in the
-    /// FAILED state, which only a new `fail` (overwriting it) can enter.
-    pub(crate) fn begin(&self) {
-        self.state.store(RUNNING, Ordering::Release);
-    }
-
-    /// `None` while running.
-    pub(crate) fn outcome(&self) -> Option<Result<()>> {
-        match self.state.load(Ordering::Acquire) {
-            RUNNING => None,
-            DONE => Some(Ok(())),
-            _ => Some(Err(self.error())),
-        }
-    }
-
-    /// The error of a FAILED run (`Cancelled` if none was recorded).
-    #[cold]
-    fn error(&self) -> Error {
-        self.error
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
-            .unwrap_or(Error::Cancelled)
-    }
-}
-
-/// A backend's fast lane for one prepared batch (verbs: one chain on one QP).
-pub(crate) trait PreparedLane: Send + Sync {
-    /// Posts one run without waiting; `tag` is the notification's immediate, if the batch
-    /// has one. The run reports into the [`RunCell`] the lane was built with. `Err`:
-    /// nothing was posted, or the connection broke while posting.
-    fn start(&self, tag: Option<u32>) -> Result<()>;
-    /// One reaping round of a thread waiting for the run (verbs: its connection's send
-    /// CQ, and now and then every connection of the engine).
-    fn poll(&self) -> usize;
-}
+use crate::types::PeerId;
 
 /// Reaps through a lane while the engine's progress handle accounts for the waiter.
-struct LaneProgress<'a> {
-    lane: &'a dyn PreparedLane,
-    engine: &'a dyn Progress,
+struct FastPathReaper<'a> {
+    lane: &'a dyn FastPath,
+    engine_reaper: &'a dyn Reaper,
 }
 
-impl std::fmt::Debug for LaneProgress<'_> {
+impl std::fmt::Debug for FastPathReaper<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("LaneProgress")
+        f.write_str("FastPathReaper")
     }
 }
 
-impl Progress for LaneProgress<'_> {
+impl Reaper for FastPathReaper<'_> {
     fn poll_once(&self) -> usize {
         self.lane.poll()
     }
     fn set_waiting(&self, on: bool) {
-        self.engine.set_waiting(on);
+        self.engine_reaper.set_waiting(on);
     }
     fn spin_budget(&self) -> Duration {
-        self.engine.spin_budget()
+        self.engine_reaper.spin_budget()
     }
     fn callers_only(&self) -> bool {
-        self.engine.callers_only()
+        self.engine_reaper.callers_only()
     }
 }
 
 enum Path {
     /// The backend posts and reaps the prepared WRs itself.
     Lane {
-        lane: Box<dyn PreparedLane>,
+        lane: Box<dyn FastPath>,
         cell: Arc<RunCell>,
-        progress: Arc<dyn Progress>,
+        reaper: Arc<dyn Reaper>,
     },
     /// Each run is an ordinary batch of the already validated ops.
     Resubmit {
         conn: Arc<dyn Conn>,
         ops: ResolvedOps,
         cell: Arc<RunCell>,
-        progress: Option<Arc<dyn Progress>>,
+        reaper: Option<Arc<dyn Reaper>>,
         handle: Option<TransferHandle>,
     },
-}
-
-/// What [`Engine::prepare`](crate::Engine::prepare) hands a backend to build a lane from.
-#[cfg_attr(not(feature = "verbs"), allow(dead_code))] // only verbs builds lanes
-pub(crate) struct LaneRequest<'a> {
-    pub ops: &'a ResolvedOps,
-    pub notify: Option<u32>,
-    pub cell: &'a Arc<RunCell>,
 }
 
 /// A batch validated, pinned and planned once; see the module docs. Built by
@@ -231,28 +146,24 @@ impl PreparedBatch {
         resolved: ResolvedOps,
         pins: Pins,
         conn: Arc<dyn Conn>,
-        progress: Option<Arc<dyn Progress>>,
+        reaper: Option<Arc<dyn Reaper>>,
     ) -> Self {
         let cell = Arc::new(RunCell::new(pins));
-        let lane = progress.clone().and_then(|progress| {
-            conn.prepare_lane(LaneRequest {
+        let lane = reaper.clone().and_then(|reaper| {
+            conn.prepare_fast_path(FastPathRequest {
                 ops: &resolved,
                 notify,
                 cell: &cell,
             })
-            .map(|lane| (lane, progress))
+            .map(|lane| (lane, reaper))
         });
         let path = match lane {
-            Some((lane, progress)) => Path::Lane {
-                lane,
-                cell,
-                progress,
-            },
+            Some((lane, reaper)) => Path::Lane { lane, cell, reaper },
             None => Path::Resubmit {
                 conn,
                 ops: resolved,
                 cell,
-                progress,
+                reaper,
                 handle: None,
             },
         };
@@ -326,7 +237,7 @@ impl PreparedBatch {
                 conn,
                 ops,
                 cell,
-                progress,
+                reaper,
                 handle,
             } => {
                 let now = Instant::now();
@@ -339,12 +250,12 @@ impl PreparedBatch {
                     now,
                     now + self.timeout,
                     Pins::new(),
-                    progress.clone(),
+                    reaper.clone(),
                 )
                 .keeping(Arc::clone(cell));
                 // As `submit`: a run whose deadline has already passed is not posted.
                 state.expire_if_due(now);
-                *handle = Some(state.handle());
+                *handle = Some(TransferHandle::new(state.shared()));
                 conn.post(state, ops.clone(), tag)?;
             }
         }
@@ -363,11 +274,7 @@ impl PreparedBatch {
             return Ok(());
         }
         let r = match &self.path {
-            Path::Lane {
-                lane,
-                cell,
-                progress,
-            } => wait_lane(&**lane, cell, &**progress, deadline),
+            Path::Lane { lane, cell, reaper } => wait_lane(&**lane, cell, &**reaper, deadline),
             Path::Resubmit { handle, .. } => match handle {
                 Some(h) => h.wait(deadline).map(|_| ()),
                 None => Ok(()),
@@ -388,15 +295,15 @@ impl PreparedBatch {
         let r = match &self.path {
             // Engine-wide: a caller spinning here makes the completion thread step
             // aside, so this round must also reap what nobody else waits for.
-            Path::Lane { cell, progress, .. } => cell.outcome().or_else(|| {
-                progress.poll_once();
+            Path::Lane { cell, reaper, .. } => cell.outcome().or_else(|| {
+                reaper.poll_once();
                 cell.outcome()
             }),
             Path::Resubmit { handle, .. } => match handle.as_ref().map(TransferHandle::status) {
-                Some(crate::BatchStatus::Pending) => None,
-                Some(crate::BatchStatus::Failed(e)) => Some(Err(e)),
-                Some(crate::BatchStatus::Cancelled) => Some(Err(Error::Cancelled)),
-                Some(crate::BatchStatus::Done) | None => Some(Ok(())),
+                Some(BatchStatus::Pending) => None,
+                Some(BatchStatus::Failed(e)) => Some(Err(e)),
+                Some(BatchStatus::Cancelled) => Some(Err(Error::Cancelled)),
+                Some(BatchStatus::Done) | None => Some(Ok(())),
             },
         };
         if r.is_some() {
@@ -407,12 +314,15 @@ impl PreparedBatch {
 }
 
 fn wait_lane(
-    lane: &dyn PreparedLane,
+    lane: &dyn FastPath,
     cell: &RunCell,
-    engine: &dyn Progress,
+    engine: &dyn Reaper,
     deadline: Instant,
 ) -> Result<()> {
-    let p = LaneProgress { lane, engine };
+    let p = FastPathReaper {
+        lane,
+        engine_reaper: engine,
+    };
     let since = match busy_poll_since(&p, deadline, Yield::Often, || cell.outcome()) {
         Ok(r) => return r,
         Err(first_clock) => first_clock.unwrap_or_else(Instant::now),
@@ -430,7 +340,7 @@ fn wait_lane(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::atomic::AtomicU32;
+    use std::sync::atomic::{AtomicU32, Ordering};
 
     #[test]
     fn prepared_batches_move_between_threads() {
@@ -446,7 +356,7 @@ mod tests {
         cell: Arc<RunCell>,
     }
 
-    impl Progress for FakeEngine {
+    impl Reaper for FakeEngine {
         fn poll_once(&self) -> usize {
             if self.polls.fetch_add(1, Ordering::SeqCst) + 1 == self.after {
                 self.cell.succeed();
@@ -462,7 +372,7 @@ mod tests {
 
     struct Lane;
 
-    impl PreparedLane for Lane {
+    impl FastPath for Lane {
         fn start(&self, _tag: Option<u32>) -> Result<()> {
             Ok(())
         }
@@ -491,23 +401,5 @@ mod tests {
         );
         assert!(r.is_ok(), "{r:?}");
         assert!(engine.polls.load(Ordering::SeqCst) >= 3);
-    }
-
-    #[test]
-    fn run_cell_first_outcome_wins_and_begin_resets() {
-        let c = RunCell::new(Pins::new());
-        assert!(matches!(c.outcome(), Some(Ok(()))), "idle reads as done");
-        c.begin();
-        assert!(c.outcome().is_none());
-        c.fail(Error::Cancelled);
-        c.succeed();
-        assert!(matches!(c.outcome(), Some(Err(Error::Cancelled))));
-        c.begin();
-        c.succeed();
-        c.fail(Error::Shutdown);
-        assert!(matches!(c.outcome(), Some(Ok(()))));
-        // An outcome with no run in flight is ignored.
-        c.fail(Error::Shutdown);
-        assert!(matches!(c.outcome(), Some(Ok(()))));
     }
 }

@@ -9,63 +9,21 @@ use std::time::{Duration, Instant};
 use sideway::ibverbs::completion::BasicCompletionQueue;
 use sideway::ibverbs::queue_pair::QueuePairState;
 
-use super::engine::{PollWake, PollerShared};
-use super::plan::{
-    Dir, Group, InFlight, PlanOp, PlannedWr, SEQ_MASK, WrKind, WrQueue, Wrs, decode_wr_id,
-    encode_wr_id, is_signaled, plan_wrs, stripe,
-};
+use super::poller::{PollWake, PollerShared};
 use super::qp::{
     POLL_BATCH, RcQp, WC_RECV_RDMA_WITH_IMM, WC_SUCCESS, Wc, WrSpec, poll_cq, wc_status_name,
 };
-use crate::backend::Progress;
-use crate::backend::{BatchState, NotifySink, lock};
-use crate::engine::PeerId;
-use crate::error::Error;
-use crate::prepared::RunCell;
-
-/// Where a batch's progress goes (the engine core's [`BatchState`]; a plain recorder in
-/// the verbs-layer tests).
-pub(crate) trait BatchSink: Send + Sync {
-    /// `wrs` more WRs carrying `bytes` have completed locally.
-    fn progress(&self, wrs: usize, bytes: u64);
-    /// The batch failed; called at most once per batch.
-    fn fail(&self, err: Error);
-    /// Every WR (and the notification, if any) completed successfully; at most once.
-    fn complete(&self);
-    /// Whether posting the rest is pointless (cancelled, failed, past its deadline).
-    fn should_stop(&self) -> bool {
-        false
-    }
-    /// [`Self::should_stop`] without reading the clock (cancelled, failed or done); the
-    /// engine core expires a batch whose deadline passed before submission itself.
-    fn is_stopped(&self) -> bool {
-        false
-    }
-    /// Whether cutting this batch short loses work someone asked for. The connection's
-    /// own WRs (heartbeat, connect-time probe) do not: a close that flushes only those is
-    /// a clean close.
-    fn is_user_work(&self) -> bool {
-        true
-    }
-}
-
-impl BatchSink for BatchState {
-    fn progress(&self, wrs: usize, bytes: u64) {
-        self.add_progress(wrs, bytes);
-    }
-    fn fail(&self, err: Error) {
-        BatchState::fail(self, err);
-    }
-    fn complete(&self) {
-        self.succeed();
-    }
-    fn should_stop(&self) -> bool {
-        BatchState::should_stop(self)
-    }
-    fn is_stopped(&self) -> bool {
-        BatchState::is_stopped(self)
-    }
-}
+use crate::contract::{BatchSink, BatchState, Reaper, RunCell, TagSink};
+use crate::core::batch::NotifyGate;
+use crate::core::health::{self, Verdict};
+use crate::core::slice::{Dir, PlanOp, PlannedWr, WrQueue, Wrs, plan_wrs, stripe};
+use crate::core::wait::ENGINE_REAP_EVERY;
+use crate::core::window::{
+    Group, InFlight, SEQ_MASK, WrKind, decode_wr_id, encode_wr_id, is_signaled,
+};
+use crate::error::{Error, PeerFault};
+use crate::types::PeerId;
+use crate::util::lock;
 
 /// A prepared batch's lane: its WRs, planned once and posted as one chain on QP 0 per
 /// run, in window space lent to it for its lifetime (see [`VerbsConn::prepare_lane`]).
@@ -112,19 +70,6 @@ impl Lanes {
         if self.slots.get_mut(i).and_then(Option::take).is_some() {
             self.free.push(i);
         }
-    }
-}
-
-/// Where `(peer, tag)` notifications of incoming WRITE_WITH_IMM go.
-pub(crate) trait TagSink: Send + Sync {
-    /// `bytes` is the length of the WRITE_WITH_IMM that carried the tag. `false`: the
-    /// tag was dropped (the engine's queue is full) and the connection must break.
-    fn notify(&self, tag: u32, bytes: u32) -> bool;
-}
-
-impl TagSink for NotifySink {
-    fn notify(&self, tag: u32, _bytes: u32) -> bool {
-        NotifySink::notify(self, tag)
     }
 }
 
@@ -175,7 +120,7 @@ struct BatchCtl {
     sink: CtlSink,
     /// Data WRs not yet completed, plus one while the poster still holds the batch; when it
     /// reaches zero the held notification WR (if any) is posted, then the batch completes.
-    pending: AtomicU64,
+    pending: NotifyGate,
     /// The final WRITE_WITH_IMM, held back until every data WR on every QP has completed.
     held: Mutex<Option<PlannedWr>>,
     tag: Option<u32>,
@@ -234,14 +179,14 @@ impl Deferred {
 /// A reaper's scratch space: the completions of one poll, and the groups they retired.
 /// A wait polls once per spin, so its buffers are kept instead of cleared every round.
 #[derive(Default)]
-struct Reaper {
+struct ReapScratch {
     wcs: [Wc; POLL_BATCH],
     retired: Vec<Group<Arc<BatchCtl>>>,
 }
 
 /// See [`VerbsConn::hold_reaping`].
 #[cfg(test)]
-pub(crate) struct ReapingHold<'a>(#[allow(dead_code)] std::sync::MutexGuard<'a, Reaper>);
+pub(crate) struct ReapingHold<'a>(#[allow(dead_code)] std::sync::MutexGuard<'a, ReapScratch>);
 
 struct QpSlot {
     /// Post lock: sequence numbers are reserved and posted under it, so send-queue order and
@@ -254,7 +199,7 @@ struct QpSlot {
     recv_owed: AtomicU64,
     /// Bumped whenever this QP's send queue makes progress (a post returned, a CQE retired
     /// WRs): one atomic add on the data path instead of a clock read under a lock.
-    progress: AtomicU64,
+    activity: AtomicU64,
     /// WRs of lane runs in flight (QP 0 only): lanes post outside `track`.
     lane_wrs: AtomicU32,
     /// The health check's view of `progress`: the value it last saw, and when it saw it
@@ -272,8 +217,8 @@ impl QpSlot {
         }
     }
 
-    fn progressed(&self) {
-        self.progress.fetch_add(1, Ordering::Release);
+    fn record_activity(&self) {
+        self.activity.fetch_add(1, Ordering::Release);
     }
 
     /// WRs posted and not yet completed: batches' and lanes'.
@@ -283,7 +228,7 @@ impl QpSlot {
 
     /// How long `progress` has not moved, as far as the health check has seen.
     fn idle(&self) -> Duration {
-        let seen = self.progress.load(Ordering::Acquire);
+        let seen = self.activity.load(Ordering::Acquire);
         let mut w = lock(&self.watch);
         if w.0 != seen {
             *w = (seen, Instant::now());
@@ -291,20 +236,6 @@ impl QpSlot {
         w.1.elapsed()
     }
 }
-
-/// Every this many reaping rounds, a thread waiting on one connection reaps the engine's.
-const ENGINE_REAP_EVERY: u32 = 64;
-
-/// A QP with WRs outstanding and no progress for this long counts as a dead peer.
-/// Hardware reports a dead peer itself (RETRY_EXC_ERR after `(retry_cnt + 1) x 4.096 us x
-/// 2^timeout` = 8 x 67 ms with our attributes); rxe on kernel 6.1 never completes WRs to
-/// a destroyed QP, so without this watchdog the connection would only time out batch by
-/// batch.
-pub(crate) const STALL_TIMEOUT: Duration = Duration::from_secs(5);
-
-/// QP 0 of a connection idle this long gets a heartbeat (a zero-length WRITE): RC has no
-/// keepalive, so without one a side that only receives never learns that its peer died.
-pub(crate) const HEARTBEAT_IDLE: Duration = Duration::from_secs(2);
 
 pub(crate) struct VerbsConn {
     qps: Vec<QpSlot>,
@@ -326,12 +257,12 @@ pub(crate) struct VerbsConn {
     /// caller); the others skip, so completions are handled in CQ order by one thread.
     /// Holds the reaper's buffers, reused so that a reaping round allocates and clears
     /// nothing.
-    reaping: Mutex<Reaper>,
+    reaping: Mutex<ReapScratch>,
     /// The engine's completion thread: kicked on every post so it polls at once.
     poller: Arc<PollWake>,
     /// The engine's connections, reaped now and then by a thread that waits on this one
     /// (see [`Self::reap_waiting`]).
-    engine: Weak<PollerShared>,
+    engine_reaper: Weak<PollerShared>,
     label: String,
 }
 
@@ -367,7 +298,7 @@ impl VerbsConn {
                     qp: Mutex::new(q),
                     recv_seq: AtomicU64::new(u64::from(cfg.recv_depth)),
                     recv_owed: AtomicU64::new(0),
-                    progress: AtomicU64::new(0),
+                    activity: AtomicU64::new(0),
                     lane_wrs: AtomicU32::new(0),
                     watch: Mutex::new((0, Instant::now())),
                     errored: AtomicBool::new(false),
@@ -386,9 +317,9 @@ impl VerbsConn {
             deferred: Deferred::default(),
             graveyard: Mutex::new(Vec::new()),
             lanes: Mutex::default(),
-            reaping: Mutex::new(Reaper::default()),
+            reaping: Mutex::new(ReapScratch::default()),
             poller: Arc::default(),
-            engine: Weak::new(),
+            engine_reaper: Weak::new(),
             label,
         }
     }
@@ -397,7 +328,7 @@ impl VerbsConn {
     /// one nobody waits on.
     pub fn with_poller(mut self, engine: &Arc<PollerShared>) -> Self {
         self.poller = Arc::clone(&engine.wake);
-        self.engine = Arc::downgrade(engine);
+        self.engine_reaper = Arc::downgrade(engine);
         self
     }
 
@@ -410,7 +341,7 @@ impl VerbsConn {
     /// as long as this thread waits (a large transfer: seconds).
     pub fn reap_waiting(&self, round: u32, send_only: bool) -> usize {
         if round % ENGINE_REAP_EVERY == ENGINE_REAP_EVERY - 1
-            && let Some(e) = self.engine.upgrade()
+            && let Some(e) = self.engine_reaper.upgrade()
         {
             return e.poll_once();
         }
@@ -457,7 +388,7 @@ impl VerbsConn {
         });
         let ctl = Arc::new(BatchCtl {
             sink: sink.into(),
-            pending: AtomicU64::new(wrs.len() as u64 + 1),
+            pending: NotifyGate::new(wrs.len() as u64 + 1),
             held: Mutex::new(held),
             tag: notify,
             done: AtomicBool::new(false),
@@ -482,7 +413,12 @@ impl VerbsConn {
     /// no READ before a notification (the notification rides on the chain's last WRITE,
     /// which RC orders after the WRITEs before it on the same QP, but not after READ
     /// responses). `None`: re-submit it as ordinary batches.
-    pub fn prepare_lane<I>(&self, ops: I, notify: bool, cell: Arc<RunCell>) -> Option<LaneChain>
+    pub fn prepare_fast_path<I>(
+        &self,
+        ops: I,
+        notify: bool,
+        cell: Arc<RunCell>,
+    ) -> Option<LaneChain>
     where
         I: IntoIterator,
         I::Item: std::borrow::Borrow<PlanOp>,
@@ -543,7 +479,7 @@ impl VerbsConn {
             self.break_conn(e.clone());
             return Err(e);
         }
-        slot.progressed();
+        slot.record_activity();
         // A break that raced with this post (after the check above) may have missed the
         // run; the QP is in ERR, so fail it here rather than wait for a flush.
         if self.is_broken() {
@@ -570,10 +506,10 @@ impl VerbsConn {
             drop(lanes);
             lock(&slot.track).give_back(n);
             slot.lane_wrs.fetch_sub(n, Ordering::AcqRel);
-            slot.progressed();
+            slot.record_activity();
         } else {
             slot.lane_wrs.fetch_sub(n, Ordering::AcqRel);
-            slot.progressed();
+            slot.record_activity();
             l.cell.succeed();
         }
     }
@@ -677,7 +613,7 @@ impl VerbsConn {
         let n = self.qps.len();
         let ctl = Arc::new(BatchCtl {
             sink: CtlSink::from(Arc::clone(&done)),
-            pending: AtomicU64::new(n as u64 + 1),
+            pending: NotifyGate::new(n as u64 + 1),
             held: Mutex::new(None),
             tag: None,
             done: AtomicBool::new(false),
@@ -687,7 +623,7 @@ impl VerbsConn {
             .collect();
         match self.post_queues(&ctl, &mut per_qp, deadline) {
             Ok(_) => {}
-            Err(Error::Timeout { .. }) => return Err(probe_timeout()),
+            Err(e @ Error::Timeout { .. }) => return Err(probe_timeout(e)),
             Err(e) => return Err(e),
         }
         self.release(&ctl, 1);
@@ -696,10 +632,11 @@ impl VerbsConn {
                 return r;
             }
             if Instant::now() >= deadline {
-                ctl.fail(Error::Timeout {
+                let e = Error::Timeout {
                     after: started.elapsed(),
-                });
-                return Err(probe_timeout());
+                };
+                ctl.fail(e.clone());
+                return Err(probe_timeout(e));
             }
             self.poll_now();
             std::thread::yield_now();
@@ -760,13 +697,13 @@ impl VerbsConn {
         // region with in-flight batches is refused) until the batch is finished.
         unsafe { qp.post_chain(specs) }?;
         q.advance(n);
-        slot.progressed();
+        slot.record_activity();
         Ok(n)
     }
 
     /// Drops `n` from the batch's pending count; at zero posts the notification or completes.
     fn release(&self, ctl: &Arc<BatchCtl>, n: u64) {
-        if ctl.pending.fetch_sub(n, Ordering::AcqRel) != n {
+        if !ctl.pending.landed(n) {
             return;
         }
         if ctl.done.load(Ordering::Acquire) {
@@ -780,7 +717,7 @@ impl VerbsConn {
         };
         match held {
             Some(w) => {
-                ctl.pending.store(1, Ordering::Release);
+                ctl.pending.rearm(1);
                 self.deferred.push_back((Arc::clone(ctl), w));
                 self.post_deferred();
             }
@@ -873,7 +810,7 @@ impl VerbsConn {
         );
         // SAFETY: forwarded from this fn's contract.
         unsafe { qp.post_chain(specs) }?;
-        slot.progressed();
+        slot.record_activity();
         Ok(true)
     }
 
@@ -976,7 +913,7 @@ impl VerbsConn {
         let Ok(mut guard) = self.reaping.try_lock() else {
             return 0;
         };
-        let Reaper { wcs, retired } = &mut *guard;
+        let ReapScratch { wcs, retired } = &mut *guard;
         let mut handled = self.reap_send(wcs, retired).unwrap_or(0);
         if recv {
             match poll_cq(&self.recv_cq, wcs) {
@@ -1063,11 +1000,11 @@ impl VerbsConn {
         }
         let n = lock(&self.qps[qi].track).retire_through(seq, buf);
         if n > 0 {
-            self.qps[qi].progressed();
+            self.qps[qi].record_activity();
         }
         for g in buf.drain(..) {
             if !g.owner.done.load(Ordering::Acquire) {
-                g.owner.sink.progress(g.wrs as usize, g.bytes);
+                g.owner.sink.on_acked(g.wrs as usize, g.bytes);
             }
             self.release(&g.owner, u64::from(g.wrs));
         }
@@ -1096,11 +1033,11 @@ impl VerbsConn {
             if !n.notify(tag, wc.byte_len) {
                 // The WRITE_WITH_IMM was acknowledged already: the sender learns of the
                 // drop only from the connection breaking.
-                self.break_conn(Error::PeerGone {
-                    peer: self.peer,
-                    reason: "our notification queue is full: the peer's notification was dropped"
-                        .into(),
-                });
+                self.break_conn(Error::peer_gone(
+                    self.peer,
+                    PeerFault::Overran,
+                    "our notification queue is full: the peer's notification was dropped",
+                ));
             }
         }
         self.qps[qi].recv_owed.fetch_add(1, Ordering::AcqRel);
@@ -1132,9 +1069,9 @@ impl VerbsConn {
 
     /// Queries each QP's real state (the cached one misses async errors); a QP in ERR breaks
     /// the connection, and so does a QP whose outstanding WRs made no progress for
-    /// [`STALL_TIMEOUT`]. QPs busy posting are skipped this round (a post in progress is
+    /// [`STALL_TIMEOUT`](health::STALL_TIMEOUT). QPs busy posting are skipped this round (a post in progress is
     /// progress: rxe moves the data inside the post call). A connection whose QP 0 has
-    /// been idle for [`HEARTBEAT_IDLE`] gets a heartbeat there, so a side that only
+    /// been idle for [`HEARTBEAT_IDLE`](health::HEARTBEAT_IDLE) gets a heartbeat there, so a side that only
     /// receives still learns that its peer died.
     pub fn health_check(&self) {
         if self.is_broken() {
@@ -1148,28 +1085,29 @@ impl VerbsConn {
             };
             if qp.query_state() == Some(QueuePairState::Error) {
                 drop(qp);
-                self.break_conn(Error::PeerGone {
-                    peer: self.peer,
-                    reason: format!("QP {:#x} is in ERR state", slot.qpn),
-                });
+                self.break_conn(Error::peer_gone(
+                    self.peer,
+                    PeerFault::Disconnected,
+                    format!("QP {:#x} is in ERR state", slot.qpn),
+                ));
                 return;
             }
             let outstanding = slot.outstanding();
             let idle = slot.idle();
-            if outstanding > 0 && idle > STALL_TIMEOUT {
+            let verdict = health::verdict(outstanding, idle, qi == 0);
+            if verdict == Verdict::Stalled {
                 drop(qp);
-                self.break_conn(Error::PeerGone {
-                    peer: self.peer,
-                    reason: format!(
+                self.break_conn(Error::peer_gone(
+                    self.peer,
+                    PeerFault::Unresponsive,
+                    format!(
                         "no completion on QP {:#x} for {idle:.1?} with {outstanding} WRs outstanding",
                         slot.qpn
                     ),
-                });
+                ));
                 return;
             }
-            if qi == 0
-                && outstanding == 0
-                && idle >= HEARTBEAT_IDLE
+            if verdict == Verdict::Heartbeat
                 && self.deferred.is_empty()
                 && let Err(e) = self.post_heartbeat(&mut qp)
             {
@@ -1187,7 +1125,7 @@ impl VerbsConn {
     fn post_heartbeat(&self, qp: &mut RcQp) -> Result<(), Error> {
         let ctl = Arc::new(BatchCtl {
             sink: CtlSink::from(Arc::new(Heartbeat)),
-            pending: AtomicU64::new(1),
+            pending: NotifyGate::new(1),
             held: Mutex::new(None),
             tag: None,
             done: AtomicBool::new(false),
@@ -1217,7 +1155,7 @@ impl VerbsConn {
 struct Heartbeat;
 
 impl BatchSink for Heartbeat {
-    fn progress(&self, _wrs: usize, _bytes: u64) {}
+    fn on_acked(&self, _wrs: usize, _bytes: u64) {}
     fn fail(&self, _err: Error) {}
     fn complete(&self) {}
     fn is_user_work(&self) -> bool {
@@ -1238,7 +1176,7 @@ impl ProbeSink {
 }
 
 impl BatchSink for ProbeSink {
-    fn progress(&self, _wrs: usize, _bytes: u64) {}
+    fn on_acked(&self, _wrs: usize, _bytes: u64) {}
     fn fail(&self, err: Error) {
         lock(&self.outcome).get_or_insert(Err(err));
     }
@@ -1251,12 +1189,11 @@ impl BatchSink for ProbeSink {
     }
 }
 
-fn probe_timeout() -> Error {
-    Error::Verbs {
-        call: "connect",
-        reason: "the data-path probe (a zero-length RDMA WRITE per QP) did not complete before the handshake deadline"
-            .into(),
-    }
+/// The data-path probe (a zero-length RDMA WRITE per QP) did not complete before the
+/// handshake deadline: a timeout, whatever backend (logged with what it was).
+fn probe_timeout(e: Error) -> Error {
+    tracing::debug!("the data-path probe did not complete before the handshake deadline");
+    e
 }
 
 /// `wrs` as one chain: WR `k` gets `wr_id(k)`, and only the last is signalled and carries

@@ -55,19 +55,23 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
 
-use super::sys::{self, IoVec};
-use super::{
-    Backend, BackendInfo, BackendInit, BackendMr, BatchState, Conn, ConnCtx, EndpointInfo,
-    NotifySink, PendingConn, ResolvedOp, ResolvedOps, lock,
+use crate::config::EngineConfig;
+use crate::contract::{
+    Backend, BackendInfo, BackendInit, BatchState, Conn, ConnCtx, EndpointInfo, NotifySink,
+    PendingConn, ResolvedOp, ResolvedOps,
 };
-use crate::admission::{Admission, Ticket};
-use crate::batch::{Op, Reader};
-use crate::config::{BackendKind, EngineConfig};
-use crate::deadline::{self, Deadlined};
-use crate::engine::{PeerId, ct_eq, random_u64};
-use crate::error::{Error, HandshakeError, Result};
-use crate::memory::{Access, Registry};
-use crate::wire::MAX_STREAMS;
+use crate::core::batch::{NotifyGate, Reader};
+use crate::core::registry::Registry;
+use crate::core::slice::{piece_count, pieces};
+use crate::core::wire::{MAX_STREAMS, MAX_TOKEN};
+use crate::error::{Error, HandshakeError, PeerFault, Result};
+use crate::net::admission::{Admission, MAX_CONCURRENT_HANDSHAKES, MAX_HANDSHAKES_PER_IP, Ticket};
+use crate::net::deadline::{self, Deadlined};
+use crate::types::{Access, BackendKind, MrHandle, Op, PeerId};
+use crate::util::{ct_eq, lock, random_u64};
+use sys::IoVec;
+
+mod sys;
 use smallvec::SmallVec;
 
 const STREAM_MAGIC: u32 = u32::from_le_bytes(*b"PGWS");
@@ -111,8 +115,8 @@ const F_IN_BURST: u8 = 1;
 /// Incoming data streams served before their hello is complete (each has a thread), in
 /// all and from one source address; the excess is closed at once (`admission`). A
 /// legitimate peer has at most one stream in its hello per handshake in progress.
-const MAX_UNAUTHENTICATED: usize = crate::engine::MAX_CONCURRENT_HANDSHAKES;
-const MAX_UNAUTHENTICATED_PER_IP: usize = crate::engine::MAX_HANDSHAKES_PER_IP;
+const MAX_UNAUTHENTICATED: usize = MAX_CONCURRENT_HANDSHAKES;
+const MAX_UNAUTHENTICATED_PER_IP: usize = MAX_HANDSHAKES_PER_IP;
 
 /// The ports a data listener can be given (it binds port 0): the kernel's ephemeral range
 /// (`net.ipv4.ip_local_port_range`, Linux's default 32768-60999 if unreadable). A
@@ -180,13 +184,16 @@ struct TcpShared {
     serving: Mutex<Serving>,
 }
 
-/// Responder threads, each with a clone of its stream (to shut it down) until it ends.
+/// A serving thread: the stream it serves (for shutdown; `None` once it ended) and its handle.
+type ServeThread = (Option<Arc<TcpStream>>, Option<JoinHandle<()>>);
+
+/// Responder threads, each with its stream (shared, to shut it down) until it ends.
 /// Never detached: the ones that ended are joined at the next accept, the rest at
 /// shutdown.
 #[derive(Default)]
 struct Serving {
     next: u64,
-    threads: HashMap<u64, (Option<TcpStream>, Option<JoinHandle<()>>)>,
+    threads: HashMap<u64, ServeThread>,
 }
 
 impl Serving {
@@ -212,7 +219,7 @@ struct Session {
     /// Set when the connection completes; NOTIFY before that is a protocol error.
     sink: OnceLock<NotifySink>,
     /// Accepted streams (clones, to shut them down on close), by a local stream id.
-    incoming: Mutex<Vec<(u64, TcpStream)>>,
+    incoming: Mutex<Vec<(u64, Arc<TcpStream>)>>,
     next_stream: AtomicU64,
     closed: AtomicBool,
     /// Our connection to the same peer, once complete: the peer closing all its streams
@@ -234,7 +241,7 @@ impl Session {
 
     /// Breaks our connection to this session's peer; before the connection is complete,
     /// closes the session, which `complete` then finds.
-    fn break_conn(&self, reason: String) {
+    fn break_conn(&self, reason: Broken) {
         match self.conn.get() {
             Some(c) => {
                 if let Some(c) = c.upgrade() {
@@ -269,16 +276,16 @@ impl Backend for TcpBackend {
         }
     }
 
-    fn register(&self, _addr: usize, _len: usize, _access: Access) -> Result<BackendMr> {
+    fn register(&self, _addr: usize, _len: usize, _access: Access) -> Result<MrHandle> {
         // Keys only guard against stale addresses (a peer's view from before a
         // re-registration); start at a random value so another process's keys differ.
         let k = self.shared.next_key.fetch_add(2, Ordering::Relaxed);
-        Ok(BackendMr::keyed(k))
+        Ok(MrHandle::keyed(k))
     }
 
-    fn deregister(&self, _mr: BackendMr) {}
+    fn deregister(&self, _mr: MrHandle) {}
 
-    fn prepare(&self) -> Result<(Box<dyn PendingConn>, EndpointInfo)> {
+    fn prepare_conn(&self) -> Result<(Box<dyn PendingConn>, EndpointInfo)> {
         let session = Arc::new(Session {
             id: random_u64(),
             sink: OnceLock::new(),
@@ -381,7 +388,10 @@ impl PendingConn for Pending {
         self.session = None;
         if session.is_closed() {
             // The peer's streams came and went before we were linked to them.
-            conn.break_all("the peer closed its data streams during the handshake".into());
+            conn.break_all(broken(
+                PeerFault::Disconnected,
+                "the peer closed its data streams during the handshake",
+            ));
         }
         Ok(Arc::new(TcpConn { conn }))
     }
@@ -436,8 +446,8 @@ enum Kind {
 }
 
 struct Tracker {
-    /// Data chunks not yet acknowledged.
-    remaining: AtomicUsize,
+    /// Opens when every data chunk is acknowledged.
+    gate: NotifyGate,
     notify: Option<u32>,
     /// The notification went out in the data's burst: its response ends the batch.
     in_burst: AtomicBool,
@@ -534,7 +544,7 @@ impl Rest {
 }
 
 struct Live {
-    sock: TcpStream,
+    sock: Arc<TcpStream>,
     /// The receiver thread's queue. A request is queued there before its first byte is
     /// written, so a response always finds its request.
     inflight: Sender<Job>,
@@ -572,7 +582,7 @@ struct StreamRx {
 
 struct RxState {
     /// The stream's reading end; `None` once the receiver thread ended.
-    sock: Option<TcpStream>,
+    sock: Option<Arc<TcpStream>>,
     /// Where the receiver thread waits for the stream to be readable; a caller reading
     /// the stream takes it out meanwhile. `None` once the receiver thread ended.
     epoll: Option<Arc<sys::Epoll>>,
@@ -636,7 +646,7 @@ impl Reader for StreamRx {
                     }
                     let wait = limit.min(until).saturating_duration_since(now);
                     if let Err(e) = sys::wait_readable(&fd, wait) {
-                        conn.break_all(format!("receive failed: {e}"));
+                        conn.break_all(io_broken("receive failed", &e));
                         conn.fail_group(self.i, &mut st, &conn.gone());
                         break;
                     }
@@ -664,9 +674,9 @@ struct ConnShared {
     queues: Mutex<Vec<Sender<TxMsg>>>,
     streams: Vec<StreamTx>,
     rx: Vec<Arc<StreamRx>>,
-    /// Clones of the outgoing streams, to shut them down; released when the connection
-    /// breaks (the threads hold the other clones and exit then).
-    socks: Mutex<Vec<TcpStream>>,
+    /// The outgoing streams, to shut them down; released when the connection breaks (the
+    /// sender and receiver hold the same sockets, one descriptor each, and exit then).
+    socks: Mutex<Vec<Arc<TcpStream>>>,
     /// The session of the peer's streams to us: closed when this connection breaks, so
     /// a peer we consider gone can no longer write or notify through it.
     session: Arc<Session>,
@@ -674,7 +684,7 @@ struct ConnShared {
     next: AtomicUsize,
     seq: AtomicU64,
     broken: AtomicBool,
-    reason: Mutex<Option<String>>,
+    reason: Mutex<Option<Broken>>,
     /// Sender and receiver threads, joined on close.
     threads: Mutex<Vec<JoinHandle<()>>>,
 }
@@ -688,7 +698,10 @@ impl ConnShared {
         session: Arc<Session>,
         backend: Weak<TcpShared>,
     ) -> Result<Arc<ConnShared>> {
-        let clone = |s: &TcpStream| s.try_clone().map_err(|e| Error::io("clone data stream", e));
+        // One descriptor per stream, shared by its sender and receiver (`&TcpStream` reads
+        // and writes): no `dup` per thread, so a peer costs 2 descriptors per stream (the
+        // socket and its epoll instance), not 4.
+        let socks: Vec<Arc<TcpStream>> = socks.into_iter().map(Arc::new).collect();
         let mut queues = Vec::new();
         let mut jobs = Vec::new();
         let mut streams = Vec::new();
@@ -703,7 +716,7 @@ impl ConnShared {
             streams.push(StreamTx {
                 state: Mutex::new(TxState {
                     live: Some(Live {
-                        sock: clone(s)?,
+                        sock: Arc::clone(s),
                         inflight: in_tx,
                     }),
                     rest: None,
@@ -711,7 +724,7 @@ impl ConnShared {
                 outstanding: AtomicUsize::new(0),
             });
             // The descriptor in the epoll instance is the one `read_until` names.
-            let rsock = clone(s)?;
+            let rsock = Arc::clone(s);
             let epoll = sys::Epoll::new()
                 .and_then(|e| e.add(&rsock).map(|()| e))
                 .map_err(|e| Error::io("epoll for a data stream", e))?;
@@ -767,7 +780,10 @@ impl ConnShared {
                 (t, r) => {
                     let err = t.as_ref().err().or(r.as_ref().err()).map(|e| e.kind());
                     lock(&conn.threads).extend(t.ok().into_iter().chain(r.ok()));
-                    conn.close_and_join("cannot spawn a stream thread".into());
+                    conn.close_and_join(broken(
+                        PeerFault::ClosedLocally,
+                        "cannot spawn a stream thread",
+                    ));
                     return Err(Error::io(
                         "spawn TCP stream threads",
                         err.unwrap_or(ErrorKind::Other).into(),
@@ -780,7 +796,7 @@ impl ConnShared {
 
     /// Breaks the connection and waits for its threads: when this returns, nothing of
     /// the connection touches local memory again.
-    fn close_and_join(&self, reason: String) {
+    fn close_and_join(&self, reason: Broken) {
         self.break_all(reason);
         let threads = std::mem::take(&mut *lock(&self.threads));
         let me = std::thread::current().id();
@@ -792,13 +808,10 @@ impl ConnShared {
     }
 
     fn gone(&self) -> Error {
-        let reason = lock(&self.reason)
+        let b = lock(&self.reason)
             .clone()
-            .unwrap_or_else(|| "connection closed".into());
-        Error::PeerGone {
-            peer: self.peer,
-            reason,
-        }
+            .unwrap_or_else(|| broken(PeerFault::ClosedLocally, "connection closed"));
+        Error::peer_gone(self.peer, b.fault, b.reason)
     }
 
     /// Marks the connection broken and shuts every stream down, both ways, so each
@@ -806,7 +819,7 @@ impl ConnShared {
     /// The peer's session is closed first: once `broken` is visible (`peer_alive` false),
     /// no request of the peer's starts to be served, on an old stream or a new one.
     /// Never called with a stream's `state` held (it takes each).
-    fn break_all(&self, reason: String) {
+    fn break_all(&self, reason: Broken) {
         {
             let mut r = lock(&self.reason);
             if r.is_none() {
@@ -932,7 +945,7 @@ impl ConnShared {
             Err(e) => {
                 drop(st);
                 // The receiver fails the queued requests.
-                self.break_all(format!("send failed: {e}"));
+                self.break_all(io_broken("send failed", &e));
                 return;
             }
         };
@@ -966,7 +979,9 @@ impl ConnShared {
                 if let TxMsg::Job(job) = msg {
                     if self.broken.load(Ordering::Acquire) {
                         job.batch.fail(self.gone());
-                    } else if !(matches!(job.kind, Kind::Data(_)) && job.batch.should_stop()) {
+                    } else if !(matches!(job.kind, Kind::Data(_))
+                        && job.batch.should_stop(Instant::now()))
+                    {
                         bytes += job.payload() as u64;
                         gather.push(job);
                     }
@@ -1019,10 +1034,11 @@ impl ConnShared {
             if let Err(e) = res {
                 // A write timeout is the peer taking no bytes for `io_timeout`.
                 self.break_all(match e.kind() {
-                    ErrorKind::WouldBlock | ErrorKind::TimedOut => {
-                        "send failed: the peer took no bytes within the I/O timeout".into()
-                    }
-                    _ => format!("send failed: {e}"),
+                    ErrorKind::WouldBlock | ErrorKind::TimedOut => broken(
+                        PeerFault::Unresponsive,
+                        "send failed: the peer took no bytes within the I/O timeout",
+                    ),
+                    _ => io_broken("send failed", &e),
                 });
                 let err = self.gone();
                 for b in keep.iter().chain(gather.iter().map(|j| &j.batch)) {
@@ -1059,7 +1075,7 @@ impl ConnShared {
             };
             drop(st);
             if let Err(e) = epoll.wait(wait) {
-                self.break_all(format!("receive failed: {e}"));
+                self.break_all(io_broken("receive failed", &e));
                 let err = self.gone();
                 self.fail_group(i, &mut lock(&rx.state), &err);
                 break err;
@@ -1099,7 +1115,7 @@ impl ConnShared {
         i: usize,
         st: &mut RxState,
         done: Option<&dyn Fn() -> bool>,
-    ) -> Result<Pumped, String> {
+    ) -> Result<Pumped, Broken> {
         let io = self.io_timeout;
         let RxState {
             sock,
@@ -1112,7 +1128,7 @@ impl ConnShared {
             ..
         } = st;
         let Some(sock) = sock.as_ref() else {
-            return Err("connection closed".into());
+            return Err(broken(PeerFault::ClosedLocally, "connection closed"));
         };
         let inflight = &self.rx[i].inflight;
         let fill = |group: &mut Vec<Job>| {
@@ -1141,8 +1157,13 @@ impl ConnShared {
                     // SAFETY: `buf` is ours and holds at least RESP_LEN bytes.
                     match unsafe { sys::recv_now(sock, buf.as_mut_ptr(), RESP_LEN) } {
                         Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(Pumped::Idle),
-                        Err(e) => return Err(format!("receive failed: {e}")),
-                        Ok(0) => return Err("receive failed: end of stream".into()),
+                        Err(e) => return Err(io_broken("receive failed", &e)),
+                        Ok(0) => {
+                            return Err(broken(
+                                PeerFault::Disconnected,
+                                "receive failed: end of stream",
+                            ));
+                        }
                         Ok(n) => {
                             *have = n;
                             *last = Instant::now();
@@ -1151,7 +1172,7 @@ impl ConnShared {
                     // A request is queued before it is written: its job is there now.
                     fill(group);
                     if group.is_empty() {
-                        return Err("a response to no request".into());
+                        return Err(broken(PeerFault::Protocol, "a response to no request"));
                     }
                 }
             }
@@ -1164,7 +1185,12 @@ impl ConnShared {
                 let want = group.len() * RESP_LEN;
                 // SAFETY: `buf` is ours and holds `want` bytes (`have < want`).
                 match unsafe { sys::recv_now(sock, buf.as_mut_ptr().add(*have), want - *have) } {
-                    Ok(0) => return Err("receive failed: end of stream".into()),
+                    Ok(0) => {
+                        return Err(broken(
+                            PeerFault::Disconnected,
+                            "receive failed: end of stream",
+                        ));
+                    }
                     Ok(n) => {
                         *have += n;
                         *last = Instant::now();
@@ -1180,7 +1206,7 @@ impl ConnShared {
                         }
                         return Ok(Pumped::Waiting(limit));
                     }
-                    Err(e) => return Err(format!("receive failed: {e}")),
+                    Err(e) => return Err(io_broken("receive failed", &e)),
                 }
             }
             self.recv_one(sock, job, &buf[end - RESP_LEN..end], io, scratch)?;
@@ -1202,16 +1228,19 @@ impl ConnShared {
         h: &[u8],
         io_timeout: Duration,
         scratch: &mut Vec<u8>,
-    ) -> Result<(), String> {
+    ) -> Result<(), Broken> {
         let seq = u64::from_le_bytes(h[0..8].try_into().expect("8 bytes"));
         let status = u32::from_le_bytes(h[8..12].try_into().expect("4 bytes"));
         let len = u32::from_le_bytes(h[12..16].try_into().expect("4 bytes"));
         if seq != job.seq {
-            return Err(format!("response seq {seq} for request {}", job.seq));
+            return Err(broken(
+                PeerFault::Protocol,
+                format!("response seq {seq} for request {}", job.seq),
+            ));
         }
         if status != S_OK {
             if len != 0 {
-                return Err("error response with payload".into());
+                return Err(broken(PeerFault::Protocol, "error response with payload"));
             }
             let reason = match status {
                 S_REFUSED => format!(
@@ -1235,24 +1264,27 @@ impl ConnShared {
         match job.kind {
             Kind::Data(Op::Read) => {
                 if u64::from(len) != job.len {
-                    return Err(format!("READ response of {len} bytes for {}", job.len));
+                    return Err(broken(
+                        PeerFault::Protocol,
+                        format!("READ response of {len} bytes for {}", job.len),
+                    ));
                 }
                 if !self.land_read(sock, job, io_timeout, scratch)? {
                     // The batch failed or was cancelled meanwhile; the stream is in sync.
                     return Ok(());
                 }
             }
-            _ if len != 0 => return Err("unexpected payload".into()),
+            _ if len != 0 => return Err(broken(PeerFault::Protocol, "unexpected payload")),
             _ => {}
         }
         match job.kind {
             Kind::Data(_) => {
                 job.batch.add_progress(1, job.len);
-                if job.tracker.remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
+                if job.tracker.gate.landed(1) {
                     self.last_data_done(job);
                 }
             }
-            Kind::Notify(_) | Kind::NotifyInBurst(_) => job.batch.succeed(),
+            Kind::Notify(_) | Kind::NotifyInBurst(_) => job.batch.succeed(Instant::now()),
         }
         Ok(())
     }
@@ -1268,14 +1300,14 @@ impl ConnShared {
         job: &Job,
         io_timeout: Duration,
         scratch: &mut Vec<u8>,
-    ) -> Result<bool, String> {
+    ) -> Result<bool, Broken> {
         let (len, deadline) = (job.len as usize, job.batch.deadline());
         let mut land = true;
         let mut got = 0;
         let mut last = Instant::now();
         while got < len {
             if self.broken.load(Ordering::Acquire) {
-                return Err("connection closed".into());
+                return Err(broken(PeerFault::ClosedLocally, "connection closed"));
             }
             let now = Instant::now();
             let limit = (last + io_timeout).min(deadline + io_timeout);
@@ -1304,7 +1336,12 @@ impl ConnShared {
                 }
             };
             match read {
-                Ok(0) => return Err("receive failed: end of stream".into()),
+                Ok(0) => {
+                    return Err(broken(
+                        PeerFault::Disconnected,
+                        "receive failed: end of stream",
+                    ));
+                }
                 Ok(n) => {
                     got += n;
                     last = now;
@@ -1313,9 +1350,9 @@ impl ConnShared {
                     // Wake at the batch deadline too, to fail it on time.
                     let wake = if land { limit.min(deadline) } else { limit };
                     sys::wait_readable(sock, wake.saturating_duration_since(now))
-                        .map_err(|e| format!("receive failed: {e}"))?;
+                        .map_err(|e| io_broken("receive failed", &e))?;
                 }
-                Err(e) => return Err(format!("receive failed: {e}")),
+                Err(e) => return Err(io_broken("receive failed", &e)),
             }
         }
         Ok(land)
@@ -1328,10 +1365,10 @@ impl ConnShared {
             return;
         }
         let Some(tag) = job.tracker.notify else {
-            job.batch.succeed();
+            job.batch.succeed(Instant::now());
             return;
         };
-        if job.batch.should_stop() {
+        if job.batch.should_stop(Instant::now()) {
             return;
         }
         let n = Job {
@@ -1363,9 +1400,12 @@ impl Conn for TcpConn {
         if c.broken.load(Ordering::Acquire) {
             return Err(c.gone());
         }
-        let chunks: usize = ops.iter().map(|o| o.len.div_ceil(c.chunk) as usize).sum();
+        let chunks: usize = ops
+            .iter()
+            .map(|o| piece_count(o.len, c.chunk) as usize)
+            .sum();
         let tracker = Arc::new(Tracker {
-            remaining: AtomicUsize::new(chunks),
+            gate: NotifyGate::new(chunks as u64),
             notify,
             in_burst: AtomicBool::new(false),
         });
@@ -1376,7 +1416,7 @@ impl Conn for TcpConn {
             // A notification alone (the core refuses an empty batch without one): no data
             // to wait for, so the notify request goes out at once.
             let Some(tag) = notify else {
-                batch.succeed();
+                batch.succeed(Instant::now());
                 return Ok(());
             };
             return c.send(smallvec::smallvec![Job {
@@ -1393,24 +1433,21 @@ impl Conn for TcpConn {
         }
         let chunks_of = |o: ResolvedOp| {
             let (batch, tracker) = (batch.clone(), tracker.clone());
-            (0..o.len.div_ceil(c.chunk)).map(move |k| {
-                let off = k * c.chunk;
-                Job {
-                    batch: batch.clone(),
-                    tracker: tracker.clone(),
-                    kind: Kind::Data(o.op),
-                    local: o.local + off,
-                    remote: o.remote + off,
-                    rkey: o.rkey,
-                    len: (o.len - off).min(c.chunk),
-                    seq: seq(),
-                    sent: now,
-                }
+            pieces(o.len, c.chunk).map(move |(off, len)| Job {
+                batch: batch.clone(),
+                tracker: tracker.clone(),
+                kind: Kind::Data(o.op),
+                local: o.local + off,
+                remote: o.remote + off,
+                rkey: o.rkey,
+                len,
+                seq: seq(),
+                sent: now,
             })
         };
         let bytes = ops.iter().fold(0u64, |a, o| a.saturating_add(o.len));
         if bytes <= DIRECT_BYTES && chunks <= DIRECT_JOBS {
-            if batch.should_stop() {
+            if batch.should_stop(Instant::now()) {
                 // Expired (now failed) or cancelled before anything went out: as the
                 // sender threads do, send none of it.
                 return Ok(());
@@ -1456,7 +1493,10 @@ impl Conn for TcpConn {
 
     fn close(&self) {
         // Breaking closes the peer's session too (break_all); then join our threads.
-        self.conn.close_and_join("connection closed locally".into());
+        self.conn.close_and_join(broken(
+            PeerFault::ClosedLocally,
+            "connection closed locally",
+        ));
     }
 }
 
@@ -1485,7 +1525,10 @@ fn accept_loop(listener: TcpListener, shared: Weak<TcpShared>) {
         };
         let deadline = Instant::now() + b.handshake_timeout;
         // Tracked before it starts, so shutdown can stop and join it.
-        let Ok(clone) = s.try_clone() else { continue };
+        // One descriptor, shared with the serving thread (it reads and writes through
+        // `&TcpStream`): shutdown and the session's close reach it without a `dup`.
+        let s = Arc::new(s);
+        let clone = Arc::clone(&s);
         let id = {
             let mut serving = lock(&b.serving);
             serving.reap();
@@ -1504,7 +1547,7 @@ fn accept_loop(listener: TcpListener, shared: Weak<TcpShared>) {
                 {
                     tracing::warn!(?from, error = %e, "TCP data stream dropped");
                 }
-                // Close the clone too; the handle stays, to be joined.
+                // Let go of the shared stream too; the handle stays, to be joined.
                 if let Some(e) = lock(&b2.serving).threads.get_mut(&id) {
                     e.0 = None;
                 }
@@ -1530,54 +1573,58 @@ fn accept_loop(listener: TcpListener, shared: Weak<TcpShared>) {
 /// the client paces its bytes.
 fn serve_stream(
     b: &TcpShared,
-    mut s: TcpStream,
+    s: Arc<TcpStream>,
     ticket: Ticket,
     deadline: Instant,
-) -> Result<(), String> {
+) -> Result<(), Broken> {
     let _ = s.set_nodelay(true);
     let mut h = [0u8; 16];
     Deadlined::new(&s, deadline)
         .read_exact(&mut h)
-        .map_err(|e| format!("stream hello: {e}"))?;
+        .map_err(|e| io_broken("stream hello", &e))?;
     let magic = u32::from_le_bytes(h[0..4].try_into().expect("4 bytes"));
     let version = u16::from_le_bytes(h[4..6].try_into().expect("2 bytes"));
     let tlen = u16::from_le_bytes(h[6..8].try_into().expect("2 bytes")) as usize;
     let sid = u64::from_le_bytes(h[8..16].try_into().expect("8 bytes"));
-    if magic != STREAM_MAGIC || version != STREAM_VERSION || tlen > crate::wire::MAX_TOKEN {
-        return Err(format!(
-            "bad stream hello (magic {magic:#x}, version {version})"
+    if magic != STREAM_MAGIC || version != STREAM_VERSION || tlen > MAX_TOKEN {
+        return Err(broken(
+            PeerFault::Protocol,
+            format!("bad stream hello (magic {magic:#x}, version {version})"),
         ));
     }
     let mut token = vec![0u8; tlen];
     Deadlined::new(&s, deadline)
         .read_exact(&mut token)
-        .map_err(|e| format!("stream hello: {e}"))?;
+        .map_err(|e| io_broken("stream hello", &e))?;
     // Constant time, as on the control plane: the token is a secret.
     if !ct_eq(&token, &b.token) {
-        return Err("stream token mismatch".into());
+        return Err(broken(PeerFault::Protocol, "stream token mismatch"));
     }
     let session = lock(&b.sessions)
         .get(&sid)
         .cloned()
-        .ok_or_else(|| "unknown session".to_string())?;
+        .ok_or_else(|| broken(PeerFault::Protocol, "unknown session"))?;
     let sid = session.next_stream.fetch_add(1, Ordering::Relaxed);
     {
         let mut inc = lock(&session.incoming);
         if session.closed.load(Ordering::Acquire) || inc.len() >= usize::from(MAX_STREAMS) {
-            return Err("session closed or stream limit reached".into());
+            return Err(broken(
+                PeerFault::Protocol,
+                "session closed or stream limit reached",
+            ));
         }
-        inc.push((sid, s.try_clone().map_err(|e| e.to_string())?));
+        inc.push((sid, Arc::clone(&s)));
     }
     // Authenticated: the stream now counts against its session's limit.
     drop(ticket);
     // A peer that vanishes without a FIN (host down, network gone) fails the idle read.
-    sys::set_keepalive(&s, b.io_timeout).map_err(|e| e.to_string())?;
+    sys::set_keepalive(&s, b.io_timeout).map_err(|e| io_broken("stream options", &e))?;
     // The `OK` is the hello's last step: bounded by the same deadline.
     let left = deadline.saturating_duration_since(Instant::now());
     s.set_write_timeout(Some(left.max(Duration::from_millis(1))))
-        .map_err(|e| e.to_string())?;
-    let r = serve_requests(b, &session, &mut s);
-    // Close for real (the clone in `incoming` would keep the socket open) and forget it.
+        .map_err(|e| io_broken("stream options", &e))?;
+    let r = serve_requests(b, &session, &mut &*s);
+    // Close for real (`incoming` shares the socket and would keep it open) and forget it.
     let _ = s.shutdown(Shutdown::Both);
     let last = {
         let mut inc = lock(&session.incoming);
@@ -1588,19 +1635,23 @@ fn serve_stream(
     // the last one is gone, the peer is, and our connection to it is released too.
     if last && !session.is_closed() {
         session.break_conn(match &r {
-            Ok(()) => "the peer closed its data streams".into(),
-            Err(e) => format!("the peer's data stream failed: {e}"),
+            Ok(()) => broken(PeerFault::Disconnected, "the peer closed its data streams"),
+            Err(e) => broken(
+                e.fault,
+                format!("the peer's data stream failed: {}", e.reason),
+            ),
         });
     }
     r
 }
 
 /// Acknowledges the stream hello, then serves requests until the stream closes.
-fn serve_requests(b: &TcpShared, session: &Session, s: &mut TcpStream) -> Result<(), String> {
-    s.write_all(b"OK\0\0").map_err(|e| e.to_string())?;
+fn serve_requests(b: &TcpShared, session: &Session, s: &mut &TcpStream) -> Result<(), Broken> {
+    s.write_all(b"OK\0\0")
+        .map_err(|e| io_broken("stream hello", &e))?;
     s.set_read_timeout(Some(b.io_timeout))
         .and_then(|()| s.set_write_timeout(Some(b.io_timeout)))
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| io_broken("stream options", &e))?;
     let mut scratch = Vec::new();
     let mut acks: Vec<u8> = Vec::with_capacity(GATHER * RESP_LEN);
     // A request of the current burst was refused.
@@ -1610,7 +1661,7 @@ fn serve_requests(b: &TcpShared, session: &Session, s: &mut TcpStream) -> Result
         match read_idle(s, &mut req, b.io_timeout, &session.closed) {
             Ok(true) => {}
             Ok(false) => return Ok(()), // clean close between requests
-            Err(e) => return Err(format!("request: {e}")),
+            Err(e) => return Err(io_broken("request", &e)),
         }
         if session.is_closed() {
             // The connection broke while this request arrived: serve nothing more.
@@ -1623,7 +1674,7 @@ fn serve_requests(b: &TcpShared, session: &Session, s: &mut TcpStream) -> Result
             refused = false;
         }
         if !acks.is_empty() && (!more || acks.len() >= GATHER * RESP_LEN) {
-            s.write_all(&acks).map_err(|e| format!("respond: {e}"))?;
+            s.write_all(&acks).map_err(|e| io_broken("respond", &e))?;
             acks.clear();
         }
     }
@@ -1643,12 +1694,12 @@ fn response(seq: u64, status: u32, len: u32) -> [u8; RESP_LEN] {
 fn serve_request(
     b: &TcpShared,
     session: &Session,
-    s: &mut TcpStream,
+    s: &mut &TcpStream,
     req: &[u8; REQ_LEN],
     scratch: &mut Vec<u8>,
     acks: &mut Vec<u8>,
     refused: &mut bool,
-) -> Result<(), String> {
+) -> Result<(), Broken> {
     let kind = req[0];
     let rkey = u32::from_le_bytes(req[4..8].try_into().expect("4 bytes"));
     let seq = u64::from_le_bytes(req[8..16].try_into().expect("8 bytes"));
@@ -1662,12 +1713,12 @@ fn serve_request(
         || req[3] != 0
         || req[36..40] != [0; 4]
     {
-        return Err("reserved request bytes set".into());
+        return Err(broken(PeerFault::Protocol, "reserved request bytes set"));
     }
     match kind {
         K_NOTIFY => {
             if addr != 0 || len != 0 || rkey != 0 {
-                return Err("malformed NOTIFY".into());
+                return Err(broken(PeerFault::Protocol, "malformed NOTIFY"));
             }
             // Every WRITE before this NOTIFY was acked, i.e. its bytes are in memory; or,
             // in its burst, was served before it on this stream (so the same holds), and
@@ -1683,14 +1734,17 @@ fn serve_request(
                 // Tell the peer why, then stop serving it: it outran the application.
                 let _ = s.write_all(acks);
                 acks.clear();
-                session.break_conn("our notification queue is full".into());
-                return Err("notification queue full".into());
+                session.break_conn(broken(PeerFault::Overran, "our notification queue is full"));
+                return Err(broken(PeerFault::Overran, "notification queue full"));
             }
             Ok(())
         }
         K_WRITE | K_READ => {
             if len == 0 || len > MAX_CHUNK || addr.checked_add(len).is_none() || tag != 0 {
-                return Err(format!("malformed request: addr {addr:#x} len {len}"));
+                return Err(broken(
+                    PeerFault::Protocol,
+                    format!("malformed request: addr {addr:#x} len {len}"),
+                ));
             }
             let needed = if kind == K_WRITE {
                 Access::REMOTE_WRITE
@@ -1715,7 +1769,7 @@ fn serve_request(
                     // REMOTE_WRITE (checked above) that `_pin` keeps registered, hence
                     // allocated, until the payload is in place.
                     unsafe { read_full_raw(s, addr as *mut u8, n, b.io_timeout, &session.closed) }
-                        .map_err(|e| format!("payload: {e}"))?;
+                        .map_err(|e| io_broken("payload", &e))?;
                     acks.extend_from_slice(&response(seq, S_OK, 0));
                     Ok(())
                 }
@@ -1726,7 +1780,7 @@ fn serve_request(
                     while left > 0 {
                         let k = left.min(scratch.len());
                         read_full(s, &mut scratch[..k], b.io_timeout)
-                            .map_err(|e| format!("payload: {e}"))?;
+                            .map_err(|e| io_broken("payload", &e))?;
                         left -= k;
                     }
                     acks.extend_from_slice(&response(seq, st, 0));
@@ -1742,8 +1796,8 @@ fn serve_request(
                     // SAFETY: `acks` and `h` are ours; `[addr, addr+len)` lies in a
                     // registered region with REMOTE_READ that `_pin` keeps registered,
                     // hence allocated, until the write returned.
-                    unsafe { sys::write_all(&*s, &mut iov) }
-                        .map_err(|e| format!("payload: {e}"))?;
+                    unsafe { sys::write_all(&**s, &mut iov) }
+                        .map_err(|e| io_broken("payload", &e))?;
                     acks.clear();
                     Ok(())
                 }
@@ -1753,8 +1807,41 @@ fn serve_request(
                 }
             }
         }
-        k => Err(format!("unknown request kind {k}")),
+        k => Err(broken(
+            PeerFault::Protocol,
+            format!("unknown request kind {k}"),
+        )),
     }
+}
+
+/// Why a connection broke: the kind, as every backend reports it, and what was seen.
+#[derive(Debug, Clone)]
+struct Broken {
+    fault: PeerFault,
+    reason: String,
+}
+
+impl std::fmt::Display for Broken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} ({})", self.reason, self.fault)
+    }
+}
+
+fn broken(fault: PeerFault, reason: impl Into<String>) -> Broken {
+    Broken {
+        fault,
+        reason: reason.into(),
+    }
+}
+
+/// A socket error while talking to the peer: a timeout is the peer not responding,
+/// anything else the connection ending under us.
+fn io_broken(what: &str, e: &std::io::Error) -> Broken {
+    let fault = match e.kind() {
+        ErrorKind::WouldBlock | ErrorKind::TimedOut => PeerFault::Unresponsive,
+        _ => PeerFault::Disconnected,
+    };
+    broken(fault, format!("{what}: {e}"))
 }
 
 fn encode_request(job: &Job, more: bool) -> [u8; REQ_LEN] {
@@ -1815,19 +1902,20 @@ unsafe fn read_full_raw(
 }
 
 /// Why a response broke the connection: no progress, or too late for its batch.
-fn missed(now: Instant, last: Instant, deadline: Instant, io: Duration) -> String {
-    if now >= last + io {
+fn missed(now: Instant, last: Instant, deadline: Instant, io: Duration) -> Broken {
+    let reason = if now >= last + io {
         format!("receive failed: no progress for {io:?}")
     } else {
         format!(
             "the peer's response missed its batch deadline by {:?}",
             now.saturating_duration_since(deadline)
         )
-    }
+    };
+    broken(PeerFault::Unresponsive, reason)
 }
 
 /// `read_exact` into our own buffer with a deadline of `timeout` of no progress.
-fn read_full(s: &mut TcpStream, buf: &mut [u8], timeout: Duration) -> std::io::Result<()> {
+fn read_full(s: &mut &TcpStream, buf: &mut [u8], timeout: Duration) -> std::io::Result<()> {
     let mut got = 0;
     let mut last = Instant::now();
     while got < buf.len() {
@@ -1857,7 +1945,7 @@ fn read_full(s: &mut TcpStream, buf: &mut [u8], timeout: Duration) -> std::io::R
 /// about 6 % less bandwidth) for 1-8 MiB WRITEs over 4 streams on loopback
 /// (`bench write --local -q 4`, A/B in alternating runs); the cause is not known.
 fn read_idle(
-    s: &mut TcpStream,
+    s: &mut &TcpStream,
     buf: &mut [u8],
     timeout: Duration,
     closed: &AtomicBool,

@@ -11,14 +11,16 @@ use sideway::ibverbs::completion::BasicCompletionQueue;
 use sideway::ibverbs::memory_region::MemoryRegion;
 use sideway::ibverbs::protection_domain::ProtectionDomain;
 
-use super::conn::{ConnCfg, TagSink, VerbsConn, recv_wr_id};
+use super::conn::{ConnCfg, VerbsConn, recv_wr_id};
 use super::device::{OpenDevice, open, verbs_err};
-use super::plan::MAX_QPS;
 use super::qp::{LocalPath, RcQp, RemoteQp};
-use crate::backend::Progress;
-use crate::config::ProgressMode;
-use crate::engine::PeerId;
-use crate::error::Error;
+use crate::contract::Reaper;
+use crate::contract::TagSink;
+use crate::core::health::{self, HEALTH_CLOCK_EVERY, HEALTH_EVERY};
+use crate::core::wait::{CALLER_NAP, SPIN_ROUNDS, idle_nap, next_caller_nap};
+use crate::core::window::MAX_QPS;
+use crate::error::{Error, HandshakeError};
+use crate::types::{PeerId, ProgressMode};
 
 /// What the engine asks of the verbs backend.
 #[derive(Clone, Debug)]
@@ -73,7 +75,7 @@ pub(crate) struct VerbsEndpoint {
 }
 
 /// What the completion thread and callers that reap completions themselves share: the
-/// engine's connections, and the engine-wide [`Progress`] handle batches and the
+/// engine's connections, and the engine-wide [`Reaper`] handle batches and the
 /// notification queue use.
 pub(crate) struct PollerShared {
     conns: Mutex<Vec<Weak<VerbsConn>>>,
@@ -99,7 +101,7 @@ impl std::fmt::Debug for PollerShared {
     }
 }
 
-impl Progress for PollerShared {
+impl Reaper for PollerShared {
     fn poll_once(&self) -> usize {
         self.wake.caller_polled();
         // Another caller (or the completion thread taking its snapshot) holds the list:
@@ -173,7 +175,7 @@ const THREAD_YIELDING: u8 = 2;
 pub(crate) struct PollWake {
     /// Bumped by every post; a change counts as activity and restarts the grace period.
     posts: AtomicU64,
-    /// Bumped by every caller-side reap ([`Progress::poll_once`], a poster waiting for
+    /// Bumped by every caller-side reap ([`Reaper::poll_once`], a poster waiting for
     /// window room); a change makes the completion thread step aside for a nap.
     callers: AtomicU64,
     /// Callers busy-polling in a wait right now.
@@ -203,7 +205,7 @@ impl PollWake {
 }
 
 /// Engine-wide verbs state.
-pub(crate) struct VerbsEngine {
+pub(crate) struct VerbsDevice {
     pub dev: OpenDevice,
     pub pd: Arc<ProtectionDomain>,
     pub opts: VerbsOptions,
@@ -214,9 +216,9 @@ pub(crate) struct VerbsEngine {
     conn_seq: AtomicU64,
 }
 
-impl std::fmt::Debug for VerbsEngine {
+impl std::fmt::Debug for VerbsDevice {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("VerbsEngine")
+        f.debug_struct("VerbsDevice")
             .field("dev", &self.dev)
             .field("opts", &self.opts)
             .finish_non_exhaustive()
@@ -228,8 +230,14 @@ const RECV_DEPTH: u32 = 64;
 /// WRs per doorbell at most.
 const CHAIN_MAX: u32 = 64;
 
-impl VerbsEngine {
-    pub fn open(opts: VerbsOptions) -> Result<Arc<Self>, Error> {
+impl VerbsDevice {
+    /// Opens one device (a rail). `shared`: the completion machinery of the engine's first
+    /// rail, which this one joins (one completion thread polls every rail's connections);
+    /// `None` for the first rail, which starts it.
+    pub fn open(
+        opts: VerbsOptions,
+        shared: Option<&Arc<PollerShared>>,
+    ) -> Result<Arc<Self>, Error> {
         let dev = open(opts.device.as_deref(), opts.port, opts.gid_index)?;
         let pd = dev
             .ctx
@@ -238,30 +246,36 @@ impl VerbsEngine {
         let mtu = opts.mtu.map_or(dev.mtu, |m| m.min(dev.mtu));
         tracing::info!(
             device = %dev.name, port = dev.port, gid_index = dev.gid.index, gid = %dev.gid.addr,
-            gid_kind = %dev.gid.kind, mtu, max_mr_size = dev.caps.max_mr_size,
+            gid_kind = %dev.gid.kind, mtu, gbps = dev.gbps, max_mr_size = dev.caps.max_mr_size,
             max_qp_wr = dev.caps.max_qp_wr, max_sge = dev.caps.max_sge,
             "verbs device opened"
         );
         let manual = opts.progress == ProgressMode::Manual;
-        let poller = Arc::new(PollerShared {
-            conns: Mutex::new(Vec::new()),
-            stop: AtomicBool::new(false),
-            wake: Arc::new(PollWake::default()),
-            spin: opts.poll_spin,
-            manual,
-            rounds: AtomicU32::new(0),
-            last_health: AtomicU64::new(0),
-            born: Instant::now(),
-        });
-        let thread = if manual {
-            None
-        } else {
-            let p2 = Arc::clone(&poller);
-            let t = std::thread::Builder::new()
-                .name(format!("pagewire-cq-{}", dev.name))
-                .spawn(move || completion_loop(&p2))
-                .map_err(|e| Error::io("spawning the verbs completion thread", e))?;
-            Some(t)
+        let (poller, thread) = match shared {
+            Some(p) => (Arc::clone(p), None),
+            None => {
+                let poller = Arc::new(PollerShared {
+                    conns: Mutex::new(Vec::new()),
+                    stop: AtomicBool::new(false),
+                    wake: Arc::new(PollWake::default()),
+                    spin: opts.poll_spin,
+                    manual,
+                    rounds: AtomicU32::new(0),
+                    last_health: AtomicU64::new(0),
+                    born: Instant::now(),
+                });
+                let thread = if manual {
+                    None
+                } else {
+                    let p2 = Arc::clone(&poller);
+                    let t = std::thread::Builder::new()
+                        .name(format!("pagewire-cq-{}", dev.name))
+                        .spawn(move || completion_loop(&p2))
+                        .map_err(|e| Error::io("spawning the verbs completion thread", e))?;
+                    Some(t)
+                };
+                (poller, thread)
+            }
         };
         Ok(Arc::new(Self {
             dev,
@@ -306,7 +320,7 @@ impl VerbsEngine {
         // SAFETY: the caller guarantees the range stays mapped while the MR exists (this
         // fn's contract); the MR pins the pages.
         let mr = unsafe { self.pd.reg_mr(addr as usize, len as usize, acc) }
-            .map_err(|e| registration_error(addr, len, "ibv_reg_mr".into(), &e))?;
+            .map_err(|e| registration_error(addr, len, "ibv_reg_mr".into(), e))?;
         Ok(VerbsMr { mr })
     }
 
@@ -325,10 +339,8 @@ impl VerbsEngine {
     ) -> Result<VerbsMr, Error> {
         let acc = mr_access(remote_write, remote_read);
         // SAFETY: the caller guarantees the dma-buf range outlives the MR (this fn's contract).
-        let mr =
-            unsafe { self.pd.reg_dmabuf_mr(offset, len as usize, iova, fd, acc) }.map_err(|e| {
-                registration_error(iova, len, format!("ibv_reg_dmabuf_mr(fd {fd})"), &e)
-            })?;
+        let mr = unsafe { self.pd.reg_dmabuf_mr(offset, len as usize, iova, fd, acc) }
+            .map_err(|e| registration_error(iova, len, format!("ibv_reg_dmabuf_mr(fd {fd})"), e))?;
         Ok(VerbsMr { mr })
     }
 
@@ -396,7 +408,7 @@ impl VerbsEngine {
     }
 }
 
-impl VerbsEngine {
+impl VerbsDevice {
     /// Stops the completion thread (idempotent).
     pub fn stop(&self) {
         self.poller.stop.store(true, Ordering::Release);
@@ -410,7 +422,7 @@ impl VerbsEngine {
     }
 }
 
-impl Drop for VerbsEngine {
+impl Drop for VerbsDevice {
     fn drop(&mut self) {
         self.stop();
     }
@@ -418,7 +430,7 @@ impl Drop for VerbsEngine {
 
 /// QPs created and in INIT, waiting for the peer's half.
 pub(crate) struct PendingVerbs {
-    engine: Arc<VerbsEngine>,
+    engine: Arc<VerbsDevice>,
     qps: Vec<RcQp>,
     send_cq: Arc<BasicCompletionQueue>,
     recv_cq: Arc<BasicCompletionQueue>,
@@ -444,10 +456,11 @@ impl PendingVerbs {
     ) -> Result<Arc<VerbsConn>, Error> {
         let n = self.qps.len().min(remote.qps.len());
         if n == 0 {
-            return Err(Error::Verbs {
-                call: "connect",
-                reason: "peer announced no QPs".into(),
-            });
+            return Err(HandshakeError::BadField {
+                field: "qps",
+                value: "0".into(),
+            }
+            .into());
         }
         self.qps.truncate(n);
         let e = &self.engine;
@@ -520,7 +533,12 @@ fn mr_access(remote_write: bool, remote_read: bool) -> AccessFlags {
 }
 
 /// A failed registration of `[addr, addr+len)`: the verbs call and the provider's reason.
-fn registration_error(addr: u64, len: u64, call: String, e: &dyn std::error::Error) -> Error {
+fn registration_error(
+    addr: u64,
+    len: u64,
+    call: String,
+    e: impl std::error::Error + Send + Sync + 'static,
+) -> Error {
     Error::Registration {
         addr,
         len,
@@ -528,6 +546,7 @@ fn registration_error(addr: u64, len: u64, call: String, e: &dyn std::error::Err
             "{call}: {}",
             e.source().map_or(e.to_string(), |s| s.to_string())
         ),
+        source: Some(Arc::new(e)),
     }
 }
 
@@ -536,27 +555,6 @@ fn registration_error(addr: u64, len: u64, call: String, e: &dyn std::error::Err
 /// (interleaved READ rounds at 16 and 128), and each one costs the responder a resource
 /// entry.
 const MAX_RD_ATOMIC: u8 = 16;
-
-/// Idle rounds that only spin (`spin_loop`) before the hot loop yields the CPU every round.
-const SPIN_ROUNDS: u32 = 16;
-
-/// How long the completion thread first naps while callers reap completions themselves;
-/// each further nap in a row doubles, up to [`CALLER_NAP_MAX`].
-pub(crate) const CALLER_NAP: Duration = Duration::from_millis(2);
-
-/// The longest such nap. Each wake-up preempts a spinning caller on a small host (the 99th
-/// percentile of a ping-pong on 2 vCPUs fell from about 420 to 160 us with 50 ms naps
-/// instead of 2 ms). While callers reap they also reap the whole engine regularly, so
-/// what a longer nap delays is only work that completes after the last caller stopped,
-/// by at most this long.
-const CALLER_NAP_MAX: Duration = Duration::from_millis(16);
-
-/// How often the completion thread queries the real QP states.
-const HEALTH_EVERY: Duration = Duration::from_millis(50);
-
-/// Manual progress: engine-wide caller rounds between two clock reads for the health
-/// checks (a clock read is about as dear as the round itself under TCG).
-const HEALTH_CLOCK_EVERY: u32 = 16;
 
 /// The completion thread. While a caller reaps completions itself (busy-polling in
 /// `TransferHandle::wait` or `Engine::poll_notification`, or since the last round through
@@ -595,7 +593,7 @@ fn completion_loop(shared: &PollerShared) {
     };
     while !shared.stop.load(Ordering::Acquire) {
         let now = Instant::now();
-        let health_due = now.duration_since(last_health) >= HEALTH_EVERY;
+        let health_due = health::due(now.duration_since(last_health));
         let callers = wake.callers.load(Ordering::Acquire);
         if wake.waiters.load(Ordering::Acquire) > 0 || callers != seen_callers {
             // Callers reap: touch nothing they use (the connection list, the CQs) except
@@ -611,7 +609,7 @@ fn completion_loop(shared: &PollerShared) {
             }
             wake.state.store(THREAD_YIELDING, Ordering::Release);
             std::thread::park_timeout(caller_nap);
-            caller_nap = (caller_nap * 2).min(CALLER_NAP_MAX);
+            caller_nap = next_caller_nap(caller_nap);
             wake.state.store(THREAD_HOT, Ordering::Release);
             // Callers may have stopped with work outstanding: the next rounds are hot.
             last_active = Instant::now();
@@ -653,15 +651,13 @@ fn completion_loop(shared: &PollerShared) {
             }
             continue;
         }
-        let step = naps.min(5);
+        let nap = idle_nap(naps);
         naps = naps.saturating_add(1);
         wake.state.store(THREAD_IDLE, Ordering::Release);
         // A post between the last check and the store above would be missed until the
         // nap ends; re-check it now that kickers can see the idle state.
         if wake.posts.load(Ordering::Acquire) == seen_posts {
-            std::thread::park_timeout(
-                Duration::from_micros(50u64 << step).min(Duration::from_millis(1)),
-            );
+            std::thread::park_timeout(nap);
         }
         wake.state.store(THREAD_HOT, Ordering::Release);
     }

@@ -14,7 +14,15 @@ use std::collections::HashMap;
 use std::net::{IpAddr, Shutdown, TcpStream};
 use std::sync::{Arc, Mutex};
 
-use crate::backend::lock;
+use crate::util::lock;
+
+/// Most handshakes served at the same time from one source IP, so a single host holding
+/// half-open connections cannot starve the others.
+pub(crate) const MAX_HANDSHAKES_PER_IP: usize = 16;
+
+/// Most handshakes served at the same time; further connections are dropped at once,
+/// unless they take over a slot of a busier address.
+pub(crate) const MAX_CONCURRENT_HANDSHAKES: usize = 64;
 
 /// The caps of one listener.
 #[derive(Debug)]

@@ -2,11 +2,11 @@
 //!
 //! A [`Batch`] is a list of [`TransferOp`]s to one peer, with an optional notification
 //! tag and deadline. [`Engine::submit`](crate::Engine::submit) validates it, pins the local
-//! regions and hands it to the backend, returning a [`TransferHandle`].
+//! regions and hands it to the backend, returning a `TransferHandle`.
 //!
 //! Deadlines: every batch has one (its own, or `batch_timeout` from the config). When it
 //! passes with work outstanding the batch fails with [`Error::Timeout`]; the check is made
-//! by the backend, by [`TransferHandle::status`] and by [`TransferHandle::wait`], so it
+//! by the backend, by `TransferHandle::status` and by `TransferHandle::wait`, so it
 //! holds even if the backend is stuck. `wait(deadline)` only bounds the wait: when its
 //! own deadline passes first it returns `Timeout` and the batch carries on.
 //!
@@ -26,33 +26,11 @@ use std::time::{Duration, Instant};
 
 use smallvec::SmallVec;
 
-use crate::backend::{Progress, Yield, busy_poll, poll_with_naps};
-use crate::engine::PeerId;
-use crate::error::{Error, Result};
-use crate::memory::RegionPin;
-use crate::prepared::RunCell;
-
-/// Direction of a one-sided operation.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Op {
-    /// Local memory to the peer's memory.
-    Write,
-    /// The peer's memory to local memory.
-    Read,
-}
-
-/// One operation: `len` bytes between local address `local` and remote address `remote`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct TransferOp {
-    /// Direction.
-    pub op: Op,
-    /// Local address (inside a region registered on this engine).
-    pub local: u64,
-    /// Remote address (inside a region the peer exposed).
-    pub remote: u64,
-    /// Bytes.
-    pub len: u64,
-}
+pub(crate) use crate::core::registry::Pins;
+use crate::core::run::RunCell;
+use crate::core::wait::Reaper;
+use crate::error::Error;
+use crate::types::{Op, PeerId, TransferOp};
 
 /// A list of operations to one peer, submitted together.
 #[derive(Debug, Clone, Default)]
@@ -220,7 +198,7 @@ pub struct BatchStats {
 }
 
 #[derive(Debug, Clone)]
-enum Phase {
+pub(crate) enum Phase {
     Pending,
     Done(Duration),
     Failed(Error),
@@ -230,33 +208,33 @@ enum Phase {
 /// The part of a batch that the caller's handle sees.
 #[derive(Debug)]
 pub(crate) struct BatchShared {
-    id: u64,
-    peer: PeerId,
-    ops: usize,
-    slices: usize,
-    bytes: u64,
-    submitted: Instant,
-    deadline: Instant,
-    done_bytes: AtomicU64,
-    done_slices: AtomicUsize,
-    cancel: AtomicBool,
+    pub(crate) id: u64,
+    pub(crate) peer: PeerId,
+    pub(crate) ops: usize,
+    pub(crate) slices: usize,
+    pub(crate) bytes: u64,
+    pub(crate) submitted: Instant,
+    pub(crate) deadline: Instant,
+    pub(crate) done_bytes: AtomicU64,
+    pub(crate) done_slices: AtomicUsize,
+    pub(crate) cancel: AtomicBool,
     /// Set once the phase leaves Pending, so the hot path checks an atomic, not the lock.
-    finished: AtomicBool,
-    phase: Mutex<Phase>,
+    pub(crate) finished: AtomicBool,
+    pub(crate) phase: Mutex<Phase>,
     /// Held while a backend thread lands bytes in local memory; taken by every transition
     /// but success before it is published (see [`BatchState::landing`]).
-    landing: Mutex<()>,
-    cv: Condvar,
+    pub(crate) landing: Mutex<()>,
+    pub(crate) cv: Condvar,
     /// Threads blocked on `cv` (changed under `phase`'s lock). std's condvar makes a
     /// futex syscall on every notify; most batches finish with nobody blocked (the waiter
     /// busy-polls on verbs, or has not called `wait` yet), so `finish` skips it then.
-    sleepers: AtomicUsize,
+    pub(crate) sleepers: AtomicUsize,
     /// Lets `wait` reap completions on the caller's thread (verbs).
-    driver: Option<Arc<dyn Progress>>,
+    pub(crate) driver: Option<Arc<dyn Reaper>>,
     /// Lets `wait` read this batch's completion on the caller's thread, blocking (TCP,
     /// a batch sent directly on one stream); weak, so a batch never keeps its
     /// connection's state alive.
-    reader: OnceLock<Weak<dyn Reader>>,
+    pub(crate) reader: OnceLock<Weak<dyn Reader>>,
 }
 
 /// Where a waiting caller can read a batch's completion itself, blocking in the kernel
@@ -269,12 +247,12 @@ pub(crate) trait Reader: Send + Sync {
 }
 
 impl BatchShared {
-    fn lock(&self) -> std::sync::MutexGuard<'_, Phase> {
+    pub(crate) fn lock(&self) -> std::sync::MutexGuard<'_, Phase> {
         self.phase.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Moves Pending to `next`; later transitions are ignored (first outcome wins).
-    fn finish(&self, next: Phase) -> bool {
+    pub(crate) fn finish(&self, next: Phase) -> bool {
         // A failure or cancellation waits for bytes being landed, so none land after it
         // is reported. Success needs no wait: every byte is in.
         let _landing = (!matches!(next, Phase::Done(_)))
@@ -294,7 +272,7 @@ impl BatchShared {
         true
     }
 
-    fn expire_if_due(&self, now: Instant) {
+    pub(crate) fn expire_if_due(&self, now: Instant) {
         if now >= self.deadline && !self.finished.load(Ordering::Acquire) {
             self.finish(Phase::Failed(Error::Timeout {
                 after: self.deadline - self.submitted,
@@ -302,14 +280,55 @@ impl BatchShared {
         }
     }
 
-    fn status(&self) -> BatchStatus {
-        self.expire_if_due(Instant::now());
+    /// Requests cancellation: `true` if the batch was still pending (it is now
+    /// `Cancelled`), `false` if it had already finished.
+    pub(crate) fn cancel(&self) -> bool {
+        self.cancel.store(true, Ordering::Release);
+        self.finish(Phase::Cancelled)
+    }
+
+    /// Where the batch stands at `now` (a pending batch past its deadline fails here).
+    pub(crate) fn status(&self, now: Instant) -> BatchStatus {
+        self.expire_if_due(now);
         match &*self.lock() {
             Phase::Pending => BatchStatus::Pending,
             Phase::Done(_) => BatchStatus::Done,
             Phase::Failed(e) => BatchStatus::Failed(e.clone()),
             Phase::Cancelled => BatchStatus::Cancelled,
         }
+    }
+}
+
+/// The notify gate, one rule for every backend: a batch's notification goes to the peer
+/// only after every data piece of the batch landed there (was acknowledged), and a batch
+/// without one is done at that moment. A backend arms it with its piece count (verbs: data
+/// WRs, plus one the poster holds until it has posted them all; TCP: chunks; loopback:
+/// slices), reports pieces as they land, and acts when [`NotifyGate::landed`] says the last
+/// one did.
+#[derive(Debug)]
+pub(crate) struct NotifyGate {
+    remaining: AtomicU64,
+}
+
+impl NotifyGate {
+    /// A gate waiting for `pieces` pieces.
+    pub(crate) const fn new(pieces: u64) -> Self {
+        NotifyGate {
+            remaining: AtomicU64::new(pieces),
+        }
+    }
+
+    /// `n` more pieces landed. `true` exactly once, for the call that lands the last one:
+    /// the caller then sends the notification, or completes a batch without one.
+    pub(crate) fn landed(&self, n: u64) -> bool {
+        self.remaining.fetch_sub(n, Ordering::AcqRel) == n
+    }
+
+    /// Waits for `n` more pieces after the gate opened (verbs: the notification WR itself,
+    /// whose completion ends the batch).
+    #[cfg_attr(not(feature = "verbs"), allow(dead_code))] // verbs only
+    pub(crate) fn rearm(&self, n: u64) {
+        self.remaining.store(n, Ordering::Release);
     }
 }
 
@@ -324,9 +343,6 @@ pub(crate) struct BatchState {
     _keep: Option<Arc<RunCell>>,
 }
 
-/// The regions a batch pins: nearly always one (a KV pool), kept inline.
-pub(crate) type Pins = SmallVec<[RegionPin; 1]>;
-
 impl BatchState {
     #[allow(clippy::too_many_arguments)] // plain fields, one call site in the core
     pub(crate) fn new(
@@ -338,7 +354,7 @@ impl BatchState {
         submitted: Instant,
         deadline: Instant,
         pins: Pins,
-        driver: Option<Arc<dyn Progress>>,
+        driver: Option<Arc<dyn Reaper>>,
     ) -> Self {
         BatchState {
             shared: Arc::new(BatchShared {
@@ -371,10 +387,9 @@ impl BatchState {
         self
     }
 
-    pub(crate) fn handle(&self) -> TransferHandle {
-        TransferHandle {
-            shared: self.shared.clone(),
-        }
+    /// What the caller's handle holds.
+    pub(crate) fn shared(&self) -> Arc<BatchShared> {
+        self.shared.clone()
     }
 
     /// Engine-wide batch id (use as a wr_id prefix, for logs).
@@ -402,12 +417,12 @@ impl BatchState {
     }
 
     /// Whether the backend should stop posting more of this batch: cancelled, failed,
-    /// timed out (checked against the clock here) or already done.
-    pub(crate) fn should_stop(&self) -> bool {
+    /// timed out (its deadline is at or before `now`) or already done.
+    pub(crate) fn should_stop(&self, now: Instant) -> bool {
         if self.shared.cancel.load(Ordering::Acquire) {
             return true;
         }
-        self.shared.expire_if_due(Instant::now());
+        self.shared.expire_if_due(now);
         self.shared.finished.load(Ordering::Acquire)
     }
 
@@ -455,9 +470,9 @@ impl BatchState {
         let _ = self.shared.reader.set(reader);
     }
 
-    /// Marks the batch done (no effect if it already finished).
-    pub(crate) fn succeed(&self) {
-        let elapsed = self.shared.submitted.elapsed();
+    /// Marks the batch done at `now` (no effect if it already finished).
+    pub(crate) fn succeed(&self, now: Instant) {
+        let elapsed = now.saturating_duration_since(self.shared.submitted);
         self.shared.finish(Phase::Done(elapsed));
     }
 
@@ -469,207 +484,20 @@ impl BatchState {
     }
 }
 
-/// Handle to a submitted batch. Dropping it does not cancel the batch.
-#[derive(Debug, Clone)]
-pub struct TransferHandle {
-    shared: Arc<BatchShared>,
-}
-
-impl TransferHandle {
-    /// Engine-wide batch id.
-    pub fn id(&self) -> u64 {
-        self.shared.id
-    }
-
-    /// The peer.
-    pub fn peer(&self) -> PeerId {
-        self.shared.peer
-    }
-
-    /// The batch deadline.
-    pub fn deadline(&self) -> Instant {
-        self.shared.deadline
-    }
-
-    /// Current status (non-blocking). A pending batch whose deadline passed becomes
-    /// `Failed(Timeout)` here.
-    pub fn status(&self) -> BatchStatus {
-        // No reaping here: a status check between posts should stay cheap, and the
-        // completion thread reaps while nobody waits.
-        self.shared.status()
-    }
-
-    /// Bytes completed so far (a lower bound while pending).
-    pub fn bytes_done(&self) -> u64 {
-        self.shared.done_bytes.load(Ordering::Acquire)
-    }
-
-    /// Blocks until the batch finishes or `deadline` passes, whichever is first.
-    ///
-    /// Returns the stats on success; the batch error, `Cancelled`, or
-    /// `Timeout` (wait deadline passed, batch still running) otherwise.
-    ///
-    /// On verbs the calling thread first busy-polls the completion queues itself (for up
-    /// to the engine's `poll_spin` without any completion), then blocks. On TCP, for a
-    /// small batch sent on an idle stream, it blocks reading the batch's responses from
-    /// that stream itself (unless the stream's receiver thread is reading right then).
-    pub fn wait(&self, deadline: Instant) -> Result<BatchStats> {
-        let s = &self.shared;
-        let started = Instant::now();
-        if let Some(d) = &s.driver {
-            let until = deadline.min(s.deadline);
-            let finished = || s.finished.load(Ordering::Acquire).then_some(());
-            if busy_poll(&**d, until, Yield::Often, finished).is_none() && d.callers_only() {
-                // No completion thread would wake the sleep below: keep reaping.
-                poll_with_naps(&**d, until, finished);
-            }
-        }
-        if let Some(r) = s.reader.get().and_then(Weak::upgrade)
-            && !s.finished.load(Ordering::Acquire)
-        {
-            r.read_until(
-                &|| s.finished.load(Ordering::Acquire),
-                deadline.min(s.deadline),
-            );
-        }
-        let mut p = s.lock();
-        loop {
-            match &*p {
-                Phase::Pending => {}
-                Phase::Done(elapsed) => {
-                    return Ok(BatchStats {
-                        ops: s.ops,
-                        slices: s.slices,
-                        bytes: s.done_bytes.load(Ordering::Acquire).max(s.bytes),
-                        elapsed: *elapsed,
-                    });
-                }
-                Phase::Failed(e) => return Err(e.clone()),
-                Phase::Cancelled => return Err(Error::Cancelled),
-            }
-            let now = Instant::now();
-            if now >= s.deadline {
-                drop(p);
-                s.expire_if_due(now);
-                p = s.lock();
-                continue;
-            }
-            if now >= deadline {
-                return Err(Error::Timeout {
-                    after: now - started,
-                });
-            }
-            let until = deadline.min(s.deadline);
-            s.sleepers.fetch_add(1, Ordering::AcqRel);
-            p =
-                s.cv.wait_timeout(p, until - now)
-                    .unwrap_or_else(|e| e.into_inner())
-                    .0;
-            s.sleepers.fetch_sub(1, Ordering::AcqRel);
-        }
-    }
-
-    /// `wait` with a relative timeout.
-    pub fn wait_timeout(&self, d: Duration) -> Result<BatchStats> {
-        self.wait(Instant::now() + d)
-    }
-
-    /// Requests cancellation. Returns `true` if the batch was still pending (it is now
-    /// `Cancelled`), `false` if it had already finished.
-    pub fn cancel(&self) -> bool {
-        self.shared.cancel.store(true, Ordering::Release);
-        self.shared.finish(Phase::Cancelled)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn state(deadline: Duration) -> BatchState {
-        let now = Instant::now();
-        BatchState::new(
-            1,
-            PeerId(1),
-            1,
-            1,
-            10,
-            now,
-            now + deadline,
-            Pins::new(),
-            None,
-        )
-    }
-
     #[test]
-    fn first_outcome_wins() {
-        let b = state(Duration::from_secs(10));
-        let h = b.handle();
-        assert!(matches!(h.status(), BatchStatus::Pending));
-        b.add_progress(1, 10);
-        b.succeed();
-        b.fail(Error::Cancelled);
-        assert!(matches!(h.status(), BatchStatus::Done));
-        let st = h.wait(Instant::now()).unwrap();
-        assert_eq!(st.bytes, 10);
-        assert!(!h.cancel());
-    }
-
-    #[test]
-    fn deadline_fails_the_batch_even_if_backend_is_silent() {
-        let b = state(Duration::from_millis(20));
-        let h = b.handle();
-        let t0 = Instant::now();
-        let e = h.wait(Instant::now() + Duration::from_secs(5)).unwrap_err();
-        assert!(matches!(e, Error::Timeout { .. }), "{e}");
-        assert!(t0.elapsed() < Duration::from_secs(2));
-        assert!(b.should_stop());
-    }
-
-    #[test]
-    fn wait_deadline_does_not_fail_the_batch() {
-        let b = state(Duration::from_secs(10));
-        let h = b.handle();
-        let e = h
-            .wait(Instant::now() + Duration::from_millis(10))
-            .unwrap_err();
-        assert!(matches!(e, Error::Timeout { .. }));
-        assert!(matches!(h.status(), BatchStatus::Pending));
-        assert!(h.cancel());
-        assert!(b.should_stop());
-        assert!(matches!(h.wait(Instant::now()), Err(Error::Cancelled)));
-    }
-
-    #[test]
-    fn nothing_lands_after_a_reported_failure() {
-        let b = Arc::new(state(Duration::from_secs(10)));
-        let h = b.handle();
-        let g = b.landing().expect("pending: bytes may land");
-        // A failure waits for the bytes being landed.
-        let b2 = b.clone();
-        let t = std::thread::spawn(move || b2.fail(Error::Cancelled));
-        std::thread::sleep(Duration::from_millis(50));
-        assert!(matches!(h.status(), BatchStatus::Pending));
-        drop(g);
-        t.join().unwrap();
-        assert!(matches!(h.status(), BatchStatus::Failed(_)));
-        // And no more landing is allowed after it.
-        assert!(b.landing().is_none());
-        let c = state(Duration::from_secs(10));
-        assert!(c.handle().cancel());
-        assert!(c.landing().is_none());
-    }
-
-    #[test]
-    fn waiter_is_woken() {
-        let b = Arc::new(state(Duration::from_secs(10)));
-        let h = b.handle();
-        let b2 = b.clone();
-        let t = std::thread::spawn(move || {
-            std::thread::sleep(Duration::from_millis(20));
-            b2.succeed();
-        });
-        h.wait(Instant::now() + Duration::from_secs(5)).unwrap();
-        t.join().unwrap();
+    fn the_gate_opens_once_at_the_last_piece() {
+        let g = NotifyGate::new(3);
+        assert!(!g.landed(1));
+        assert!(!g.landed(1));
+        assert!(g.landed(1), "the last piece opens it");
+        g.rearm(1);
+        assert!(g.landed(1), "re-armed for the notification itself");
+        let g = NotifyGate::new(4);
+        assert!(!g.landed(3));
+        assert!(g.landed(1), "pieces may land in groups");
     }
 }

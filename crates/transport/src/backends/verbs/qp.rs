@@ -16,8 +16,9 @@ use sideway::ibverbs::queue_pair::{
 
 use super::device::mtu_from_bytes;
 use super::device::verbs_err as verr;
-use super::plan::{Dir, Sge};
+use crate::core::slice::{Dir, Sge};
 use crate::error::Error;
+use crate::util::random_psn;
 
 /// What one QP was really given (rxe rounds requests up to 2^n - 1).
 #[derive(Clone, Copy, Debug)]
@@ -60,18 +61,6 @@ impl std::fmt::Debug for RcQp {
             .field("caps", &self.caps)
             .finish()
     }
-}
-
-/// A random 24-bit PSN (no RNG dependency: std's per-process random SipHash keys).
-pub(crate) fn random_psn() -> u32 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u128(
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos()),
-    );
-    (h.finish() & 0x00ff_ffff) as u32
 }
 
 /// Every op this backend posts. Leaving one out makes rxe leave its `ibv_qp_ex` function
@@ -221,12 +210,7 @@ impl RcQp {
                 unsafe { lb.setup_sge_list(&sges) };
             }
         }
-        g.post().map_err(|e| {
-            verr(
-                "ibv_wr_complete",
-                format!("{e}: {:?}", std::error::Error::source(&e)),
-            )
-        })
+        g.post().map_err(|e| verr("ibv_wr_complete", e))
     }
 
     /// Posts `n` SGE-less RECVs (they only absorb WRITE_WITH_IMM immediates).
