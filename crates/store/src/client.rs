@@ -711,43 +711,30 @@ impl StoreClient {
     /// Whether complete objects exist. Each object found is leased, as Mooncake's
     /// `is_exist` does.
     pub fn exist<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<Vec<Result<bool, Code>>> {
-        let deadline = deadline_of(self.inner.cfg.timeout);
-        let mut out = Vec::with_capacity(keys.len());
-        for range in chunks(keys.iter().map(|k| k.as_ref().len())) {
-            let ks = &keys[range];
-            let valid: Vec<Vec<u8>> = ks
-                .iter()
-                .filter(|k| valid_key(k.as_ref()))
-                .map(|k| k.as_ref().to_vec())
-                .collect();
-            let n = valid.len();
-            let codes = match self
-                .inner
-                .link
-                .call(&Request::Exist { keys: valid }, deadline)?
-            {
-                Response::Codes(c) if c.len() == n => c,
-                other => return Err(self.bad_reply(other)),
-            };
-            let mut codes = codes.into_iter();
-            for k in ks {
-                out.push(if !valid_key(k.as_ref()) {
-                    Err(Code::InvalidKey)
-                } else {
-                    match codes.next().expect("counted") {
-                        Code::Ok => Ok(true),
-                        Code::NotFound => Ok(false),
-                        c => Err(c),
-                    }
-                });
-            }
-        }
-        Ok(out)
+        let codes = self.per_key(keys, |keys| Request::Exist { keys })?;
+        Ok(codes
+            .into_iter()
+            .map(|c| match c {
+                Code::Ok => Ok(true),
+                Code::NotFound => Ok(false),
+                c => Err(c),
+            })
+            .collect())
     }
 
     /// Removes objects: per key `Ok`, `NotFound`, `HasLease` (leased, not `force`),
     /// `NotReady` (being written).
     pub fn remove<K: AsRef<[u8]>>(&self, keys: &[K], force: bool) -> Result<Vec<Code>> {
+        self.per_key(keys, |keys| Request::Remove { force, keys })
+    }
+
+    /// One master request per size-capped chunk of `keys`, carrying the valid ones; one
+    /// code per key back, `InvalidKey` for a key that was not sent.
+    fn per_key<K: AsRef<[u8]>>(
+        &self,
+        keys: &[K],
+        request: impl Fn(Vec<Vec<u8>>) -> Request,
+    ) -> Result<Vec<Code>> {
         let deadline = deadline_of(self.inner.cfg.timeout);
         let mut out = Vec::with_capacity(keys.len());
         for range in chunks(keys.iter().map(|k| k.as_ref().len())) {
@@ -758,11 +745,7 @@ impl StoreClient {
                 .map(|k| k.as_ref().to_vec())
                 .collect();
             let n = valid.len();
-            let codes = match self
-                .inner
-                .link
-                .call(&Request::Remove { force, keys: valid }, deadline)?
-            {
+            let codes = match self.inner.link.call(&request(valid), deadline)? {
                 Response::Codes(c) if c.len() == n => c,
                 other => return Err(self.bad_reply(other)),
             };

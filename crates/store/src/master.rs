@@ -293,6 +293,19 @@ fn send(s: &mut TcpStream, shared: &Shared, req_id: u32, resp: &Response) -> boo
     net::write_all_by(s, &buf, Instant::now() + shared.cfg.frame_timeout).is_ok()
 }
 
+/// Tells the client its frame was refused (`InvalidParams` and why); the caller then closes.
+fn refuse(s: &mut TcpStream, shared: &Shared, req_id: u32, message: String) {
+    let _ = send(
+        s,
+        shared,
+        req_id,
+        &Response::Error {
+            code: Code::InvalidParams,
+            message,
+        },
+    );
+}
+
 fn serve(mut s: TcpStream, mut slot: Slot) {
     let shared = slot.shared.clone();
     let peer = s.peer_addr().map_or_else(|_| "?".into(), |a| a.to_string());
@@ -365,28 +378,17 @@ fn serve(mut s: TcpStream, mut slot: Slot) {
                 }
             }
             Ok(_) => {
-                let _ = send(
+                refuse(
                     &mut s,
                     &shared,
                     h.req_id,
-                    &Response::Error {
-                        code: Code::InvalidParams,
-                        message: "the first frame must be Hello".into(),
-                    },
+                    "the first frame must be Hello".into(),
                 );
                 return;
             }
             Err(e) => {
                 tracing::warn!(%peer, "store master: bad hello: {e}");
-                let _ = send(
-                    &mut s,
-                    &shared,
-                    h.req_id,
-                    &Response::Error {
-                        code: Code::InvalidParams,
-                        message: e.to_string(),
-                    },
-                );
+                refuse(&mut s, &shared, h.req_id, e.to_string());
                 return;
             }
         },
@@ -413,15 +415,7 @@ fn serve(mut s: TcpStream, mut slot: Slot) {
             Ok(h) => h,
             Err(ReadError::Proto(e)) => {
                 tracing::warn!(%peer, "store master: bad frame: {e}");
-                let _ = send(
-                    &mut s,
-                    &shared,
-                    0,
-                    &Response::Error {
-                        code: Code::InvalidParams,
-                        message: e.to_string(),
-                    },
-                );
+                refuse(&mut s, &shared, 0, e.to_string());
                 break;
             }
             Err(ReadError::Closed) => break,
@@ -434,15 +428,7 @@ fn serve(mut s: TcpStream, mut slot: Slot) {
             Ok(r) => r,
             Err(e) => {
                 tracing::warn!(%peer, "store master: bad request: {e}");
-                let _ = send(
-                    &mut s,
-                    &shared,
-                    h.req_id,
-                    &Response::Error {
-                        code: Code::InvalidParams,
-                        message: e.to_string(),
-                    },
-                );
+                refuse(&mut s, &shared, h.req_id, e.to_string());
                 break;
             }
         };
