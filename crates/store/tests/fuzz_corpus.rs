@@ -5,21 +5,9 @@
 //! seeds a fuzzing session starts from.
 
 use pagewire_store::fuzzing;
+use pagewire_transport::fuzzing::unhex;
 
 const CORPUS: &str = include_str!("data/store_proto_decode.corpus");
-
-fn unhex(s: &str) -> Option<Vec<u8>> {
-    if s == "-" {
-        return Some(Vec::new());
-    }
-    if !s.len().is_multiple_of(2) {
-        return None;
-    }
-    (0..s.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(s.get(i..i + 2)?, 16).ok())
-        .collect()
-}
 
 #[test]
 fn store_protocol_corpus_decodes_without_panicking() {

@@ -89,4 +89,20 @@ pub mod fuzzing {
             let _ = crate::core::wire::decode_body(kind, bytes);
         }
     }
+
+    /// One line of a corpus file (`scripts/fuzz.sh`'s format: hex, `-` for the empty
+    /// input) as bytes; `None` if it is not hex. Shared by the corpus replays of every
+    /// crate's decoders.
+    pub fn unhex(s: &str) -> Option<Vec<u8>> {
+        if s == "-" {
+            return Some(Vec::new()); // the empty input
+        }
+        if !s.len().is_multiple_of(2) {
+            return None;
+        }
+        (0..s.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(s.get(i..i + 2)?, 16).ok())
+            .collect()
+    }
 }

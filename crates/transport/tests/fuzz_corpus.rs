@@ -5,21 +5,9 @@
 //! bounded time and writes what it found back into this corpus.
 
 use pagewire_transport::fuzzing;
+use pagewire_transport::fuzzing::unhex;
 
 const CORPUS: &str = include_str!("data/handshake_decode.corpus");
-
-fn unhex(s: &str) -> Option<Vec<u8>> {
-    if s == "-" {
-        return Some(Vec::new()); // the empty input
-    }
-    if !s.len().is_multiple_of(2) {
-        return None;
-    }
-    (0..s.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(s.get(i..i + 2)?, 16).ok())
-        .collect()
-}
 
 #[test]
 fn handshake_corpus_decodes_without_panicking() {
