@@ -175,6 +175,16 @@ struct Work {
     items: Vec<(usize, u64)>,
 }
 
+impl Work {
+    fn new(endpoint: &Arc<str>) -> Work {
+        Work {
+            endpoint: endpoint.clone(),
+            ops: Vec::new(),
+            items: Vec::new(),
+        }
+    }
+}
+
 impl StoreClient {
     /// Opens a transport engine from `cfg.engine` and joins the store.
     pub fn connect(cfg: ClientConfig) -> Result<StoreClient> {
@@ -587,11 +597,9 @@ impl StoreClient {
                     located[i] = None;
                     continue;
                 }
-                let w = work.entry(t.endpoint.clone()).or_insert_with(|| Work {
-                    endpoint: t.endpoint.clone(),
-                    ops: Vec::new(),
-                    items: Vec::new(),
-                });
+                let w = work
+                    .entry(t.endpoint.clone())
+                    .or_insert_with(|| Work::new(&t.endpoint));
                 let mut off = 0;
                 for s in p {
                     if off == l.size {
@@ -976,11 +984,9 @@ impl<'c> Reservation<'c> {
                     }
                     continue;
                 }
-                let w = work.entry(t.endpoint.clone()).or_insert_with(|| Work {
-                    endpoint: t.endpoint.clone(),
-                    ops: Vec::new(),
-                    items: Vec::new(),
-                });
+                let w = work
+                    .entry(t.endpoint.clone())
+                    .or_insert_with(|| Work::new(&t.endpoint));
                 let mut off = 0;
                 for s in p {
                     w.ops.push(TransferOp {

@@ -145,6 +145,19 @@ def _put_options(config: Optional[ReplicateConfig]) -> Optional[dict]:
     return {"replicas": replicas, "pin": pin, "preferred": preferred or None}
 
 
+def _multi(keys: Sequence[Any], all_buffer_ptrs: Any, all_sizes: Any) -> tuple:
+    """The multi-buffer calls' arguments as lists; ``(keys, None, None)`` when their
+    lengths disagree (one list per key, one size per pointer)."""
+    keys = list(keys)
+    ptrs = [list(p) for p in all_buffer_ptrs]
+    sizes = [list(s) for s in all_sizes]
+    if not (len(keys) == len(ptrs) == len(sizes)) or any(
+        len(p) != len(s) for p, s in zip(ptrs, sizes)
+    ):
+        return keys, None, None
+    return keys, ptrs, sizes
+
+
 def _host_of(local_hostname: str) -> str:
     """The listen address for ``local_hostname`` (``host`` or ``host:port``)."""
     host, port = local_hostname, "0"
@@ -398,12 +411,8 @@ class MooncakeDistributedStore:
         config: Optional[ReplicateConfig] = None,
     ) -> List[int]:
         """Like :meth:`batch_put_from`; each object is the concatenation of its buffers."""
-        keys = list(keys)
-        all_buffer_ptrs = [list(p) for p in all_buffer_ptrs]
-        all_sizes = [list(s) for s in all_sizes]
-        if not (len(keys) == len(all_buffer_ptrs) == len(all_sizes)) or any(
-            len(p) != len(s) for p, s in zip(all_buffer_ptrs, all_sizes)
-        ):
+        keys, all_buffer_ptrs, all_sizes = _multi(keys, all_buffer_ptrs, all_sizes)
+        if all_buffer_ptrs is None:
             return [_INVALID_PARAMS] * len(keys)
         return self._put(keys, all_buffer_ptrs, all_sizes, config)
 
@@ -446,12 +455,8 @@ class MooncakeDistributedStore:
     ) -> List[int]:
         """Per key the object's size (filled into its buffers in order), or a negative
         code."""
-        keys = list(keys)
-        all_buffer_ptrs = [list(p) for p in all_buffer_ptrs]
-        all_sizes = [list(s) for s in all_sizes]
-        if not (len(keys) == len(all_buffer_ptrs) == len(all_sizes)) or any(
-            len(p) != len(s) for p, s in zip(all_buffer_ptrs, all_sizes)
-        ):
+        keys, all_buffer_ptrs, all_sizes = _multi(keys, all_buffer_ptrs, all_sizes)
+        if all_buffer_ptrs is None:
             return [_INVALID_PARAMS] * len(keys)
         return self._get(keys, all_buffer_ptrs, all_sizes)
 
