@@ -468,6 +468,27 @@ struct Job {
 }
 
 impl Job {
+    /// A request that moves no bytes (a notification).
+    fn bare(
+        batch: &Arc<BatchState>,
+        tracker: &Arc<Tracker>,
+        kind: Kind,
+        seq: u64,
+        sent: Instant,
+    ) -> Job {
+        Job {
+            batch: batch.clone(),
+            tracker: tracker.clone(),
+            kind,
+            local: 0,
+            remote: 0,
+            rkey: 0,
+            len: 0,
+            seq,
+            sent,
+        }
+    }
+
     /// Payload bytes that follow the request header (a WRITE's).
     fn payload(&self) -> usize {
         if self.kind == Kind::Data(Op::Write) {
@@ -1371,17 +1392,13 @@ impl ConnShared {
         if job.batch.should_stop(Instant::now()) {
             return;
         }
-        let n = Job {
-            batch: job.batch.clone(),
-            tracker: job.tracker.clone(),
-            kind: Kind::Notify(tag),
-            local: 0,
-            remote: 0,
-            rkey: 0,
-            len: 0,
-            seq: self.seq.fetch_add(1, Ordering::Relaxed),
-            sent: Instant::now(),
-        };
+        let n = Job::bare(
+            &job.batch,
+            &job.tracker,
+            Kind::Notify(tag),
+            self.seq.fetch_add(1, Ordering::Relaxed),
+            Instant::now(),
+        );
         // On this (receiving) thread a direct send never blocks: at worst it queues.
         if let Err(e) = self.send(smallvec::smallvec![n]) {
             job.batch.fail(e);
@@ -1419,17 +1436,13 @@ impl Conn for TcpConn {
                 batch.succeed(Instant::now());
                 return Ok(());
             };
-            return c.send(smallvec::smallvec![Job {
-                batch,
-                tracker,
-                kind: Kind::Notify(tag),
-                local: 0,
-                remote: 0,
-                rkey: 0,
-                len: 0,
-                seq: seq(),
-                sent: now,
-            }]);
+            return c.send(smallvec::smallvec![Job::bare(
+                &batch,
+                &tracker,
+                Kind::Notify(tag),
+                seq(),
+                now
+            )]);
         }
         let chunks_of = |o: ResolvedOp| {
             let (batch, tracker) = (batch.clone(), tracker.clone());
@@ -1457,17 +1470,13 @@ impl Conn for TcpConn {
             let mut jobs: Jobs = ops.iter().copied().flat_map(chunks_of).collect();
             if let Some(tag) = notify {
                 tracker.in_burst.store(true, Ordering::Release);
-                jobs.push(Job {
-                    batch: batch.clone(),
-                    tracker: tracker.clone(),
-                    kind: Kind::NotifyInBurst(tag),
-                    local: 0,
-                    remote: 0,
-                    rkey: 0,
-                    len: 0,
-                    seq: seq(),
-                    sent: now,
-                });
+                jobs.push(Job::bare(
+                    &batch,
+                    &tracker,
+                    Kind::NotifyInBurst(tag),
+                    seq(),
+                    now,
+                ));
             }
             if c.send_direct(&mut jobs) {
                 return Ok(());
