@@ -5,6 +5,6 @@
 mod numa;
 mod sysfs;
 
-#[allow(unused_imports)] // used by the verbs backend (next step)
+#[cfg_attr(not(feature = "verbs"), allow(unused_imports))]
 pub(crate) use numa::node_of;
 pub use sysfs::{DEFAULT_SYSFS_ROOT, read_sysfs};

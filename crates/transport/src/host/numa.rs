@@ -5,7 +5,7 @@
 /// the kernel has no NUMA support (or a sandbox refuses the call).
 ///
 /// Asked after the registration pinned the pages, so the answer is where they stay.
-#[allow(dead_code)] // used by the verbs backend (next step)
+#[cfg_attr(not(feature = "verbs"), allow(dead_code))]
 pub(crate) fn node_of(addr: usize) -> Option<u32> {
     let mut pages = [addr as *mut libc::c_void];
     let mut status: [libc::c_int; 1] = [-1];
