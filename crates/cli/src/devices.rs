@@ -8,11 +8,17 @@ use serde_json::{Value, json};
 
 use pagewire_gpudirect::{GpuPath, PathDecision, probe};
 
+use crate::devices_topo::TopoReport;
+
 const EXAMPLES: &str = "\
 Examples:
   pagewire devices                  # RDMA devices, GPUs and GPU paths, or why there are none
   pagewire devices --json           # the same as one JSON object
-  pagewire devices --no-pair-test   # do not open the devices to test GPU registration";
+  pagewire devices --no-pair-test   # do not open the devices to test GPU registration
+  pagewire devices --sysfs-root crates/transport/tests/data/sysfs-2node
+                                    # the rail choice on a recorded two-socket tree
+  pagewire devices --rail-priority 'cpu:0=mlx5_0;cuda:0=mlx5_1'
+                                    # the rail choice with a priority list";
 
 #[derive(Debug, Args)]
 #[command(after_help = EXAMPLES)]
@@ -24,6 +30,14 @@ pub struct DevicesArgs {
     /// registers 2 MiB of device memory).
     #[arg(long)]
     pub no_pair_test: bool,
+    /// Read the PCIe/NUMA topology under DIR instead of /sys (a recorded tree);
+    /// default: PAGEWIRE_SYSFS_ROOT, else /sys.
+    #[arg(long, value_name = "DIR")]
+    pub sysfs_root: Option<std::path::PathBuf>,
+    /// Rail priority list to show instead of the rule's choice (syntax as
+    /// PAGEWIRE_RAIL_PRIORITY, which is the default).
+    #[arg(long, value_name = "LIST")]
+    pub rail_priority: Option<String>,
 }
 
 /// One RDMA device, reduced to what we print.
@@ -151,6 +165,12 @@ fn pair_path(_dev: &str, _ordinal: u32) -> PathDecision {
 pub fn run(args: DevicesArgs) -> anyhow::Result<()> {
     let rdma = rdma_devices();
     let cuda = probe::cuda();
+    let root = args
+        .sysfs_root
+        .clone()
+        .or_else(|| std::env::var_os("PAGEWIRE_SYSFS_ROOT").map(Into::into))
+        .unwrap_or_else(|| pagewire_transport::topology::DEFAULT_SYSFS_ROOT.into());
+    let topo = TopoReport::read(&root, args.rail_priority.as_deref());
 
     // Pairs: every GPU with every RDMA device (TCP/loopback always stage).
     let mut pairs = Vec::new();
@@ -213,6 +233,7 @@ pub fn run(args: DevicesArgs) -> anyhow::Result<()> {
                 "gpu": g, "rdma_device": d, "path": p.path.as_str(), "reason": p.reason,
             })).collect::<Vec<_>>(),
             "tcp_and_loopback_path": "staged",
+            "topology": topo.json(),
         });
         println!("{}", serde_json::to_string_pretty(&out)?);
         return Ok(());
@@ -276,6 +297,7 @@ pub fn run(args: DevicesArgs) -> anyhow::Result<()> {
         }
     }
     println!("  over TCP or loopback: staged (those transports read host memory only)");
+    topo.print();
     Ok(())
 }
 
@@ -299,15 +321,14 @@ mod tests {
     #[test]
     fn answers_without_devices_and_exits_ok() {
         // Whatever this machine has (CI: neither RDMA nor CUDA), both forms succeed.
-        run(DevicesArgs {
-            json: false,
-            no_pair_test: true,
-        })
-        .unwrap();
-        run(DevicesArgs {
-            json: true,
-            no_pair_test: true,
-        })
-        .unwrap();
+        for json in [false, true] {
+            run(DevicesArgs {
+                json,
+                no_pair_test: true,
+                sysfs_root: None,
+                rail_priority: None,
+            })
+            .unwrap();
+        }
     }
 }

@@ -5,6 +5,7 @@
 
 mod bench;
 mod devices;
+mod devices_topo;
 mod layout_cmd;
 mod store_cmd;
 

@@ -526,3 +526,52 @@ fn main_job_fits_a_small_machine() {
     );
     assert!(stdout.contains("Pool            : 32 pages"), "{stdout}");
 }
+
+/// `pagewire devices --sysfs-root`: the recorded two-socket tree's NICs, GPUs and rail
+/// preference per NUMA node and GPU (from the rule, or from the priority list), in text
+/// and JSON.
+#[test]
+fn devices_shows_the_rail_choice_of_a_recorded_tree() {
+    let tree = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../transport/tests/data/sysfs-2node"
+    );
+    let txt = text(&ok(&["devices", "--no-pair-test", "--sysfs-root", tree]).stdout);
+    for want in [
+        "NUMA nodes: 0, 1",
+        "mlx5_3   node 1  400 Gb/s",
+        "rxe0     node ?  10 Gb/s       no PCI device",
+        "cuda:2 pci 0000:a3:00.0  node 1",
+        "cpu:0                    mlx5_0,mlx5_1 / rxe0 / mlx5_3,mlx5_2  (rule)",
+        "cuda:0 gpu:0000:03:00.0  mlx5_0 / mlx5_1 / rxe0 / mlx5_3,mlx5_2  (rule)",
+        "first tier: same PCIe switch (4 hops)",
+    ] {
+        assert!(txt.contains(want), "{want:?} not in:\n{txt}");
+    }
+    let out = ok(&[
+        "devices",
+        "--json",
+        "--no-pair-test",
+        "--sysfs-root",
+        tree,
+        "--rail-priority",
+        "cpu:1=mlx5_0",
+    ]);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let pref = v["topology"]["preference"].as_array().unwrap();
+    let cpu1 = pref.iter().find(|p| p["memory"] == "cpu:1").unwrap();
+    assert_eq!(
+        cpu1["tiers"],
+        serde_json::json!([["mlx5_0"], ["mlx5_1", "mlx5_2", "mlx5_3", "rxe0"]])
+    );
+    assert_eq!(cpu1["source"], "priority list: cpu:1");
+    let gpu1 = pref
+        .iter()
+        .find(|p| p["memory"] == "gpu:0000:83:00.0")
+        .unwrap();
+    assert_eq!(gpu1["tiers"][0], serde_json::json!(["mlx5_2"]));
+    assert_eq!(gpu1["source"], "rule");
+    // A bad list is reported, not a crash.
+    let txt = text(&ok(&["devices", "--no-pair-test", "--rail-priority", "cpu:x=a"]).stdout);
+    assert!(txt.contains("rail_priority"), "{txt}");
+}

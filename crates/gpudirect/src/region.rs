@@ -97,6 +97,13 @@ impl fmt::Debug for GpuEngine {
     }
 }
 
+/// Where GPU `ordinal`'s memory is, for the transport's rail choice (its PCI address).
+fn gpu_location(ordinal: u32) -> Option<pagewire_transport::topology::MemoryLocation> {
+    let cuda = crate::probe::cuda().ok()?;
+    let g = cuda.gpus.get(ordinal as usize)?;
+    pagewire_transport::topology::MemoryLocation::gpu(&g.pci_bus_id)
+}
+
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
@@ -252,6 +259,10 @@ impl GpuEngine {
             && let Some(id) = transport_region.take()
         {
             let _ = self.engine.deregister(id);
+        }
+        // Direct: the transport's rails nearest this GPU carry the region's batches.
+        if let (Some(id), Some(loc)) = (transport_region, ordinal.and_then(gpu_location)) {
+            let _ = self.engine.set_memory_location(id, &loc);
         }
         let id = {
             let mut n = lock(&self.next);

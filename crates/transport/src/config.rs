@@ -11,6 +11,8 @@
 //! | `PAGEWIRE_LISTEN` | `listen` | `0.0.0.0:0` | control listener `ip:port` (port 0 = any) |
 //! | `PAGEWIRE_TOKEN` | `token` | none | shared secret both sides must present |
 //! | `PAGEWIRE_RDMA_DEVICE` | `rdma_device` | first usable | verbs device (`mlx5_0`), several to stripe over (`mlx5_0,mlx5_1:1:3`: `name[:port[:gid_index]]`), or `all` |
+//! | `PAGEWIRE_RAIL_PRIORITY` | `rail_priority` | by topology | which rails serve which memory, by hand: `cpu:0=mlx5_0,mlx5_1/mlx5_2;cuda:0=mlx5_0` ([`RailPriority`]) |
+//! | `PAGEWIRE_SYSFS_ROOT` | `sysfs_root` | `/sys` | where the rail choice reads the PCIe and NUMA topology (a recorded tree in tests) |
 //! | `PAGEWIRE_IB_PORT` | `ib_port` | `1` | verbs port number |
 //! | `PAGEWIRE_GID_INDEX` | `gid_index` | auto | GID table index (RoCE) |
 //! | `PAGEWIRE_MTU` | `mtu` | port active MTU | path MTU cap: 256, 512, 1024, 2048 or 4096 |
@@ -31,12 +33,16 @@
 //! Sizes accept a plain byte count or a `K`/`M`/`G` suffix (powers of 1024).
 
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::str::FromStr;
 use std::time::Duration;
 
 use crate::error::{Error, Result};
 pub use crate::types::{BackendKind, ProgressMode};
 use crate::util;
+
+mod priority;
+pub use priority::{MemoryKey, RailPriority};
 
 // The kinds are vocabulary (`types`); parsing them is configuration, so the impls that
 // report a config error live here.
@@ -82,6 +88,11 @@ pub struct EngineConfig {
     pub token: Option<String>,
     /// Verbs device name; `None` picks the first usable one.
     pub rdma_device: Option<String>,
+    /// Several rails: which serve which memory, by hand; `None` derives it from the
+    /// PCIe and NUMA topology.
+    pub rail_priority: Option<RailPriority>,
+    /// Root of the sysfs tree the rail choice reads; `None` is `/sys`.
+    pub sysfs_root: Option<PathBuf>,
     /// Verbs port number (1-based).
     pub ib_port: u8,
     /// GID index; `None` auto-selects.
@@ -128,6 +139,8 @@ impl Default for EngineConfig {
             listen: SocketAddr::from(([0, 0, 0, 0], 0)),
             token: None,
             rdma_device: None,
+            rail_priority: None,
+            sysfs_root: None,
             ib_port: 1,
             gid_index: None,
             mtu: None,
@@ -280,6 +293,16 @@ impl EngineConfigBuilder {
         self.cfg.rdma_device = Some(d.into());
         self
     }
+    /// Which rails serve which memory (see [`RailPriority`] for the syntax).
+    pub fn rail_priority(mut self, p: RailPriority) -> Self {
+        self.cfg.rail_priority = Some(p);
+        self
+    }
+    /// Root of the sysfs tree the rail choice reads.
+    pub fn sysfs_root(mut self, root: impl Into<PathBuf>) -> Self {
+        self.cfg.sysfs_root = Some(root.into());
+        self
+    }
     /// GID index.
     pub fn gid_index(mut self, i: u32) -> Self {
         self.cfg.gid_index = Some(i);
@@ -319,6 +342,15 @@ impl EngineConfigBuilder {
         }
         if let Some(v) = get("PAGEWIRE_RDMA_DEVICE") {
             c.rdma_device = Some(v);
+        }
+        if let Some(v) = get("PAGEWIRE_RAIL_PRIORITY") {
+            c.rail_priority = Some(v.parse().map_err(|e| match e {
+                Error::Config { reason, .. } => Error::config("PAGEWIRE_RAIL_PRIORITY", &v, reason),
+                e => e,
+            })?);
+        }
+        if let Some(v) = get("PAGEWIRE_SYSFS_ROOT") {
+            c.sysfs_root = Some(PathBuf::from(v));
         }
         if let Some(v) = get("PAGEWIRE_IB_PORT") {
             c.ib_port = parse_num("PAGEWIRE_IB_PORT", &v)?;
@@ -446,6 +478,27 @@ mod tests {
             .with_vars(|k| (k == "PAGEWIRE_PROGRESS").then(|| "sometimes".into()))
             .unwrap_err();
         assert!(err.to_string().contains("PAGEWIRE_PROGRESS"), "{err}");
+        let err = EngineConfig::builder()
+            .with_vars(|k| (k == "PAGEWIRE_RAIL_PRIORITY").then(|| "cpu:0=a;cpu:0=b".into()))
+            .unwrap_err();
+        assert!(
+            matches!(&err, Error::Config { key, .. } if key == "PAGEWIRE_RAIL_PRIORITY"),
+            "{err}"
+        );
+        let cfg = EngineConfig::builder()
+            .with_vars(|k| match k {
+                "PAGEWIRE_RAIL_PRIORITY" => Some("cpu:1=rxe1/rxe0".into()),
+                "PAGEWIRE_SYSFS_ROOT" => Some("/tmp/fake-sys".into()),
+                _ => None,
+            })
+            .unwrap()
+            .build()
+            .unwrap();
+        assert_eq!(
+            cfg.rail_priority.unwrap().get(&MemoryKey::Cpu(1)).unwrap(),
+            [vec!["rxe1".to_string()], vec!["rxe0".to_string()]]
+        );
+        assert_eq!(cfg.sysfs_root.unwrap(), PathBuf::from("/tmp/fake-sys"));
         let err = EngineConfig::builder().qps_per_peer(0).build().unwrap_err();
         assert!(err.to_string().contains("qps_per_peer"), "{err}");
         let err = EngineConfig::builder().mtu(1500).build().unwrap_err();

@@ -21,6 +21,7 @@ pub(crate) use crate::core::batch::BatchState;
 use crate::core::registry::{Registry, RemoteTable};
 pub(crate) use crate::core::resolve::{ResolvedOp, ResolvedOps};
 pub(crate) use crate::core::run::RunCell;
+use crate::core::topology::MemoryLocation;
 pub(crate) use crate::core::wait::Reaper;
 #[allow(unused_imports)] // QpInfo: for the verbs backend
 pub(crate) use crate::core::wire::{EndpointInfo, QpInfo};
@@ -229,6 +230,9 @@ pub(crate) trait Backend: Send + Sync + 'static {
     fn reaper(&self) -> Option<Arc<dyn Reaper>> {
         None
     }
+    /// Says where the memory of the registrations with these (rail-0) lkeys is, for the
+    /// rail choice of a multi-rail backend; others ignore it.
+    fn place(&self, _lkeys: &[u32], _loc: &MemoryLocation) {}
     /// Per-rail counters (a multi-rail verbs backend; empty otherwise).
     fn rail_stats(&self) -> Vec<RailStats> {
         Vec::new()

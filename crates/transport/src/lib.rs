@@ -47,6 +47,7 @@ mod contract;
 mod core;
 mod engine;
 pub mod error;
+mod host;
 mod net;
 mod types;
 mod util;
@@ -66,6 +67,17 @@ pub use types::{
     Access, BackendKind, MAX_RAILS, Notification, Op, PeerId, ProgressMode, RailStats, RegionId,
     RemoteRegion, TransferOp,
 };
+
+/// Which rails (RDMA devices) are nearest to which memory: the host's PCIe and NUMA
+/// topology read from sysfs, the rule that ranks rails per memory, and the priority list
+/// that overrides it (`rail_priority`). `pagewire devices` prints it.
+pub mod topology {
+    pub use crate::config::{MemoryKey, RailPriority};
+    pub use crate::core::topology::{
+        Choice, Gpu, MemoryLocation, Nearness, Nic, NicPort, Placement, RailRef, Source, Topology,
+    };
+    pub use crate::host::{DEFAULT_SYSFS_ROOT, read_sysfs};
+}
 
 /// RDMA device inspection (for `pagewire devices`), from the verbs backend.
 #[cfg(feature = "verbs")]

@@ -42,6 +42,34 @@ pub(crate) fn random_psn() -> u32 {
     (random_u64() & 0x00ff_ffff) as u32
 }
 
+/// A PCI address in sysfs spelling, `dddd:bb:dd.f` in lower case, from the forms tools
+/// print: `0000:3b:00.0`, CUDA's `00000000:3B:00.0`, or `3b:00.0` (domain 0). `None` for
+/// anything else.
+pub(crate) fn pci_address(s: &str) -> Option<String> {
+    let s = s.trim();
+    let (rest, func) = s.rsplit_once('.')?;
+    let mut parts: Vec<&str> = rest.split(':').collect();
+    if parts.len() == 2 {
+        parts.insert(0, "0");
+    }
+    let [dom, bus, dev] = parts[..] else {
+        return None;
+    };
+    let hex = |t: &str, max: u32| {
+        (!t.is_empty() && t.len() <= 8)
+            .then(|| u32::from_str_radix(t, 16).ok())
+            .flatten()
+            .filter(|&v| v <= max)
+    };
+    let (dom, bus, dev, func) = (
+        hex(dom, 0xffff)?,
+        hex(bus, 0xff)?,
+        hex(dev, 0x1f)?,
+        hex(func, 7)?,
+    );
+    Some(format!("{dom:04x}:{bus:02x}:{dev:02x}.{func:x}"))
+}
+
 /// Parses `4096`, `64K`, `1M`, `2G` (powers of 1024); `Err` says what is expected.
 pub(crate) fn parse_size(v: &str) -> Result<u64, &'static str> {
     let t = v.trim();
@@ -62,4 +90,30 @@ pub(crate) fn parse_size(v: &str) -> Result<u64, &'static str> {
         .parse()
         .map_err(|_| "expected a size like 4096, 64K, 1M")?;
     n.checked_mul(mul).ok_or("size overflows u64")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pci_addresses_normalise() {
+        assert_eq!(pci_address("0000:3b:00.0").as_deref(), Some("0000:3b:00.0"));
+        assert_eq!(
+            pci_address("00000000:3B:00.0").as_deref(),
+            Some("0000:3b:00.0")
+        );
+        assert_eq!(pci_address(" 3b:1f.7 ").as_deref(), Some("0000:3b:1f.7"));
+        assert_eq!(pci_address("10000:00:00.0"), None);
+        for bad in [
+            "",
+            "3b:00",
+            "0000:3b:20.0",
+            "0000:3b:00.8",
+            "x:3b:00.0",
+            "0:0:0:0.0",
+        ] {
+            assert_eq!(pci_address(bad), None, "{bad}");
+        }
+    }
 }

@@ -1,6 +1,6 @@
 //! The transport's modules import one way only:
 //!
-//! `types -> util -> error -> buffer, config -> core -> net -> contract -> backends -> engine -> lib`
+//! `types -> util -> error -> buffer, config -> core -> net, host -> contract -> backends -> engine -> lib`
 //!
 //! A module may name only modules to its left (and its own submodules). Backends never
 //! name each other (only `backends/mod.rs`, which opens them, does). `core` does no I/O:
@@ -22,6 +22,7 @@ const ORDER: &[(&str, u32)] = &[
     ("config", 3),
     ("core", 4),
     ("net", 5),
+    ("host", 5),
     ("contract", 6),
     ("backends", 7),
     ("engine", 8),

@@ -561,6 +561,58 @@ fn verbs_two_rails_stripe_a_batch() -> Result<()> {
     Ok(())
 }
 
+/// A registration's batches keep to the rails its memory prefers: with the priority
+/// list naming only the second rail for node 0, a batch from a buffer placed on node 0
+/// puts every byte on that rail; placed nowhere (`Any`), it is striped over both again.
+/// Bytes are checked on the receiving side each time.
+#[test]
+#[ignore = "needs an RDMA device: runs in scripts/rdma-vm.sh"]
+fn verbs_two_rails_follow_the_memory_s_preference() -> Result<()> {
+    use pagewire_transport::topology::MemoryLocation;
+    let rails = two_rails("verbs_two_rails_follow_the_memory_s_preference")?;
+    let second = rails
+        .split(',')
+        .nth(1)
+        .and_then(|r| r.split(':').next())
+        .context("two rails")?
+        .to_string();
+    let n = 8 << 20;
+    let prio = format!("cpu:0={second}").parse()?;
+    let a = engine(&rails, |b| b.max_wr_bytes(1 << 20).rail_priority(prio))?;
+    let b = engine(&rails, |b| b.max_wr_bytes(1 << 20))?;
+    let src = filled(n, 5)?;
+    let mut dst = HostBuffer::new(n)?;
+    let id = a.register(&src, Access::LOCAL_WRITE)?;
+    b.register(&dst, Access::ALL)?;
+    let peer = a.connect(b.local_addr())?;
+    let before = |a: &Engine| a.rail_stats().iter().map(|r| r.bytes).collect::<Vec<_>>();
+    for (loc, both) in [
+        (MemoryLocation::HostNode(0), false),
+        (MemoryLocation::Any, true),
+    ] {
+        a.set_memory_location(id, &loc)?;
+        let b0 = before(&a);
+        dst.fill(0);
+        a.submit(
+            peer,
+            Batch::new()
+                .write(src.addr(), dst.addr(), n as u64)
+                .notify(12),
+        )?
+        .wait(secs(60))?;
+        ensure!(b.poll_notification(secs(10)).context("notification")?.tag == 12);
+        ensure!(dst.to_vec() == src.to_vec(), "{loc}: bytes differ");
+        let moved: Vec<u64> = before(&a).iter().zip(&b0).map(|(x, y)| x - y).collect();
+        eprintln!("{loc}: bytes per rail {moved:?}");
+        if both {
+            ensure!(moved.iter().all(|&m| m > 0), "{loc}: {moved:?}");
+        } else {
+            ensure!(moved[0] == 0 && moved[1] >= n as u64, "{loc}: {moved:?}");
+        }
+    }
+    Ok(())
+}
+
 // ---------------------------------------------------------------- no device (runs everywhere)
 
 /// Forcing verbs with a device that does not exist is a typed error, never a hang or a

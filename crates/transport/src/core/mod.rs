@@ -18,6 +18,7 @@ pub(crate) mod run;
 mod sim;
 #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
 pub(crate) mod slice;
+pub(crate) mod topology;
 pub(crate) mod wait;
 #[cfg_attr(not(feature = "verbs"), allow(dead_code))]
 pub(crate) mod window;

@@ -277,6 +277,13 @@ impl Registry {
         Ok(id)
     }
 
+    /// The (rail-0) lkeys of `id`'s MR chunks.
+    pub fn lkeys(&self, id: RegionId) -> Result<Vec<u32>> {
+        let inner = self.read();
+        let r = inner.by_id.get(&id).ok_or(Error::UnknownRegion { id })?;
+        Ok(r.chunks.iter().map(|c| c.lkey).collect())
+    }
+
     /// Drops one registration of `id`. Returns the backend handles to release when the
     /// last registration goes, `None` when others remain.
     pub fn remove(&self, id: RegionId) -> Result<Option<Vec<MrHandle>>> {

@@ -26,6 +26,7 @@ use crate::core::batch::{Batch, BatchState};
 use crate::core::handshake;
 use crate::core::registry::{Chunk, InsertPlan, RegionInfo, Registry, RemoteTable};
 use crate::core::resolve::{self, ResolvedOps};
+use crate::core::topology::MemoryLocation;
 use crate::core::wait::Yield;
 use crate::core::wire::{EndpointInfo, Frame, Hello, Welcome};
 use crate::error::{Error, HandshakeError, PeerFault, Result};
@@ -363,6 +364,19 @@ impl Engine {
             .register_with(iova, len as u64, access, None, &|off, n| {
                 backend.register_dmabuf(raw, offset + off, n as usize, iova + off, access)
             })
+    }
+
+    /// Says where a region's memory is, so that an engine on several RDMA devices
+    /// (rails) stripes its batches over the rails nearest it (see the `topology` module;
+    /// `rail_priority` overrides the rule). Host memory is found on its own (the NUMA
+    /// node of its first page); call this for GPU memory
+    /// ([`MemoryLocation::gpu`](crate::topology::MemoryLocation::gpu) with the GPU's PCI
+    /// address) or to correct it. [`MemoryLocation::Any`](crate::topology::MemoryLocation)
+    /// lets every rail serve it. Without several rails this does nothing.
+    pub fn set_memory_location(&self, id: RegionId, loc: &MemoryLocation) -> Result<()> {
+        let lkeys = self.inner.registry.lkeys(id)?;
+        self.inner.backend.place(&lkeys, loc);
+        Ok(())
     }
 
     /// Deregisters a region; refuses with [`Error::RegionBusy`] while batches use it.

@@ -8,6 +8,7 @@
 //! * `conn`: one connection (several QPs), batch bookkeeping, notification, failures.
 //! * `poller`: per device: PD, registrations, connection setup; the completion thread.
 //! * `rails`: several devices per engine: registration on each, striping, failover.
+//! * `prefer`: which rails a registration's batches use, by where its memory is.
 //!
 //! Design notes and the soft-RoCE hazards it works around: docs/transport.md, "Verbs".
 
@@ -15,6 +16,7 @@ mod conn;
 mod device;
 mod gid;
 mod poller;
+mod prefer;
 mod qp;
 mod rails;
 #[cfg(test)]
@@ -35,8 +37,10 @@ use crate::contract::{
     PendingConn, QpInfo, Reaper, ResolvedOp, ResolvedOps, TagSink,
 };
 use crate::core::slice::{Dir, PlanOp};
+use crate::core::topology::{MemoryLocation, Placement, RailRef, Topology};
 use crate::core::wire::RailEndpoint;
 use crate::error::{Error, HandshakeError, PeerFault};
+use crate::host;
 use crate::types::{Access, BackendKind, MAX_RAILS, MrHandle, Op, PeerId, RailKeys, RailStats};
 
 /// Opens the verbs backend: the configured devices (`rdma_device`: a name, a list
@@ -94,10 +98,45 @@ pub(crate) fn open(config: &EngineConfig) -> Result<Arc<dyn Backend>, Error> {
         let shared = devices.first().map(|d| d.progress());
         devices.push(VerbsDevice::open(opts, shared.as_ref())?);
     }
+    let placement = placement(config, &devices)?;
     let rails =
         (devices.len() > 1).then(|| Arc::new(RailSet::new(devices.clone(), config.max_wr_bytes)));
     let device = Arc::clone(&devices[0]);
-    Ok(Arc::new(VerbsBackend { device, rails }))
+    Ok(Arc::new(VerbsBackend {
+        device,
+        rails,
+        placement,
+    }))
+}
+
+/// Which rails serve which memory: the topology under `sysfs_root` and the priority
+/// list. Read only with two rails or more; with one, the list is still checked against
+/// the rail's name so that a typo is not silently ignored.
+fn placement(config: &EngineConfig, devices: &[Arc<VerbsDevice>]) -> Result<Placement, Error> {
+    let rails: Vec<RailRef> = devices
+        .iter()
+        .map(|d| RailRef {
+            name: d.dev.name.clone(),
+            gbps: d.dev.gbps,
+        })
+        .collect();
+    let topo = if rails.len() > 1 {
+        let root = config
+            .sysfs_root
+            .clone()
+            .unwrap_or_else(|| host::DEFAULT_SYSFS_ROOT.into());
+        host::read_sysfs(&root).unwrap_or_else(|e| {
+            tracing::warn!(error = %e, "no topology: every rail serves all memory alike");
+            Topology::default()
+        })
+    } else {
+        Topology::default()
+    };
+    let p = Placement::new(topo, rails, config.rail_priority.clone())?;
+    for (loc, c) in p.table() {
+        tracing::debug!(memory = %loc, tiers = ?c.tiers, source = ?c.source, "rails by topology");
+    }
+    Ok(p)
 }
 
 #[derive(Debug)]
@@ -106,6 +145,8 @@ struct VerbsBackend {
     device: Arc<VerbsDevice>,
     /// Two rails or more.
     rails: Option<Arc<RailSet>>,
+    /// Which rails serve which memory (used with two rails or more).
+    placement: Placement,
 }
 
 impl VerbsBackend {
@@ -124,6 +165,7 @@ impl VerbsBackend {
     fn register_all(
         &self,
         set: &RailSet,
+        addr: usize,
         reg: impl Fn(&VerbsDevice) -> Result<VerbsMr, Error>,
     ) -> Result<MrHandle, Error> {
         let mut mrs = Vec::with_capacity(set.devices.len());
@@ -137,6 +179,11 @@ impl VerbsBackend {
         let rrails = RailKeys::from_slice(&rk).expect("at most MAX_RAILS rails");
         let lkey = mrs[0].lkey();
         set.remember(lkey, lrails);
+        // Host memory: the node its (now pinned) first page is on. Device memory has no
+        // node and stays unknown until `place` says which GPU it is on.
+        let loc = host::node_of(addr).map_or(MemoryLocation::Any, MemoryLocation::HostNode);
+        set.prefs
+            .remember(lkey, &prefer::tiers_for(&self.placement, &loc));
         Ok(MrHandle {
             lkey,
             rkey: mrs[0].rkey(),
@@ -183,7 +230,7 @@ impl Backend for VerbsBackend {
 
     fn register(&self, addr: usize, len: usize, access: Access) -> Result<MrHandle, Error> {
         if let Some(set) = &self.rails {
-            return self.register_all(set, |d| {
+            return self.register_all(set, addr, |d| {
                 // SAFETY: as below, for each rail's MR: the engine keeps the range mapped
                 // until it drops the handle, which holds every rail's MR.
                 unsafe {
@@ -219,7 +266,8 @@ impl Backend for VerbsBackend {
         access: Access,
     ) -> Result<MrHandle, Error> {
         if let Some(set) = &self.rails {
-            return self.register_all(set, |d| {
+            // `iova` is a device address: `node_of` finds no host page there.
+            return self.register_all(set, iova as usize, |d| {
                 // SAFETY: as below, for each rail's MR (the handle holds them all).
                 unsafe {
                     d.register_dmabuf(
@@ -251,6 +299,7 @@ impl Backend for VerbsBackend {
     fn deregister(&self, mr: MrHandle) {
         if let Some(set) = &self.rails {
             set.forget(mr.lkey);
+            set.prefs.forget(mr.lkey);
         }
         // Dropping the `VerbsMr`s runs `ibv_dereg_mr`.
         drop(mr);
@@ -287,6 +336,15 @@ impl Backend for VerbsBackend {
             }),
             info,
         ))
+    }
+
+    fn place(&self, lkeys: &[u32], loc: &MemoryLocation) {
+        if let Some(set) = &self.rails {
+            let tiers = prefer::tiers_for(&self.placement, loc);
+            for &lkey in lkeys {
+                set.prefs.remember(lkey, &tiers);
+            }
+        }
     }
 
     fn rail_stats(&self) -> Vec<RailStats> {

@@ -21,6 +21,7 @@ use smallvec::SmallVec;
 
 use super::conn::VerbsConn;
 use super::poller::VerbsDevice;
+use super::prefer::RailPrefs;
 use crate::contract::{BatchSink, BatchState, Conn, ResolvedOp, ResolvedOps};
 use crate::core::batch::NotifyGate;
 use crate::core::registry::RemoteTable;
@@ -124,6 +125,8 @@ pub(crate) struct RailSet {
     weights: Vec<u64>,
     counters: Vec<RailCounters>,
     lkeys: RwLock<HashMap<u32, RailKeys>>,
+    /// Each registration's preferred rails (by topology), by its rail-0 lkey.
+    pub prefs: RailPrefs,
     /// Striping unit: the WR size cap (a rail gets whole WRs).
     unit: u64,
 }
@@ -142,6 +145,7 @@ impl RailSet {
             weights,
             counters,
             lkeys: RwLock::new(HashMap::new()),
+            prefs: RailPrefs::default(),
             unit: unit.max(1),
         }
     }
@@ -481,7 +485,10 @@ impl BatchSink for NotifyPart {
 impl Conn for MultiConn {
     fn post(&self, batch: BatchState, ops: ResolvedOps, notify: Option<u32>) -> Result<(), Error> {
         let me = self.me.upgrade().ok_or(Error::Shutdown)?;
-        let weights = self.weights();
+        let mut weights = self.weights();
+        self.set
+            .prefs
+            .restrict(ops.iter().map(|o| o.lkey), &mut weights);
         let n = weights.len();
         let start = self.next.fetch_add(1, Ordering::Relaxed) % n;
         let pieces = stripe_rails(ops.iter().map(|o| o.len), &weights, self.set.unit, start);
