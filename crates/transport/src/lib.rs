@@ -48,6 +48,11 @@ mod core;
 mod engine;
 pub mod error;
 mod net;
+/// A deterministic world of engines over the core (simulated clock, no threads, no
+/// sockets) for the conformance suite; not a stable API.
+#[cfg(feature = "sim")]
+#[doc(hidden)]
+pub mod sim;
 mod types;
 mod util;
 
