@@ -1270,7 +1270,7 @@ impl SimPrepared {
     }
 
     /// Always `false`: the sim has no one-chain fast path.
-    pub fn is_fast_lane(&self) -> bool {
+    pub fn is_fast_path(&self) -> bool {
         false
     }
 

@@ -311,9 +311,9 @@ pub fn prepared(kind: BackendKind) -> Result<()> {
     )?;
     ensure!(p.bytes() == 8192);
     ensure!(
-        p.is_fast_lane() == (kind == BackendKind::Verbs),
-        "fast lane {} on {kind:?}",
-        p.is_fast_lane()
+        p.is_fast_path() == (kind == BackendKind::Verbs),
+        "fast path {} on {kind:?}",
+        p.is_fast_path()
     );
     for run in 0..20u32 {
         fill_pattern_at(&mut src, 0, 8192, 500 + u64::from(run));
@@ -377,8 +377,8 @@ pub fn prepared(kind: BackendKind) -> Result<()> {
     // after the read responses), and still correct.
     let mut rn = a.prepare(ab, Batch::new().read(back.addr(), d0, 4096).notify(7))?;
     ensure!(
-        !rn.is_fast_lane(),
-        "READ + notification took the one-chain lane"
+        !rn.is_fast_path(),
+        "READ + notification took the one-chain fast path"
     );
     rn.start()?;
     rn.wait(secs(30))?;
@@ -395,7 +395,7 @@ pub fn prepared(kind: BackendKind) -> Result<()> {
     }
     fill_pattern(&mut src, 77);
     let mut bp = a.prepare(ab, big)?;
-    ensure!(!bp.is_fast_lane(), "200 WRs took the one-chain lane");
+    ensure!(!bp.is_fast_path(), "200 WRs took the one-chain fast path");
     bp.start()?;
     bp.wait(secs(30))?;
     for i in 0..200usize {
