@@ -127,13 +127,13 @@ fn engine(a: &Args) -> Result<Engine> {
     let e = Engine::new(b.build()?)?;
     let info = e.backend_info();
     eprintln!(
-        "[{}] backend {} ({}) device {} mtu {} lanes/peer {}; {}",
+        "[{}] backend {} ({}) device {} mtu {} qps or streams/peer {}; {}",
         e.local_addr(),
         info.kind,
         info.link,
         info.device,
         info.mtu,
-        info.lanes_per_peer,
+        info.qps_or_streams,
         info.selection
     );
     Ok(e)

@@ -487,7 +487,8 @@ impl PyEngine {
         Ok(self.engine(py)?.backend_kind().as_str())
     }
 
-    /// Device, link, MTU, lanes per peer, slice size, and why this backend was chosen.
+    /// Device, link, MTU, QPs or streams per peer (`qps_or_streams`; also under its old
+    /// key `lanes_per_peer`), slice size, and why this backend was chosen.
     #[getter]
     fn backend_info<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let i = self.engine(py)?.backend_info();
@@ -498,7 +499,8 @@ impl PyEngine {
         d.set_item("link", &i.link)?;
         d.set_item("mtu", i.mtu)?;
         d.set_item("gid_index", i.gid_index)?;
-        d.set_item("lanes_per_peer", i.lanes_per_peer)?;
+        d.set_item("qps_or_streams", i.qps_or_streams)?;
+        d.set_item("lanes_per_peer", i.qps_or_streams)?;
         d.set_item("tx_depth", i.tx_depth)?;
         d.set_item("max_wr_bytes", i.max_wr_bytes)?;
         d.set_item("max_mr_bytes", i.max_mr_bytes)?;

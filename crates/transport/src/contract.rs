@@ -48,7 +48,10 @@ pub struct BackendInfo {
     pub gid_index: Option<u32>,
     /// LID (verbs; 0 on RoCE).
     pub lid: u16,
-    /// QPs (verbs) or streams (TCP) per peer.
+    /// QPs (verbs) or streams (TCP) per peer (1 on loopback).
+    pub qps_or_streams: u16,
+    /// The old name of [`BackendInfo::qps_or_streams`] (same value).
+    #[deprecated(since = "0.1.0", note = "renamed to `qps_or_streams`")]
     pub lanes_per_peer: u16,
     /// Send queue depth per QP (verbs) or in-flight chunks per stream (TCP).
     pub tx_depth: u32,

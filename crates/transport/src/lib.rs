@@ -49,6 +49,11 @@ mod engine;
 pub mod error;
 mod host;
 mod net;
+/// A deterministic world of engines over the core (simulated clock, no threads, no
+/// sockets) for the conformance suite; not a stable API.
+#[cfg(feature = "sim")]
+#[doc(hidden)]
+pub mod sim;
 mod types;
 mod util;
 

@@ -1,10 +1,11 @@
 //! The transport's modules import one way only:
 //!
-//! `types -> util -> error -> buffer, config -> core -> net, host -> contract -> backends -> engine -> lib`
+//! `types -> util -> error -> buffer, config -> core -> net, host -> contract -> backends -> engine -> sim -> lib`
 //!
 //! A module may name only modules to its left (and its own submodules). Backends never
 //! name each other (only `backends/mod.rs`, which opens them, does). `core` does no I/O:
-//! outside its tests it names no `std::net`, `std::thread`, clock read or `unsafe`.
+//! outside its tests it names no `std::net`, `std::thread`, clock read or `unsafe`; `sim`
+//! (the simulated pair, behind the `sim` feature) no thread, socket or clock read.
 //!
 //! This test reads every file under `src/`, drops comments and string literals, and
 //! resolves each `crate::` and `super::` path to the top-level module it names. A new
@@ -26,7 +27,8 @@ const ORDER: &[(&str, u32)] = &[
     ("contract", 6),
     ("backends", 7),
     ("engine", 8),
-    ("lib", 9),
+    ("sim", 9),
+    ("lib", 10),
 ];
 
 /// What `core` must not name outside its tests (it is `#![forbid(unsafe_code)]` too).
@@ -39,6 +41,18 @@ const CORE_FORBIDDEN: &[&str] = &[
     "unsafe {",
     "unsafe fn",
     "unsafe impl",
+];
+
+/// What the simulated world (`sim`, the conformance suite's deterministic pair) must not
+/// name: it runs on one thread, opens no socket and takes its time from its own clock.
+const SIM_FORBIDDEN: &[&str] = &[
+    "std::thread",
+    "TcpStream",
+    "TcpListener",
+    "UdpSocket",
+    "Instant::now",
+    "SystemTime",
+    ".elapsed()",
 ];
 
 fn rank(module: &str) -> Option<u32> {
@@ -259,6 +273,17 @@ fn imports_point_only_to_earlier_modules() {
                         "{}:{}: core names `{bad}` (it does no I/O and reads no clock)",
                         rel.display(),
                         line_of(body, at)
+                    ));
+                }
+            }
+        }
+        if top == "sim" {
+            for bad in SIM_FORBIDDEN {
+                if let Some(at) = code.find(bad) {
+                    wrong.push(format!(
+                        "{}:{}: sim names `{bad}` (one thread, no socket, simulated time)",
+                        rel.display(),
+                        line_of(&code, at)
                     ));
                 }
             }

@@ -66,7 +66,7 @@ fn verbs_engine_reports_device_port_and_gid() -> Result<()> {
     ensure!(info.device == dev);
     ensure!(info.port == 1 && [256, 512, 1024, 2048, 4096].contains(&info.mtu));
     ensure!(info.gid.is_some() && info.gid_index.is_some());
-    ensure!(info.max_mr_bytes > 0 && info.lanes_per_peer == 2);
+    ensure!(info.max_mr_bytes > 0 && info.qps_or_streams == 2);
     let devs = pagewire_transport::verbs::list_devices()?;
     let d = devs
         .iter()

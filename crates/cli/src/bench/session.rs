@@ -418,7 +418,7 @@ pub fn header(
             BackendKind::Tcp => "TCP".into(),
             _ => "memcpy".into(),
         },
-        qps: u32::from(info.lanes_per_peer),
+        qps: u32::from(info.qps_or_streams),
         tx_depth,
         cq_mod,
         mtu: (info.mtu > 0).then_some(info.mtu),

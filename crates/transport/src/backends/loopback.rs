@@ -78,7 +78,7 @@ impl Backend for LoopbackBackend {
             kind: BackendKind::Loopback,
             device: "loopback".into(),
             link: "in-process memcpy".into(),
-            lanes_per_peer: 1,
+            qps_or_streams: 1,
             tx_depth: 1,
             signal_every: 1,
             max_wr_bytes: self.slice,

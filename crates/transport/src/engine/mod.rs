@@ -202,6 +202,10 @@ impl Engine {
         let mut info = backend.info();
         debug_assert_eq!(info.kind, backend.kind());
         info.selection = reason.clone();
+        #[allow(deprecated)] // the old name keeps its value
+        {
+            info.lanes_per_peer = info.qps_or_streams;
+        }
         tracing::info!(
             requested = %config.backend,
             backend = %info.kind,
@@ -279,7 +283,7 @@ impl Engine {
         self.inner.info.kind
     }
 
-    /// Device, MTU, lanes... and why the backend was chosen.
+    /// Device, MTU, QPs or streams per peer... and why the backend was chosen.
     pub fn backend_info(&self) -> BackendInfo {
         self.inner.info.clone()
     }

@@ -63,9 +63,9 @@ use crate::engine::wait::{busy_poll_since, poll_with_naps};
 use crate::error::{Error, Result};
 use crate::types::PeerId;
 
-/// Reaps through a lane while the engine's progress handle accounts for the waiter.
+/// Reaps through a fast path while the engine's progress handle accounts for the waiter.
 struct FastPathReaper<'a> {
-    lane: &'a dyn FastPath,
+    fast: &'a dyn FastPath,
     engine_reaper: &'a dyn Reaper,
 }
 
@@ -77,7 +77,7 @@ impl std::fmt::Debug for FastPathReaper<'_> {
 
 impl Reaper for FastPathReaper<'_> {
     fn poll_once(&self) -> usize {
-        self.lane.poll()
+        self.fast.poll()
     }
     fn set_waiting(&self, on: bool) {
         self.engine_reaper.set_waiting(on);
@@ -92,8 +92,8 @@ impl Reaper for FastPathReaper<'_> {
 
 enum Path {
     /// The backend posts and reaps the prepared WRs itself.
-    Lane {
-        lane: Box<dyn FastPath>,
+    Fast {
+        fast: Box<dyn FastPath>,
         cell: Arc<RunCell>,
         reaper: Arc<dyn Reaper>,
     },
@@ -128,7 +128,7 @@ impl std::fmt::Debug for PreparedBatch {
             .field("ops", &self.ops)
             .field("bytes", &self.bytes)
             .field("notify", &self.notify)
-            .field("fast_lane", &self.is_fast_lane())
+            .field("fast_path", &self.is_fast_path())
             .field("running", &self.running)
             .finish()
     }
@@ -149,16 +149,16 @@ impl PreparedBatch {
         reaper: Option<Arc<dyn Reaper>>,
     ) -> Self {
         let cell = Arc::new(RunCell::new(pins));
-        let lane = reaper.clone().and_then(|reaper| {
+        let fast = reaper.clone().and_then(|reaper| {
             conn.prepare_fast_path(FastPathRequest {
                 ops: &resolved,
                 notify,
                 cell: &cell,
             })
-            .map(|lane| (lane, reaper))
+            .map(|fast| (fast, reaper))
         });
-        let path = match lane {
-            Some((lane, reaper)) => Path::Lane { lane, cell, reaper },
+        let path = match fast {
+            Some((fast, reaper)) => Path::Fast { fast, cell, reaper },
             None => Path::Resubmit {
                 conn,
                 ops: resolved,
@@ -194,10 +194,16 @@ impl PreparedBatch {
         self.bytes
     }
 
-    /// Whether the backend posts this batch itself as one chain (verbs) rather than
-    /// re-submitting it through the ordinary batch path.
+    /// Whether the backend posts this batch itself as one chain (verbs' fast path) rather
+    /// than re-submitting it through the ordinary batch path.
+    pub fn is_fast_path(&self) -> bool {
+        matches!(self.path, Path::Fast { .. })
+    }
+
+    /// The old name of [`PreparedBatch::is_fast_path`].
+    #[deprecated(since = "0.1.0", note = "renamed to `is_fast_path`")]
     pub fn is_fast_lane(&self) -> bool {
-        matches!(self.path, Path::Lane { .. })
+        self.is_fast_path()
     }
 
     /// Starts a run, with the notification tag the batch was prepared with.
@@ -226,9 +232,9 @@ impl PreparedBatch {
             });
         }
         match &mut self.path {
-            Path::Lane { lane, cell, .. } => {
+            Path::Fast { fast, cell, .. } => {
                 cell.begin();
-                if let Err(e) = lane.start(tag) {
+                if let Err(e) = fast.start(tag) {
                     cell.fail(e.clone());
                     return Err(e);
                 }
@@ -274,7 +280,7 @@ impl PreparedBatch {
             return Ok(());
         }
         let r = match &self.path {
-            Path::Lane { lane, cell, reaper } => wait_lane(&**lane, cell, &**reaper, deadline),
+            Path::Fast { fast, cell, reaper } => wait_fast_path(&**fast, cell, &**reaper, deadline),
             Path::Resubmit { handle, .. } => match handle {
                 Some(h) => h.wait(deadline).map(|_| ()),
                 None => Ok(()),
@@ -295,7 +301,7 @@ impl PreparedBatch {
         let r = match &self.path {
             // Engine-wide: a caller spinning here makes the completion thread step
             // aside, so this round must also reap what nobody else waits for.
-            Path::Lane { cell, reaper, .. } => cell.outcome().or_else(|| {
+            Path::Fast { cell, reaper, .. } => cell.outcome().or_else(|| {
                 reaper.poll_once();
                 cell.outcome()
             }),
@@ -313,14 +319,14 @@ impl PreparedBatch {
     }
 }
 
-fn wait_lane(
-    lane: &dyn FastPath,
+fn wait_fast_path(
+    fast: &dyn FastPath,
     cell: &RunCell,
     engine: &dyn Reaper,
     deadline: Instant,
 ) -> Result<()> {
     let p = FastPathReaper {
-        lane,
+        fast,
         engine_reaper: engine,
     };
     let since = match busy_poll_since(&p, deadline, Yield::Often, || cell.outcome()) {
@@ -348,7 +354,7 @@ mod tests {
         send_sync::<PreparedBatch>();
     }
 
-    /// A lane whose run completes once the engine-wide rounds have reaped `after` times.
+    /// A fast path whose run completes once the engine-wide rounds have reaped `after` times.
     #[derive(Debug)]
     struct FakeEngine {
         polls: AtomicU32,
@@ -370,9 +376,9 @@ mod tests {
         }
     }
 
-    struct Lane;
+    struct Fast;
 
-    impl FastPath for Lane {
+    impl FastPath for Fast {
         fn start(&self, _tag: Option<u32>) -> Result<()> {
             Ok(())
         }
@@ -393,8 +399,8 @@ mod tests {
             after: 3,
             cell: Arc::clone(&cell),
         };
-        let r = wait_lane(
-            &Lane,
+        let r = wait_fast_path(
+            &Fast,
             &cell,
             &engine,
             Instant::now() + Duration::from_secs(5),

@@ -98,7 +98,7 @@ impl PagesReport {
             seed: a.seed,
             transport: info.kind.to_string(),
             device: info.device.clone(),
-            lanes: info.lanes_per_peer,
+            lanes: info.qps_or_streams,
             depth: a.depth,
             pages: a.pages,
             batches: a.iters,

@@ -267,7 +267,7 @@ impl Backend for TcpBackend {
             kind: BackendKind::Tcp,
             device: format!("tcp {}", self.shared.local),
             link: "TCP".into(),
-            lanes_per_peer: self.shared.streams,
+            qps_or_streams: self.shared.streams,
             tx_depth: GATHER as u32,
             signal_every: 1,
             max_wr_bytes: self.shared.chunk,

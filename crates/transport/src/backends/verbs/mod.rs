@@ -214,7 +214,7 @@ impl Backend for VerbsBackend {
             gid: Some(d.gid.addr.octets()),
             gid_index: Some(d.gid.index),
             lid: d.lid,
-            lanes_per_peer: e.opts.qps_per_peer as u16,
+            qps_or_streams: e.opts.qps_per_peer as u16,
             tx_depth: e.opts.tx_depth.min(d.caps.max_qp_wr),
             signal_every: e.opts.signal_every,
             max_wr_bytes: e.opts.max_wr_bytes,
@@ -225,6 +225,8 @@ impl Backend for VerbsBackend {
                 Some(set) => set.devices.iter().map(|d| rail_label(d)).collect(),
                 None => vec![rail_label(e)],
             },
+            // The deprecated `lanes_per_peer` (the engine copies `qps_or_streams` in).
+            ..BackendInfo::default()
         }
     }
 
