@@ -555,18 +555,36 @@ impl Pool {
                 out.lens.resize(n, g.page_bytes(c));
             }
             [k, v] => {
+                // Interleaved K and V entries, built in a small block and appended: each
+                // list is written once (no zero-fill first), which matters for long lists.
                 let (kb, ks) = (self.base(k), g.layers() * g.row_bytes(k));
                 let (vb, vs) = (self.base(v), g.layers() * g.row_bytes(v));
-                out.ptrs.resize(2 * n, 0);
-                for (pair, t) in out.ptrs.chunks_exact_mut(2).zip(firsts) {
-                    pair[0] = kb + t * ks;
-                    pair[1] = vb + t * vs;
+                let mut block = [0u64; 256];
+                out.ptrs.reserve(2 * n);
+                let mut firsts = firsts;
+                loop {
+                    let mut m = 0;
+                    for (pair, t) in block.chunks_exact_mut(2).zip(firsts.by_ref()) {
+                        pair[0] = kb + t * ks;
+                        pair[1] = vb + t * vs;
+                        m += 2;
+                    }
+                    if m == 0 {
+                        break;
+                    }
+                    out.ptrs.extend_from_slice(&block[..m]);
                 }
-                out.lens.resize(2 * n, 0);
                 let (kl, vl) = (g.page_bytes(k), g.page_bytes(v));
-                for pair in out.lens.chunks_exact_mut(2) {
+                for pair in block.chunks_exact_mut(2) {
                     pair[0] = kl;
                     pair[1] = vl;
+                }
+                out.lens.reserve(2 * n);
+                let mut left = 2 * n;
+                while left > 0 {
+                    let m = left.min(block.len());
+                    out.lens.extend_from_slice(&block[..m]);
+                    left -= m;
                 }
             }
             _ => unreachable!("pools have one or two buffers"),
