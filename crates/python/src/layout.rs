@@ -365,33 +365,38 @@ fn parse_component(py: Python<'_>, g: &pl::PoolGeometry, s: &str) -> PyResult<pl
     }
 }
 
-/// A list of Python ints. Runs of a repeated value (the lengths: one or two per page)
-/// share one int object, as in SGLang's `[element_size] * n`.
+/// A list of Python ints, made straight into the list (no vector of objects in between).
+/// Runs of a repeated value (the lengths: one or two per page) share one int object, as in
+/// SGLang's `[element_size] * n`.
 fn int_list<'py>(py: Python<'py>, v: &[u64]) -> PyResult<Bound<'py, PyList>> {
     let mut recent: [Option<(u64, Bound<'py, PyAny>)>; 2] = [None, None];
-    let mut items = Vec::with_capacity(v.len());
-    for (i, &x) in v.iter().enumerate() {
-        let slot = i % 2;
-        let obj = match &recent[slot] {
+    let items = v.iter().enumerate().map(|(i, &x)| {
+        let slot = &mut recent[i % 2];
+        match slot {
             Some((y, o)) if *y == x => o.clone(),
             _ => {
-                let o = x.into_pyobject(py)?.into_any();
-                recent[slot] = Some((x, o.clone()));
+                // u64 to int cannot fail (the error type is `Infallible`).
+                let Ok(o) = x.into_pyobject(py);
+                let o = o.into_any();
+                *slot = Some((x, o.clone()));
                 o
             }
-        };
-        items.push(obj);
-    }
+        }
+    });
     PyList::new(py, items)
 }
 
-/// Two arrays as the tuple `(a, b)`: numpy views, or lists when `as_lists` or no numpy.
+/// Two arrays as the tuple `(a, b)`: numpy views, or lists when `as_lists` or no numpy
+/// (the vectors then go back for reuse, see [`recycle`]).
 fn pair(py: Python<'_>, a: Vec<u64>, b: Vec<u64>, as_lists: bool) -> PyResult<Py<PyTuple>> {
     let (a, b) = if as_lists {
-        (
+        let lists = (
             int_list(py, &a)?.into_any().unbind(),
             int_list(py, &b)?.into_any().unbind(),
-        )
+        );
+        recycle(a);
+        recycle(b);
+        lists
     } else {
         (u64_array(py, a)?, u64_array(py, b)?)
     };
