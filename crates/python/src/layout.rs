@@ -273,9 +273,12 @@ fn page_meta_source(py: Python<'_>, pool: pl::Pool, src: &U64Source<'_>) -> PyRe
     let result = match runs {
         Ok(true) => {
             let entries = pages.saturating_mul(pool.entries_per_page());
+            // Room up front for at most 2**20 entries, as `Segments::reserve`: an absurd
+            // layer count must fail as the lists grow, not abort in the allocator.
+            let room = entries.min(1 << 20);
             let mut seg = pl::Segments {
-                ptrs: vec_for(entries),
-                lens: vec_for(entries),
+                ptrs: vec_for(room),
+                lens: vec_for(room),
             };
             match compute(py, entries, || {
                 pool.page_meta_from_starts_into(&firsts, &mut seg)
