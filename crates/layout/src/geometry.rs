@@ -240,6 +240,15 @@ impl PoolGeometry {
         self.pages
     }
 
+    /// `P - 1` when the page size is a power of two (page starts are `t & mask == 0`).
+    pub(crate) const fn page_mask(&self) -> Option<u64> {
+        if self.page_mask != 0 || self.page_size == 1 {
+            Some(self.page_mask)
+        } else {
+            None
+        }
+    }
+
     /// Whether token slot `t` starts a page (a mask test for power-of-two page sizes).
     #[inline]
     pub const fn is_page_start(&self, t: u64) -> bool {

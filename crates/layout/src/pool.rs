@@ -301,9 +301,31 @@ impl Pool {
     /// Validate one page of token indices (`chunk.len() == P`) and return its first slot.
     #[inline]
     fn page_start(&self, position: usize, chunk: &[u64], aligned_only: bool) -> Result<u64> {
+        let t0 = chunk[0];
+        self.check_start(position, t0, aligned_only)?;
+        let strict = self.checks == Checks::Strict;
+        // A branch-free pass first (it vectorises); the slow pass only finds the culprit.
+        if strict && mismatch(chunk, t0) {
+            for (offset, (&found, expected)) in chunk.iter().zip(t0..).enumerate() {
+                if found != expected {
+                    return Err(LayoutError::NonConsecutive {
+                        position,
+                        offset: offset as u64,
+                        found,
+                        expected,
+                    });
+                }
+            }
+        }
+        Ok(t0)
+    }
+
+    /// The checks of a page's first slot `t0`: inside the pool with the whole page, and
+    /// page-aligned under strict checks (or for layouts SGLang refuses).
+    #[inline]
+    fn check_start(&self, position: usize, t0: u64, aligned_only: bool) -> Result<()> {
         let g = &self.geometry;
         let (p, cap) = (g.page_size(), g.capacity());
-        let t0 = chunk[0];
         if t0 >= cap {
             return Err(LayoutError::SlotOutOfRange {
                 slot: t0,
@@ -325,20 +347,29 @@ impl Pool {
                 capacity: cap,
             });
         }
-        // A branch-free pass first (it vectorises); the slow pass only finds the culprit.
-        if strict && mismatch(chunk, t0) {
-            for (offset, (&found, expected)) in chunk.iter().zip(t0..).enumerate() {
-                if found != expected {
-                    return Err(LayoutError::NonConsecutive {
-                        position,
-                        offset: offset as u64,
-                        found,
-                        expected,
-                    });
-                }
+        Ok(())
+    }
+
+    /// Whether every first slot passes [`Pool::check_start`]: branch-free folds (they
+    /// vectorise), so that only a failing list is walked page by page.
+    fn starts_ok(&self, starts: &[u64], aligned_only: bool) -> bool {
+        let g = &self.geometry;
+        let (p, cap) = (g.page_size(), g.capacity());
+        let aligned = self.checks == Checks::Strict || aligned_only;
+        let mask = if aligned { g.page_mask() } else { Some(0) };
+        match mask {
+            Some(mask) => {
+                // One pass for both: the largest start, and the OR of the in-page offsets.
+                let (max, off) = starts
+                    .iter()
+                    .fold((0, 0), |(m, o), &t| (m.max(t), o | (t & mask)));
+                // max < cap implies max + p cannot overflow (as in `check_start`).
+                off == 0 && (starts.is_empty() || (max < cap && max + p <= cap))
             }
+            None => starts
+                .iter()
+                .all(|&t| t < cap && t + p <= cap && g.is_page_start(t)),
         }
-        Ok(t0)
     }
 
     /// Validate a page index and return its first slot.
@@ -524,18 +555,36 @@ impl Pool {
                 out.lens.resize(n, g.page_bytes(c));
             }
             [k, v] => {
+                // Interleaved K and V entries, built in a small block and appended: each
+                // list is written once (no zero-fill first), which matters for long lists.
                 let (kb, ks) = (self.base(k), g.layers() * g.row_bytes(k));
                 let (vb, vs) = (self.base(v), g.layers() * g.row_bytes(v));
-                out.ptrs.resize(2 * n, 0);
-                for (pair, t) in out.ptrs.chunks_exact_mut(2).zip(firsts) {
-                    pair[0] = kb + t * ks;
-                    pair[1] = vb + t * vs;
+                let mut block = [0u64; 256];
+                out.ptrs.reserve(2 * n);
+                let mut firsts = firsts;
+                loop {
+                    let mut m = 0;
+                    for (pair, t) in block.chunks_exact_mut(2).zip(firsts.by_ref()) {
+                        pair[0] = kb + t * ks;
+                        pair[1] = vb + t * vs;
+                        m += 2;
+                    }
+                    if m == 0 {
+                        break;
+                    }
+                    out.ptrs.extend_from_slice(&block[..m]);
                 }
-                out.lens.resize(2 * n, 0);
                 let (kl, vl) = (g.page_bytes(k), g.page_bytes(v));
-                for pair in out.lens.chunks_exact_mut(2) {
+                for pair in block.chunks_exact_mut(2) {
                     pair[0] = kl;
                     pair[1] = vl;
+                }
+                out.lens.reserve(2 * n);
+                let mut left = 2 * n;
+                while left > 0 {
+                    let m = left.min(block.len());
+                    out.lens.extend_from_slice(&block[..m]);
+                    left -= m;
                 }
             }
             _ => unreachable!("pools have one or two buffers"),
@@ -572,6 +621,39 @@ impl Pool {
         }
         out.reserve(pages.len().saturating_mul(self.entries_per_page()));
         emptied_on_error(self.for_each_page_segment(pages, |_, s| out.push(s)), out)
+    }
+
+    /// [`Pool::page_meta_into`] for pages given by their first slots alone, each page `k`
+    /// being the slots `starts[k], starts[k]+1, ..., starts[k]+P-1`: the same lists, and the
+    /// same error as `page_meta_into` gives for those slots. For a caller that has already
+    /// checked that each page of its index array is such a run (the slot-by-slot part of
+    /// strict checks), or that runs SGLang's checks (which read only the first slots).
+    ///
+    /// # Errors
+    /// [`LayoutError::SlotOutOfRange`] and [`LayoutError::Misaligned`], for the first bad
+    /// page, with its position in `starts`; `out` is left empty on error.
+    pub fn page_meta_from_starts_into(&self, starts: &[u64], out: &mut Segments) -> Result<()> {
+        out.clear();
+        let aligned_only = !self.sglang_has_meta();
+        if !self.starts_ok(starts, aligned_only) {
+            for (position, &t0) in starts.iter().enumerate() {
+                self.check_start(position, t0, aligned_only)?;
+            }
+        }
+        if self.layout.is_page_major() {
+            if self.floors_slot() {
+                let ps = self.geometry.page_size();
+                self.fill_page_major(starts.iter().map(|&t| t - t % ps), out);
+            } else {
+                self.fill_page_major(starts.iter().copied(), out);
+            }
+            return Ok(());
+        }
+        out.reserve(starts.len().saturating_mul(self.entries_per_page()));
+        for &t0 in starts {
+            self.emit_page(t0, &mut |_, s| out.push(s));
+        }
+        Ok(())
     }
 
     /// Entries per page of [`Pool::page_meta`].

@@ -612,3 +612,37 @@ proptest! {
         prop_assert_eq!(parts, byte_map(&whole));
     }
 }
+
+proptest! {
+    /// `page_meta_from_starts_into` is `page_meta_into` over the runs `t0..t0+P` of its
+    /// first slots, under both checks: the same lists, or the same error (first slots
+    /// anywhere: aligned or not, inside the pool, at its end, past it, near `u64::MAX`).
+    #[test]
+    fn from_starts_is_page_meta_of_the_runs(
+        case in case_strategy(),
+        strict in any::<bool>(),
+        firsts in prop::collection::vec((0..4u8, any::<u64>()), 0..6),
+    ) {
+        let checks = if strict { Checks::Strict } else { Checks::Sglang };
+        let pool = case.pool.with_checks(checks);
+        let g = *pool.geometry();
+        let (p, s) = (g.page_size(), g.capacity());
+        let starts: Vec<u64> = firsts
+            .iter()
+            .map(|&(how, x)| match how {
+                0 => x % g.pages() * p,     // a page start
+                1 => x % s,                 // any slot inside
+                2 => s - p + x % (2 * p),   // around the end
+                _ => x,                     // anything
+            })
+            .collect();
+        // Runs that wrap past u64::MAX are not slots of any index array.
+        prop_assume!(starts.iter().all(|&t| t.checked_add(p).is_some()));
+        let tokens: Vec<u64> = starts.iter().flat_map(|&t| t..t + p).collect();
+        let mut want = pagewire_layout::Segments::default();
+        let want = pool.page_meta_into(&tokens, &mut want).map(|()| want);
+        let mut got = pagewire_layout::Segments::default();
+        let got = pool.page_meta_from_starts_into(&starts, &mut got).map(|()| got);
+        prop_assert_eq!(got, want);
+    }
+}

@@ -9,12 +9,85 @@
 //! is installed (no copy: the array's base is a [`U64Array`] that owns the vector), or as
 //! a list otherwise.
 
+use std::mem::MaybeUninit;
+use std::sync::Mutex;
+
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyInt, PyList, PyTuple};
 
 use crate::ffi::Buffer;
+
+/// Index lists at least this long are processed with the GIL released; below it, the
+/// release and re-acquisition would cost more than they free.
+pub(crate) const DETACH_MIN: usize = 1 << 15;
+
+/// Run `f` without the GIL when `work` is large (see [`DETACH_MIN`]).
+pub(crate) fn compute<T, F>(py: Python<'_>, work: usize, f: F) -> T
+where
+    F: pyo3::marker::Ungil + FnOnce() -> T,
+    T: pyo3::marker::Ungil,
+{
+    if work >= DETACH_MIN {
+        py.detach(f)
+    } else {
+        f()
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Recycled vectors
+//
+// The result arrays of a big `page_meta` are megabytes, and a caller typically drops them
+// before its next call. Freed, they go back to the kernel (malloc trims its heap or unmaps
+// them), and the next call's fresh ones fault in page by page: at 100,000 pages that cost
+// more than reading the 51 MB of slots. So the vectors behind dropped result arrays are
+// kept, a few and up to a bounded size, for the next call to fill.
+
+/// Vectors shorter than this (256 KiB) are left to the allocator, which serves them from
+/// its free lists without the kernel.
+const RECYCLE_MIN: usize = 1 << 15;
+/// At most this many elements (32 MiB) are kept in all, in at most `RECYCLE_COUNT` vectors.
+const RECYCLE_MAX: usize = 1 << 22;
+const RECYCLE_COUNT: usize = 8;
+
+static SPARE: Mutex<Vec<Vec<u64>>> = Mutex::new(Vec::new());
+
+/// An empty vector with room for `n` elements: the smallest kept one that fits and is not
+/// more than four times too big, else a new one.
+pub(crate) fn vec_for(n: usize) -> Vec<u64> {
+    if n >= RECYCLE_MIN
+        && let Ok(mut spare) = SPARE.lock()
+        && let Some(i) = (0..spare.len())
+            .filter(|&i| (n..=n.saturating_mul(4)).contains(&spare[i].capacity()))
+            .min_by_key(|&i| spare[i].capacity())
+    {
+        let mut v = spare.swap_remove(i);
+        v.clear();
+        return v;
+    }
+    Vec::with_capacity(n)
+}
+
+/// Keeps `v`'s memory for [`vec_for`] when it is worth keeping, dropping the oldest kept
+/// vectors beyond the bounds.
+pub(crate) fn recycle(v: Vec<u64>) {
+    if !(RECYCLE_MIN..=RECYCLE_MAX).contains(&v.capacity()) {
+        return;
+    }
+    let mut evicted = Vec::new();
+    if let Ok(mut spare) = SPARE.lock() {
+        spare.push(v);
+        let mut total: usize = spare.iter().map(Vec::capacity).sum();
+        while spare.len() > RECYCLE_COUNT || total > RECYCLE_MAX {
+            let old = spare.remove(0);
+            total -= old.capacity();
+            evicted.push(old);
+        }
+    }
+    // `evicted` is freed here, after the lock.
+}
 
 /// Integer element types accepted in arrays, by numpy/`struct` size and signedness.
 #[derive(Clone, Copy, Debug)]
@@ -141,11 +214,24 @@ impl Raw<'_> {
 }
 
 impl Raw<'_> {
+    /// Whether the memory is kept by a buffer-protocol view: the exporter must then keep it
+    /// in place until the view is released, whatever other threads do meanwhile.
+    fn pinned(&self) -> bool {
+        matches!(self._keep, Keep::Buffer(_))
+    }
+
     /// The first element of each run of `p` elements into `firsts` (one per whole run), and
-    /// whether every run is `t, t+1, ..., t+p-1`: one pass over the array, no copy.
-    fn consecutive_runs(&self, p: usize, firsts: &mut [u64]) -> bool {
+    /// whether every run is `t, t+1, ..., t+p-1`: one pass over the array, no copy. Long
+    /// contiguous 8-byte arrays in pinned memory are scanned without the GIL.
+    fn consecutive_runs(&self, py: Python<'_>, p: usize, firsts: &mut [MaybeUninit<u64>]) -> bool {
         if self.elem.size() == 8 && self.stride == 8 {
-            return runs_diff(self.ptr, p, firsts) == 0;
+            let at = SendPtr(self.ptr);
+            let mut scan = move || runs_diff(at, p, firsts) == 0;
+            return if self.pinned() && self.len >= DETACH_MIN {
+                py.detach(scan)
+            } else {
+                scan()
+            };
         }
         let mut diff = 0u64;
         for (k, first) in firsts.iter_mut().enumerate() {
@@ -156,7 +242,7 @@ impl Raw<'_> {
                 unsafe { load(self.ptr.wrapping_offset(i * self.stride), self.elem) }
             };
             let t0 = at(0);
-            *first = t0;
+            first.write(t0);
             for j in 1..p {
                 diff |= at(j) ^ t0.wrapping_add(j as u64);
             }
@@ -165,20 +251,31 @@ impl Raw<'_> {
     }
 }
 
+/// An array's address, handed to code that runs without the GIL.
+#[derive(Clone, Copy)]
+struct SendPtr(*const u8);
+
+// SAFETY: only the address crosses threads. The memory behind it is read through raw
+// copies (never references), and only while the caller, which waits for that code, keeps
+// the buffer view that pins it.
+unsafe impl Send for SendPtr {}
+
 /// For contiguous little-endian u64s at `ptr`, in runs of `p`: writes each run's first
 /// element to `firsts[k]` and returns the OR over the runs of `element ^ expected`, zero
-/// exactly when every run `k` is `firsts[k], firsts[k]+1, ...`. One pass over the memory.
-/// The caller guarantees `firsts.len() * p` readable u64s at `ptr`.
+/// exactly when every run `k` is `firsts[k], firsts[k]+1, ...`. One pass over the memory,
+/// branch-free inside a run (it vectorises; the run's first element compares with itself,
+/// which keeps the vector loop free of a scalar head). The caller guarantees
+/// `firsts.len() * p` readable u64s at `ptr`.
 #[inline(always)]
-fn runs_diff_body(ptr: *const u8, p: usize, firsts: &mut [u64]) -> u64 {
+fn runs_diff_body(ptr: SendPtr, p: usize, firsts: &mut [MaybeUninit<u64>]) -> u64 {
     let mut diff = 0u64;
     for (k, first) in firsts.iter_mut().enumerate() {
-        let run = ptr.wrapping_add(k * p * 8).cast::<u64>();
+        let run = ptr.0.wrapping_add(k * p * 8).cast::<u64>();
         // SAFETY: element `k*p` lies within the `firsts.len() * p` readable u64s the caller
         // guarantees; read without forming a reference.
         let t0 = u64::from_le(unsafe { std::ptr::read_unaligned(run) });
-        *first = t0;
-        for j in 1..p {
+        first.write(t0);
+        for j in 0..p {
             // SAFETY: as above, for element `k*p + j`, `j < p`.
             let x = unsafe { std::ptr::read_unaligned(run.wrapping_add(j)) };
             diff |= u64::from_le(x) ^ t0.wrapping_add(j as u64);
@@ -191,12 +288,12 @@ fn runs_diff_body(ptr: *const u8, p: usize, firsts: &mut [u64]) -> u64 {
 /// faster on the development VM).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-fn runs_diff_avx2(ptr: *const u8, p: usize, firsts: &mut [u64]) -> u64 {
+fn runs_diff_avx2(ptr: SendPtr, p: usize, firsts: &mut [MaybeUninit<u64>]) -> u64 {
     runs_diff_body(ptr, p, firsts)
 }
 
 /// [`runs_diff_body`] with the widest vectors the CPU has.
-fn runs_diff(ptr: *const u8, p: usize, firsts: &mut [u64]) -> u64 {
+fn runs_diff(ptr: SendPtr, p: usize, firsts: &mut [MaybeUninit<u64>]) -> u64 {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") {
         // SAFETY: the CPU supports AVX2 (checked just above), the one requirement of
@@ -271,33 +368,44 @@ impl<'py> U64Source<'py> {
         }
     }
 
-    /// The first element of each run of `p` elements (the length must be a multiple of
-    /// `p`). With `consecutive`, `None` unless every run is `t, t+1, ..., t+p-1`: one pass
-    /// over the caller's array, without copying it. Only the elements read are checked for
-    /// being negative.
-    pub(crate) fn run_starts(&self, p: usize, consecutive: bool) -> PyResult<Option<Vec<u64>>> {
+    /// The first element of each run of `p` elements into `firsts` (cleared first; the
+    /// length must be a multiple of `p`). With `consecutive`, the result says whether every
+    /// run is `t, t+1, ..., t+p-1`: one pass over the caller's array, without copying it.
+    /// Only the elements in `firsts` are checked for being negative.
+    pub(crate) fn run_starts_into(
+        &self,
+        py: Python<'_>,
+        p: usize,
+        consecutive: bool,
+        firsts: &mut Vec<u64>,
+    ) -> PyResult<bool> {
         let p = p.max(1);
-        let mut firsts = vec![0u64; self.len() / p];
-        let ok = match &self.inner {
+        let runs = self.len() / p;
+        firsts.clear();
+        match &self.inner {
             Source::Raw(r) if consecutive => {
-                let ok = r.consecutive_runs(p, &mut firsts);
-                if let (Elem::I(_), Some(k)) = (r.elem, first_negative(&firsts)) {
+                firsts.reserve(runs);
+                let ok = r.consecutive_runs(py, p, &mut firsts.spare_capacity_mut()[..runs]);
+                // SAFETY: `consecutive_runs` wrote each of the first `runs` spare elements.
+                unsafe { firsts.set_len(runs) };
+                if let (Elem::I(_), Some(k)) = (r.elem, first_negative(firsts)) {
                     return Err(self.negative(k * p, firsts[k]));
                 }
-                ok
+                Ok(ok)
             }
             Source::Owned(v) if consecutive => {
-                self.read(0, p, &mut firsts)?;
-                v.chunks_exact(p)
-                    .zip(&firsts)
-                    .all(|(run, &t0)| run.iter().zip(t0..).all(|(&x, want)| x == want))
+                firsts.resize(runs, 0);
+                self.read(0, p, firsts)?;
+                Ok(v.chunks_exact(p)
+                    .zip(firsts.iter())
+                    .all(|(run, &t0)| run.iter().zip(t0..).all(|(&x, want)| x == want)))
             }
             _ => {
-                self.read(0, p, &mut firsts)?;
-                true
+                firsts.resize(runs, 0);
+                self.read(0, p, firsts)?;
+                Ok(true)
             }
-        };
-        Ok(ok.then_some(firsts))
+        }
     }
 
     fn negative(&self, i: usize, x: u64) -> PyErr {
@@ -496,6 +604,12 @@ pub(crate) struct U64Array {
     data: Vec<u64>,
 }
 
+impl Drop for U64Array {
+    fn drop(&mut self) {
+        recycle(std::mem::take(&mut self.data));
+    }
+}
+
 impl U64Array {
     /// Takes ownership of `data`.
     pub(crate) fn new(data: Vec<u64>) -> Self {
@@ -631,6 +745,95 @@ mod tests {
         assert_eq!(load_all(&[0xff, 0xff], Elem::U(2)), [0xffff]);
         assert_eq!(load_all(&[0x80], Elem::I(1)), [(-128i64) as u64]);
         assert_eq!(first_negative(&[1, 2, 3]), None);
+    }
+
+    /// Brute force: each run of `p` is `t0, t0+1, ...`, one slot at a time.
+    fn runs_are_consecutive(v: &[u64], p: usize) -> bool {
+        // Modulo 2**64, as the kernel compares: a run that wraps is then refused by the
+        // range check of the first slot.
+        v.chunks_exact(p)
+            .all(|run| (0..p).all(|j| run[j] == run[0].wrapping_add(j as u64)))
+    }
+
+    /// `runs_diff` (each kernel the CPU has) on `v`: (consecutive, first slots).
+    fn scan(v: &[u64], p: usize, avx2: bool) -> (bool, Vec<u64>) {
+        let runs = v.len() / p;
+        let mut firsts = Vec::with_capacity(runs);
+        let spare = &mut firsts.spare_capacity_mut()[..runs];
+        let at = SendPtr(v.as_ptr().cast());
+        #[cfg(target_arch = "x86_64")]
+        let diff = if avx2 {
+            // SAFETY: only called when the CPU has AVX2; `v` holds `runs * p` u64s.
+            unsafe { runs_diff_avx2(at, p, spare) }
+        } else {
+            runs_diff_body(at, p, spare)
+        };
+        #[cfg(not(target_arch = "x86_64"))]
+        let diff = runs_diff_body(at, p, spare);
+        // SAFETY: the kernel wrote each of the first `runs` spare elements.
+        unsafe { firsts.set_len(runs) };
+        (diff == 0, firsts)
+    }
+
+    proptest::proptest! {
+        /// The vectorised check accepts exactly the arrays whose every run is consecutive,
+        /// slot by slot: valid pages (aligned or not, near `u64::MAX`, negative as i64),
+        /// and one wrong slot anywhere (the middle of a page, the last slot of the last
+        /// page, a first slot).
+        #[test]
+        fn runs_diff_is_the_per_slot_check(
+            p in 1..=70usize,
+            starts in proptest::collection::vec(proptest::prelude::any::<u64>(), 0..12),
+            wrong in proptest::option::of((proptest::prelude::any::<proptest::sample::Index>(), 0..4u8, proptest::prelude::any::<u64>())),
+        ) {
+            let mut v: Vec<u64> = starts
+                .iter()
+                .flat_map(|&t| (0..p as u64).map(move |j| t.wrapping_add(j)))
+                .collect();
+            if let Some((at, how, x)) = wrong
+                && !v.is_empty()
+            {
+                let i = match how {
+                    0 => v.len() - 1,        // the last slot of the last page
+                    1 => v.len() / 2,        // the middle
+                    _ => at.index(v.len()),  // anywhere
+                };
+                v[i] = match how {
+                    3 => (x as i64).wrapping_neg() as u64 | 1 << 63, // a negative value
+                    _ => x,
+                };
+            }
+            let want = runs_are_consecutive(&v, p);
+            let firsts: Vec<u64> = v.chunks_exact(p).map(|r| r[0]).collect();
+            proptest::prop_assert_eq!(scan(&v, p, false), (want, firsts.clone()));
+            #[cfg(target_arch = "x86_64")]
+            if std::arch::is_x86_feature_detected!("avx2") {
+                proptest::prop_assert_eq!(scan(&v, p, true), (want, firsts));
+            }
+        }
+    }
+
+    #[test]
+    fn recycled_vectors_are_bounded_and_reused() {
+        let big = RECYCLE_MIN * 8;
+        let v = Vec::<u64>::with_capacity(big);
+        let at = v.as_ptr();
+        recycle(v);
+        // Not handed out for a request it would overshoot more than 4x.
+        let small = vec_for(RECYCLE_MIN);
+        assert_ne!(small.as_ptr(), at);
+        let again = vec_for(big - 1);
+        assert!(again.is_empty() && again.capacity() >= big - 1);
+        assert_eq!(again.as_ptr(), at, "the kept vector is handed out again");
+        for _ in 0..3 * RECYCLE_COUNT {
+            recycle(Vec::with_capacity(RECYCLE_MAX / 2));
+        }
+        recycle(Vec::with_capacity(RECYCLE_MAX + 1));
+        recycle(Vec::with_capacity(RECYCLE_MIN - 1));
+        let spare = SPARE.lock().unwrap();
+        assert!(spare.len() <= RECYCLE_COUNT);
+        assert!(spare.iter().map(Vec::capacity).sum::<usize>() <= RECYCLE_MAX);
+        assert!(spare.iter().all(|v| v.capacity() >= RECYCLE_MIN));
     }
 
     #[test]

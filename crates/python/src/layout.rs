@@ -12,25 +12,11 @@ use pyo3::types::{PyBool, PyDict, PyInt, PyList, PyRange, PyTuple, PyType};
 
 use pagewire_layout as pl;
 
-use crate::convert::{U64Array, U64Source, have_numpy, u64_array, u64_source, u64_vec, u64_view};
+use crate::convert::{
+    U64Array, U64Source, compute, have_numpy, recycle, u64_array, u64_source, u64_vec, u64_view,
+    vec_for,
+};
 use crate::errors::PagewireError;
-
-/// Index lists at least this long are processed with the GIL released; below it, the
-/// release and re-acquisition would cost more than they free.
-const DETACH_MIN: usize = 1 << 15;
-
-/// Run `f` without the GIL when `work` is large (see [`DETACH_MIN`]).
-fn compute<T, F>(py: Python<'_>, work: usize, f: F) -> T
-where
-    F: pyo3::marker::Ungil + FnOnce() -> T,
-    T: pyo3::marker::Ungil,
-{
-    if work >= DETACH_MIN {
-        py.detach(f)
-    } else {
-        f()
-    }
-}
 
 // ---------------------------------------------------------------------------------------
 // LayoutError
@@ -257,10 +243,11 @@ where
 /// `pool.page_meta(indices)` over indices that may be read in place.
 ///
 /// For an array in memory, one pass collects each page's first slot and (strict checks)
-/// verifies that every page is consecutive; page-aligned pages then take the per-page
-/// path, which gives the same lists. SGLang's checks read only the first slot of each
-/// page, as SGLang does. Anything else (a bad page, a misaligned one) goes through the
-/// crate's token-slot code, which gives SGLang's pointer or the exact error.
+/// verifies that every page is a run of consecutive slots; the crate then checks and maps
+/// the first slots alone. SGLang's checks read only the first slot of each page, as SGLang
+/// does. Any error goes through the crate's token-slot code (strict) or page by page
+/// (SGLang's checks), which gives the exact error. Vectors come from [`vec_for`], so that
+/// a caller dropping its previous result arrays gets their memory again.
 fn page_meta_source(py: Python<'_>, pool: pl::Pool, src: &U64Source<'_>) -> PyResult<pl::Segments> {
     if let Some(v) = src.as_slice() {
         return compute(py, v.len(), || pool.page_meta(v)).or_py(py);
@@ -278,37 +265,49 @@ fn page_meta_source(py: Python<'_>, pool: pl::Pool, src: &U64Source<'_>) -> PyRe
         ));
     }
     let strict = pool.checks() != pl::Checks::Sglang;
-    let firsts = src
-        .run_starts(pu, strict)
-        .map_err(|e| as_layout_error(py, e))?;
-    if let Some(firsts) = firsts {
-        if let Some(pages) = page_numbers(&firsts, p)
-            && let Ok(seg) = pool.page_meta_for_pages(&pages)
-        {
-            return Ok(seg);
+    let pages = n / pu;
+    let mut firsts = vec_for(pages);
+    let runs = src
+        .run_starts_into(py, pu, strict, &mut firsts)
+        .map_err(|e| as_layout_error(py, e));
+    let result = match runs {
+        Ok(true) => {
+            let entries = pages.saturating_mul(pool.entries_per_page());
+            // Room up front for at most 2**20 entries, as `Segments::reserve`: an absurd
+            // layer count must fail as the lists grow, not abort in the allocator.
+            let room = entries.min(1 << 20);
+            let mut seg = pl::Segments {
+                ptrs: vec_for(room),
+                lens: vec_for(room),
+            };
+            match compute(py, entries, || {
+                pool.page_meta_from_starts_into(&firsts, &mut seg)
+            }) {
+                Ok(()) => Ok(seg),
+                Err(_) => {
+                    recycle(seg.ptrs);
+                    recycle(seg.lens);
+                    if strict {
+                        exact_meta(py, pool, src)
+                    } else {
+                        sglang_pages(py, pool, &firsts)
+                    }
+                }
+            }
         }
-        if !strict {
-            return sglang_pages(py, pool, &firsts);
-        }
-    }
+        Ok(false) => exact_meta(py, pool, src),
+        Err(e) => Err(e),
+    };
+    recycle(firsts);
+    result
+}
+
+/// `page_meta` through the crate's token-slot code, chunk by chunk: the exact error.
+fn exact_meta(py: Python<'_>, pool: pl::Pool, src: &U64Source<'_>) -> PyResult<pl::Segments> {
+    let p = pool.geometry().page_size();
     chunked_meta(py, src, p, pool.entries_per_page(), move |idx, out| {
         pool.page_meta_into(idx, out)
     })
-}
-
-/// `slot / page_size` for each slot when all are page-aligned (a shift and a mask for the
-/// usual power-of-two page sizes, not a division per page).
-fn page_numbers(slots: &[u64], page_size: u64) -> Option<Vec<u64>> {
-    if page_size.is_power_of_two() {
-        let (mask, shift) = (page_size - 1, page_size.trailing_zeros());
-        let unaligned = slots.iter().fold(0, |acc, &t| acc | (t & mask));
-        (unaligned == 0).then(|| slots.iter().map(|&t| t >> shift).collect())
-    } else {
-        slots
-            .iter()
-            .all(|t| t.is_multiple_of(page_size))
-            .then(|| slots.iter().map(|&t| t / page_size).collect())
-    }
 }
 
 /// SGLang-checked `page_meta` from each page's first slot alone (the other slots are not
@@ -369,33 +368,38 @@ fn parse_component(py: Python<'_>, g: &pl::PoolGeometry, s: &str) -> PyResult<pl
     }
 }
 
-/// A list of Python ints. Runs of a repeated value (the lengths: one or two per page)
-/// share one int object, as in SGLang's `[element_size] * n`.
+/// A list of Python ints, made straight into the list (no vector of objects in between).
+/// Runs of a repeated value (the lengths: one or two per page) share one int object, as in
+/// SGLang's `[element_size] * n`.
 fn int_list<'py>(py: Python<'py>, v: &[u64]) -> PyResult<Bound<'py, PyList>> {
     let mut recent: [Option<(u64, Bound<'py, PyAny>)>; 2] = [None, None];
-    let mut items = Vec::with_capacity(v.len());
-    for (i, &x) in v.iter().enumerate() {
-        let slot = i % 2;
-        let obj = match &recent[slot] {
+    let items = v.iter().enumerate().map(|(i, &x)| {
+        let slot = &mut recent[i % 2];
+        match slot {
             Some((y, o)) if *y == x => o.clone(),
             _ => {
-                let o = x.into_pyobject(py)?.into_any();
-                recent[slot] = Some((x, o.clone()));
+                // u64 to int cannot fail (the error type is `Infallible`).
+                let Ok(o) = x.into_pyobject(py);
+                let o = o.into_any();
+                *slot = Some((x, o.clone()));
                 o
             }
-        };
-        items.push(obj);
-    }
+        }
+    });
     PyList::new(py, items)
 }
 
-/// Two arrays as the tuple `(a, b)`: numpy views, or lists when `as_lists` or no numpy.
+/// Two arrays as the tuple `(a, b)`: numpy views, or lists when `as_lists` or no numpy
+/// (the vectors then go back for reuse, see [`recycle`]).
 fn pair(py: Python<'_>, a: Vec<u64>, b: Vec<u64>, as_lists: bool) -> PyResult<Py<PyTuple>> {
     let (a, b) = if as_lists {
-        (
+        let lists = (
             int_list(py, &a)?.into_any().unbind(),
             int_list(py, &b)?.into_any().unbind(),
-        )
+        );
+        recycle(a);
+        recycle(b);
+        lists
     } else {
         (u64_array(py, a)?, u64_array(py, b)?)
     };

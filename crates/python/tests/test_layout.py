@@ -292,6 +292,87 @@ def test_in_place_reads_agree_with_list_path(checks, layout, P):
                 assert _outcome(lambda: pool.split_heads_meta(np.array(idx), 2)) == want
 
 
+def _strict_accepts(idx, P, S):
+    """Brute force, slot by slot: strict checks accept exactly whole pages of consecutive,
+    page-aligned, non-negative slots inside the pool."""
+    if len(idx) % P:
+        return False
+    for k in range(0, len(idx), P):
+        t0 = idx[k]
+        if t0 < 0 or t0 % P or t0 + P > S:
+            return False
+        if any(idx[k + j] != t0 + j for j in range(P)):
+            return False
+    return True
+
+
+@pytest.mark.parametrize("checks", ["strict", "sglang"])
+@pytest.mark.parametrize("layout", ["page_first", "page_first_direct", "layer_first"])
+def test_vectorised_slot_check_is_the_per_slot_check(layout, checks):
+    """Long int64 arrays take the vectorised one-pass check (without the GIL); a list takes
+    the crate's slot-by-slot code. Same lists or the same error for one bad slot anywhere:
+    a misaligned (but consecutive) page, a wrong slot in the middle, at the last position
+    of the last page, negative values (also a run that crosses into them), pages outside
+    the pool. Under strict checks, accepted exactly when the brute force accepts."""
+    rng = random.Random(11)
+    P, n_pages = 64, 700  # 44,800 slots: above the GIL-release threshold
+    S = P * 2048
+    geo = Geometry("mha", layers=2, page_size=P, heads=2, head_dim=3, v_head_dim=2, dtype_bytes=2, capacity=S)
+    pool = Pool(geo, layout, 0x100000, 0x10000000, checks=checks)
+    good = [p * P + o for p in rng.sample(range(S // P), n_pages) for o in range(P)]
+    last = len(good) - 1
+    mutations = {
+        "none": lambda v: None,
+        "misaligned page": lambda v: v.__setitem__(slice(P * 5, P * 6), range(P * 9 + 3, P * 10 + 3)),
+        "misaligned last page": lambda v: v.__setitem__(slice(last - P + 1, last + 1), range(7, 7 + P)),
+        "middle slot": lambda v: v.__setitem__(len(v) // 2 + 5, v[len(v) // 2 + 5] + 1),
+        "last slot": lambda v: v.__setitem__(last, v[last] + 1),
+        "first slot of last page": lambda v: v.__setitem__(last - P + 1, v[last - P + 1] - P),
+        "negative slot": lambda v: v.__setitem__(last - 3, -5),
+        "negative first slot": lambda v: v.__setitem__(P * 3, -P),
+        "negative page": lambda v: v.__setitem__(slice(P * 2, P * 3), range(-P, 0)),
+        "run into negatives": lambda v: v.__setitem__(slice(0, P), range(2**63 - 2, 2**63 - 2 + P)),
+        "page past the end": lambda v: v.__setitem__(slice(P, 2 * P), range(S, S + P)),
+        "page across the end": lambda v: v.__setitem__(slice(P, 2 * P), range(S - P // 2, S + P // 2)),
+    }
+    for name, mutate in mutations.items():
+        idx = list(good)
+        mutate(idx)
+        wrapped = [x - 2**64 if x >= 2**63 else x for x in idx]  # int64 reading of the slots
+        got = _outcome(lambda: pool.page_meta(np.array(wrapped, dtype=np.int64)))
+        if checks == "sglang":
+            # Only first slots are read: a negative one is an error, the others are not.
+            wrapped = [x if k % P == 0 else abs(x) for k, x in enumerate(wrapped)]
+        if any(x < 0 for x in wrapped):
+            # A list cannot hold a negative slot for the crate: the array path names it.
+            assert got[0] == "invalid_argument" and "negative" in got[1], name
+        else:
+            assert got == _outcome(lambda: pool.page_meta(wrapped)), name
+            if checks == "strict":
+                assert isinstance(got[0], list) == _strict_accepts(wrapped, P, S), name
+
+
+def test_results_survive_later_calls():
+    """Result arrays own their memory until they are dropped: a later call may reuse the
+    memory of dropped results, never of live ones (or of views that keep them alive)."""
+    P = 64
+    geo = Geometry("mha", layers=2, page_size=P, heads=2, head_dim=3, dtype_bytes=2, capacity=P * 4096)
+    pool = Pool(geo, "page_first", 0x100000)
+    a = np.arange(2000 * P, dtype=np.int64)
+    b = a[: 1000 * P] + 3000 * P
+    first = pool.page_meta(a)
+    keep = [x.copy() for x in first]
+    view = first[0][::2]
+    for _ in range(3):
+        second = pool.page_meta(b)
+        assert lists(second) == lists(pool.page_meta(b.tolist()))
+        del second
+    assert all((x == k).all() for x, k in zip(first, keep))
+    del first
+    pool.page_meta(a)
+    assert (view == keep[0][::2]).all()
+
+
 def test_negative_and_bad_index_values():
     pool = sym("page_first")
     for bad in ([8, 9, 10, -1], np.array([8, 9, 10, -1]), array.array("b", [8, 9, 10, -1])):
