@@ -174,12 +174,110 @@ pub enum LayoutError {
         /// Destination kind.
         dst: PoolKind,
     },
+    /// A geometry whose buffers together would be larger than [`MAX_POOL_BYTES`]: no address
+    /// space holds them, so the geometry is refused before anything is computed from it.
+    #[error(
+        "pool too large: {what} = {} bytes, more than the limit of {limit} bytes (2^57)",
+        Big(*.value)
+    )]
+    TooLarge {
+        /// The product, spelled with the field names (`layers x capacity x ...`).
+        what: &'static str,
+        /// Its value (`u128::MAX` when it does not fit in 128 bits either).
+        value: u128,
+        /// [`MAX_POOL_BYTES`].
+        limit: u64,
+    },
+    /// A request whose result would have more than [`MAX_ENTRIES`] entries (or a plan whose
+    /// construction would visit more than [`MAX_PLAN_BLOCKS`] blocks): refused before any
+    /// list is reserved or grown. Split the request.
+    #[error("{what}: {} {unit}, more than the limit of {limit}; split the request", Big(*.count))]
+    TooManyEntries {
+        /// The request, with how its size is counted (`page_meta: pages x layers x 2`).
+        what: &'static str,
+        /// The count (`u128::MAX` when it does not fit in 128 bits either).
+        count: u128,
+        /// `entries` or `blocks`.
+        unit: &'static str,
+        /// The bound it exceeds.
+        limit: u64,
+    },
     /// A head shard that does not fit the global head count, or shards that share no head.
     #[error("bad head shard: {reason}")]
     HeadShard {
         /// What is wrong.
         reason: &'static str,
     },
+}
+
+/// The most bytes the buffers of one pool may span together: 2^57, the virtual address
+/// space of x86-64 with 5-level paging (and more than any other 64-bit MMU maps today). A
+/// geometry beyond it cannot be backed by memory, and below it every byte offset inside
+/// the pool, and `base + offset` for any base that leaves the buffer's end below 2^64, is
+/// computed without overflow.
+pub const MAX_POOL_BYTES: u64 = 1 << 57;
+
+/// The most entries one segment list or transfer plan may have: 2^28 (268,435,456), i.e.
+/// 4 GiB of `u64` pairs in a [`crate::Segments`], 6 GiB in a [`crate::TransferPlan`]. The
+/// exact entry count of a `page_meta` request (pages x entries per page) is checked against
+/// it before anything is reserved. For scale: 100,000 pages of a 64-layer `layer_first` MHA
+/// pool are 12.8 M entries (2^23.6).
+pub const MAX_ENTRIES: usize = 1 << 28;
+
+/// The most blocks a plan may visit before merging: 2^32, a few seconds of work. Plans
+/// merge contiguous blocks, so their length is not known up front; the blocks before merging
+/// are, and are checked against this bound first, while the merged plan is held to
+/// [`MAX_ENTRIES`] as it grows.
+pub const MAX_PLAN_BLOCKS: u64 = 1 << 32;
+
+/// A `u128` that may stand for "at least 2^128" (`u128::MAX`), for error messages.
+struct Big(u128);
+
+impl std::fmt::Display for Big {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.0 == u128::MAX {
+            f.write_str("at least 2^128")
+        } else {
+            write!(f, "{}", self.0)
+        }
+    }
+}
+
+/// The product of `factors` in `u128`, `u128::MAX` when it overflows even that.
+pub(crate) fn product(factors: &[u64]) -> u128 {
+    factors
+        .iter()
+        .try_fold(1u128, |acc, &f| acc.checked_mul(u128::from(f)))
+        .unwrap_or(u128::MAX)
+}
+
+/// `count` if it is at most `limit`, else [`LayoutError::TooManyEntries`].
+pub(crate) fn bounded(
+    what: &'static str,
+    unit: &'static str,
+    count: u128,
+    limit: u64,
+) -> Result<u64> {
+    if count <= u128::from(limit) {
+        Ok(count as u64)
+    } else {
+        Err(LayoutError::TooManyEntries {
+            what,
+            count,
+            unit,
+            limit,
+        })
+    }
+}
+
+/// The entry count of a list request, checked against [`MAX_ENTRIES`].
+pub(crate) fn entries(what: &'static str, factors: &[u64]) -> Result<usize> {
+    bounded(what, "entries", product(factors), MAX_ENTRIES as u64).map(|n| n as usize)
+}
+
+/// The block count of a plan before merging, checked against [`MAX_PLAN_BLOCKS`].
+pub(crate) fn plan_blocks(what: &'static str, factors: &[u64]) -> Result<u64> {
+    bounded(what, "blocks", product(factors), MAX_PLAN_BLOCKS)
 }
 
 /// Shorthand used throughout the crate.

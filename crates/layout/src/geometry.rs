@@ -3,7 +3,7 @@
 use std::fmt;
 use std::str::FromStr;
 
-use crate::error::{LayoutError, Result, mul};
+use crate::error::{LayoutError, MAX_POOL_BYTES, Result, product};
 
 /// How the KV data of a pool is split into buffers.
 #[non_exhaustive]
@@ -157,9 +157,9 @@ impl fmt::Display for Component {
 
 /// The validated shape of a host KV pool: everything but the layout and the addresses.
 ///
-/// Built with [`PoolGeometry::builder`]. Construction proves that the byte size of every
-/// buffer fits in a `u64`, so that any address inside the buffers can be computed without
-/// overflow afterwards.
+/// Built with [`PoolGeometry::builder`]. Construction proves that the buffers together span
+/// at most [`MAX_POOL_BYTES`] (2^57) bytes, so that any offset inside them can be computed
+/// without overflow afterwards.
 #[derive(Clone, Copy, Debug, Eq, Hash, PartialEq)]
 pub struct PoolGeometry {
     kind: PoolKind,
@@ -371,7 +371,8 @@ impl GeometryBuilder {
     /// # Errors
     /// [`LayoutError::MissingField`], [`LayoutError::ExtraField`],
     /// [`LayoutError::InvalidGeometry`] (zero sizes, `mha` with `Dv != D`, capacity not a
-    /// multiple of the page size) and [`LayoutError::Overflow`] (a buffer larger than 2^64 bytes).
+    /// multiple of the page size) and [`LayoutError::TooLarge`] (buffers larger than
+    /// [`MAX_POOL_BYTES`] together).
     pub fn build(self) -> Result<PoolGeometry> {
         let kind = self.kind;
         let need = |field: &'static str, v: Option<u64>| -> Result<u64> {
@@ -427,22 +428,28 @@ impl GeometryBuilder {
                 (1, need("kv_dim", self.kv_dim)?, 0)
             }
         };
-        let k_row = mul(mul(heads, head_dim, "row bytes")?, dtype_bytes, "row bytes")?;
-        let v_row = mul(
-            mul(heads, v_head_dim, "row bytes")?,
+        // All buffers together, in u128 (saturating at 2^128): once this is at most
+        // MAX_POOL_BYTES, every size below, and every offset inside a buffer, fits in a u64.
+        let per_token = product(&[heads, head_dim, dtype_bytes]).saturating_add(product(&[
+            heads,
+            v_head_dim,
             dtype_bytes,
-            "row bytes",
-        )?;
-        let k_buf = mul(
-            mul(layers, capacity, "buffer bytes")?,
-            k_row,
-            "buffer bytes",
-        )?;
-        let v_buf = mul(
-            mul(layers, capacity, "buffer bytes")?,
-            v_row,
-            "buffer bytes",
-        )?;
+        ]));
+        let total = product(&[layers, capacity]).saturating_mul(per_token);
+        if total > u128::from(MAX_POOL_BYTES) {
+            return Err(LayoutError::TooLarge {
+                what: match kind {
+                    PoolKind::Mla => "layers x capacity x kv_dim x dtype_bytes",
+                    _ => "layers x capacity x heads x (head_dim + v_head_dim) x dtype_bytes",
+                },
+                value: total,
+                limit: MAX_POOL_BYTES,
+            });
+        }
+        let k_row = heads * head_dim * dtype_bytes;
+        let v_row = heads * v_head_dim * dtype_bytes;
+        let k_buf = layers * capacity * k_row;
+        let v_buf = layers * capacity * v_row;
         Ok(PoolGeometry {
             kind,
             layers,
@@ -518,7 +525,7 @@ mod tests {
         assert_eq!(g.bytes_per_token(), 48);
         assert!(matches!(
             b.capacity(1 << 62).build(),
-            Err(LayoutError::Overflow { .. })
+            Err(LayoutError::TooLarge { .. })
         ));
         assert!(matches!(
             PoolGeometry::builder(PoolKind::Mla)

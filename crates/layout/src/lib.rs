@@ -45,7 +45,7 @@ mod segment;
 #[cfg(test)]
 mod worked_examples;
 
-pub use error::{LayoutError, Result};
+pub use error::{LayoutError, MAX_ENTRIES, MAX_PLAN_BLOCKS, MAX_POOL_BYTES, Result};
 pub use geometry::{Component, GeometryBuilder, Layout, PoolGeometry, PoolKind};
 pub use plan::{
     HeadShards, PageRun, PdBuffers, Transfer, TransferPlan, Transfers, page_runs,

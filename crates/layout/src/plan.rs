@@ -1,6 +1,8 @@
 //! Transfer plans: (src, dst, len) triples between two pools.
 
-use crate::error::{LayoutError, Result, add, mul};
+use crate::error::{
+    LayoutError, MAX_ENTRIES, MAX_PLAN_BLOCKS, Result, add, bounded, mul, plan_blocks,
+};
 use crate::geometry::{Layout, PoolKind};
 use crate::pool::{Pool, Walk};
 
@@ -179,16 +181,33 @@ impl ExactSizeIterator for Transfers<'_> {}
 
 /// Merges a stream of blocks into maximal runs (both sides contiguous) before appending
 /// them to a plan. Dropping it without [`Merger::finish`] loses the pending run.
+///
+/// The plan is held to [`MAX_ENTRIES`] transfers: runs beyond it are counted, not stored,
+/// so that the error can give the plan's true length.
 struct Merger<'a> {
     out: &'a mut TransferPlan,
     cur: Transfer,
+    dropped: &'a mut u64,
+    /// [`MAX_ENTRIES`] (smaller in tests).
+    limit: usize,
 }
 
 impl<'a> Merger<'a> {
-    fn new(out: &'a mut TransferPlan) -> Self {
+    fn new(out: &'a mut TransferPlan, dropped: &'a mut u64) -> Self {
         Self {
             out,
             cur: Transfer::default(),
+            dropped,
+            limit: MAX_ENTRIES,
+        }
+    }
+
+    #[inline(always)]
+    fn store(&mut self, t: Transfer) {
+        if self.out.len() < self.limit {
+            self.out.push(t);
+        } else {
+            *self.dropped += 1;
         }
     }
 
@@ -201,16 +220,33 @@ impl<'a> Merger<'a> {
             return;
         }
         if c.len != 0 {
-            self.out.push(*c);
+            let done = *c;
+            self.store(done);
         }
-        *c = Transfer { src, dst, len };
+        self.cur = Transfer { src, dst, len };
     }
 
-    fn finish(self) {
+    fn finish(mut self) {
         if self.cur.len != 0 {
-            self.out.push(self.cur);
+            let done = self.cur;
+            self.store(done);
         }
     }
+}
+
+/// The error for a plan that had `dropped` transfers beyond [`MAX_ENTRIES`] (none: `Ok`);
+/// `out` is emptied then.
+fn check_dropped(what: &'static str, dropped: u64, out: &mut TransferPlan) -> Result<()> {
+    if dropped == 0 {
+        return Ok(());
+    }
+    out.clear();
+    Err(LayoutError::TooManyEntries {
+        what,
+        count: MAX_ENTRIES as u128 + u128::from(dropped),
+        unit: "transfers",
+        limit: MAX_ENTRIES as u64,
+    })
 }
 
 /// A run of pages consecutive on both sides: `count` pages from `src` and `dst` on.
@@ -276,7 +312,8 @@ pub struct PdBuffers<'a> {
 /// # Errors
 /// [`LayoutError::LengthMismatch`] (page lists or per-layer base lists of different
 /// lengths), [`LayoutError::InvalidGeometry`] for a zero `item_len`,
-/// [`LayoutError::Overflow`].
+/// [`LayoutError::Overflow`], [`LayoutError::TooManyEntries`] (more than
+/// [`MAX_PLAN_BLOCKS`] blocks before merging, or [`MAX_ENTRIES`] transfers after).
 pub fn pd_connector_plan(
     groups: &[PdBuffers<'_>],
     src_pages: &[u64],
@@ -305,6 +342,15 @@ pub fn pd_connector_plan_into(
             right: dst_pages.len(),
         });
     }
+    // The blocks before merging, one per layer and page, bound the work up
+    // front (before the per-layer checks, which are as long).
+    let layers = groups
+        .iter()
+        .fold(0u64, |n, g| n.saturating_add(g.src.len() as u64));
+    plan_blocks(
+        "pd_connector_plan of layers x pages",
+        &[layers, src_pages.len() as u64],
+    )?;
     let (max_src, max_dst) = (
         src_pages.iter().copied().max().unwrap_or(0),
         dst_pages.iter().copied().max().unwrap_or(0),
@@ -342,16 +388,17 @@ pub fn pd_connector_plan_into(
     // per run and layer; merging the per-page blocks of one layer gives the same blocks,
     // because with a fixed item_len both sides are contiguous exactly when both page
     // numbers go up by one.
+    let mut dropped = 0;
     for g in groups {
         for (&sb, &db) in g.src.iter().zip(g.dst) {
-            let mut m = Merger::new(out);
+            let mut m = Merger::new(out, &mut dropped);
             for (&ps, &pd) in src_pages.iter().zip(dst_pages) {
                 m.add(sb + ps * g.item_len, db + pd * g.item_len, g.item_len);
             }
             m.finish();
         }
     }
-    Ok(())
+    check_dropped("pd_connector_plan", dropped, out)
 }
 
 /// Which heads of the model each pool holds, for plans between different TP degrees.
@@ -390,7 +437,9 @@ impl HeadShards {
 /// # Errors
 /// [`LayoutError::KindMismatch`], [`LayoutError::GeometryMismatch`],
 /// [`LayoutError::LengthMismatch`], [`LayoutError::PageOutOfRange`],
-/// [`LayoutError::DuplicatePage`] (a destination page listed twice).
+/// [`LayoutError::DuplicatePage`] (a destination page listed twice),
+/// [`LayoutError::TooManyEntries`] (more than [`MAX_PLAN_BLOCKS`] blocks before
+/// merging, checked first, or more than [`MAX_ENTRIES`] transfers after).
 pub fn plan(src: &Pool, dst: &Pool, src_pages: &[u64], dst_pages: &[u64]) -> Result<TransferPlan> {
     let (hs, hd) = (src.geometry().heads(), dst.geometry().heads());
     // (MLA against MHA is reported as a kind mismatch by `plan_into`.)
@@ -523,6 +572,25 @@ pub fn plan_layers_into(
     };
     let layer_major = src.layout() == Layout::LayerFirst;
     let (l0, nl) = (layers.start, layers.end - layers.start);
+    // Blocks before merging: per buffer, pages x (layers x blocks of one layer, or blocks
+    // of all the layers), counted before anything is emitted.
+    let blocks = src.components().iter().fold(0u128, |n, &c| {
+        let (ss, ds) = (src.strides(c), dst.strides(c));
+        let per_page = if layer_major {
+            let w = Walk::new(src.axes(1, heads, &ss, &ds), ss.row);
+            u128::from(nl) * u128::from(w.blocks())
+        } else {
+            u128::from(Walk::new(src.axes(nl, heads, &ss, &ds), ss.row).blocks())
+        };
+        n + per_page * src_pages.len() as u128
+    });
+    bounded(
+        "plan of pages x layers x blocks per page and layer",
+        "blocks",
+        blocks,
+        MAX_PLAN_BLOCKS,
+    )?;
+    let mut dropped = 0;
     for &c in src.components() {
         let (ss, ds) = (src.strides(c), dst.strides(c));
         let (sb, db) = (
@@ -530,7 +598,7 @@ pub fn plan_layers_into(
             dst.base(c) + h_dst * ds.head + l0 * ds.layer,
         );
         // One merger per buffer: never merge K into V.
-        let mut m = Merger::new(out);
+        let mut m = Merger::new(out, &mut dropped);
         let mut emit = |s: u64, d: u64, len: u64| m.add(s, d, len);
         // Every address below lies inside a buffer whose end was checked by `Pool::new`.
         if layer_major {
@@ -557,7 +625,7 @@ pub fn plan_layers_into(
         }
         m.finish();
     }
-    Ok(())
+    check_dropped("plan", dropped, out)
 }
 
 /// A source page may go to several destinations, but two sources must not write one page.
@@ -615,6 +683,39 @@ mod tests {
                 ..
             })
         ));
+    }
+
+    #[test]
+    fn merger_stores_up_to_its_limit_and_counts_the_rest() {
+        let mut out = TransferPlan::new();
+        let mut dropped = 0;
+        let mut m = Merger::new(&mut out, &mut dropped);
+        m.limit = 2;
+        // Five runs: 0..8 merges with 8..16; the others are apart on the destination side.
+        for (s, d) in [
+            (0, 100),
+            (8, 108),
+            (16, 200),
+            (24, 300),
+            (32, 400),
+            (40, 500),
+        ] {
+            m.add(s, d, 8);
+        }
+        m.finish();
+        assert_eq!(out.lens(), &[16, 8]);
+        assert_eq!(dropped, 3);
+        let e = check_dropped("plan", dropped, &mut out).unwrap_err();
+        assert!(out.is_empty());
+        assert_eq!(
+            e,
+            LayoutError::TooManyEntries {
+                what: "plan",
+                count: MAX_ENTRIES as u128 + 3,
+                unit: "transfers",
+                limit: MAX_ENTRIES as u64,
+            }
+        );
     }
 
     #[test]

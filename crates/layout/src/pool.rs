@@ -1,6 +1,6 @@
 //! A pool = geometry + layout + base addresses; page segment lists.
 
-use crate::error::{LayoutError, Result, add};
+use crate::error::{LayoutError, MAX_ENTRIES, Result, add, entries};
 use crate::geometry::{Component, Layout, PoolGeometry, PoolKind};
 use crate::segment::{Segment, Segments, push_coalesced};
 
@@ -427,13 +427,16 @@ impl Pool {
     ///
     /// # Errors
     /// [`LayoutError::IndexCount`], [`LayoutError::Misaligned`],
-    /// [`LayoutError::NonConsecutive`], [`LayoutError::SlotOutOfRange`].
+    /// [`LayoutError::NonConsecutive`], [`LayoutError::SlotOutOfRange`], and
+    /// [`LayoutError::TooManyEntries`] (checked before the first entry) when the request
+    /// has more than [`MAX_ENTRIES`] entries.
     pub fn for_each_segment(
         &self,
         indices: &[u64],
         mut f: impl FnMut(Component, Segment),
     ) -> Result<usize> {
         let n = self.check_count(indices)?;
+        self.meta_entries(n)?;
         let aligned_only = !self.sglang_has_meta();
         for (pos, chunk) in indices
             .chunks_exact(self.geometry.page_size() as usize)
@@ -448,12 +451,13 @@ impl Pool {
     /// Like [`Pool::for_each_segment`], for a list of page indices (`t0 = page * P`).
     ///
     /// # Errors
-    /// [`LayoutError::PageOutOfRange`].
+    /// [`LayoutError::PageOutOfRange`], [`LayoutError::TooManyEntries`].
     pub fn for_each_page_segment(
         &self,
         pages: &[u64],
         mut f: impl FnMut(Component, Segment),
     ) -> Result<usize> {
+        self.meta_entries(pages.len())?;
         for &page in pages {
             let t0 = self.page_slot(page)?;
             self.emit_page(t0, &mut f);
@@ -479,12 +483,13 @@ impl Pool {
     pub fn page_meta_into(&self, indices: &[u64], out: &mut Segments) -> Result<()> {
         out.clear();
         let pages = self.check_count(indices)?;
+        let entries = self.meta_entries(pages)?;
         if self.layout.is_page_major() {
             // One pass: validate each page and write its entries (the index array is the
             // bulk of the memory traffic, so it is read once).
             return emptied_on_error(self.fill_page_major_checked(indices, pages, out), out);
         }
-        out.reserve(pages.saturating_mul(self.entries_per_page()));
+        out.reserve(entries);
         emptied_on_error(self.for_each_segment(indices, |_, s| out.push(s)), out)
     }
 
@@ -608,6 +613,7 @@ impl Pool {
     /// [`LayoutError::PageOutOfRange`]; `out` is left empty on error.
     pub fn page_meta_for_pages_into(&self, pages: &[u64], out: &mut Segments) -> Result<()> {
         out.clear();
+        let entries = self.meta_entries(pages.len())?;
         if self.layout.is_page_major() {
             // One entry per page and buffer at `base + page * page_bytes`: check all pages
             // in one pass, then fill both lists with straight-line loops.
@@ -619,7 +625,7 @@ impl Pool {
             self.fill_page_major(pages.iter().map(|&p| p * ps), out);
             return Ok(());
         }
-        out.reserve(pages.len().saturating_mul(self.entries_per_page()));
+        out.reserve(entries);
         emptied_on_error(self.for_each_page_segment(pages, |_, s| out.push(s)), out)
     }
 
@@ -634,6 +640,7 @@ impl Pool {
     /// page, with its position in `starts`; `out` is left empty on error.
     pub fn page_meta_from_starts_into(&self, starts: &[u64], out: &mut Segments) -> Result<()> {
         out.clear();
+        let entries = self.meta_entries(starts.len())?;
         let aligned_only = !self.sglang_has_meta();
         if !self.starts_ok(starts, aligned_only) {
             for (position, &t0) in starts.iter().enumerate() {
@@ -649,7 +656,7 @@ impl Pool {
             }
             return Ok(());
         }
-        out.reserve(starts.len().saturating_mul(self.entries_per_page()));
+        out.reserve(entries);
         for &t0 in starts {
             self.emit_page(t0, &mut |_, s| out.push(s));
         }
@@ -665,6 +672,50 @@ impl Pool {
                 .map_or(usize::MAX, |l| comps.saturating_mul(l)),
             _ => comps,
         }
+    }
+
+    /// The number of entries of [`Pool::page_meta`] for `pages` pages, checked before
+    /// anything is reserved.
+    ///
+    /// # Errors
+    /// [`LayoutError::TooManyEntries`] when it is more than [`MAX_ENTRIES`] (a `layer_first`
+    /// pool of an absurd layer count has that many in one page).
+    pub fn meta_entries(&self, pages: usize) -> Result<usize> {
+        let comps = self.components().len() as u64;
+        match self.layout {
+            Layout::LayerFirst => entries(
+                "page_meta of pages x layers x buffers",
+                &[pages as u64, self.geometry.layers(), comps],
+            ),
+            _ => entries("page_meta of pages x buffers", &[pages as u64, comps]),
+        }
+    }
+
+    /// The number of entries of [`Pool::split_heads_meta`] for `pages` pages and `factor`
+    /// head groups, checked before anything is reserved.
+    ///
+    /// # Errors
+    /// [`LayoutError::TooManyEntries`] when it is more than [`MAX_ENTRIES`].
+    pub fn split_heads_entries(&self, pages: usize, factor: u64) -> Result<usize> {
+        entries(
+            "split_heads_meta of pages x factor x buffers",
+            &[pages as u64, factor, self.components().len() as u64],
+        )
+    }
+
+    /// Blocks of one layer of `pages` pages, all buffers (before merging): what
+    /// [`Pool::for_each_layer_segment`] emits.
+    fn layer_blocks(&self, pages: usize) -> u128 {
+        let g = &self.geometry;
+        let per_page: u128 = self
+            .components()
+            .iter()
+            .map(|&c| {
+                let s = self.strides(c);
+                u128::from(Walk::new(self.axes(1, g.component_heads(c), &s, &s), s.row).blocks())
+            })
+            .sum();
+        per_page * pages as u128
     }
 
     fn check_split(&self, factor: u64) -> Result<()> {
@@ -689,8 +740,8 @@ impl Pool {
     /// `g < factor`, K then V, each `H/factor` heads of the page (`page_head` only).
     ///
     /// # Errors
-    /// [`LayoutError::SplitHeadsLayout`], [`LayoutError::SplitFactor`], and the index errors
-    /// of [`Pool::for_each_segment`].
+    /// [`LayoutError::SplitHeadsLayout`], [`LayoutError::SplitFactor`], the index errors
+    /// of [`Pool::for_each_segment`], and [`LayoutError::TooManyEntries`].
     pub fn for_each_split_heads_segment(
         &self,
         indices: &[u64],
@@ -699,6 +750,7 @@ impl Pool {
     ) -> Result<usize> {
         self.check_split(factor)?;
         let n = self.check_count(indices)?;
+        self.split_heads_entries(n, factor)?;
         let g = &self.geometry;
         let aligned_only = !self.sglang_has_split_heads();
         let hg = g.heads() / factor;
@@ -740,6 +792,8 @@ impl Pool {
     /// # Errors
     /// As [`Pool::for_each_segment`].
     pub fn coalesced_meta(&self, indices: &[u64]) -> Result<Vec<ComponentSegments>> {
+        // The blocks before merging are page_meta's entries: bound the work up front.
+        self.meta_entries(self.check_count(indices)?)?;
         let mut out = self.empty_component_segments();
         let slot = |c: Component| usize::from(c == Component::V);
         if self.layout == Layout::LayerFirst {
@@ -781,8 +835,9 @@ impl Pool {
     /// one per token in `page_first`, one per (head, token) in `page_head`.
     ///
     /// # Errors
-    /// [`LayoutError::IndexOutOfRange`] for the layer, and the index errors of
-    /// [`Pool::for_each_segment`] (pages must be aligned here, whatever the checks).
+    /// [`LayoutError::IndexOutOfRange`] for the layer, the index errors of
+    /// [`Pool::for_each_segment`] (pages must be aligned here, whatever the checks), and
+    /// [`LayoutError::TooManyEntries`] for more than [`MAX_ENTRIES`] blocks.
     pub fn for_each_layer_segment(
         &self,
         indices: &[u64],
@@ -798,6 +853,10 @@ impl Pool {
             });
         }
         let n = self.check_count(indices)?;
+        entries_of(
+            "layer segments of pages x blocks per page",
+            self.layer_blocks(n),
+        )?;
         for (pos, chunk) in indices.chunks_exact(g.page_size() as usize).enumerate() {
             let t0 = self.page_start(pos, chunk, true)?;
             let page = t0 / g.page_size();
@@ -851,6 +910,12 @@ impl Pool {
     /// # Errors
     /// As [`Pool::for_each_layer_segment`].
     pub fn layer_views(&self, indices: &[u64]) -> Result<Vec<LayerView>> {
+        let n = self.check_count(indices)?;
+        let per_layer = self.layer_blocks(n);
+        entries_of(
+            "layer views of layers x pages x blocks per page",
+            per_layer.saturating_mul(u128::from(self.geometry.layers())),
+        )?;
         (0..self.geometry.layers())
             .map(|l| self.layer_view(indices, l))
             .collect()
@@ -939,6 +1004,15 @@ impl Walk {
         }
     }
 
+    /// Blocks per run: the product of the loop counts left after folding (at most
+    /// `L*P*H`, which a valid geometry keeps below 2^57).
+    pub(crate) fn blocks(&self) -> u64 {
+        if self.len == 0 {
+            return 0;
+        }
+        self.axes.iter().map(|a| a.count).product()
+    }
+
     /// Bytes per block.
     pub(crate) const fn len(&self) -> u64 {
         self.len
@@ -970,6 +1044,11 @@ impl Walk {
             }
         }
     }
+}
+
+/// A count of entries against [`MAX_ENTRIES`].
+fn entries_of(what: &'static str, count: u128) -> Result<usize> {
+    crate::error::bounded(what, "entries", count, MAX_ENTRIES as u64).map(|n| n as usize)
 }
 
 /// `r` without its value, and `out` emptied when it is an error: the `_into` calls leave

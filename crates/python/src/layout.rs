@@ -89,6 +89,8 @@ fn error_code(e: &pl::LayoutError) -> &'static str {
         E::GeometryMismatch { .. } => "geometry_mismatch",
         E::KindMismatch { .. } => "kind_mismatch",
         E::HeadShard { .. } => "head_shard",
+        E::TooLarge { .. } => "too_large",
+        E::TooManyEntries { .. } => "too_many_entries",
         _ => "other",
     }
 }
@@ -195,12 +197,14 @@ fn shift_position(e: pl::LayoutError, pages_before: usize) -> pl::LayoutError {
 
 /// Runs `f` (a per-page list builder over token indices) over `src`: in one call when the
 /// indices were converted into a vector (without the GIL when long), else chunk by chunk
-/// of whole pages, straight from the caller's array.
+/// of whole pages, straight from the caller's array. `entries(pages)` is the whole
+/// result's length, checked (against `pagewire_layout::MAX_ENTRIES`) before anything is
+/// reserved: each chunk alone would pass the crate's own check.
 fn chunked_meta<F>(
     py: Python<'_>,
     src: &U64Source<'_>,
     page_size: u64,
-    per_page: usize,
+    entries: impl Fn(usize) -> pl::Result<usize>,
     f: F,
 ) -> PyResult<pl::Segments>
 where
@@ -222,9 +226,10 @@ where
             },
         ));
     }
+    let total = entries(n / p).or_py(py)?;
     let per = (CHUNK_INDICES / p).max(1) * p;
     let mut buf = vec![0u64; per.min(n)];
-    out.reserve((n / p).saturating_mul(per_page));
+    out.reserve(total);
     let mut part = pl::Segments::default();
     let mut start = 0;
     while start < n {
@@ -266,15 +271,16 @@ fn page_meta_source(py: Python<'_>, pool: pl::Pool, src: &U64Source<'_>) -> PyRe
     }
     let strict = pool.checks() != pl::Checks::Sglang;
     let pages = n / pu;
+    // The result's length, checked before anything is reserved (an absurd layer count
+    // would otherwise grow the lists until the process is killed).
+    let entries = pool.meta_entries(pages).or_py(py)?;
     let mut firsts = vec_for(pages);
     let runs = src
         .run_starts_into(py, pu, strict, &mut firsts)
         .map_err(|e| as_layout_error(py, e));
     let result = match runs {
         Ok(true) => {
-            let entries = pages.saturating_mul(pool.entries_per_page());
-            // Room up front for at most 2**20 entries, as `Segments::reserve`: an absurd
-            // layer count must fail as the lists grow, not abort in the allocator.
+            // Room up front for at most 2**20 entries, as `Segments::reserve`.
             let room = entries.min(1 << 20);
             let mut seg = pl::Segments {
                 ptrs: vec_for(room),
@@ -305,9 +311,13 @@ fn page_meta_source(py: Python<'_>, pool: pl::Pool, src: &U64Source<'_>) -> PyRe
 /// `page_meta` through the crate's token-slot code, chunk by chunk: the exact error.
 fn exact_meta(py: Python<'_>, pool: pl::Pool, src: &U64Source<'_>) -> PyResult<pl::Segments> {
     let p = pool.geometry().page_size();
-    chunked_meta(py, src, p, pool.entries_per_page(), move |idx, out| {
-        pool.page_meta_into(idx, out)
-    })
+    chunked_meta(
+        py,
+        src,
+        p,
+        |pages| pool.meta_entries(pages),
+        move |idx, out| pool.page_meta_into(idx, out),
+    )
 }
 
 /// SGLang-checked `page_meta` from each page's first slot alone (the other slots are not
@@ -420,8 +430,9 @@ fn pair(py: Python<'_>, a: Vec<u64>, b: Vec<u64>, as_lists: bool) -> PyResult<Py
 /// ``page_size``; ``dtype_bytes`` is ``dtype.itemsize``.
 ///
 /// Raises :class:`LayoutError` for a missing, superfluous or zero field, a capacity that is
-/// not a whole number of pages, or buffers larger than 2**64 bytes; ``TypeError`` for a
-/// field that is not an int.
+/// not a whole number of pages, or buffers larger than 2**57 bytes together (code
+/// ``"too_large"``: more than any address space holds); ``TypeError`` for a field that is
+/// not an int.
 #[pyclass(frozen, eq, hash, module = "pagewire._native", name = "Geometry")]
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) struct Geometry {
@@ -722,7 +733,9 @@ impl Pool {
     /// Returns two read-only ``uint64`` numpy arrays (lists without numpy), or two lists of
     /// ints, SGLang's own return type, with ``as_lists=True``. Raises :class:`LayoutError`
     /// for a count that is not a multiple of ``page_size``, a page outside the pool, a
-    /// misaligned or non-consecutive page (strict checks) or a negative index.
+    /// misaligned or non-consecutive page (strict checks) or a negative index, and (code
+    /// ``"too_many_entries"``, before anything is allocated) for a result of more than
+    /// 2**28 entries, such as one page of a ``layer_first`` pool of 2**40 layers.
     #[pyo3(signature = (indices, *, as_lists = false))]
     fn page_meta(
         &self,
@@ -770,9 +783,9 @@ impl Pool {
         let factor = arg_u64(factor, "factor")?;
         let src = index_source(indices, "indices")?;
         let pool = self.inner;
-        let per_page = 2usize.saturating_mul(usize::try_from(factor).unwrap_or(usize::MAX));
         let g = pool.geometry();
-        let seg = chunked_meta(py, &src, g.page_size(), per_page, move |idx, out| {
+        let entries = |pages| pool.split_heads_entries(pages, factor);
+        let seg = chunked_meta(py, &src, g.page_size(), entries, move |idx, out| {
             pool.for_each_split_heads_segment(idx, factor, |_, s| out.push(s))
                 .map(drop)
         })?;
