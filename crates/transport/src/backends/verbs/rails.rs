@@ -15,6 +15,11 @@
 //! delivered already ([`SeqWindow`]), so the tag surfaces exactly once even when the
 //! first copy arrived and only its acknowledgement was lost.
 //!
+//! A rail taken out comes back on the side that initiated the connection: a prober thread
+//! (one per connection, while a rail is out) waits for the rail's port to be ACTIVE, then
+//! exchanges new QPs for it with the peer through the engine's control channel
+//! ([`RailControl`]; the peer answers in `accept_rail`), probes them, and swaps them in.
+//!
 //! An engine with one rail never reaches this module: it keeps the one-connection path.
 
 use std::collections::{HashMap, VecDeque};
@@ -330,7 +335,8 @@ impl MultiConn {
                     return 0;
                 }
                 let (c, epoch) = self.current(r);
-                if let Some(e) = c.is_broken().then(|| c.broken_reason()).flatten() {
+                if c.is_broken() {
+                    let e = c.broken_reason().unwrap_or(Error::Shutdown);
                     self.take_out(r, epoch, &e);
                     return 0;
                 }
