@@ -641,7 +641,7 @@ def cell(xs, d=1):
     xs = [x for x in xs if x is not None]
     return f"{statistics.median(xs):.{d}f} [{min(xs):.{d}f}, {max(xs):.{d}f}]" if xs else "n/a"
 print()
-print("| size | one rail MB/s | two rails MB/s | ratio two/one |")
+print("| size | one rail MiB/s | two rails MiB/s | ratio two/one |")
 print("|---|---|---|---|")
 for s in (1048576, 8388608):
     one = [avg("one", s, r) for r in range(1, rounds + 1)]
@@ -649,7 +649,7 @@ for s in (1048576, 8388608):
     ratio = [b / a for a, b in zip(one, two) if a and b]
     print(f"| {s >> 20} MiB | {cell(one)} | {cell(two)} | {cell(ratio, 2)} |")
 print()
-print("median [min, max] over the rounds; MB/s is bench's BW average")
+print("median [min, max] over the rounds of bench's BW average")
 PY
     } >"$out/rails.md"
     cat "$out/rails.md"

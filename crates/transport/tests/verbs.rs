@@ -651,9 +651,11 @@ fn same_bytes(a: &HostBuffer, b: &HostBuffer, n: usize) -> bool {
     })
 }
 
-/// Submits `batch`, takes `ndev` down `after` it, and waits for the batch; returns the
-/// time from submit and from the link going down, and the link (down until dropped or
-/// brought up). Fails if rail `rail` had carried its whole part (`part` bytes) already.
+/// Submits `batch`, takes `ndev` down `after` that (from another thread: on rxe the
+/// submitting thread itself does much of the sending), and waits for the batch; returns
+/// the time from submit and from the link-down command, and the link (down until dropped
+/// or brought up). Fails if rail `rail` had carried its whole part (`part` bytes) by the
+/// time the link was down.
 fn fail_rail_mid_batch(
     a: &Engine,
     peer: pagewire_transport::PeerId,
@@ -664,17 +666,22 @@ fn fail_rail_mid_batch(
 ) -> Result<(Duration, Duration, LinkDown)> {
     let before = a.rail_stats()[rail].bytes;
     let t0 = Instant::now();
-    let h = a.submit(peer, batch)?;
-    std::thread::sleep(after);
-    // Running `ip` takes a while in a busy TCG guest: the link goes down somewhere between
-    // these two instants.
-    let t_down = Instant::now();
-    let down = LinkDown::new(ndev)?;
-    let at_down = a.rail_stats();
+    let (submitted, downed) = std::thread::scope(|s| {
+        let downer = s.spawn(|| -> Result<_> {
+            std::thread::sleep(after);
+            let t = Instant::now();
+            let d = LinkDown::new(ndev)?;
+            Ok((t, Instant::now(), d, a.rail_stats()))
+        });
+        let h = a.submit(peer, batch);
+        (h, downer.join().expect("the link-down thread panicked"))
+    });
+    let (t_down, t_done, down, at_down) = downed?;
+    let h = submitted?;
     eprintln!(
         "{ndev} down between {:?} and {:?} after submit, rails {at_down:?}",
         t_down - t0,
-        t0.elapsed()
+        t_done - t0
     );
     ensure!(
         at_down[rail].bytes < before + part,
