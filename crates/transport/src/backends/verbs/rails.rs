@@ -445,6 +445,17 @@ impl MultiConn {
     fn install(&self, r: usize, c: Arc<VerbsConn>) {
         let old = {
             let mut slot = self.conns[r].write().unwrap_or_else(|p| p.into_inner());
+            // Checked under the slot's lock: `close` marks the connection closed before it
+            // reads the slots, so it either sees `c` here or `c` sees the mark.
+            if self.closed.load(Ordering::Acquire) {
+                drop(slot);
+                c.close(Error::peer_gone(
+                    self.peer,
+                    PeerFault::ClosedLocally,
+                    "connection closed",
+                ));
+                return;
+            }
             self.epochs[r].fetch_add(1, Ordering::AcqRel);
             std::mem::replace(&mut *slot, c)
         };
