@@ -7,6 +7,8 @@
 #   scripts/bench-vs-perftest.sh --report                             # everything: the tables of docs/benchmarks.md
 #   scripts/rdma-vm.sh run -- scripts/bench-vs-perftest.sh            # RDMA part only, in the soft-RoCE VM
 #   scripts/bench-vs-perftest.sh --section tcp                        # TCP part only, on the host
+#   scripts/rdma-vm.sh --two-rails --cpus 2 --mem 2048 run -- scripts/bench-vs-perftest.sh --section rails
+#                                                                     # two rails against one, in the VM
 #
 # Options:
 #   --report                 run the TCP, TCP pages and Mooncake (TCP) sections here, then
@@ -15,9 +17,13 @@
 #                            one markdown report of all the tables (report.md in --out). The
 #                            VM part takes about 2.5 min per --pair-rounds round on a 2-core
 #                            TCG host, plus about 4 min per --mc-rounds round, plus a minute.
-#   --section S              rdma | paired | tcp | pages | mooncake | all, or a list such as
-#                            "rdma pages" (mooncake: scripts/bench-vs-mooncake.sh, over
-#                            verbs when a device is visible, else TCP; not in "all")
+#   --section S              rdma | paired | tcp | pages | mooncake | rails | all, or a list
+#                            such as "rdma pages" (mooncake: scripts/bench-vs-mooncake.sh, over
+#                            verbs when a device is visible, else TCP; not in "all"; rails:
+#                            `bench write` at 1 MiB and 8 MiB over two rails against one, in
+#                            paired rounds alternating the order, between the rail lists of
+#                            RDMA_RAILS and RDMA_PEER_RAILS (rdma-vm.sh --two-rails); not in
+#                            "all")
 #                            (default: "rdma pages" if an RDMA device is visible, else
 #                            "tcp pages"). pages: `bench pages` (Llama-3-8B preset, random
 #                            pages) against `bench write` at the same bytes per work request,
@@ -42,6 +48,8 @@
 #   --pages N --page-iters N pages per batch and batches of the pages runs (default 8 and 5
 #                            on verbs, 32 and 20 on TCP)
 #   --mc-rounds N            rounds of the mooncake section (default 5)
+#   --rails-rounds N         rounds of the rails section (default 5)
+#   --rails-mib N            MiB each rails measurement moves (default 64; at least 16 WRs)
 #   --runs N                 runs of every test (default 3)
 #   --iters N                iterations per size for the bandwidth sweeps (default 50: with
 #                            fewer, each size is one or two batches and pagewire's fixed
@@ -65,7 +73,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-report=0 section="" mc_rounds=5 pages_n="" page_iters="" runs=3 pair_rounds=5 pair_mib=32 pair_small_iters=5000 iters=50 lat_iters=1000 dev="${RDMA_DEVICE:-rxe0}" tcp_size=1M tcp_secs=5
+report=0 section="" mc_rounds=5 rails_rounds=5 rails_mib=64 pages_n="" page_iters="" runs=3 pair_rounds=5 pair_mib=32 pair_small_iters=5000 iters=50 lat_iters=1000 dev="${RDMA_DEVICE:-rxe0}" tcp_size=1M tcp_secs=5
 streams="1 4" out="" pw="target/release/pagewire" raw="target/release/examples/raw_verbs_lat"
 pair_sizes="65536 131072 262144 524288 1048576 2097152 4194304 8388608" pair_small="2 8 64 512"
 pool_dirs=()
@@ -75,6 +83,8 @@ while (($#)); do
         --section) section="$2"; shift 2 ;;
         --runs) runs="$2"; shift 2 ;;
         --mc-rounds) mc_rounds="$2"; shift 2 ;;
+        --rails-rounds) rails_rounds="$2"; shift 2 ;;
+        --rails-mib) rails_mib="$2"; shift 2 ;;
         --pair-rounds) pair_rounds="$2"; shift 2 ;;
         --pair-mib) pair_mib="$2"; shift 2 ;;
         --pair-small-iters) pair_small_iters="$2"; shift 2 ;;
@@ -585,6 +595,66 @@ PY
     cat "$out/pages.md"
 }
 
+# Two rails against one: the same pair of engines' first rails alone, then both rails
+# (rail i to the peer's rail i, each over its own veth pair), back to back per size, the
+# order alternating between rounds; the ratio is per pair.
+rails_section() {
+    local two="${RDMA_RAILS:-}" peer="${RDMA_PEER_RAILS:-}" r s n
+    [[ "$two" == *,* && "$peer" == *,* ]] || {
+        echo "bench-vs-perftest: the rails section needs RDMA_RAILS and RDMA_PEER_RAILS (scripts/rdma-vm.sh --two-rails)" >&2
+        return 1
+    }
+    run_rails() {
+        local tag=$1 mine=$2 theirs=$3
+        next_port
+        pair "$out/raw/rails_${tag}_${s}_$r.txt" \
+            "$pw bench write --server -d $theirs --transport verbs -s $s -n $n -p $port" \
+            "$pw bench write 127.0.0.1 -d $mine --transport verbs -s $s -n $n -p $port"
+    }
+    one() { run_rails one "${two%%,*}" "${peer%%,*}"; }
+    both() { run_rails two "$two" "$peer"; }
+    for ((r = 1; r <= rails_rounds; r++)); do
+        echo "rails round $r/$rails_rounds" >&2
+        for s in 1048576 8388608; do
+            n=$((rails_mib * 1048576 / s))
+            ((n < 16)) && n=16
+            if ((r % 2)); then one; both; else both; one; fi
+        done
+    done
+    {
+        echo "## Two rails ($two to $peer) against one (${two%%,*} to ${peer%%,*}), bench write, $rails_rounds paired rounds"
+        python3 - "$out/raw" "$rails_rounds" <<'PY'
+import re, statistics, sys
+raw, rounds = sys.argv[1], int(sys.argv[2])
+row = re.compile(r"^\s*(\d+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)")
+def avg(tag, s, r):
+    try:
+        lines = open(f"{raw}/rails_{tag}_{s}_{r}.txt").read().splitlines()
+    except OSError:
+        return None
+    for l in lines:
+        m = row.match(l)
+        if m:
+            return float(m.group(4))
+    return None
+def cell(xs, d=1):
+    xs = [x for x in xs if x is not None]
+    return f"{statistics.median(xs):.{d}f} [{min(xs):.{d}f}, {max(xs):.{d}f}]" if xs else "n/a"
+print()
+print("| size | one rail MiB/s | two rails MiB/s | ratio two/one |")
+print("|---|---|---|---|")
+for s in (1048576, 8388608):
+    one = [avg("one", s, r) for r in range(1, rounds + 1)]
+    two = [avg("two", s, r) for r in range(1, rounds + 1)]
+    ratio = [b / a for a, b in zip(one, two) if a and b]
+    print(f"| {s >> 20} MiB | {cell(one)} | {cell(two)} | {cell(ratio, 2)} |")
+print()
+print("median [min, max] over the rounds of bench's BW average")
+PY
+    } >"$out/rails.md"
+    cat "$out/rails.md"
+}
+
 # pagewire vs Mooncake: its own script (it installs the wheel into a virtualenv).
 mooncake_section() {
     bash scripts/bench-vs-mooncake.sh --rounds "$mc_rounds" --device "$dev" --pagewire "$pw" \
@@ -652,7 +722,8 @@ for s in $section; do
         tcp) tcp_section || rc=1 ;;
         pages) pages_section || rc=1 ;;
         mooncake) mooncake_section || rc=1 ;;
-        *) echo "bench-vs-perftest: unknown section $s (rdma, paired, tcp, pages, mooncake, all)" >&2; exit 2 ;;
+        rails) rails_section || rc=1 ;;
+        *) echo "bench-vs-perftest: unknown section $s (rdma, paired, tcp, pages, mooncake, rails, all)" >&2; exit 2 ;;
     esac
 done
 echo "raw outputs: $out/raw" >&2

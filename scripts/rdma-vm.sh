@@ -14,6 +14,8 @@
 #   --timeout S   limit for the whole guest run (default 600; test: 900; shell: 3600)
 #   --mem MB      guest RAM (default 1024)          --cpus N      vCPUs (default 1)
 #   --two-devices rxe0 on veth0 + rxe1 on veth1 (RDMA_DEVICE2=rxe1), traffic crosses veth
+#   --two-rails   two veth pairs: rxe0,rxe1 on veth0,veth1 and rxe0p,rxe1p on their peers
+#                 (RDMA_RAILS=rxe0,rxe1 RDMA_PEER_RAILS=rxe0p,rxe1p RDMA_DEVICE2=rxe0p)
 #   --mtu N       netdev MTU (default 9000 -> RoCE MTU 4096)
 #   --append STR  extra kernel parameters, e.g. "sr.ip=10.9.9.1/24"
 #   --out DIR     host dir shared read-write at the same path in the guest ($SOFTROCE_OUT;
@@ -44,7 +46,7 @@ take_opt() {
         --env)
             [[ $# -ge 2 && "$2" == *=* ]] || { echo "rdma-vm: --env needs K=V" >&2; exit 2; }
             envs+=("$2"); return 2 ;;
-        --two-devices|--keep) vmopts+=("$1"); return 1 ;;
+        --two-devices|--two-rails|--keep) vmopts+=("$1"); return 1 ;;
         --quiet|-q) vmopts+=(--quiet); return 1 ;;
     esac
     return 0

@@ -56,7 +56,9 @@ for p in "${VM_TEST_PACKAGES[@]}"; do pkg_args+=(-p "$p"); done
 # left out of the guest, where they would fail under TCG; they ran on the host above.
 # --skip mooncake_header_agrees: needs Mooncake's header, which is not in the repository.
 # --skip asan_: only meaningful in an AddressSanitizer build (tests/memory_safety.rs).
-scripts/rdma-vm.sh --two-devices --cpus 2 --timeout "${PAGEWIRE_VM_TEST_TIMEOUT:-480}" \
+# --two-rails: rxe0/rxe0p and rxe1/rxe1p on two veth pairs (RDMA_DEVICE2=rxe0p, as the
+# two-device tests expect), so the failover test can take one rail's link down.
+scripts/rdma-vm.sh --two-rails --cpus 2 --timeout "${PAGEWIRE_VM_TEST_TIMEOUT:-480}" \
     test "${pkg_args[@]}" --locked -- --skip hostonly_ --skip asan_ --skip mooncake_header_agrees
 # The Python package over verbs: pagewire.mooncake_compat between two processes on rxe0,
 # bytes checked in the receiving process (the wheel python-test.sh installed in .venv).

@@ -9,6 +9,9 @@
 #   --mem MB         guest RAM (default 1024; the overlay's writes live there)
 #   --cpus N         vCPUs (default 1: rxe is as fast with 1 under TCG)
 #   --two-devices    rxe0 on veth0 and rxe1 on veth1 (traffic crosses the veth pair)
+#   --two-rails      two veth pairs: rxe0, rxe1 on veth0, veth1 and their peers rxe0p,
+#                    rxe1p on veth0p, veth1p (two engines with two rails each, a rail's
+#                    traffic crosses its own pair, so one rail's link can be taken down)
 #   --mtu N          netdev MTU (default 9000, RoCE MTU 4096)
 #   --append STR     extra kernel parameters (e.g. "sr.ip=10.9.9.1/24")
 #   --out DIR        host directory shared read-write at the same path in the guest,
@@ -33,6 +36,7 @@ while (($#)); do
         --mem) mem=$2; shift ;;
         --cpus) cpus=$2; shift ;;
         --two-devices) net=veth ;;
+        --two-rails) net=rails ;;
         --mtu) mtu=$2; shift ;;
         --append) append="$append $2"; shift ;;
         --out) outdir=$2; shift ;;

@@ -4,6 +4,8 @@
 #   1. smoke: rxe0 is ACTIVE, the RDMA_* contract is set, a file written to $SOFTROCE_OUT
 #      comes back to the host                                   -> exit 0
 #   2. --two-devices: rxe0 on veth0 and rxe1 on veth1, ACTIVE  -> exit 0
+#      --two-rails: rxe0, rxe1, rxe0p, rxe1p on veth0, veth1, veth0p, veth1p, ACTIVE,
+#      and rail 1 alone goes DOWN with veth1                    -> exit 0
 #   3. a job that fails (exit 3)                                -> exit 3
 #   4. rxe0 cannot be created (netdev that does not exist)      -> exit 123, loud message
 #   5. rxe0 cannot be created (crc32 transform missing)         -> exit 123, loud message
@@ -75,6 +77,21 @@ rdma link show | grep -q 'rxe1/1 state ACTIVE .* netdev veth1'
 echo "TWO-OK"
 EOF
 check "two devices on a veth pair" 0 "TWO-OK" --two-devices "$work/two.sh" "$@"
+
+cat >"$work/rails.sh" <<'EOF'
+set -e
+[ "$RDMA_RAILS" = rxe0,rxe1 ] && [ "$RDMA_PEER_RAILS" = rxe0p,rxe1p ] && [ "$RDMA_DEVICE2" = rxe0p ]
+for p in rxe0:veth0 rxe1:veth1 rxe0p:veth0p rxe1p:veth1p; do
+    rdma link show | grep -q "${p%%:*}/1 state ACTIVE .* netdev ${p#*:} *$"
+done
+ip link set veth1 down
+sleep 0.5
+rdma link show | grep -q 'rxe1/1 state DOWN'
+rdma link show | grep -q 'rxe1p/1 state DOWN'
+rdma link show | grep -q 'rxe0/1 state ACTIVE'
+echo "RAILS-OK"
+EOF
+check "two rails on two veth pairs" 0 "RAILS-OK" --two-rails "$work/rails.sh" "$@"
 
 printf 'echo "this job fails on purpose"\nexit 3\n' >"$work/fail.sh"
 check "failing job returns its status" 3 "fails on purpose" "$work/fail.sh" "$@"

@@ -189,6 +189,9 @@ pub(crate) struct ConnCtx {
     /// The engine config.
     #[allow(dead_code)]
     pub config: Arc<EngineConfig>,
+    /// The initiator's way to reconnect a rail (`None` on the acceptor, which answers).
+    #[allow(dead_code)]
+    pub rails: Option<Arc<dyn RailControl>>,
 }
 
 /// Engine-side state some backends need at open time.
@@ -276,6 +279,35 @@ pub(crate) trait Conn: Send + Sync {
     fn probe(&self, _deadline: Instant) -> Result<(), Error> {
         Ok(())
     }
+    /// The acceptor's side of reconnecting rail `rail` (multi-rail verbs): new QPs
+    /// connected to the initiator's `theirs`; returns our endpoint for it, and what puts
+    /// the new QPs in the rail's place (`true`: the initiator proved them and said `Ready`)
+    /// or drops them (`false`).
+    fn accept_rail(
+        &self,
+        _rail: usize,
+        _theirs: &EndpointInfo,
+    ) -> Result<(EndpointInfo, RailSwap), Error> {
+        Err(Error::Unsupported {
+            what: "reconnecting a rail of a connection without rails".into(),
+        })
+    }
+}
+
+/// Installs (`true`) or drops (`false`) a rail's new QPs on the acceptor.
+pub(crate) type RailSwap = Box<dyn FnOnce(bool) + Send>;
+
+/// How a connection's initiator side reconnects one of its rails through the engine's
+/// control channel (given to backends in [`ConnCtx::rails`]).
+pub(crate) trait RailControl: Send + Sync + fmt::Debug {
+    /// Sends `ours` (the rail's new QPs) to the peer, hands its answer to `complete`
+    /// (which connects and probes ours), and tells the peer `Ready` once that succeeded.
+    fn reconnect(
+        &self,
+        rail: usize,
+        ours: EndpointInfo,
+        complete: &mut dyn FnMut(&EndpointInfo, Instant) -> Result<(), Error>,
+    ) -> Result<(), Error>;
 }
 
 /// A backend's fast lane for one prepared batch (verbs: one chain on one QP).

@@ -612,12 +612,52 @@ fn hostonly_loopback_departed_peers_are_detected_and_released() {
     }
 }
 
+// ---------------------------------------------------------------- rails
+
+/// A `Rail` frame (reconnect one rail of a multi-rail verbs connection) with a session the
+/// listener never issued is refused as "unknown session"; naming a connection that has no
+/// rails (TCP here), as "rail setup failed". Neither touches the connection.
+#[test]
+fn rail_frames_without_a_multi_rail_connection_are_refused() -> Result<()> {
+    let _g = serial();
+    let b = engine_with(config(BackendKind::Tcp))?;
+    let fake = fake_initiator(&b, (0x10_0000, 4096, 1, Access::REMOTE_WRITE))?;
+    let ba = b.accept(secs(5)).context("fake peer accepted")?;
+    let rail = |session: u64| -> Result<String> {
+        let mut body = Vec::new();
+        body.extend_from_slice(&0u16.to_le_bytes()); // no token
+        body.extend_from_slice(&session.to_le_bytes());
+        body.push(1); // rail 1
+        // A one-rail verbs endpoint: GID, LID, MTU, one QP, no further rails.
+        body.push(1);
+        body.extend_from_slice(&[0xfe; 16]);
+        body.extend_from_slice(&0u16.to_le_bytes());
+        body.extend_from_slice(&4096u32.to_le_bytes());
+        body.extend_from_slice(&1u16.to_le_bytes());
+        body.extend_from_slice(&17u32.to_le_bytes());
+        body.extend_from_slice(&5u32.to_le_bytes());
+        body.push(0);
+        let mut s = TcpStream::connect(b.local_addr())?;
+        s.set_read_timeout(Some(Duration::from_secs(5)))?;
+        s.write_all(&frame(7, &body))?;
+        let (kind, body) = read_frame(&mut s)?;
+        ensure!(kind == 4, "expected a Reject, got kind {kind}");
+        Ok(reject_reason(&body))
+    };
+    assert_eq!(rail(fake.control ^ 1)?, "unknown session");
+    assert_eq!(rail(fake.control)?, "rail setup failed");
+    ensure!(b.peer_alive(ba)?, "the connection suffered");
+    Ok(())
+}
+
 // ---------------------------------------------------------------- defect 7: broken means closed
 
 /// A peer played by hand over the documented protocol (the initiator side): it sends a
 /// Hello exposing `region`, answers the listener's data stream with `OK` and never
 /// serves a request on it, and opens one stream of its own to the listener.
 struct FakePeer {
+    /// The listener's session for this connection (what `Describe` and `Rail` name).
+    control: u64,
     /// The listener's session for our streams, its data address and exposed regions.
     session: u64,
     data: SocketAddr,
@@ -644,6 +684,7 @@ fn fake_initiator(b: &Engine, region: (u64, u64, u32, Access)) -> Result<FakePee
     let (kind, body) = read_frame(&mut ctrl)?;
     ensure!(kind == 2, "expected a Welcome, got kind {kind}: {body:?}");
     // engine id, session, endpoint {tag 2, data port, streams, session}, regions.
+    let control = u64::from_le_bytes(body[8..16].try_into()?);
     ensure!(body[16] == 2, "not a TCP endpoint");
     let data_port = u16::from_le_bytes([body[17], body[18]]);
     let session = u64::from_le_bytes(body[21..29].try_into()?);
@@ -671,6 +712,7 @@ fn fake_initiator(b: &Engine, region: (u64, u64, u32, Access)) -> Result<FakePee
     let (kind, _) = read_frame(&mut ctrl)?;
     ensure!(kind == 3, "expected the engine's Ready, got kind {kind}");
     Ok(FakePeer {
+        control,
         session,
         data,
         regions,

@@ -41,7 +41,12 @@ fn engine(dev: &str, f: impl FnOnce(EngineConfigBuilder) -> EngineConfigBuilder)
 }
 
 fn pattern(n: usize, seed: u8) -> Vec<u8> {
-    (0..n)
+    pattern_at(0, n, seed)
+}
+
+/// Bytes `off..off + n` of the test pattern.
+fn pattern_at(off: usize, n: usize, seed: u8) -> Vec<u8> {
+    (off..off + n)
         .map(|i| (i as u8).wrapping_mul(151).wrapping_add(seed) ^ (i >> 11) as u8)
         .collect()
 }
@@ -480,10 +485,15 @@ fn verbs_two_devices_over_veth() -> Result<()> {
     Ok(())
 }
 
-/// `RDMA_DEVICE` and `RDMA_DEVICE2` as one rail list (`rxe0,rxe1`), for the multi-rail
-/// tests; `RDMA_DEVICE` may already be a list.
+/// `RDMA_RAILS` (`--two-rails`), else `RDMA_DEVICE` and `RDMA_DEVICE2` as one rail list
+/// (`rxe0,rxe1`), for the multi-rail tests; `RDMA_DEVICE` may already be a list.
 fn two_rails(test: &str) -> Result<String> {
     let dev = device(test);
+    if let Ok(rails) = std::env::var("RDMA_RAILS")
+        && rails.contains(',')
+    {
+        return Ok(rails);
+    }
     if dev.contains(',') {
         return Ok(dev);
     }
@@ -501,6 +511,7 @@ fn two_rails(test: &str) -> Result<String> {
 #[ignore = "needs an RDMA device: runs in scripts/rdma-vm.sh"]
 fn verbs_two_rails_stripe_a_batch() -> Result<()> {
     let rails = two_rails("verbs_two_rails_stripe_a_batch")?;
+    let _links = rail_links();
     let n = 8 << 20;
     let a = engine(&rails, |b| b.max_wr_bytes(1 << 20))?;
     let b = engine(&rails, |b| b.max_wr_bytes(1 << 20))?;
@@ -570,6 +581,7 @@ fn verbs_two_rails_stripe_a_batch() -> Result<()> {
 fn verbs_two_rails_follow_the_memory_s_preference() -> Result<()> {
     use pagewire_transport::topology::MemoryLocation;
     let rails = two_rails("verbs_two_rails_follow_the_memory_s_preference")?;
+    let _links = rail_links();
     let second = rails
         .split(',')
         .nth(1)
@@ -611,6 +623,291 @@ fn verbs_two_rails_follow_the_memory_s_preference() -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Held by the tests that use rail 1, so none of them runs while another takes that
+/// rail's link down.
+fn rail_links() -> std::sync::MutexGuard<'static, ()> {
+    static LINKS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LINKS.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Two engines' rail lists whose rail i crosses veth pair i, and this side's netdev of
+/// each rail (`RDMA_RAILS`, `RDMA_PEER_RAILS`, `SOFTROCE_RAIL_NDEVS` of `--two-rails`).
+fn rail_pairs(test: &str) -> Result<(String, String, Vec<String>)> {
+    device(test);
+    let var = |k: &str| {
+        std::env::var(k)
+            .ok()
+            .filter(|v| v.contains(','))
+            .with_context(|| format!("{k} is not set: run with scripts/rdma-vm.sh --two-rails"))
+    };
+    let ndevs = var("SOFTROCE_RAIL_NDEVS")?;
+    Ok((
+        var("RDMA_RAILS")?,
+        var("RDMA_PEER_RAILS")?,
+        ndevs.split(',').map(str::to_string).collect(),
+    ))
+}
+
+/// A netdev taken down for a test; up again when dropped, whatever the test did.
+struct LinkDown(String);
+
+fn ip_link(dev: &str, state: &str) -> Result<()> {
+    // The guest's PATH is the host's, which may lack the sbin directories.
+    let ip = ["/usr/sbin/ip", "/sbin/ip", "/usr/bin/ip", "/bin/ip"]
+        .into_iter()
+        .find(|p| std::path::Path::new(p).exists())
+        .unwrap_or("ip");
+    let st = std::process::Command::new(ip)
+        .args(["link", "set", dev, state])
+        .status()
+        .with_context(|| format!("running {ip} link set {dev} {state}"))?;
+    ensure!(st.success(), "ip link set {dev} {state}: {st}");
+    Ok(())
+}
+
+impl LinkDown {
+    fn new(dev: &str) -> Result<Self> {
+        ip_link(dev, "down")?;
+        Ok(LinkDown(dev.to_string()))
+    }
+
+    fn up(self) -> Result<()> {
+        let dev = self.0.clone();
+        std::mem::forget(self);
+        ip_link(&dev, "up")
+    }
+}
+
+impl Drop for LinkDown {
+    fn drop(&mut self) {
+        let _ = ip_link(&self.0, "up");
+    }
+}
+
+/// `n` bytes of the test pattern, written a MiB at a time (no second copy of a large
+/// buffer in the guest's memory).
+fn filled_large(n: usize, seed: u8) -> Result<HostBuffer> {
+    let mut b = HostBuffer::new(n)?;
+    for off in (0..n).step_by(1 << 20) {
+        let len = (1 << 20).min(n - off);
+        b.write_at(off, &pattern_at(off, len, seed));
+    }
+    Ok(b)
+}
+
+/// Whether `a` and `b` hold the same bytes, compared a MiB at a time.
+fn same_bytes(a: &HostBuffer, b: &HostBuffer, n: usize) -> bool {
+    (0..n).step_by(1 << 20).all(|off| {
+        a.read_vec(off..(off + (1 << 20)).min(n)) == b.read_vec(off..(off + (1 << 20)).min(n))
+    })
+}
+
+/// Submits `batch`, takes `ndev` down `after` that (from another thread: on rxe the
+/// submitting thread itself does much of the sending), and waits for the batch; returns
+/// the time from submit and from the link-down command, and the link (down until dropped
+/// or brought up). Fails if rail `rail` had carried its whole part (`part` bytes) by the
+/// time the link was down.
+fn fail_rail_mid_batch(
+    a: &Engine,
+    peer: pagewire_transport::PeerId,
+    batch: Batch,
+    (rail, part): (usize, u64),
+    ndev: &str,
+    after: Duration,
+) -> Result<(Duration, Duration, LinkDown)> {
+    let before = a.rail_stats()[rail].bytes;
+    let t0 = Instant::now();
+    let (submitted, downed) = std::thread::scope(|s| {
+        let downer = s.spawn(|| -> Result<_> {
+            std::thread::sleep(after);
+            let t = Instant::now();
+            let d = LinkDown::new(ndev)?;
+            Ok((t, Instant::now(), d, a.rail_stats()))
+        });
+        let h = a.submit(peer, batch);
+        (h, downer.join().expect("the link-down thread panicked"))
+    });
+    let (t_down, t_done, down, at_down) = downed?;
+    let h = submitted?;
+    eprintln!(
+        "{ndev} down between {:?} and {:?} after submit, rails {at_down:?}",
+        t_down - t0,
+        t_done - t0
+    );
+    ensure!(
+        at_down[rail].bytes < before + part,
+        "rail {rail} had finished its part before its link went down: {at_down:?}"
+    );
+    h.wait(secs(60))
+        .with_context(|| format!("batch with {ndev} down, rails {:?}", a.rail_stats()))?;
+    Ok((t0.elapsed(), t_down.elapsed(), down))
+}
+
+/// Rail 1's link goes down in the middle of a 64 MiB striped WRITE: the batch completes on
+/// rail 0 within its deadline, every byte lands, the notification arrives once, rail 1's
+/// failure and rail 0's re-posted parts are counted. Then the same for a READ. With the
+/// link up again, rail 1 carries bytes again.
+#[test]
+#[ignore = "needs an RDMA device: runs in scripts/rdma-vm.sh"]
+fn verbs_rail_fails_mid_batch() -> Result<()> {
+    let (mine, theirs, ndevs) = rail_pairs("verbs_rail_fails_mid_batch")?;
+    let _links = rail_links();
+    let n = 64 << 20;
+    // Every 1 MiB WR signalled: a rail's byte counter moves per MiB, and a rail that the
+    // guest's CPU serves slowly still completes a WR well inside the stall watchdog's 5 s.
+    let cfg = |b: EngineConfigBuilder| b.max_wr_bytes(1 << 20).signal_every(1);
+    let a = engine(&mine, cfg)?;
+    let b = engine(&theirs, cfg)?;
+    let src = filled_large(n, 5)?;
+    let dst = HostBuffer::new(n)?;
+    let back = HostBuffer::new(n)?;
+    a.register(&src, Access::LOCAL_WRITE)?;
+    a.register(&back, Access::LOCAL_WRITE)?;
+    b.register(&dst, Access::ALL)?;
+    let peer = a.connect(b.local_addr())?;
+    eprintln!("connected over {mine} / {theirs}: {:?}", a.rail_stats());
+
+    // WRITE, rail 1 down 100 ms into it (rxe moves about 20 MiB/s here).
+    let write = Batch::new()
+        .write(src.addr(), dst.addr(), n as u64)
+        .notify(31);
+    let half = (1, n as u64 / 2);
+    let early = Duration::from_millis(100);
+    let (took, since_down, down) = fail_rail_mid_batch(&a, peer, write, half, &ndevs[1], early)?;
+    let stats = a.rail_stats();
+    eprintln!(
+        "WRITE with {} down: {took:?} in all, {since_down:?} after the link-down command; rails {stats:?}",
+        ndevs[1]
+    );
+    ensure!(b.poll_notification(secs(10)).context("notification")?.tag == 31);
+    ensure!(
+        b.poll_notification(Instant::now() + Duration::from_millis(500))
+            .is_none(),
+        "a second notification"
+    );
+    ensure!(same_bytes(&src, &dst, n), "bytes differ after the WRITE");
+    ensure!(
+        stats[1].errors >= 1,
+        "rail 1's failure not counted: {stats:?}"
+    );
+    ensure!(
+        stats[0].retries >= 1,
+        "no part re-posted on rail 0: {stats:?}"
+    );
+    // Rail 1 stays out while its link is down: a batch goes over rail 0 alone.
+    let r1 = a.rail_stats()[1].bytes;
+    a.submit(peer, Batch::new().write(src.addr(), dst.addr(), 8 << 20))?
+        .wait(secs(60))?;
+    ensure!(
+        a.rail_stats()[1].bytes == r1,
+        "rail 1 carried bytes while down"
+    );
+
+    // Link up: the rail comes back (probed), and then carries bytes again.
+    down.up()?;
+    let peer = rail_back(&a, &b, peer, 1)?;
+
+    // READ, rail 1 down 100 ms into it.
+    let read = Batch::new().read(back.addr(), dst.addr(), n as u64);
+    let (took, since_down, down) = fail_rail_mid_batch(&a, peer, read, half, &ndevs[1], early)?;
+    let stats2 = a.rail_stats();
+    eprintln!(
+        "READ with {} down: {took:?} in all, {since_down:?} after the link-down command; rails {stats2:?}",
+        ndevs[1]
+    );
+    ensure!(same_bytes(&src, &back, n), "bytes differ after the READ");
+    ensure!(stats2[1].errors > stats[1].errors, "{stats2:?}");
+    ensure!(stats2[0].retries > stats[0].retries, "{stats2:?}");
+    down.up()?;
+    rail_back(&a, &b, peer, 1)?;
+    Ok(())
+}
+
+/// A notification whose rail fails under it goes again on the other rail and arrives
+/// once. The engines list their rails the other way round here, so rail 0, where a
+/// tag-only batch's notification goes, is rxe1 on veth1; its link goes down before the
+/// engine has noticed anything, so the notification is posted there and fails.
+#[test]
+#[ignore = "needs an RDMA device: runs in scripts/rdma-vm.sh"]
+fn verbs_notification_fails_over_to_another_rail() -> Result<()> {
+    let (mine, theirs, ndevs) = rail_pairs("verbs_notification_fails_over_to_another_rail")?;
+    let _links = rail_links();
+    let reversed = |l: &str| l.split(',').rev().collect::<Vec<_>>().join(",");
+    let a = engine(&reversed(&mine), |b| b)?;
+    let b = engine(&reversed(&theirs), |b| b)?;
+    let peer = a.connect(b.local_addr())?;
+    a.submit(peer, Batch::new().notify(1))?.wait(secs(30))?;
+    ensure!(
+        b.poll_notification(secs(10))
+            .context("first notification")?
+            .tag
+            == 1
+    );
+    let down = LinkDown::new(&ndevs[1])?;
+    let t0 = Instant::now();
+    a.submit(peer, Batch::new().notify(2))?
+        .wait(secs(30))
+        .with_context(|| format!("notification with {} down: {:?}", ndevs[1], a.rail_stats()))?;
+    let took = t0.elapsed();
+    ensure!(
+        b.poll_notification(secs(10))
+            .context("second notification")?
+            .tag
+            == 2
+    );
+    ensure!(
+        b.poll_notification(Instant::now() + Duration::from_millis(500))
+            .is_none(),
+        "the notification arrived twice"
+    );
+    let stats = a.rail_stats();
+    eprintln!(
+        "notification with {} down: {took:?}; rails {stats:?}",
+        ndevs[1]
+    );
+    ensure!(
+        stats[0].errors == 1 && stats[1].retries == 1,
+        "the notification did not fail over: {stats:?}"
+    );
+    down.up()
+}
+
+/// Waits (up to 30 s) until rail `rail` carries bytes again after its link came back:
+/// 4 MiB WRITEs until its byte counter moves. Returns the peer to use from then on.
+fn rail_back(
+    a: &Engine,
+    b: &Engine,
+    peer: pagewire_transport::PeerId,
+    rail: usize,
+) -> Result<pagewire_transport::PeerId> {
+    let t0 = Instant::now();
+    let src = filled(4 << 20, 9)?;
+    let dst = HostBuffer::new(4 << 20)?;
+    a.register(&src, Access::LOCAL_WRITE)?;
+    b.register(&dst, Access::ALL)?;
+    a.redescribe(peer)?;
+    loop {
+        let before = a.rail_stats()[rail].bytes;
+        a.submit(peer, Batch::new().write(src.addr(), dst.addr(), 4 << 20))?
+            .wait(secs(60))?;
+        if a.rail_stats()[rail].bytes > before {
+            ensure!(dst.to_vec() == src.to_vec());
+            eprintln!(
+                "rail {rail} back after {:?}: {:?}",
+                t0.elapsed(),
+                a.rail_stats()
+            );
+            return Ok(peer);
+        }
+        ensure!(
+            t0.elapsed() < Duration::from_secs(30),
+            "rail {rail} did not come back: {:?}",
+            a.rail_stats()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
 }
 
 // ---------------------------------------------------------------- no device (runs everywhere)

@@ -7,6 +7,9 @@
 //! Acceptor: [`AwaitRequest`] takes the first frame (`Hello` or `Describe`), after which it
 //! checks the backend ([`check_backend`]), completes, sends `Welcome` and then expects
 //! `Ready` ([`AwaitReady`]). `redescribe` sends `Describe` and is in [`AwaitRegions`].
+//! A rail's reconnection: the initiator sends `Rail` with its new QPs and is in
+//! [`AwaitRailAccepted`]; once its QPs carried a probe it sends `Ready`, which the acceptor
+//! awaits before its side uses the rail again.
 
 use std::ops::RangeInclusive;
 
@@ -72,6 +75,19 @@ impl AwaitRegions {
     }
 }
 
+/// The initiator sent `Rail` and waits for the acceptor's new QPs for that rail.
+#[derive(Debug)]
+pub(crate) struct AwaitRailAccepted;
+
+impl AwaitRailAccepted {
+    pub(crate) fn handle(self, f: Frame) -> Result<EndpointInfo, HandshakeError> {
+        match f {
+            Frame::RailAccepted(e) => Ok(e),
+            other => Err(unexpected(other, "RailAccepted")),
+        }
+    }
+}
+
 /// What an acceptor was asked, once the first frame checked out.
 #[derive(Debug)]
 pub(crate) enum Request {
@@ -79,6 +95,12 @@ pub(crate) enum Request {
     Hello(Hello),
     /// The current regions of the connection this side knows as `session`.
     Describe { session: u64 },
+    /// New QPs for rail `rail` of the connection this side knows as `session`.
+    Rail {
+        session: u64,
+        rail: u8,
+        endpoint: EndpointInfo,
+    },
 }
 
 /// A refused request: the error for our log, and the fixed text the peer is told (what
@@ -105,10 +127,23 @@ impl AwaitRequest<'_> {
         let (token, req) = match f {
             Frame::Hello(h) => (h.token.clone(), Request::Hello(h)),
             Frame::Describe { token, session } => (token, Request::Describe { session }),
+            Frame::Rail {
+                token,
+                session,
+                rail,
+                endpoint,
+            } => (
+                token,
+                Request::Rail {
+                    session,
+                    rail,
+                    endpoint,
+                },
+            ),
             other => {
                 return Err(Refused {
                     error: HandshakeError::UnexpectedFrame {
-                        expected: "Hello or Describe",
+                        expected: "Hello, Describe or Rail",
                         found: other.kind(),
                     },
                     tell: None,

@@ -154,9 +154,24 @@ pub(crate) enum Frame {
     Hello(Hello),
     Welcome(Welcome),
     Ready,
-    Reject { reason: String },
-    Describe { token: Vec<u8>, session: u64 },
+    Reject {
+        reason: String,
+    },
+    Describe {
+        token: Vec<u8>,
+        session: u64,
+    },
     Regions(Vec<RemoteRegion>),
+    /// The initiator of the connection `session` names asks to reconnect one rail with
+    /// these new QPs (a one-rail verbs endpoint); answered by `RailAccepted`, then `Ready`.
+    Rail {
+        token: Vec<u8>,
+        session: u64,
+        rail: u8,
+        endpoint: EndpointInfo,
+    },
+    /// The acceptor's new QPs for that rail.
+    RailAccepted(EndpointInfo),
 }
 
 impl Frame {
@@ -169,6 +184,8 @@ impl Frame {
             Frame::Reject { .. } => 4,
             Frame::Describe { .. } => 5,
             Frame::Regions(_) => 6,
+            Frame::Rail { .. } => 7,
+            Frame::RailAccepted(_) => 8,
         }
     }
 
@@ -200,6 +217,18 @@ impl Frame {
                 b.extend_from_slice(&session.to_le_bytes());
             }
             Frame::Regions(r) => put_regions(&mut b, r),
+            Frame::Rail {
+                token,
+                session,
+                rail,
+                endpoint,
+            } => {
+                put_bytes(&mut b, token);
+                b.extend_from_slice(&session.to_le_bytes());
+                b.push(*rail);
+                put_endpoint(&mut b, endpoint);
+            }
+            Frame::RailAccepted(e) => put_endpoint(&mut b, e),
         }
         let mut out = Vec::with_capacity(HEADER_LEN + b.len());
         out.extend_from_slice(&MAGIC.to_le_bytes());
@@ -296,7 +325,7 @@ pub(crate) fn decode_header(h: &[u8; HEADER_LEN], max: u32) -> Result<Header, Ha
         });
     }
     let kind = h[6];
-    if !(1..=6).contains(&kind) {
+    if !(1..=8).contains(&kind) {
         return Err(HandshakeError::BadField {
             field: "frame kind",
             value: kind.to_string(),
@@ -384,6 +413,19 @@ pub(crate) fn decode_body(kind: u8, body: &[u8]) -> Result<Frame, HandshakeError
             Frame::Describe { token, session }
         }
         6 => Frame::Regions(r.regions()?),
+        7 => {
+            let token = r.bytes("token", MAX_TOKEN)?;
+            let session = r.u64("session")?;
+            let rail = r.u8("rail")?;
+            let endpoint = r.endpoint()?;
+            Frame::Rail {
+                token,
+                session,
+                rail,
+                endpoint,
+            }
+        }
+        8 => Frame::RailAccepted(r.endpoint()?),
         other => {
             return Err(HandshakeError::BadField {
                 field: "frame kind",
@@ -624,6 +666,25 @@ mod tests {
                 session: 5,
             },
             Frame::Regions(vec![]),
+            Frame::Rail {
+                token: vec![7; 3],
+                session: 9,
+                rail: 1,
+                endpoint: EndpointInfo::Verbs {
+                    gid: [3; 16],
+                    lid: 0,
+                    mtu: 4096,
+                    qps: vec![QpInfo { qpn: 17, psn: 5 }],
+                    rails: vec![],
+                },
+            },
+            Frame::RailAccepted(EndpointInfo::Verbs {
+                gid: [4; 16],
+                lid: 1,
+                mtu: 1024,
+                qps: vec![QpInfo { qpn: 18, psn: 6 }],
+                rails: vec![],
+            }),
         ]
     }
 
@@ -753,14 +814,14 @@ mod tests {
         #[test]
         fn decoder_never_panics_on_random_bytes(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
             let _ = decode_frame(&bytes, 1 << 20);
-            for kind in 1..=6u8 {
+            for kind in 1..=8u8 {
                 let _ = decode_body(kind, &bytes);
             }
         }
 
         #[test]
         fn decoder_never_panics_on_mutated_frames(
-            which in 0usize..7,
+            which in 0usize..9,
             flips in proptest::collection::vec((any::<usize>(), any::<u8>()), 1..8),
             cut in any::<usize>(),
         ) {

@@ -20,7 +20,7 @@ use crate::backends;
 use crate::buffer::HostBuffer;
 use crate::config::EngineConfig;
 use crate::contract::{
-    Backend, BackendInfo, BackendInit, Conn, ConnCtx, NotifySink, NotifyWait, Reaper,
+    Backend, BackendInfo, BackendInit, Conn, ConnCtx, NotifySink, NotifyWait, RailControl, Reaper,
 };
 use crate::core::batch::{Batch, BatchState};
 use crate::core::handshake;
@@ -131,6 +131,8 @@ impl Peer {
 }
 
 struct Inner {
+    /// Itself, for what outlives a call (a connection's rail reconnections).
+    me: Weak<Inner>,
     id: u64,
     config: Arc<EngineConfig>,
     backend: Arc<dyn Backend>,
@@ -229,7 +231,8 @@ impl Engine {
         let (notify_tx, notify_rx) = crossbeam_channel::unbounded();
         let (accept_tx, accept_rx) = crossbeam_channel::unbounded();
         let reaper = backend.reaper();
-        let inner = Arc::new(Inner {
+        let inner = Arc::new_cyclic(|me| Inner {
+            me: me.clone(),
             id,
             config,
             backend,
@@ -770,8 +773,20 @@ impl Inner {
         }
     }
 
-    fn new_ctx(&self, peer: PeerId, remote_ip: std::net::IpAddr, deadline: Instant) -> ConnCtx {
+    fn new_ctx(
+        &self,
+        peer: PeerId,
+        remote_ip: std::net::IpAddr,
+        deadline: Instant,
+        initiator: bool,
+    ) -> ConnCtx {
         ConnCtx {
+            rails: initiator.then(|| {
+                Arc::new(RailLink {
+                    engine: self.me.clone(),
+                    peer,
+                }) as Arc<dyn RailControl>
+            }),
             peer,
             remote_ip,
             deadline,
@@ -811,7 +826,7 @@ impl Inner {
         let (w, await_ready) = handshake::AwaitWelcome { ours: &ep }
             .handle(frame::read_frame(&mut s, self.config.handshake_max_bytes)?)?;
         let id = PeerId(self.next_peer.fetch_add(1, Ordering::Relaxed));
-        let conn = pending.complete(&w.endpoint, self.new_ctx(id, addr.ip(), deadline))?;
+        let conn = pending.complete(&w.endpoint, self.new_ctx(id, addr.ip(), deadline, true))?;
         // The acceptor's QPs are ready (it completed before its Welcome): prove the path
         // before telling it we are.
         if let Err(e) = conn.probe(deadline) {
@@ -919,6 +934,11 @@ impl Inner {
                 Err(error)
             }
             Ok(handshake::Request::Hello(h)) => self.accept_hello(&mut s, from, h, deadline),
+            Ok(handshake::Request::Rail {
+                session,
+                rail,
+                endpoint,
+            }) => self.accept_rail(&mut s, session, rail, &endpoint),
             Ok(handshake::Request::Describe { session }) => {
                 let known = self
                     .sessions
@@ -935,6 +955,44 @@ impl Inner {
                 frame::write_frame(&mut s, &Frame::Regions(self.registry.exposed()))
             }
         }
+    }
+
+    /// The acceptor's side of a rail's reconnection: new QPs for the rail, our endpoint
+    /// back, and the rail in use again once the initiator proved it (`Ready`).
+    fn accept_rail(
+        &self,
+        s: &mut Deadlined<'_>,
+        session: u64,
+        rail: u8,
+        theirs: &EndpointInfo,
+    ) -> Result<(), HandshakeError> {
+        let id = self
+            .sessions
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&session)
+            .copied();
+        let Some(p) = id.and_then(|id| self.peer(id).ok()) else {
+            let _ = reject(s, "unknown session");
+            return Err(HandshakeError::BadField {
+                field: "session",
+                value: "unknown".into(),
+            });
+        };
+        let (ours, swap) = match p.conn.accept_rail(usize::from(rail), theirs) {
+            Ok(x) => x,
+            Err(e) => {
+                let _ = reject(s, "rail setup failed");
+                return Err(HandshakeError::Rejected {
+                    reason: format!("rail {rail}: {e}"),
+                });
+            }
+        };
+        let ready = frame::write_frame(s, &Frame::RailAccepted(ours))
+            .and_then(|()| frame::read_frame(s, self.config.handshake_max_bytes))
+            .and_then(|f| handshake::AwaitReady.handle(f));
+        swap(ready.is_ok());
+        ready
     }
 
     fn accept_hello(
@@ -960,7 +1018,8 @@ impl Inner {
             return Err(e);
         }
         let id = PeerId(self.next_peer.fetch_add(1, Ordering::Relaxed));
-        let conn = match pending.complete(&h.endpoint, self.new_ctx(id, from.ip(), deadline)) {
+        let conn = match pending.complete(&h.endpoint, self.new_ctx(id, from.ip(), deadline, false))
+        {
             Ok(c) => c,
             Err(e) => {
                 let _ = reject(s, "connection setup failed");
@@ -1217,6 +1276,58 @@ fn listen_loop(listener: TcpListener, inner: Weak<Inner>) {
             // The closure (and the ticket in it) was dropped: the slot is released.
             tracing::warn!(error = %e, "cannot spawn handshake thread");
         }
+    }
+}
+
+/// A connection's way back to its peer's control listener, to reconnect a rail.
+struct RailLink {
+    engine: Weak<Inner>,
+    peer: PeerId,
+}
+
+impl fmt::Debug for RailLink {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RailLink")
+            .field("peer", &self.peer)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RailControl for RailLink {
+    fn reconnect(
+        &self,
+        rail: usize,
+        ours: EndpointInfo,
+        complete: &mut dyn FnMut(&EndpointInfo, Instant) -> Result<(), Error>,
+    ) -> Result<(), Error> {
+        let engine = self.engine.upgrade().ok_or(Error::Shutdown)?;
+        engine.check_open()?;
+        let p = engine.peer(self.peer)?;
+        let deadline = Instant::now() + engine.config.handshake_timeout;
+        let s = deadline::connect_by(&p.control_addr, deadline).map_err(|e| Error::Connect {
+            addr: p.control_addr.to_string(),
+            source: Arc::new(e),
+        })?;
+        let _ = s.set_nodelay(true);
+        let mut s = Deadlined::new(&s, deadline);
+        frame::write_frame(
+            &mut s,
+            &Frame::Rail {
+                token: engine.token().to_vec(),
+                session: p.remote_session,
+                rail: u8::try_from(rail).map_err(|_| Error::Unsupported {
+                    what: format!("rail {rail}"),
+                })?,
+                endpoint: ours,
+            },
+        )?;
+        let theirs = handshake::AwaitRailAccepted.handle(frame::read_frame(
+            &mut s,
+            engine.config.handshake_max_bytes,
+        )?)?;
+        complete(&theirs, deadline)?;
+        frame::write_frame(&mut s, &Frame::Ready)?;
+        Ok(())
     }
 }
 

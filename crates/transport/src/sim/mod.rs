@@ -882,7 +882,8 @@ impl SimEngine {
                 }),
                 None => return Err(error.into()),
             },
-            Ok(Request::Describe { .. }) => return Err(refused()),
+            // A first contact never re-opens a rail (no rail failed in this world).
+            Ok(Request::Describe { .. } | Request::Rail { .. }) => return Err(refused()),
             Ok(Request::Hello(h)) => {
                 let b_conn = b.next_conn.replace(b.next_conn.get() + 1);
                 let b_session = w.random();

@@ -30,7 +30,7 @@ pub use gid::{GidInfo, GidKind};
 
 use self::conn::VerbsConn;
 use self::poller::{PendingVerbs, VerbsDevice, VerbsEndpoint, VerbsMr, VerbsOptions};
-use self::rails::{MultiConn, RailSet, RailSpec, RailsWanted, parse_rails};
+use self::rails::{MultiConn, RailSet, RailSpec, RailTags, RailsWanted, SeqWindow, parse_rails};
 use crate::config::EngineConfig;
 use crate::contract::{
     Backend, BackendInfo, BatchState, Conn, ConnCtx, EndpointInfo, FastPath, FastPathRequest,
@@ -378,6 +378,36 @@ fn qp_infos(qps: &[(u32, u32)]) -> Vec<QpInfo> {
     qps.iter().map(|&(qpn, psn)| QpInfo { qpn, psn }).collect()
 }
 
+/// One rail's QPs as the control channel carries them (a verbs endpoint without rails).
+fn endpoint_info(e: &VerbsEndpoint) -> EndpointInfo {
+    EndpointInfo::Verbs {
+        gid: e.gid,
+        lid: e.lid,
+        mtu: e.mtu,
+        qps: qp_infos(&e.qps),
+        rails: Vec::new(),
+    }
+}
+
+/// The peer's QPs for one rail, from what the control channel carried.
+fn verbs_endpoint(e: &EndpointInfo) -> Result<VerbsEndpoint, Error> {
+    match e {
+        EndpointInfo::Verbs {
+            gid, lid, mtu, qps, ..
+        } => Ok(VerbsEndpoint {
+            gid: *gid,
+            lid: *lid,
+            mtu: *mtu,
+            qps: qps.iter().map(|q| (q.qpn, q.psn)).collect(),
+        }),
+        other => Err(HandshakeError::BackendMismatch {
+            ours: "verbs".into(),
+            theirs: other.backend_name().into(),
+        }
+        .into()),
+    }
+}
+
 #[derive(Debug)]
 struct Pending {
     first: PendingVerbs,
@@ -415,23 +445,27 @@ impl PendingConn for Pending {
         let peer = ctx.peer;
         let sink: Arc<dyn TagSink> = Arc::new(ctx.notify);
         let this = *self;
-        let first = this.first.complete(
-            &endpoint(gid, *lid, *mtu, qps),
-            Some(Arc::clone(&sink)),
-            peer,
-        )?;
-        // Rail i pairs with the peer's rail i; rails either side has alone stay idle.
+        // Rail i pairs with the peer's rail i; rails either side has alone stay idle. Both
+        // sides agree on `paired`, and so on how notifications are framed (RailTags).
         let paired = this.more.len().min(rails.len());
+        let multi = paired > 0 && this.set.is_some();
+        let seen = Arc::new(std::sync::Mutex::new(SeqWindow::new()));
+        let tags = || {
+            if multi {
+                RailTags::sink(Arc::clone(&sink), Arc::clone(&seen))
+            } else {
+                Arc::clone(&sink)
+            }
+        };
+        let first = this
+            .first
+            .complete(&endpoint(gid, *lid, *mtu, qps), Some(tags()), peer)?;
         let Some(set) = this.set.filter(|_| paired > 0) else {
             return Ok(Arc::new(VerbsPeerConn { conn: first, peer }));
         };
         let mut conns = vec![first];
         for (p, r) in this.more.into_iter().zip(rails).take(paired) {
-            match p.complete(
-                &endpoint(&r.gid, r.lid, r.mtu, &r.qps),
-                Some(Arc::clone(&sink)),
-                peer,
-            ) {
+            match p.complete(&endpoint(&r.gid, r.lid, r.mtu, &r.qps), Some(tags()), peer) {
                 Ok(c) => conns.push(c),
                 Err(e) => {
                     for c in &conns {
@@ -445,7 +479,7 @@ impl PendingConn for Pending {
                 }
             }
         }
-        Ok(MultiConn::new(set, conns, peer))
+        Ok(MultiConn::new(set, conns, peer, (sink, seen), ctx.rails))
     }
 }
 

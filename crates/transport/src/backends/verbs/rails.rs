@@ -5,24 +5,37 @@
 //! [`VerbsConn`] per rail, rail `i` to the peer's rail `i`; a batch is cut by the core's
 //! slicer and striped over the rails by bytes, weighted by link speed
 //! ([`stripe_rails`]); each rail posts its part within its own windows. The notification
-//! waits, in one [`NotifyGate`], for every part on every rail, and then goes out as a
-//! zero-length WRITE_WITH_IMM on one rail. A rail whose part fails (QP in error, port
-//! down) is taken out of the connection's stripe and the part is posted again on another
-//! rail, within the batch deadline; the batch fails only when no rail is left.
+//! waits, in one [`NotifyGate`], for every part on every rail, and then goes out on one
+//! rail as two zero-length WRITE_WITH_IMMs on QP 0: the connection's notification
+//! sequence number, then the tag. A rail whose part fails (QP in error, port down) is
+//! taken out of the connection's stripe and the part is posted again on another rail
+//! (by one retry thread per connection at a time), within the batch deadline; the batch
+//! fails only when no rail is left. A failed notification is sent again on another rail
+//! with the same sequence number, and the receiver drops a sequence number it has
+//! delivered already ([`SeqWindow`]), so the tag surfaces exactly once even when the
+//! first copy arrived and only its acknowledgement was lost.
+//!
+//! A rail taken out comes back on the side that initiated the connection: a prober thread
+//! (one per connection, while a rail is out) waits for the rail's port to be ACTIVE, then
+//! exchanges new QPs for it with the peer through the engine's control channel
+//! ([`RailControl`]; the peer answers in `accept_rail`), probes them, and swaps them in.
 //!
 //! An engine with one rail never reaches this module: it keeps the one-connection path.
 
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, RwLock, Weak};
-use std::time::Instant;
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, RwLock, Weak};
+use std::time::{Duration, Instant};
 
 use smallvec::SmallVec;
 
 use super::conn::VerbsConn;
 use super::poller::VerbsDevice;
 use super::prefer::RailPrefs;
-use crate::contract::{BatchSink, BatchState, Conn, ResolvedOp, ResolvedOps};
+use crate::contract::{
+    BatchSink, BatchState, Conn, EndpointInfo, RailControl, RailSwap, ResolvedOp, ResolvedOps,
+    TagSink,
+};
 use crate::core::batch::NotifyGate;
 use crate::core::registry::RemoteTable;
 use crate::core::slice::{Dir, PlanOp, stripe_rails};
@@ -184,15 +197,38 @@ impl RailSet {
 pub(crate) struct MultiConn {
     me: Weak<MultiConn>,
     set: Arc<RailSet>,
-    /// One per paired rail (rail `i` to the peer's rail `i`).
-    conns: Vec<Arc<VerbsConn>>,
+    /// One per paired rail (rail `i` to the peer's rail `i`), replaced when the rail is
+    /// reconnected.
+    conns: Vec<RwLock<Arc<VerbsConn>>>,
+    /// How many times each rail was reconnected: a failure of an older connection does
+    /// not take the new one out.
+    epochs: Vec<AtomicU64>,
     /// Rails taken out of this connection's stripe.
     out: Vec<AtomicBool>,
+    /// Where incoming notifications go, and the sequence window every rail shares.
+    tags: (Arc<dyn TagSink>, Arc<Mutex<SeqWindow>>),
+    /// The initiator's way to reconnect a rail (the acceptor answers, in `accept_rail`).
+    control: Option<Arc<dyn RailControl>>,
+    /// Whether the thread that probes rails back is running (at most one).
+    prober: Mutex<bool>,
+    closed: AtomicBool,
     /// The peer's regions, with their rkeys on every rail.
     table: RwLock<Arc<RemoteTable>>,
     /// Rotates the tie-break of small batches over the rails.
     next: AtomicUsize,
+    /// The next notification's sequence number.
+    seq: AtomicU32,
+    /// Parts waiting to be posted again on another rail.
+    retry: Mutex<RetryQueue>,
     peer: PeerId,
+}
+
+/// Parts to post again, and whether a thread is draining them: at most one retry thread
+/// per connection at a time, however many parts fail.
+#[derive(Default)]
+struct RetryQueue {
+    parts: VecDeque<Arc<Part>>,
+    running: bool,
 }
 
 impl std::fmt::Debug for MultiConn {
@@ -208,32 +244,107 @@ impl std::fmt::Debug for MultiConn {
 type Pieces = SmallVec<[ResolvedOp; 2]>;
 
 impl MultiConn {
-    pub fn new(set: Arc<RailSet>, conns: Vec<Arc<VerbsConn>>, peer: PeerId) -> Arc<Self> {
+    pub fn new(
+        set: Arc<RailSet>,
+        conns: Vec<Arc<VerbsConn>>,
+        peer: PeerId,
+        tags: (Arc<dyn TagSink>, Arc<Mutex<SeqWindow>>),
+        control: Option<Arc<dyn RailControl>>,
+    ) -> Arc<Self> {
         let out = conns.iter().map(|_| AtomicBool::new(false)).collect();
+        let epochs = conns.iter().map(|_| AtomicU64::new(0)).collect();
         Arc::new_cyclic(|me| MultiConn {
             me: me.clone(),
             set,
-            conns,
+            conns: conns.into_iter().map(RwLock::new).collect(),
+            epochs,
             out,
+            tags,
+            control,
+            prober: Mutex::new(false),
+            closed: AtomicBool::new(false),
             table: RwLock::new(Arc::new(RemoteTable::new(Vec::new()))),
             next: AtomicUsize::new(0),
+            seq: AtomicU32::new(0),
+            retry: Mutex::new(RetryQueue::default()),
             peer,
         })
     }
 
-    fn usable(&self, r: usize) -> bool {
-        !self.out[r].load(Ordering::Acquire) && !self.conns[r].is_broken()
+    /// Queues `part` to be posted again (it may wait for window room, which the caller,
+    /// a completion thread or a poster holding another rail's windows, must not): starts
+    /// the connection's retry thread unless it is running.
+    fn repost(&self, part: Arc<Part>) {
+        let mut q = self.retry.lock().unwrap_or_else(|p| p.into_inner());
+        q.parts.push_back(part);
+        if q.running {
+            return;
+        }
+        let Some(me) = self.me.upgrade() else {
+            return;
+        };
+        q.running = true;
+        drop(q);
+        let spawned = std::thread::Builder::new()
+            .name("pagewire-rail-retry".into())
+            .spawn(move || me.drain_retries());
+        if let Err(e) = spawned {
+            let mut q = self.retry.lock().unwrap_or_else(|p| p.into_inner());
+            q.running = false;
+            let err = Error::io("spawning a rail retry thread", e);
+            for p in q.parts.drain(..) {
+                p.stripe.batch.fail(err.clone());
+            }
+        }
     }
 
-    /// The stripe's weights now: 0 for a rail taken out.
+    /// The retry thread: posts queued parts until none is left.
+    fn drain_retries(&self) {
+        loop {
+            let next = {
+                let mut q = self.retry.lock().unwrap_or_else(|p| p.into_inner());
+                let p = q.parts.pop_front();
+                if p.is_none() {
+                    q.running = false;
+                }
+                p
+            };
+            match next {
+                Some(p) => self.post_part(p),
+                None => return,
+            }
+        }
+    }
+
+    /// Rail `r`'s connection now, and its generation.
+    fn current(&self, r: usize) -> (Arc<VerbsConn>, u64) {
+        let c = self.conns[r].read().unwrap_or_else(|p| p.into_inner());
+        (Arc::clone(&c), self.epochs[r].load(Ordering::Acquire))
+    }
+
+    fn usable(&self, r: usize) -> bool {
+        !self.out[r].load(Ordering::Acquire)
+            && !self.conns[r]
+                .read()
+                .unwrap_or_else(|p| p.into_inner())
+                .is_broken()
+    }
+
+    /// The stripe's weights now: 0 for a rail taken out. A rail whose connection broke
+    /// without a part of ours failing on it (a heartbeat did) is taken out here.
     fn weights(&self) -> SmallVec<[u64; MAX_RAILS]> {
         (0..self.conns.len())
             .map(|r| {
-                if self.usable(r) {
-                    self.set.weights[r]
-                } else {
-                    0
+                if self.out[r].load(Ordering::Acquire) {
+                    return 0;
                 }
+                let (c, epoch) = self.current(r);
+                if c.is_broken() {
+                    let e = c.broken_reason().unwrap_or(Error::Shutdown);
+                    self.take_out(r, epoch, &e);
+                    return 0;
+                }
+                self.set.weights[r]
             })
             .collect()
     }
@@ -246,15 +357,119 @@ impl MultiConn {
             .max_by_key(|&r| (w[r], std::cmp::Reverse(r)))
     }
 
-    /// Takes rail `r` out of this connection's stripe (counted once).
-    fn take_out(&self, r: usize, why: &Error) {
+    /// Takes rail `r` out of this connection's stripe (counted once) for a failure of its
+    /// connection of generation `epoch` (an older one's failure is not the rail's now), and
+    /// starts probing it back.
+    fn take_out(&self, r: usize, epoch: u64, why: &Error) {
+        if epoch != self.epochs[r].load(Ordering::Acquire) {
+            return;
+        }
         if !self.out[r].swap(true, Ordering::AcqRel) {
             self.set.counters[r].errors.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(
                 peer = %self.peer, rail = r, device = %self.set.devices[r].dev.name, error = %why,
                 "rail taken out of the stripe"
             );
+            self.start_prober();
         }
+    }
+
+    /// Starts the thread that brings rails back, unless it runs or this side does not
+    /// reconnect (the acceptor: its peer does).
+    fn start_prober(&self) {
+        if self.control.is_none() || self.closed.load(Ordering::Acquire) {
+            return;
+        }
+        let mut running = self.prober.lock().unwrap_or_else(|p| p.into_inner());
+        if *running {
+            return;
+        }
+        let me = self.me.clone();
+        let spawned = std::thread::Builder::new()
+            .name("pagewire-rail-probe".into())
+            .spawn(move || probe_rails(&me));
+        match spawned {
+            Ok(_) => *running = true,
+            Err(e) => tracing::warn!(peer = %self.peer, error = %e, "cannot start the rail prober"),
+        }
+    }
+
+    /// Rails out of the stripe now; stops the prober (under its lock, so a rail taken
+    /// out meanwhile starts a new one) when there is none or the connection closed.
+    fn rails_out(&self) -> SmallVec<[usize; MAX_RAILS]> {
+        let mut running = self.prober.lock().unwrap_or_else(|p| p.into_inner());
+        let out: SmallVec<[usize; MAX_RAILS]> = (0..self.out.len())
+            .filter(|&r| self.out[r].load(Ordering::Acquire))
+            .collect();
+        if out.is_empty() || self.closed.load(Ordering::Acquire) {
+            *running = false;
+            return SmallVec::new();
+        }
+        out
+    }
+
+    /// A new incoming-notification sink for one rail's connection.
+    fn rail_tags(&self) -> Arc<dyn TagSink> {
+        RailTags::sink(Arc::clone(&self.tags.0), Arc::clone(&self.tags.1))
+    }
+
+    /// Reconnects rail `r` (initiator): new QPs on its device, exchanged with the peer
+    /// through the control channel, proven by a probe, then in the rail's place.
+    fn restore(&self, r: usize, control: &dyn RailControl) -> Result<(), Error> {
+        let (pending, ep) = self.set.devices[r].prepare()?;
+        let mut pending = Some(pending);
+        let mut fresh: Option<Arc<VerbsConn>> = None;
+        let done = control.reconnect(r, super::endpoint_info(&ep), &mut |theirs, deadline| {
+            let remote = super::verbs_endpoint(theirs)?;
+            let p = pending.take().ok_or(Error::Shutdown)?;
+            let c = p.complete(&remote, Some(self.rail_tags()), self.peer)?;
+            fresh = Some(Arc::clone(&c));
+            c.probe(deadline)
+        });
+        match (done, fresh) {
+            (Ok(()), Some(c)) => {
+                self.install(r, c);
+                Ok(())
+            }
+            (Err(e), Some(c)) => {
+                c.close(Error::peer_gone(
+                    self.peer,
+                    PeerFault::ClosedLocally,
+                    "rail reconnection failed",
+                ));
+                Err(e)
+            }
+            (Err(e), None) => Err(e),
+            (Ok(()), None) => Err(Error::Shutdown),
+        }
+    }
+
+    /// Puts `c` in rail `r`'s place and the rail back in the stripe. What was still in
+    /// flight on the old connection fails over as after any rail failure.
+    fn install(&self, r: usize, c: Arc<VerbsConn>) {
+        let old = {
+            let mut slot = self.conns[r].write().unwrap_or_else(|p| p.into_inner());
+            // Checked under the slot's lock: `close` marks the connection closed before it
+            // reads the slots, so it either sees `c` here or `c` sees the mark.
+            if self.closed.load(Ordering::Acquire) {
+                drop(slot);
+                c.close(Error::peer_gone(
+                    self.peer,
+                    PeerFault::ClosedLocally,
+                    "connection closed",
+                ));
+                return;
+            }
+            self.epochs[r].fetch_add(1, Ordering::AcqRel);
+            std::mem::replace(&mut *slot, c)
+        };
+        self.out[r].store(false, Ordering::Release);
+        tracing::info!(peer = %self.peer, rail = r, device = %self.set.devices[r].dev.name, "rail back in the stripe");
+        old.close(Error::peer_gone(
+            self.peer,
+            PeerFault::Disconnected,
+            "rail reconnected",
+        ));
     }
 
     fn gone(&self) -> Error {
@@ -315,7 +530,8 @@ impl MultiConn {
             }
         };
         let deadline = part.stripe.batch.deadline();
-        let conn = &self.conns[part.rail];
+        let (conn, epoch) = self.current(part.rail);
+        part.epoch.store(epoch, Ordering::Release);
         if let Err(e) = conn.post(Arc::clone(&part), plan.iter(), None, deadline) {
             // Refused before the part was handed over (the rail broke): fail it here; a
             // failure the connection reported already reached it, and this is a no-op.
@@ -329,24 +545,90 @@ impl MultiConn {
             stripe.batch.succeed(Instant::now());
             return;
         };
+        let seq = self.seq.fetch_add(1, Ordering::Relaxed);
+        self.notify_on_any(stripe, tag, seq, false);
+    }
+
+    /// Posts the notification (its sequence number, then its tag) on the best usable
+    /// rail; `again`: a retry, counted on that rail. Never waits: a WR-less post only
+    /// queues the WRITE_WITH_IMMs behind QP 0's window.
+    fn notify_on_any(&self, stripe: Arc<Stripe>, tag: u32, seq: u32, again: bool) {
         let Some(r) = self.pick() else {
             stripe.batch.fail(self.gone());
             return;
         };
+        if again {
+            self.set.counters[r].retries.fetch_add(1, Ordering::Relaxed);
+        }
         let deadline = stripe.batch.deadline();
+        let (conn, epoch) = self.current(r);
         let sink = Arc::new(NotifyPart {
-            stripe: Arc::clone(&stripe),
+            stripe,
+            rail: r,
+            epoch,
+            tag,
+            seq,
             done: AtomicBool::new(false),
         });
-        if let Err(e) = self.conns[r].post(
-            Arc::clone(&sink),
-            std::iter::empty::<PlanOp>(),
-            Some(tag),
-            deadline,
-        ) {
+        // Both or neither go out (neither sink ever asks to stop), so the receiver always
+        // sees a sequence number followed by its tag on this QP.
+        let posted = conn
+            .post(
+                Arc::new(SeqSink),
+                std::iter::empty::<PlanOp>(),
+                Some(seq),
+                deadline,
+            )
+            .and_then(|()| {
+                conn.post(
+                    Arc::clone(&sink),
+                    std::iter::empty::<PlanOp>(),
+                    Some(tag),
+                    deadline,
+                )
+            });
+        if let Err(e) = posted {
             sink.fail(e);
         }
     }
+}
+
+/// How often the prober looks at the rails taken out.
+const PROBE_EVERY: Duration = Duration::from_millis(250);
+
+/// The prober thread of one connection: every [`PROBE_EVERY`], each rail taken out whose
+/// port is ACTIVE is reconnected; it ends when no rail is out or the connection is gone.
+fn probe_rails(conn: &Weak<MultiConn>) {
+    loop {
+        std::thread::sleep(PROBE_EVERY);
+        let Some(c) = conn.upgrade() else {
+            return;
+        };
+        let Some(control) = c.control.clone() else {
+            return;
+        };
+        let out = c.rails_out();
+        if out.is_empty() {
+            return;
+        }
+        for r in out {
+            if !port_active(&c.set.devices[r]) {
+                continue;
+            }
+            if let Err(e) = c.restore(r, &*control) {
+                tracing::debug!(peer = %c.peer, rail = r, error = %e, "rail not back yet");
+            }
+        }
+    }
+}
+
+/// Whether the rail's port is ACTIVE (sysfs; a port whose state cannot be read is tried).
+fn port_active(d: &VerbsDevice) -> bool {
+    let path = format!(
+        "/sys/class/infiniband/{}/ports/{}/state",
+        d.dev.name, d.dev.port
+    );
+    std::fs::read_to_string(path).map_or(true, |s| s.contains("ACTIVE"))
 }
 
 /// Whether `e` says a rail cannot carry traffic (rather than the batch being at fault or
@@ -380,6 +662,8 @@ impl Stripe {
 struct Part {
     stripe: Arc<Stripe>,
     rail: usize,
+    /// The generation of the rail's connection it was posted on.
+    epoch: AtomicU64,
     pieces: Pieces,
     bytes: u64,
     wrs: AtomicUsize,
@@ -407,29 +691,21 @@ impl BatchSink for Part {
             s.batch.fail(err);
             return;
         }
-        conn.take_out(self.rail, &err);
+        conn.take_out(self.rail, self.epoch.load(Ordering::Acquire), &err);
         let Some(r) = conn.pick() else {
             s.batch.fail(err);
             return;
         };
         conn.set.counters[r].retries.fetch_add(1, Ordering::Relaxed);
-        let again = Arc::new(Part {
+        conn.repost(Arc::new(Part {
             stripe: Arc::clone(s),
             rail: r,
+            epoch: AtomicU64::new(0),
             pieces: self.pieces.clone(),
             bytes: self.bytes,
             wrs: AtomicUsize::new(0),
             done: AtomicBool::new(false),
-        });
-        // Reported from a completion thread or a poster holding another rail's windows:
-        // post again on a thread of its own, which may wait for window room.
-        let c = Arc::clone(conn);
-        let spawned = std::thread::Builder::new()
-            .name("pagewire-rail-retry".into())
-            .spawn(move || c.post_part(again));
-        if let Err(e) = spawned {
-            s.batch.fail(Error::io("spawning a rail retry thread", e));
-        }
+        }));
     }
 
     fn complete(&self) {
@@ -454,6 +730,10 @@ impl BatchSink for Part {
 /// The notification of a striped batch, posted once every part landed.
 struct NotifyPart {
     stripe: Arc<Stripe>,
+    rail: usize,
+    epoch: u64,
+    tag: u32,
+    seq: u32,
     done: AtomicBool,
 }
 
@@ -461,10 +741,22 @@ impl BatchSink for NotifyPart {
     fn on_acked(&self, _wrs: usize, _bytes: u64) {}
 
     fn fail(&self, err: Error) {
-        // Not retried on another rail: the peer may have surfaced the tag already.
-        if !self.done.swap(true, Ordering::AcqRel) {
-            self.stripe.batch.fail(err);
+        if self.done.swap(true, Ordering::AcqRel) {
+            return;
         }
+        let s = &self.stripe;
+        if s.batch.is_stopped() {
+            return;
+        }
+        if !rail_fault(&err) {
+            s.batch.fail(err);
+            return;
+        }
+        // The tag may have arrived with only its acknowledgement lost: the copy on another
+        // rail carries the same sequence number, which the receiver delivers once.
+        s.conn.take_out(self.rail, self.epoch, &err);
+        s.conn
+            .notify_on_any(Arc::clone(s), self.tag, self.seq, true);
     }
 
     fn complete(&self) {
@@ -472,13 +764,117 @@ impl BatchSink for NotifyPart {
             self.stripe.batch.succeed(Instant::now());
         }
     }
+}
 
-    fn should_stop(&self) -> bool {
-        self.stripe.batch.should_stop(Instant::now())
+/// The sequence number before a striped batch's tag: its outcome is the tag's.
+struct SeqSink;
+
+impl BatchSink for SeqSink {
+    fn on_acked(&self, _wrs: usize, _bytes: u64) {}
+    fn fail(&self, _err: Error) {}
+    fn complete(&self) {}
+    fn is_user_work(&self) -> bool {
+        false
+    }
+}
+
+/// Notification sequence numbers a connection has delivered, among the last
+/// [`SeqWindow::SPAN`] below the highest: a sender retries a notification only within
+/// its batch deadline, long before that many later ones arrive.
+pub(crate) struct SeqWindow {
+    hi: Option<u32>,
+    bits: Box<[u64]>,
+}
+
+impl SeqWindow {
+    pub const SPAN: u32 = 1 << 16;
+
+    pub fn new() -> Self {
+        SeqWindow {
+            hi: None,
+            bits: vec![0; (Self::SPAN / 64) as usize].into_boxed_slice(),
+        }
     }
 
-    fn is_stopped(&self) -> bool {
-        self.stripe.batch.is_stopped()
+    fn bit(&mut self, s: u32) -> (&mut u64, u64) {
+        let i = s % Self::SPAN;
+        (&mut self.bits[(i / 64) as usize], 1u64 << (i % 64))
+    }
+
+    /// Whether `s` is seen for the first time (and records it). One older than the window
+    /// cannot be told from a new one and counts as new.
+    pub fn first_time(&mut self, s: u32) -> bool {
+        let Some(hi) = self.hi else {
+            self.hi = Some(s);
+            let (w, m) = self.bit(s);
+            *w |= m;
+            return true;
+        };
+        let ahead = s.wrapping_sub(hi);
+        if ahead != 0 && ahead < 1 << 31 {
+            // Newer than any seen: the slots of (hi, s] now stand for those numbers.
+            if ahead >= Self::SPAN {
+                self.bits.fill(0);
+            } else {
+                for k in 1..=ahead {
+                    let (w, m) = self.bit(hi.wrapping_add(k));
+                    *w &= !m;
+                }
+            }
+            self.hi = Some(s);
+            let (w, m) = self.bit(s);
+            *w |= m;
+            return true;
+        }
+        if hi.wrapping_sub(s) >= Self::SPAN {
+            return true;
+        }
+        let (w, m) = self.bit(s);
+        let first = *w & m == 0;
+        *w |= m;
+        first
+    }
+}
+
+/// The receiving side of one rail of a multi-rail connection: every notification is a
+/// sequence number followed by its tag on the same QP; a tag whose number the connection
+/// (any rail) delivered already is dropped.
+pub(crate) struct RailTags {
+    inner: Arc<dyn TagSink>,
+    seen: Arc<Mutex<SeqWindow>>,
+    /// The sequence number received, waiting for its tag.
+    seq: Mutex<Option<u32>>,
+}
+
+impl RailTags {
+    /// One rail's sink over `inner`, sharing `seen` with the connection's other rails.
+    pub fn sink(inner: Arc<dyn TagSink>, seen: Arc<Mutex<SeqWindow>>) -> Arc<dyn TagSink> {
+        Arc::new(RailTags {
+            inner,
+            seen,
+            seq: Mutex::new(None),
+        })
+    }
+}
+
+impl TagSink for RailTags {
+    fn notify(&self, imm: u32, bytes: u32) -> bool {
+        let mut waiting = self.seq.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(seq) = waiting.take() else {
+            *waiting = Some(imm);
+            return true;
+        };
+        drop(waiting);
+        let first = self
+            .seen
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .first_time(seq);
+        if !first {
+            tracing::debug!(seq, tag = imm, "duplicate notification dropped");
+            return true;
+        }
+        self.inner.notify(imm, bytes)
     }
 }
 
@@ -524,6 +920,7 @@ impl Conn for MultiConn {
             let part = Arc::new(Part {
                 stripe: Arc::clone(&stripe),
                 rail,
+                epoch: AtomicU64::new(0),
                 pieces,
                 bytes,
                 wrs: AtomicUsize::new(0),
@@ -549,20 +946,50 @@ impl Conn for MultiConn {
     }
 
     fn probe(&self, deadline: Instant) -> Result<(), Error> {
-        for c in &self.conns {
-            c.probe(deadline)?;
+        for r in 0..self.conns.len() {
+            self.current(r).0.probe(deadline)?;
         }
         Ok(())
     }
 
     fn close(&self) {
-        for c in &self.conns {
-            c.close(Error::peer_gone(
+        self.closed.store(true, Ordering::Release);
+        for r in 0..self.conns.len() {
+            self.current(r).0.close(Error::peer_gone(
                 self.peer,
                 PeerFault::ClosedLocally,
                 "connection closed",
             ));
         }
+    }
+
+    fn accept_rail(
+        &self,
+        rail: usize,
+        theirs: &EndpointInfo,
+    ) -> Result<(EndpointInfo, RailSwap), Error> {
+        if rail >= self.conns.len() || self.closed.load(Ordering::Acquire) {
+            return Err(Error::Unsupported {
+                what: format!("rail {rail} of a connection with {}", self.conns.len()),
+            });
+        }
+        let me = self.me.upgrade().ok_or(Error::Shutdown)?;
+        let remote = super::verbs_endpoint(theirs)?;
+        let (pending, ep) = self.set.devices[rail].prepare()?;
+        let c = pending.complete(&remote, Some(self.rail_tags()), self.peer)?;
+        let peer = self.peer;
+        let swap: RailSwap = Box::new(move |ok| {
+            if ok {
+                me.install(rail, c);
+            } else {
+                c.close(Error::peer_gone(
+                    peer,
+                    PeerFault::ClosedLocally,
+                    "rail reconnection abandoned",
+                ));
+            }
+        });
+        Ok((super::endpoint_info(&ep), swap))
     }
 }
 
@@ -631,5 +1058,63 @@ mod tests {
         assert!(!rail_fault(&Error::Timeout {
             after: std::time::Duration::ZERO
         }));
+    }
+
+    /// The window against a set of every number seen: within the window both agree.
+    #[test]
+    fn seq_window_matches_a_set() {
+        use proptest::prelude::*;
+        let cfg = ProptestConfig::with_cases(64);
+        proptest!(cfg, |(start in any::<u32>(), steps in proptest::collection::vec((0u32..8, 0u32..70_000), 1..300))| {
+            let mut w = SeqWindow::new();
+            let mut seen = std::collections::HashSet::new();
+            let mut hi = start;
+            for (kind, d) in steps {
+                let s = match kind {
+                    0 => hi.wrapping_add(d % 8),
+                    1..=5 => hi.wrapping_sub(d % 64),
+                    6 => hi.wrapping_sub(d),
+                    _ => hi.wrapping_add(d),
+                };
+                let first = w.first_time(s);
+                let behind = hi.wrapping_sub(s);
+                if behind < SeqWindow::SPAN || s.wrapping_sub(hi) < 1 << 31 {
+                    prop_assert_eq!(first, seen.insert(s), "seq {} hi {}", s, hi);
+                } else {
+                    prop_assert!(first);
+                    seen.insert(s);
+                }
+                if s.wrapping_sub(hi) < 1 << 31 {
+                    hi = s;
+                }
+            }
+        });
+    }
+
+    #[derive(Default)]
+    struct Tags(Mutex<Vec<u32>>);
+
+    impl TagSink for Tags {
+        fn notify(&self, tag: u32, _bytes: u32) -> bool {
+            self.0.lock().unwrap().push(tag);
+            true
+        }
+    }
+
+    /// A tag sent again on another rail with its sequence number surfaces once.
+    #[test]
+    fn rail_tags_deliver_a_retried_notification_once() {
+        let tags = Arc::new(Tags::default());
+        let seen = Arc::new(Mutex::new(SeqWindow::new()));
+        let rails = [
+            RailTags::sink(tags.clone(), Arc::clone(&seen)),
+            RailTags::sink(tags.clone(), seen),
+        ];
+        assert!(rails[0].notify(0, 0) && rails[0].notify(7, 0));
+        assert!(rails[1].notify(1, 0) && rails[1].notify(8, 0));
+        // Sequence number 1 again, on rail 0: a duplicate.
+        assert!(rails[0].notify(1, 0) && rails[0].notify(8, 0));
+        assert!(rails[0].notify(2, 0) && rails[0].notify(8, 0));
+        assert_eq!(*tags.0.lock().unwrap(), [7, 8, 8]);
     }
 }
