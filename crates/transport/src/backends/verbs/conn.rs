@@ -822,10 +822,18 @@ impl VerbsConn {
     /// `break_conn` for an error (`deliberate` false: logged as a warning) or for a close
     /// the engine asked for, which is logged as a warning only if it cut work short.
     fn stop(&self, err: Error, deliberate: bool) {
-        let first = !self.broken.swap(true, Ordering::AcqRel);
-        if first {
-            *lock(&self.reason) = Some(err.clone());
-        }
+        // The reason goes in before `broken` is published: a poster that sees `broken`
+        // must find why (seeing none, it took the rail's failure for the engine's
+        // shutdown, and a multi-rail batch failed instead of moving to another rail).
+        let first = {
+            let mut reason = lock(&self.reason);
+            let first = reason.is_none();
+            if first {
+                *reason = Some(err.clone());
+            }
+            first
+        };
+        self.broken.store(true, Ordering::Release);
         let mut cut = 0u64;
         for slot in &self.qps {
             let groups = lock(&slot.track).drain_all();
