@@ -74,6 +74,37 @@ pub trait PlanEntry {
     fn triple(&self) -> (u64, u64, u64);
 }
 
+/// A plan's `(src, dst, len)` entries in data-flow order as a batch of `op` (for
+/// `Op::Write` `src` is local, for `Op::Read` `dst` is), with its notification.
+pub(crate) fn plan_batch<I>(op: Op, plan: I, notify: Option<u32>) -> Batch
+where
+    I: IntoIterator,
+    I::Item: PlanEntry,
+{
+    let b: Batch = plan
+        .into_iter()
+        .map(|e| e.triple())
+        .map(|(src, dst, len)| match op {
+            Op::Write => TransferOp {
+                op,
+                local: src,
+                remote: dst,
+                len,
+            },
+            Op::Read => TransferOp {
+                op,
+                local: dst,
+                remote: src,
+                len,
+            },
+        })
+        .collect();
+    match notify {
+        Some(t) => b.notify(t),
+        None => b,
+    }
+}
+
 impl PlanEntry for (u64, u64, u64) {
     fn triple(&self) -> (u64, u64, u64) {
         *self
@@ -553,28 +584,7 @@ impl Engine {
         I: IntoIterator,
         I::Item: PlanEntry,
     {
-        let mut b: Batch = plan
-            .into_iter()
-            .map(|e| e.triple())
-            .map(|(src, dst, len)| match op {
-                Op::Write => TransferOp {
-                    op,
-                    local: src,
-                    remote: dst,
-                    len,
-                },
-                Op::Read => TransferOp {
-                    op,
-                    local: dst,
-                    remote: src,
-                    len,
-                },
-            })
-            .collect();
-        if let Some(t) = notify {
-            b = b.notify(t);
-        }
-        self.submit(peer, b)
+        self.submit(peer, plan_batch(op, plan, notify))
     }
 
     /// Waits for the next remote notification until `deadline`. On verbs the calling

@@ -39,10 +39,10 @@ use crate::core::slice::{piece_count, pieces};
 use crate::core::wait::{NAP_FIRST, next_nap};
 use crate::core::window::{Group, InFlight};
 use crate::core::wire::{self, EndpointInfo, Frame, Hello, Welcome};
-use crate::engine::PlanEntry;
+use crate::engine::{PlanEntry, plan_batch};
 use crate::error::{Error, HandshakeError, PeerFault, Result};
 use crate::types::{
-    Access, BackendKind, MrHandle, Notification, Op, PeerId, RegionId, RemoteRegion, TransferOp,
+    Access, BackendKind, MrHandle, Notification, Op, PeerId, RegionId, RemoteRegion,
 };
 
 /// One way of a link: 2 us plus up to 2 us of seeded jitter.
@@ -1094,28 +1094,7 @@ impl SimEngine {
         I: IntoIterator,
         I::Item: PlanEntry,
     {
-        let mut b: Batch = plan
-            .into_iter()
-            .map(|e| e.triple())
-            .map(|(src, dst, len)| match op {
-                Op::Write => TransferOp {
-                    op,
-                    local: src,
-                    remote: dst,
-                    len,
-                },
-                Op::Read => TransferOp {
-                    op,
-                    local: dst,
-                    remote: src,
-                    len,
-                },
-            })
-            .collect();
-        if let Some(t) = notify {
-            b = b.notify(t);
-        }
-        self.submit(peer, b)
+        self.submit(peer, plan_batch(op, plan, notify))
     }
 
     /// As `Engine::prepare`: resolved once, each run re-posted (no fast path here).
