@@ -28,6 +28,7 @@
 //! | `PAGEWIRE_IO_TIMEOUT_MS` | `io_timeout` | `10000` | TCP data-stream read/write timeout |
 //! | `PAGEWIRE_PROGRESS` | `progress` | `auto` | verbs: `auto` (a completion thread reaps whatever callers leave) or `manual` (only callers reap: waits, `Engine::reap`) |
 //! | `PAGEWIRE_NOTIFY_QUEUE` | `notify_queue` | `65536` | most notifications queued for the application (1..=16M); at the bound a notification is dropped, counted, and its peer's connection broken |
+//! | `PAGEWIRE_MAX_PEERS` | `max_peers` | `1024` | most established peers (1..=65536); at the cap a `connect` fails with `Error::TooManyPeers` and an incoming handshake is refused (the initiator gets `HandshakeError::TooManyPeers`) until a peer is disconnected or its connection breaks |
 //! | `PAGEWIRE_POLL_SPIN_US` | `poll_spin` | `5000` | verbs: completion thread keeps polling this long after the last post or completion; a waiting caller busy-polls this long without a completion before it blocks (0..=10 s) |
 //!
 //! Sizes accept a plain byte count or a `K`/`M`/`G` suffix (powers of 1024).
@@ -130,6 +131,11 @@ pub struct EngineConfig {
     /// this many are queued is dropped, counted ([`crate::Engine::notifications_dropped`])
     /// and its peer's connection is broken, so no peer grows the queue without bound.
     pub notify_queue: usize,
+    /// Most established peers (each holds sockets, memory, maybe threads). A connection
+    /// past it is refused on both sides, so no client exhausts the process's
+    /// descriptors. Only working connections count: a peer's slot is free again once it
+    /// is disconnected or its connection broke.
+    pub max_peers: usize,
 }
 
 impl Default for EngineConfig {
@@ -157,6 +163,7 @@ impl Default for EngineConfig {
             poll_spin: Duration::from_millis(5),
             progress: ProgressMode::Auto,
             notify_queue: 1 << 16,
+            max_peers: 1024,
         }
     }
 }
@@ -196,6 +203,7 @@ impl EngineConfig {
         }
         range("tcp_streams", self.tcp_streams.into(), 1, 64)?;
         range("notify_queue", self.notify_queue as u64, 1, 1 << 24)?;
+        range("max_peers", self.max_peers as u64, 1, 1 << 16)?;
         if self.poll_spin > Duration::from_secs(10) {
             return Err(Error::config(
                 "poll_spin",
@@ -282,6 +290,8 @@ impl EngineConfigBuilder {
         progress: ProgressMode);
     setter!(/// Most notifications queued for the application.
         notify_queue: usize);
+    setter!(/// Most established peers.
+        max_peers: usize);
 
     /// Shared secret.
     pub fn token(mut self, t: impl Into<String>) -> Self {
@@ -396,6 +406,9 @@ impl EngineConfigBuilder {
         if let Some(v) = get("PAGEWIRE_NOTIFY_QUEUE") {
             c.notify_queue = parse_num("PAGEWIRE_NOTIFY_QUEUE", &v)?;
         }
+        if let Some(v) = get("PAGEWIRE_MAX_PEERS") {
+            c.max_peers = parse_num("PAGEWIRE_MAX_PEERS", &v)?;
+        }
         if let Some(v) = get("PAGEWIRE_POLL_SPIN_US") {
             c.poll_spin = Duration::from_micros(parse_num("PAGEWIRE_POLL_SPIN_US", &v)?);
         }
@@ -441,6 +454,7 @@ mod tests {
             ("PAGEWIRE_POLL_SPIN_US", "250"),
             ("PAGEWIRE_PROGRESS", "Manual"),
             ("PAGEWIRE_NOTIFY_QUEUE", "1024"),
+            ("PAGEWIRE_MAX_PEERS", "2"),
         ]
         .into_iter()
         .collect();
@@ -457,6 +471,10 @@ mod tests {
         assert_eq!(cfg.poll_spin, Duration::from_micros(250));
         assert_eq!(cfg.progress, ProgressMode::Manual);
         assert_eq!(cfg.notify_queue, 1024);
+        assert_eq!(cfg.max_peers, 2);
+        assert_eq!(EngineConfig::default().max_peers, 1024);
+        let err = EngineConfig::builder().max_peers(0).build().unwrap_err();
+        assert!(err.to_string().contains("max_peers"), "{err}");
         assert!(
             EngineConfig::builder()
                 .notify_queue(0)

@@ -12,7 +12,7 @@
 //!
 //! | [`Fault`] | variants | caused by |
 //! |---|---|---|
-//! | `ApiMisuse` | `InvalidRange`, `Unregistered`, `PermissionDenied`, `RegionOverlap`, `UnknownRegion`, `RegionBusy`, `UnknownPeer`, `RemoteOutOfBounds`, `RemotePermission`, `EmptyBatch`, `Unsupported` | the caller's arguments or call order; never by bytes from a peer |
+//! | `ApiMisuse` | `InvalidRange`, `Unregistered`, `PermissionDenied`, `RegionOverlap`, `UnknownRegion`, `RegionBusy`, `UnknownPeer`, `TooManyPeers`, `RemoteOutOfBounds`, `RemotePermission`, `EmptyBatch`, `Unsupported` | the caller's arguments or call order; never by bytes from a peer |
 //! | `Peer` | `PeerGone` (with a typed [`PeerFault`]), `Remote`, `Handshake` (except its `Io`), `Completion` with a remote or retry status | a peer that went away, misbehaved or is incompatible |
 //! | `Device` | `Verbs` (the verbs call, with its OS error as the source), `Completion` (other statuses), `Registration`, `BackendUnavailable` | the NIC, its driver or the host's limits |
 //! | `Io` | `Io`, `Connect`, `Handshake(HandshakeError::Io)` | the OS's sockets |
@@ -124,6 +124,13 @@ pub enum Error {
         id: RegionId,
         /// How many batches still reference it.
         inflight: usize,
+    },
+    /// `connect` while this engine already holds `max_peers` established peers
+    /// (`EngineConfig::max_peers`); disconnect one first.
+    #[error("too many peers: this engine holds its maximum of {max}")]
+    TooManyPeers {
+        /// The configured cap.
+        max: usize,
     },
     /// No peer with this id on this engine.
     #[error("unknown peer {peer}")]
@@ -313,6 +320,7 @@ impl Error {
             | Error::UnknownRegion { .. }
             | Error::RegionBusy { .. }
             | Error::UnknownPeer { .. }
+            | Error::TooManyPeers { .. }
             | Error::RemoteOutOfBounds { .. }
             | Error::RemotePermission { .. }
             | Error::EmptyBatch
@@ -517,6 +525,10 @@ pub enum HandshakeError {
         /// Theirs.
         theirs: String,
     },
+    /// The peer refused the handshake because it holds as many peers as it may
+    /// (its `max_peers`).
+    #[error("rejected by peer: too many peers")]
+    TooManyPeers,
     /// The peer refused the handshake and said why.
     #[error("rejected by peer: {reason}")]
     Rejected {
@@ -566,6 +578,8 @@ mod tests {
         };
         let cases = [
             (Error::EmptyBatch, Fault::ApiMisuse),
+            (Error::TooManyPeers { max: 2 }, Fault::ApiMisuse),
+            (Error::Handshake(HandshakeError::TooManyPeers), Fault::Peer),
             (Error::Unsupported { what: "x".into() }, Fault::ApiMisuse),
             (
                 Error::peer_gone(peer, PeerFault::Protocol, "bad"),

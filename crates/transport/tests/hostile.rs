@@ -1447,3 +1447,68 @@ fn hostonly_an_older_protocol_version_gets_a_clear_refusal() {
         "{reason}"
     );
 }
+
+// ---------------------------------------------------------------- peer cap
+
+/// With `max_peers = 2` an engine holds two peers: a third initiator is refused by the
+/// acceptor (`HandshakeError::TooManyPeers`), a full initiator refuses locally
+/// (`Error::TooManyPeers`, a misuse), neither refusal leaves a descriptor or thread behind,
+/// and a disconnect frees the slot for the next connect.
+fn peer_cap_is_enforced(kind: BackendKind) -> Result<()> {
+    use pagewire_transport::{Fault, HandshakeError};
+    let capped = || engine_with(config(kind).max_peers(2));
+    let b = capped()?;
+    let (a1, a2, a3) = (engine(kind)?, engine(kind)?, engine(kind)?);
+    let (_, ba1) = connect(&a1, &b)?;
+    connect(&a2, &b)?;
+    std::thread::sleep(Duration::from_millis(200));
+    let base = (threads("self"), fds("self"));
+    for _ in 0..3 {
+        match a3.connect(b.local_addr()) {
+            Err(Error::Handshake(HandshakeError::TooManyPeers)) => {}
+            other => bail!("third connect to a full acceptor: {other:?}"),
+        }
+    }
+    ensure!(b.peers().len() == 2 && a3.peers().is_empty(), "peer tables");
+    let after = settle("self", base, Duration::from_secs(5));
+    ensure!(
+        after.0 <= base.0 && after.1 <= base.1,
+        "threads/fds {after:?} after refused connects, {base:?} before"
+    );
+
+    // The initiator's own cap: refused before it dials.
+    let (c1, c2) = (engine(kind)?, engine(kind)?);
+    let x = capped()?;
+    connect(&x, &c1)?;
+    connect(&x, &c2)?;
+    match x.connect(a3.local_addr()) {
+        Err(e @ Error::TooManyPeers { max: 2 }) => ensure!(e.fault() == Fault::ApiMisuse),
+        other => bail!("connect from a full initiator: {other:?}"),
+    }
+    ensure!(
+        a3.peers().is_empty(),
+        "the refused connect reached its target"
+    );
+
+    // One disconnect frees a slot.
+    b.disconnect(ba1)?;
+    let (a3b, _) = connect(&a3, &b).context("connect after a disconnect")?;
+    ensure!(a3.peer_alive(a3b)?, "new peer alive");
+    Ok(())
+}
+
+#[test]
+fn hostonly_tcp_peer_cap_is_enforced() {
+    let _g = serial();
+    if host_only("hostonly_tcp_peer_cap_is_enforced") {
+        peer_cap_is_enforced(BackendKind::Tcp).unwrap();
+    }
+}
+
+#[test]
+fn hostonly_loopback_peer_cap_is_enforced() {
+    let _g = serial();
+    if host_only("hostonly_loopback_peer_cap_is_enforced") {
+        peer_cap_is_enforced(BackendKind::Loopback).unwrap();
+    }
+}

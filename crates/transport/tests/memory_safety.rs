@@ -6,6 +6,8 @@
 //!   while a peer keeps writing (the application may free it at once);
 //! * a TCP READ that misses its batch deadline lands nothing after the batch failed, lets
 //!   go of its target within the I/O timeout, and breaks its connection;
+//! * a TCP WRITE to a peer that stops reading fails with `Timeout` at its deadline and lets
+//!   go of its source then, not after the I/O timeout;
 //! * deadlines surface as `Error::Timeout`, not as an I/O error of kind `WouldBlock`;
 //! * the TCP backend forms no Rust reference over registered memory, and `HostBuffer` has
 //!   no safe slice view of it.
@@ -664,6 +666,127 @@ fn read_past_deadline() -> Result<()> {
     let _ = TcpStream::connect((relay_ip, data_port));
     // SAFETY: `a` shut down; the region was deregistered before.
     unsafe { mem.free() };
+    Ok(())
+}
+
+/// Relays connections from `listener` to `to` until `stop`: towards the server only the
+/// first `free` bytes of each connection (a data stream's hello), after which it stops
+/// reading, as a peer that takes no more bytes; towards the client everything.
+fn stall_after(listener: TcpListener, to: SocketAddr, free: usize, stop: Arc<AtomicBool>) {
+    std::thread::spawn(move || {
+        for c in listener.incoming() {
+            if stop.load(Ordering::Acquire) {
+                return;
+            }
+            let Ok(mut client) = c else { continue };
+            let Ok(mut server) = TcpStream::connect(to) else {
+                continue;
+            };
+            let (c2, s2) = (
+                client.try_clone().expect("clone"),
+                server.try_clone().expect("clone"),
+            );
+            let st = stop.clone();
+            std::thread::spawn(move || pipe(s2, c2, usize::MAX, Duration::ZERO, &st));
+            let st = stop.clone();
+            std::thread::spawn(move || {
+                let mut hello = vec![0u8; free];
+                if client.read_exact(&mut hello).is_ok() && server.write_all(&hello).is_ok() {
+                    while !st.load(Ordering::Acquire) {
+                        std::thread::sleep(Duration::from_millis(20));
+                    }
+                }
+                let _ = client.shutdown(std::net::Shutdown::Both);
+                let _ = server.shutdown(std::net::Shutdown::Both);
+            });
+        }
+    });
+}
+
+/// A TCP WRITE larger than the socket buffers to a peer that stops reading: the sender
+/// thread's blocked write ends at the batch deadline, not after `io_timeout` (20 s here).
+/// The batch fails with `Timeout` on time, its memory is let go of at once (no write
+/// reads it any more), and the connection, whose stream may end mid-request, is closed.
+#[test]
+fn tcp_write_to_a_stalled_peer_ends_at_its_deadline() {
+    write_past_deadline().unwrap();
+}
+
+fn write_past_deadline() -> Result<()> {
+    let _serial = serial();
+    let n = 64 << 20;
+    let deadline = Duration::from_millis(300);
+    let slack = Duration::from_millis(1500);
+    let b = engine(BackendKind::Tcp)?;
+    let dst = HostBuffer::new(n)?;
+    b.register(&dst, Access::ALL)?;
+    let data_port = {
+        let probe = engine(BackendKind::Tcp)?;
+        let p = probe.connect(b.local_addr())?;
+        let EndpointInfo::Tcp { data_port, .. } = probe.peer_info(p)?.remote_endpoint else {
+            bail!("not a TCP endpoint");
+        };
+        probe.shutdown();
+        data_port
+    };
+    // As in `read_past_deadline`: relays on 127.0.0.2 for the control port and for B's
+    // data port number, this one passing the stream hello (16 bytes without a token) and
+    // then nothing towards B.
+    let stop = Arc::new(AtomicBool::new(false));
+    let relay_ip = IpAddr::V4(Ipv4Addr::new(127, 0, 0, 2));
+    let ctrl = TcpListener::bind((relay_ip, 0))?;
+    let ctrl_addr = ctrl.local_addr()?;
+    let data = TcpListener::bind((relay_ip, data_port))
+        .context("relay on B's data port number at 127.0.0.2")?;
+    relay(
+        ctrl,
+        b.local_addr(),
+        usize::MAX,
+        Duration::ZERO,
+        stop.clone(),
+    );
+    let b_data = SocketAddr::new(b.local_addr().ip(), data_port);
+    stall_after(data, b_data, 16, stop.clone());
+
+    let io = Duration::from_secs(20);
+    let a = engine_with(config(BackendKind::Tcp).tcp_streams(1).io_timeout(io))?;
+    let src = HostBuffer::new(n)?;
+    let region = a.register(&src, Access::LOCAL_WRITE)?;
+    let ab = a.connect(ctrl_addr)?;
+    let t0 = Instant::now();
+    let h = a.submit(
+        ab,
+        Batch::new()
+            .write(src.addr(), dst.addr(), n as u64)
+            .timeout(deadline),
+    )?;
+    let got = h.wait(secs(30));
+    let failed_at = Instant::now();
+    ensure!(
+        matches!(got, Err(Error::Timeout { .. })),
+        "WRITE to a stalled peer: {got:?}"
+    );
+    ensure!(
+        failed_at - t0 < deadline + slack,
+        "failed after {:?}",
+        failed_at - t0
+    );
+    // The sender thread's write stopped: nothing reads the source any more.
+    a.deregister_wait(region, failed_at + slack)
+        .context("the timed-out WRITE's source is still pinned (a write still blocked)")?;
+    let end = Instant::now() + slack;
+    while a.peer_alive(ab)? && Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    ensure!(
+        !a.peer_alive(ab)?,
+        "a connection whose stream was cut mid-request is still reported alive"
+    );
+    stop.store(true, Ordering::Release);
+    a.shutdown();
+    b.shutdown();
+    let _ = TcpStream::connect(ctrl_addr);
+    let _ = TcpStream::connect((relay_ip, data_port));
     Ok(())
 }
 

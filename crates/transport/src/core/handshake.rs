@@ -18,9 +18,14 @@ use crate::error::HandshakeError;
 use crate::types::RemoteRegion;
 use crate::util::ct_eq;
 
+/// The `Reject` reason of an acceptor at its `max_peers`: fixed text, so the initiator
+/// reports it as [`HandshakeError::TooManyPeers`].
+pub(crate) const TOO_MANY_PEERS: &str = "too many peers";
+
 /// A frame of a kind the state does not expect, or the peer's refusal.
 fn unexpected(f: Frame, expected: &'static str) -> HandshakeError {
     match f {
+        Frame::Reject { reason } if reason == TOO_MANY_PEERS => HandshakeError::TooManyPeers,
         Frame::Reject { reason } => HandshakeError::Rejected { reason },
         other => HandshakeError::UnexpectedFrame {
             expected,
@@ -241,6 +246,15 @@ mod tests {
             }),
             Err(HandshakeError::Rejected { .. })
         ));
+        // A full acceptor's refusal is typed, before (Welcome) or after (Ready) it set up.
+        assert_eq!(
+            AwaitReady
+                .handle(Frame::Reject {
+                    reason: TOO_MANY_PEERS.into()
+                })
+                .unwrap_err(),
+            HandshakeError::TooManyPeers
+        );
         assert!(matches!(
             AwaitReady.handle(Frame::Regions(Vec::new())),
             Err(HandshakeError::UnexpectedFrame {

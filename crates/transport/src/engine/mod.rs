@@ -813,6 +813,13 @@ impl Inner {
     }
 
     fn connect_one(&self, addr: SocketAddr) -> Result<PeerId> {
+        // Refused before the peer does any work for us; `publish` checks again under the
+        // table's lock (connects racing for the last slot).
+        if self.peers_full() {
+            return Err(Error::TooManyPeers {
+                max: self.config.max_peers,
+            });
+        }
         // One deadline for the whole attempt: connect, frames, the backend's own setup
         // (TCP data streams, verbs probe), however the peer paces its bytes.
         let deadline = Instant::now() + self.config.handshake_timeout;
@@ -868,12 +875,20 @@ impl Inner {
             regions: RwLock::new(Arc::new(RemoteTable::new(w.regions))),
         });
         peer.conn.set_remote_table(&peer.table());
-        self.publish(peer);
+        // The acceptor published us already; closing our end takes us out of its table.
+        self.publish(peer)?;
         tracing::info!(peer = %id, %addr, "connected");
         Ok(id)
     }
 
-    fn publish(&self, peer: Arc<Peer>) {
+    /// Whether the peer table is at `max_peers` (a hint: `publish` decides).
+    fn peers_full(&self) -> bool {
+        live(&self.peers_read()) >= self.config.max_peers
+    }
+
+    /// Puts an established peer in the table, or closes its connection: at `max_peers`
+    /// that is [`Error::TooManyPeers`].
+    fn publish(&self, peer: Arc<Peer>) -> Result<()> {
         self.sessions
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -885,9 +900,23 @@ impl Inner {
         if self.shutdown.load(Ordering::Acquire) {
             drop(peers);
             peer.conn.close();
-            return;
+            return Ok(());
+        }
+        // The cap is decided here, under the table's lock, so handshakes that passed the
+        // early check together still cannot exceed it.
+        if live(&peers) >= self.config.max_peers {
+            drop(peers);
+            self.sessions
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(&peer.local_session);
+            peer.conn.close();
+            return Err(Error::TooManyPeers {
+                max: self.config.max_peers,
+            });
         }
         peers.insert(peer.id, peer);
+        Ok(())
     }
 
     /// Takes a published peer back out and closes its connection.
@@ -1014,6 +1043,9 @@ impl Inner {
     ) -> Result<(), HandshakeError> {
         // Reasons sent to the client are fixed texts: what failed inside stays in our log
         // (the error returned here), not in a stranger's hands.
+        if self.peers_full() {
+            return Err(self.refuse_full(s));
+        }
         let (pending, ep) = match self.backend.prepare_conn() {
             Ok(x) => x,
             Err(e) => {
@@ -1071,7 +1103,9 @@ impl Inner {
             regions: RwLock::new(Arc::new(RemoteTable::new(h.regions))),
         });
         peer.conn.set_remote_table(&peer.table());
-        self.publish(peer);
+        if self.publish(peer).is_err() {
+            return Err(self.refuse_full(s));
+        }
         // Tell the initiator it is known here; its `connect` returns only then. If it
         // cannot hear that (gone, out of time), it closes its end, and the departure
         // takes this peer down too.
@@ -1082,6 +1116,19 @@ impl Inner {
         tracing::info!(peer = %id, %from, "accepted");
         let _ = self.accept_tx.send(id);
         Ok(())
+    }
+
+    /// Tells an initiator we hold `max_peers` (it sees [`HandshakeError::TooManyPeers`])
+    /// and closes; the error is for our log.
+    fn refuse_full(&self, s: &mut Deadlined<'_>) -> HandshakeError {
+        let _ = reject(s, handshake::TOO_MANY_PEERS);
+        HandshakeError::Rejected {
+            reason: format!(
+                "{} (max_peers = {})",
+                handshake::TOO_MANY_PEERS,
+                self.config.max_peers
+            ),
+        }
     }
 
     fn redescribe(&self, peer: PeerId) -> Result<Vec<RemoteRegion>> {
@@ -1339,6 +1386,13 @@ impl RailControl for RailLink {
         frame::write_frame(&mut s, &Frame::Ready)?;
         Ok(())
     }
+}
+
+/// Peers whose connection still works: what `max_peers` caps. A broken one has released
+/// its sockets and threads (it stays listed until `disconnect`), so a peer that left, even
+/// without a goodbye, frees its slot.
+fn live(peers: &PeerMap<Arc<Peer>>) -> usize {
+    peers.values().filter(|p| !p.conn.is_broken()).count()
 }
 
 fn reject(s: &mut Deadlined<'_>, reason: &str) -> Result<(), HandshakeError> {

@@ -34,7 +34,9 @@
 //!
 //! Deadlines: a response must come within `io_timeout` of the last byte received and no
 //! later than `io_timeout` after its batch's deadline; a connection that misses either
-//! breaks. A READ lands its payload only while its batch is pending (under
+//! breaks. A sender thread's write ends by the latest deadline of the batches it carries
+//! (and after `io_timeout` without progress): past it they fail with `Timeout`, and the
+//! connection, whose stream may stop mid-request, breaks. A READ lands its payload only while its batch is pending (under
 //! [`BatchState::landing`]): once the batch failed or was cancelled, the rest of the
 //! payload is read into a scratch buffer, so nothing lands after the failure is reported.
 //!
@@ -548,19 +550,20 @@ struct Rest {
     sent: usize,
     /// The batch whose payload `frames` points into: its pins keep that memory registered,
     /// hence allocated, until the rest is written.
-    _keep: Arc<BatchState>,
+    keep: Arc<BatchState>,
 }
 
 impl Rest {
-    /// Writes the rest (blocking; the socket's write timeout bounds each wait).
-    fn write_all(self, sock: &TcpStream) -> std::io::Result<()> {
+    /// Writes the rest by its batch's deadline (and `idle` without progress): see
+    /// [`sys::write_all_by`].
+    fn write_all(self, sock: &TcpStream, idle: Duration) -> std::io::Result<()> {
         let mut iov: SmallVec<[IoVec; 4]> = SmallVec::new();
         Frame::iov(&self.frames, &mut iov);
         let left = sys::advance(&mut iov, self.sent);
         // SAFETY: header entries point into `self.frames`, alive for the call; payload
         // entries are ranges the engine validated against registered local regions,
-        // which `self._keep` keeps pinned (registered, hence allocated) until we return.
-        unsafe { sys::write_all(sock, left) }
+        // which `self.keep` keeps pinned (registered, hence allocated) until we return.
+        unsafe { sys::write_all_by(sock, left, self.keep.deadline(), idle) }
     }
 }
 
@@ -971,11 +974,7 @@ impl ConnShared {
             }
         };
         if sent < total {
-            st.rest = Some(Rest {
-                frames,
-                sent,
-                _keep: keep,
-            });
+            st.rest = Some(Rest { frames, sent, keep });
             // Lock order: a stream's state, then the queues (break_all never holds both).
             if let Some(q) = lock(&self.queues).get(i) {
                 let _ = q.send(TxMsg::Rest);
@@ -1016,8 +1015,11 @@ impl ConnShared {
             if rest.is_none() && gather.is_empty() {
                 continue;
             }
+            if let Some(r) = &rest {
+                keep.push(r.keep.clone());
+            }
             let mut res = match (rest, &st.live) {
-                (Some(r), Some(live)) => r.write_all(&live.sock),
+                (Some(r), Some(live)) => r.write_all(&live.sock, self.io_timeout),
                 _ => Ok(()),
             };
             if res.is_ok() && !gather.is_empty() {
@@ -1028,6 +1030,14 @@ impl ConnShared {
                 // Queue before sending so the receiver always knows what a response
                 // answers; `keep` holds every batch of the gather until the write returned.
                 keep.extend(gather.iter().map(|j| j.batch.clone()));
+                // One write for several batches: it may go on while any of them may, so
+                // until the last deadline among them. Past it, every batch it carries
+                // failed (`Timeout`), and the stream, maybe cut mid-request, is closed.
+                let until = gather
+                    .iter()
+                    .map(|j| j.batch.deadline())
+                    .max()
+                    .unwrap_or_else(Instant::now);
                 match st.live.as_ref() {
                     Some(live) => {
                         stream.outstanding.fetch_add(gather.len(), Ordering::AcqRel);
@@ -1044,8 +1054,10 @@ impl ConnShared {
                         // the next gather; each payload entry is a range the engine
                         // validated against a registered local region, which its batch
                         // keeps pinned (so registered and allocated), and `keep` holds
-                        // every batch of the gather until `write_all` returned.
-                        res = unsafe { sys::write_all(&live.sock, &mut iov) };
+                        // every batch of the gather until `write_all_by` returned.
+                        res = unsafe {
+                            sys::write_all_by(&live.sock, &mut iov, until, self.io_timeout)
+                        };
                     }
                     None => res = Err(ErrorKind::BrokenPipe.into()),
                 }
@@ -1053,9 +1065,22 @@ impl ConnShared {
             drop(st);
             iov.clear();
             if let Err(e) = res {
-                // A write timeout is the peer taking no bytes for `io_timeout`.
+                if e.kind() == ErrorKind::TimedOut {
+                    // The deadline of what was being written passed: those batches fail
+                    // with `Timeout` (the rest of the connection's with `PeerGone` below).
+                    let now = Instant::now();
+                    for b in &keep {
+                        b.expire_if_due(now);
+                    }
+                }
+                // The stream may end mid-request: it cannot carry another one, so the
+                // connection breaks.
                 self.break_all(match e.kind() {
-                    ErrorKind::WouldBlock | ErrorKind::TimedOut => broken(
+                    ErrorKind::TimedOut => broken(
+                        PeerFault::Unresponsive,
+                        "send failed: the peer did not take a batch's bytes by its deadline",
+                    ),
+                    ErrorKind::WouldBlock => broken(
                         PeerFault::Unresponsive,
                         "send failed: the peer took no bytes within the I/O timeout",
                     ),

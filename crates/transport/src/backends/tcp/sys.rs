@@ -12,7 +12,7 @@
 use std::io;
 use std::net::TcpStream;
 use std::os::fd::AsRawFd;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// One `(pointer, length)` entry of a gather list. Building one reads nothing; the
 /// pointer must be valid for reads when the list is passed to [`write_all`].
@@ -77,9 +77,19 @@ pub(crate) unsafe fn recv_now(fd: &impl AsRawFd, ptr: *mut u8, len: usize) -> io
 /// Waits until `fd` has bytes to read (or end of stream, or an error), at most `timeout`;
 /// `Ok(false)` when the time ran out.
 pub(crate) fn wait_readable(fd: &impl AsRawFd, timeout: Duration) -> io::Result<bool> {
+    wait_for(fd, libc::POLLIN, timeout)
+}
+
+/// Waits until `fd`'s send buffer has room (or an error), at most `timeout`; `Ok(false)`
+/// when the time ran out.
+fn wait_writable(fd: &impl AsRawFd, timeout: Duration) -> io::Result<bool> {
+    wait_for(fd, libc::POLLOUT, timeout)
+}
+
+fn wait_for(fd: &impl AsRawFd, events: libc::c_short, timeout: Duration) -> io::Result<bool> {
     let mut p = libc::pollfd {
         fd: fd.as_raw_fd(),
-        events: libc::POLLIN,
+        events,
         revents: 0,
     };
     // Round up, so a wait never ends early and spins.
@@ -161,6 +171,45 @@ pub(crate) unsafe fn write_all(fd: &impl AsRawFd, mut iov: &mut [IoVec]) -> io::
             return Err(io::ErrorKind::WriteZero.into());
         }
         iov = advance(iov, n);
+    }
+    Ok(())
+}
+
+/// Writes every byte of `iov` by `until`: non-blocking `sendmsg(2)`s, and between them
+/// waits for room in the send buffer of at most `idle` and never past `until`. Stops
+/// with `TimedOut` once `until` passed with bytes left (the caller's deadline), or with
+/// `WouldBlock` when the peer took no byte for `idle` (the I/O timeout). Either way part
+/// of `iov` may have been sent.
+///
+/// # Safety
+/// As for [`write_all`].
+pub(crate) unsafe fn write_all_by(
+    fd: &impl AsRawFd,
+    mut iov: &mut [IoVec],
+    until: Instant,
+    idle: Duration,
+) -> io::Result<()> {
+    while !iov.is_empty() {
+        // SAFETY: forwarded from the caller.
+        match unsafe { send_iov(fd, iov, true) } {
+            Ok(0) if iov_len(iov) > 0 => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => iov = advance(iov, n),
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                let now = Instant::now();
+                if now >= until {
+                    return Err(io::ErrorKind::TimedOut.into());
+                }
+                if !wait_writable(fd, idle.min(until - now))? {
+                    return Err(if Instant::now() >= until {
+                        io::ErrorKind::TimedOut
+                    } else {
+                        io::ErrorKind::WouldBlock
+                    }
+                    .into());
+                }
+            }
+            Err(e) => return Err(e),
+        }
     }
     Ok(())
 }
@@ -287,6 +336,31 @@ mod tests {
         drop(c);
         // SAFETY: as above.
         assert_eq!(unsafe { recv_now(&d, buf.as_mut_ptr(), 8) }.unwrap(), 0);
+    }
+
+    /// A peer that reads nothing: the write ends at `until` (`TimedOut`) when that comes
+    /// first, at `idle` without progress (`WouldBlock`) otherwise, never later.
+    #[test]
+    fn write_all_by_stops_at_the_deadline_or_the_idle_timeout() {
+        let (a, _b) = pair();
+        let big = vec![7u8; 64 << 20];
+        for (until, idle, kind) in [
+            (200, 5_000, io::ErrorKind::TimedOut),
+            (5_000, 200, io::ErrorKind::WouldBlock),
+        ] {
+            let mut iov = [IoVec::raw(big.as_ptr(), big.len())];
+            let t0 = Instant::now();
+            let until = t0 + Duration::from_millis(until);
+            // SAFETY: the entry points at live bytes owned by this test.
+            let e = unsafe { write_all_by(&a, &mut iov, until, Duration::from_millis(idle)) }
+                .unwrap_err();
+            assert_eq!(e.kind(), kind);
+            let took = t0.elapsed();
+            assert!(
+                took >= Duration::from_millis(200) && took < Duration::from_millis(1500),
+                "{took:?}"
+            );
+        }
     }
 
     #[test]
