@@ -54,7 +54,8 @@ typedef enum pw_status {
     PW_ERR_IO = 24,                 /* operating-system I/O error */
     PW_ERR_SHUTDOWN = 25,           /* the engine was freed */
     PW_ERR_LAYOUT = 26,             /* a pool description or page list was refused */
-    PW_ERR_INTERNAL = 27            /* a bug (caught inside the library) */
+    PW_ERR_INTERNAL = 27,           /* a bug (caught inside the library) */
+    PW_ERR_TOO_MANY_PEERS = 28      /* the engine holds its maximum of peers: disconnect one */
 } pw_status;
 
 /* A static description of a status value (never NULL). */

@@ -75,11 +75,14 @@ pub enum PwStatus {
     Layout = 26,
     /// `PW_ERR_INTERNAL`: a bug (a caught panic).
     Internal = 27,
+    /// `PW_ERR_TOO_MANY_PEERS`: the engine holds its maximum of peers (`max_peers`);
+    /// disconnect one first.
+    TooManyPeers = 28,
 }
 
 impl PwStatus {
     /// Every status, in numeric order (its index is its value).
-    pub const ALL: [PwStatus; 28] = [
+    pub const ALL: [PwStatus; 29] = [
         PwStatus::Ok,
         PwStatus::Pending,
         PwStatus::InvalidArgument,
@@ -108,6 +111,7 @@ impl PwStatus {
         PwStatus::Shutdown,
         PwStatus::Layout,
         PwStatus::Internal,
+        PwStatus::TooManyPeers,
     ];
 
     /// The status with this value, if any.
@@ -148,6 +152,7 @@ impl PwStatus {
             PwStatus::Shutdown => c"engine shut down",
             PwStatus::Layout => c"layout error",
             PwStatus::Internal => c"internal error",
+            PwStatus::TooManyPeers => c"too many peers",
         }
     }
 
@@ -178,6 +183,7 @@ impl PwStatus {
             Error::Completion { .. } | Error::Verbs { .. } => PwStatus::Device,
             Error::Io { .. } => PwStatus::Io,
             Error::Shutdown => PwStatus::Shutdown,
+            Error::TooManyPeers { .. } => PwStatus::TooManyPeers,
             _ => PwStatus::Internal,
         }
     }

@@ -382,6 +382,7 @@ fn pagewire_rows() -> Vec<(String, usize)> {
         "PW_ERR_SHUTDOWN",
         "PW_ERR_LAYOUT",
         "PW_ERR_INTERNAL",
+        "PW_ERR_TOO_MANY_PEERS",
     ];
     assert_eq!(names.len(), PwStatus::ALL.len());
     for (n, s) in names.iter().zip(PwStatus::ALL) {

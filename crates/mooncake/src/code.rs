@@ -101,6 +101,7 @@ impl Code {
             | E::Remote { .. } => Code::AddressNotRegistered,
             E::RegionOverlap { .. } => Code::AddressOverlapped,
             E::RegionBusy { .. } => Code::BatchBusy,
+            E::TooManyPeers { .. } => Code::TooManyRequests,
             E::BackendUnavailable { .. } => Code::DeviceNotFound,
             E::Unsupported { .. } => Code::NotImplemented,
             E::Registration { .. } => Code::Memory,
@@ -211,6 +212,7 @@ mod tests {
             Code::AddressNotRegistered
         );
         assert_eq!(Code::of(&E::Shutdown), Code::Context);
+        assert_eq!(Code::of(&E::TooManyPeers { max: 2 }), Code::TooManyRequests);
         let e = Error::transport("opening x", E::Shutdown);
         assert_eq!(e.code(), Code::Context);
         assert!(e.to_string().starts_with("opening x: "), "{e}");

@@ -299,6 +299,7 @@ pub(crate) fn to_py(py: Python<'_>, e: &Error) -> PyErr {
         Error::Verbs { .. } => ("VerbsError", "Verbs", vec![]),
         Error::Io { .. } => ("IoError", "Io", vec![]),
         Error::Shutdown => ("EngineClosed", "Shutdown", vec![]),
+        Error::TooManyPeers { .. } => ("UsageError", "TooManyPeers", vec![]),
         _ => ("PagewireError", "Other", vec![]),
     };
     new_err_with(py, name, kind, msg, &attrs)
