@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail, ensure};
 use common::*;
 use pagewire_transport::{
-    Access, BackendKind, Batch, EndpointInfo, Error, HostBuffer, Op, TransferOp,
+    Access, BackendKind, Batch, EndpointInfo, Engine, Error, HostBuffer, Op, TransferOp,
 };
 
 /// The tests of this file count the process's threads and descriptors: one at a time.
@@ -578,6 +578,38 @@ fn pipe(mut from: TcpStream, mut to: TcpStream, free: usize, gap: Duration, stop
 fn tcp_read_past_its_deadline_lands_nothing() {
     read_past_deadline().unwrap();
 }
+/// Where the relays of the deadline tests listen.
+const RELAY_IP: IpAddr = IpAddr::V4(Ipv4Addr::new(127, 0, 0, 2));
+
+/// `b`'s TCP data port, as any peer learns it (from a probe engine's handshake).
+fn tcp_data_port(b: &Engine) -> Result<u16> {
+    let probe = engine(BackendKind::Tcp)?;
+    let p = probe.connect(b.local_addr())?;
+    let EndpointInfo::Tcp { data_port, .. } = probe.peer_info(p)?.remote_endpoint else {
+        bail!("not a TCP endpoint");
+    };
+    probe.shutdown();
+    Ok(data_port)
+}
+
+/// A relay on 127.0.0.2 to `b`'s control port (its address returned), and a listener on
+/// 127.0.0.2 at `b`'s data port number for the test's own data relay (a peer dials the
+/// data port on the address it reached the control port at); `stop` ends the relays.
+fn control_relay(b: &Engine, data_port: u16) -> Result<(SocketAddr, TcpListener, Arc<AtomicBool>)> {
+    let stop = Arc::new(AtomicBool::new(false));
+    let ctrl = TcpListener::bind((RELAY_IP, 0))?;
+    let ctrl_addr = ctrl.local_addr()?;
+    let data = TcpListener::bind((RELAY_IP, data_port))
+        .context("relay on B's data port number at 127.0.0.2")?;
+    relay(
+        ctrl,
+        b.local_addr(),
+        usize::MAX,
+        Duration::ZERO,
+        stop.clone(),
+    );
+    Ok((ctrl_addr, data, stop))
+}
 
 fn read_past_deadline() -> Result<()> {
     let _serial = serial();
@@ -589,31 +621,11 @@ fn read_past_deadline() -> Result<()> {
     unsafe { std::ptr::write_bytes(src.as_mut_ptr(), 0x11, n) };
     b.register(&src, Access::ALL)?;
     // B's data port, as any peer learns it.
-    let data_port = {
-        let probe = engine(BackendKind::Tcp)?;
-        let p = probe.connect(b.local_addr())?;
-        let EndpointInfo::Tcp { data_port, .. } = probe.peer_info(p)?.remote_endpoint else {
-            bail!("not a TCP endpoint");
-        };
-        probe.shutdown();
-        data_port
-    };
+    let data_port = tcp_data_port(&b)?;
     // Relays on 127.0.0.2: the control port as is, and B's data port (A dials the data
     // port on the address it reached the control port at), trickled towards A after the
     // first 64 KiB.
-    let stop = Arc::new(AtomicBool::new(false));
-    let relay_ip = IpAddr::V4(Ipv4Addr::new(127, 0, 0, 2));
-    let ctrl = TcpListener::bind((relay_ip, 0))?;
-    let ctrl_addr = ctrl.local_addr()?;
-    let data = TcpListener::bind((relay_ip, data_port))
-        .context("relay on B's data port number at 127.0.0.2")?;
-    relay(
-        ctrl,
-        b.local_addr(),
-        usize::MAX,
-        Duration::ZERO,
-        stop.clone(),
-    );
+    let (ctrl_addr, data, stop) = control_relay(&b, data_port)?;
     let b_data = SocketAddr::new(b.local_addr().ip(), data_port);
     relay(
         data,
@@ -663,7 +675,7 @@ fn read_past_deadline() -> Result<()> {
     b.shutdown();
     // Wake the relays' accept loops so they see `stop`.
     let _ = TcpStream::connect(ctrl_addr);
-    let _ = TcpStream::connect((relay_ip, data_port));
+    let _ = TcpStream::connect((RELAY_IP, data_port));
     // SAFETY: `a` shut down; the region was deregistered before.
     unsafe { mem.free() };
     Ok(())
@@ -720,31 +732,11 @@ fn write_past_deadline() -> Result<()> {
     let b = engine(BackendKind::Tcp)?;
     let dst = HostBuffer::new(n)?;
     b.register(&dst, Access::ALL)?;
-    let data_port = {
-        let probe = engine(BackendKind::Tcp)?;
-        let p = probe.connect(b.local_addr())?;
-        let EndpointInfo::Tcp { data_port, .. } = probe.peer_info(p)?.remote_endpoint else {
-            bail!("not a TCP endpoint");
-        };
-        probe.shutdown();
-        data_port
-    };
+    let data_port = tcp_data_port(&b)?;
     // As in `read_past_deadline`: relays on 127.0.0.2 for the control port and for B's
     // data port number, this one passing the stream hello (16 bytes without a token) and
     // then nothing towards B.
-    let stop = Arc::new(AtomicBool::new(false));
-    let relay_ip = IpAddr::V4(Ipv4Addr::new(127, 0, 0, 2));
-    let ctrl = TcpListener::bind((relay_ip, 0))?;
-    let ctrl_addr = ctrl.local_addr()?;
-    let data = TcpListener::bind((relay_ip, data_port))
-        .context("relay on B's data port number at 127.0.0.2")?;
-    relay(
-        ctrl,
-        b.local_addr(),
-        usize::MAX,
-        Duration::ZERO,
-        stop.clone(),
-    );
+    let (ctrl_addr, data, stop) = control_relay(&b, data_port)?;
     let b_data = SocketAddr::new(b.local_addr().ip(), data_port);
     stall_after(data, b_data, 16, stop.clone());
 
@@ -786,7 +778,7 @@ fn write_past_deadline() -> Result<()> {
     a.shutdown();
     b.shutdown();
     let _ = TcpStream::connect(ctrl_addr);
-    let _ = TcpStream::connect((relay_ip, data_port));
+    let _ = TcpStream::connect((RELAY_IP, data_port));
     Ok(())
 }
 
