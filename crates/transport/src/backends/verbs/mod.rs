@@ -160,6 +160,18 @@ impl VerbsBackend {
         }
     }
 
+    /// Registers with `reg` on every rail ([`Self::register_all`]), or on the one device.
+    fn register_on_rails(
+        &self,
+        addr: usize,
+        reg: impl Fn(&VerbsDevice) -> Result<VerbsMr, Error>,
+    ) -> Result<MrHandle, Error> {
+        match &self.rails {
+            Some(set) => self.register_all(set, addr, reg),
+            None => Ok(Self::mr(reg(&self.device)?)),
+        }
+    }
+
     /// Registers on every rail with `reg`; rail 0's keys are the handle's, the others'
     /// ride along (and the local ones are remembered for translating ops).
     fn register_all(
@@ -231,32 +243,20 @@ impl Backend for VerbsBackend {
     }
 
     fn register(&self, addr: usize, len: usize, access: Access) -> Result<MrHandle, Error> {
-        if let Some(set) = &self.rails {
-            return self.register_all(set, addr, |d| {
-                // SAFETY: as below, for each rail's MR: the engine keeps the range mapped
-                // until it drops the handle, which holds every rail's MR.
-                unsafe {
-                    d.register(
-                        addr as u64,
-                        len as u64,
-                        access.contains(Access::REMOTE_WRITE),
-                        access.contains(Access::REMOTE_READ),
-                    )
-                }
-            });
-        }
-        // SAFETY: the engine core only registers memory the caller promised to keep mapped
-        // until deregistration (`HostBuffer` keep-alive or `register_raw`'s contract), and
-        // drops the returned MR (deregistering it) before giving the memory back.
-        let mr = unsafe {
-            self.device.register(
-                addr as u64,
-                len as u64,
-                access.contains(Access::REMOTE_WRITE),
-                access.contains(Access::REMOTE_READ),
-            )
-        }?;
-        Ok(Self::mr(mr))
+        self.register_on_rails(addr, |d| {
+            // SAFETY: the engine core only registers memory the caller promised to keep
+            // mapped until deregistration (`HostBuffer` keep-alive or `register_raw`'s
+            // contract), and drops the returned handle (deregistering every rail's MR)
+            // before giving the memory back.
+            unsafe {
+                d.register(
+                    addr as u64,
+                    len as u64,
+                    access.contains(Access::REMOTE_WRITE),
+                    access.contains(Access::REMOTE_READ),
+                )
+            }
+        })
     }
 
     fn register_dmabuf(
@@ -267,35 +267,22 @@ impl Backend for VerbsBackend {
         iova: u64,
         access: Access,
     ) -> Result<MrHandle, Error> {
-        if let Some(set) = &self.rails {
-            // `iova` is a device address: `node_of` finds no host page there.
-            return self.register_all(set, iova as usize, |d| {
-                // SAFETY: as below, for each rail's MR (the handle holds them all).
-                unsafe {
-                    d.register_dmabuf(
-                        fd,
-                        offset,
-                        len as u64,
-                        iova,
-                        access.contains(Access::REMOTE_WRITE),
-                        access.contains(Access::REMOTE_READ),
-                    )
-                }
-            });
-        }
-        // SAFETY: `Engine::register_dmabuf`'s contract: `fd` is a dma-buf whose range stays
-        // allocated until the region is deregistered, which drops this MR first.
-        let mr = unsafe {
-            self.device.register_dmabuf(
-                fd,
-                offset,
-                len as u64,
-                iova,
-                access.contains(Access::REMOTE_WRITE),
-                access.contains(Access::REMOTE_READ),
-            )
-        }?;
-        Ok(Self::mr(mr))
+        // `iova` is a device address: `node_of` finds no host page there.
+        self.register_on_rails(iova as usize, |d| {
+            // SAFETY: `Engine::register_dmabuf`'s contract: `fd` is a dma-buf whose range
+            // stays allocated until the region is deregistered, which drops every rail's
+            // MR first.
+            unsafe {
+                d.register_dmabuf(
+                    fd,
+                    offset,
+                    len as u64,
+                    iova,
+                    access.contains(Access::REMOTE_WRITE),
+                    access.contains(Access::REMOTE_READ),
+                )
+            }
+        })
     }
 
     fn deregister(&self, mr: MrHandle) {
