@@ -2,6 +2,7 @@
 //! long it made no progress, whether it is stalled (a dead peer), needs a heartbeat, or is
 //! fine. Pure functions of (state, elapsed time); the caller reads the clock and acts.
 
+use std::sync::OnceLock;
 use std::time::Duration;
 
 /// A QP with WRs outstanding and no progress for this long counts as a dead peer.
@@ -51,6 +52,52 @@ pub(crate) fn due(since: Duration) -> bool {
     since >= HEALTH_EVERY
 }
 
+/// Why a connection broke, recorded once. Several threads can see a connection fail at
+/// about the same time (the reaper of an error completion, the health check finding a QP in
+/// ERR, a poster whose post failed); the first cause recorded stands, and everything that
+/// reports the failure afterwards (failed batches, refused posts) carries that cause rather
+/// than the one its own thread saw. Set means broken: there is no broken flag that could
+/// be seen before its reason.
+#[derive(Debug)]
+pub(crate) struct FirstCause<E>(OnceLock<E>);
+
+impl<E: Clone> FirstCause<E> {
+    pub(crate) const fn new() -> Self {
+        Self(OnceLock::new())
+    }
+
+    /// Records `cause` unless a cause is recorded already. Returns the cause that stands
+    /// and whether it is `cause`.
+    pub(crate) fn record(&self, cause: E) -> (E, bool) {
+        let mut mine = false;
+        let standing = self.0.get_or_init(|| {
+            mine = true;
+            cause
+        });
+        (standing.clone(), mine)
+    }
+
+    /// The cause, once one is recorded.
+    pub(crate) fn get(&self) -> Option<&E> {
+        self.0.get()
+    }
+}
+
+/// A QP found in ERR: the state says that the QP failed, not why. The completion that says
+/// why (a remote access error, say) was queued before the state changed (rxe completes the
+/// failing WR, then moves the QP to ERR), so `drain` handles the queued completions first,
+/// and may record that cause in `cause`. Returns the cause the state stands for, `symptom`,
+/// only when nothing is recorded after the drain (a peer that vanished leaves no
+/// completion); `None`: the connection broke already, for the recorded reason.
+pub(crate) fn cause_of_error_state<E: Clone>(
+    cause: &FirstCause<E>,
+    drain: impl FnOnce(),
+    symptom: impl FnOnce() -> E,
+) -> Option<E> {
+    drain();
+    cause.get().is_none().then(symptom)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -64,5 +111,42 @@ mod tests {
         assert_eq!(verdict(0, s(6), false), Verdict::Healthy);
         assert_eq!(verdict(0, s(1), true), Verdict::Healthy);
         assert!(due(Duration::from_millis(50)) && !due(Duration::from_millis(49)));
+    }
+
+    #[test]
+    fn the_first_cause_stands() {
+        let c = FirstCause::new();
+        assert_eq!(c.get(), None);
+        assert_eq!(c.record("REM_ACCESS_ERR"), ("REM_ACCESS_ERR", true));
+        // A later report (the health check finding the QP in ERR) gets the first cause
+        // back, and changes nothing.
+        assert_eq!(c.record("QP in ERR state"), ("REM_ACCESS_ERR", false));
+        assert_eq!(c.get(), Some(&"REM_ACCESS_ERR"));
+    }
+
+    #[test]
+    fn an_error_state_defers_to_the_completion_queued_before_it() {
+        // The error completion was queued, not yet reaped: the drain records it, and the
+        // state stands for nothing.
+        let c = FirstCause::new();
+        let got = cause_of_error_state(
+            &c,
+            || {
+                c.record("REM_ACCESS_ERR");
+            },
+            || "QP in ERR state",
+        );
+        assert_eq!(got, None);
+        assert_eq!(c.get(), Some(&"REM_ACCESS_ERR"));
+        // No completion queued (the peer's QP vanished): the state is the cause.
+        let c = FirstCause::<&str>::new();
+        assert_eq!(
+            cause_of_error_state(&c, || {}, || "QP in ERR state"),
+            Some("QP in ERR state")
+        );
+        // Broken already, for another reason: nothing more to record.
+        let c = FirstCause::new();
+        c.record("closed");
+        assert_eq!(cause_of_error_state(&c, || {}, || "QP in ERR state"), None);
     }
 }

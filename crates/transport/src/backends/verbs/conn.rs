@@ -15,7 +15,7 @@ use super::qp::{
 };
 use crate::contract::{BatchSink, BatchState, Reaper, RunCell, TagSink};
 use crate::core::batch::NotifyGate;
-use crate::core::health::{self, Verdict};
+use crate::core::health::{self, FirstCause, Verdict};
 use crate::core::slice::{Dir, PlanOp, PlannedWr, WrQueue, Wrs, plan_wrs, stripe};
 use crate::core::wait::ENGINE_REAP_EVERY;
 use crate::core::window::{
@@ -242,8 +242,8 @@ pub(crate) struct VerbsConn {
     send_cq: Arc<BasicCompletionQueue>,
     recv_cq: Arc<BasicCompletionQueue>,
     cfg: ConnCfg,
-    broken: AtomicBool,
-    reason: Mutex<Option<Error>>,
+    /// Set once, when the connection breaks: the cause every report of the break carries.
+    broken: FirstCause<Error>,
     notify: Option<Arc<dyn TagSink>>,
     peer: PeerId,
     deferred: Deferred,
@@ -271,7 +271,7 @@ impl std::fmt::Debug for VerbsConn {
         f.debug_struct("VerbsConn")
             .field("label", &self.label)
             .field("qps", &self.qps.iter().map(|q| q.qpn).collect::<Vec<_>>())
-            .field("broken", &self.broken.load(Ordering::Relaxed))
+            .field("broken", &self.is_broken())
             .finish()
     }
 }
@@ -310,8 +310,7 @@ impl VerbsConn {
             send_cq,
             recv_cq,
             cfg,
-            broken: AtomicBool::new(false),
-            reason: Mutex::new(None),
+            broken: FirstCause::new(),
             notify,
             peer,
             deferred: Deferred::default(),
@@ -350,12 +349,12 @@ impl VerbsConn {
     }
 
     pub fn is_broken(&self) -> bool {
-        self.broken.load(Ordering::Acquire)
+        self.broken.get().is_some()
     }
 
     /// Why the connection broke (the first error seen).
     pub fn broken_reason(&self) -> Option<Error> {
-        lock(&self.reason).clone()
+        self.broken.get().cloned()
     }
 
     fn broken_err(&self) -> Error {
@@ -476,8 +475,7 @@ impl VerbsConn {
         let posted = unsafe { qp.post_chain(specs) };
         drop(qp);
         if let Err(e) = posted {
-            self.break_conn(e.clone());
-            return Err(e);
+            return Err(self.break_conn(e));
         }
         slot.record_activity();
         // A break that raced with this post (after the check above) may have missed the
@@ -572,7 +570,7 @@ impl VerbsConn {
                 match self.post_some(i, q, ctl) {
                     Ok(n) => progressed |= n > 0,
                     Err(e) => {
-                        self.break_conn(e.clone());
+                        let e = self.break_conn(e);
                         ctl.fail(e.clone());
                         return Err(e);
                     }
@@ -762,8 +760,7 @@ impl VerbsConn {
                 }
                 Err(e) => {
                     drop(qp);
-                    self.break_conn(e.clone());
-                    ctl.fail(e);
+                    ctl.fail(self.break_conn(e));
                     return;
                 }
             }
@@ -815,25 +812,18 @@ impl VerbsConn {
     }
 
     /// Marks the connection broken (first reason wins) and fails every batch with WRs on it.
-    pub fn break_conn(&self, err: Error) {
-        self.stop(err, false);
+    /// Returns the reason that stands, for the caller to report instead of its own.
+    pub fn break_conn(&self, err: Error) -> Error {
+        self.stop(err, false)
     }
 
     /// `break_conn` for an error (`deliberate` false: logged as a warning) or for a close
     /// the engine asked for, which is logged as a warning only if it cut work short.
-    fn stop(&self, err: Error, deliberate: bool) {
-        // The reason goes in before `broken` is published: a poster that sees `broken`
-        // must find why (seeing none, it took the rail's failure for the engine's
-        // shutdown, and a multi-rail batch failed instead of moving to another rail).
-        let first = {
-            let mut reason = lock(&self.reason);
-            let first = reason.is_none();
-            if first {
-                *reason = Some(err.clone());
-            }
-            first
-        };
-        self.broken.store(true, Ordering::Release);
+    fn stop(&self, err: Error, deliberate: bool) -> Error {
+        // Whichever thread got here first named the cause; a later caller fails what it
+        // finds with that cause, not with its own view (the health check's "QP in ERR"
+        // reached a batch whose REM_ACCESS_ERR another thread had recorded).
+        let (err, first) = self.broken.record(err);
         let mut cut = 0u64;
         for slot in &self.qps {
             let groups = lock(&slot.track).drain_all();
@@ -870,6 +860,7 @@ impl VerbsConn {
         // moves it, so a broken connection accepts no WRITE or notification for longer
         // than one health-check period.
         self.stop_qps();
+        err
     }
 
     /// Moves every QP not yet in ERR whose post lock is free to ERR.
@@ -934,7 +925,9 @@ impl VerbsConn {
                         self.on_recv_wc(wc);
                     }
                 }
-                Err(e) => self.break_conn(e),
+                Err(e) => {
+                    self.break_conn(e);
+                }
             }
             if !self.is_broken() {
                 self.replenish_recvs();
@@ -1093,11 +1086,7 @@ impl VerbsConn {
             };
             if qp.query_state() == Some(QueuePairState::Error) {
                 drop(qp);
-                self.break_conn(Error::peer_gone(
-                    self.peer,
-                    PeerFault::Disconnected,
-                    format!("QP {:#x} is in ERR state", slot.qpn),
-                ));
+                self.break_on_error_state(slot.qpn);
                 return;
             }
             let outstanding = slot.outstanding();
@@ -1123,6 +1112,33 @@ impl VerbsConn {
                 self.break_conn(e);
                 return;
             }
+        }
+    }
+
+    /// QP `qpn` was found in ERR. Its failed completion, if it has one, is in the send CQ
+    /// already and names the cause, which the state does not: the send CQ is drained first
+    /// (hazard 9 again, seen from the health check), under the reaping lock so that no
+    /// reaper handles a completion between the drain and the break. The lock is waited
+    /// for, not tried: a reaper holds it for one round, and no caller of the health check
+    /// holds it.
+    #[cold]
+    fn break_on_error_state(&self, qpn: u32) {
+        let mut guard = lock(&self.reaping);
+        let symptom = health::cause_of_error_state(
+            &self.broken,
+            || {
+                self.drain_send_cq(&mut guard.retired);
+            },
+            || {
+                Error::peer_gone(
+                    self.peer,
+                    PeerFault::Disconnected,
+                    format!("QP {qpn:#x} is in ERR state"),
+                )
+            },
+        );
+        if let Some(e) = symptom {
+            self.break_conn(e);
         }
     }
 

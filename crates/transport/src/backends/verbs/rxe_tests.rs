@@ -312,6 +312,63 @@ fn rxe_bad_rkey_fails_promptly_then_reconnect() {
     drop((ms, md));
 }
 
+/// The interleaving behind issue 29's `PeerGone (QP in ERR state)`: the health check finds
+/// the QP in ERR while the REM_ACCESS_ERR completion that put it there is still in the send
+/// CQ, unreaped. With manual progress nothing reaps behind the test's back, so the order
+/// is forced: the batch must still fail with the completion's cause.
+#[test]
+#[ignore = "needs an RDMA device: runs in scripts/rdma-vm.sh"]
+fn rxe_health_check_finding_err_reports_the_completions_cause() {
+    let dev = device("rxe_health_check_finding_err_reports_the_completions_cause");
+    let manual = |d: &str| VerbsOptions {
+        progress: crate::types::ProgressMode::Manual,
+        ..opts(d, 1)
+    };
+    let a = VerbsDevice::open(manual(&dev), None).expect("open a");
+    let b = VerbsDevice::open(manual(&dev), None).expect("open b");
+    let p = connect(a, b);
+    let n = 64 << 10;
+    let mut src = pattern(n, 1);
+    let mut dst = vec![0u8; n];
+    let ms = reg(&p.a, &mut src);
+    let md = reg(&p.b, &mut dst);
+    let sink = Arc::new(Sink::default());
+    p.ab.post(
+        sink.clone(),
+        [PlanOp {
+            dir: Dir::Write,
+            local: src.as_ptr() as u64,
+            lkey: ms.lkey(),
+            remote: dst.as_ptr() as u64,
+            rkey: md.rkey() ^ 0xff,
+            len: n as u64,
+        }],
+        None,
+        Instant::now() + Duration::from_secs(30),
+    )
+    .expect("post");
+    // rxe completes the WRITE with REM_ACCESS_ERR, then moves the QP to ERR.
+    let end = Instant::now() + Duration::from_secs(10);
+    while !p.ab.qp_in_error(0) {
+        assert!(Instant::now() < end, "the bad rkey did not put QP 0 in ERR");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(!p.ab.is_broken(), "nothing has reaped yet");
+    p.ab.health_check();
+    assert!(p.ab.is_broken());
+    let err = sink.wait(Duration::from_secs(5)).expect_err("bad rkey");
+    assert!(
+        matches!(&err, Error::Completion { status_str, .. } if status_str == "REM_ACCESS_ERR"),
+        "{err}"
+    );
+    assert!(
+        matches!(p.ab.broken_reason(), Some(Error::Completion { .. })),
+        "{:?}",
+        p.ab.broken_reason()
+    );
+    drop((ms, md));
+}
+
 #[test]
 #[ignore = "needs an RDMA device: runs in scripts/rdma-vm.sh"]
 fn rxe_peer_destroyed_qps_fail_the_batch() {
