@@ -18,7 +18,7 @@
 //! │   └── RegionBusy                   Error::RegionBusy
 //! ├── PeerError                        the peer or the network
 //! │   ├── PeerUnreachable (ConnectionError)  Error::Connect
-//! │   ├── HandshakeError               Error::Handshake
+//! │   ├── HandshakeError               Error::Handshake (kind TokenMismatch: a token refused)
 //! │   ├── PeerGone                     Error::PeerGone
 //! │   └── RemoteError                  Error::Remote (the peer refused an op)
 //! ├── DeviceError                      hardware and OS
@@ -41,7 +41,7 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyTuple, PyType};
 
-use pagewire_transport::Error;
+use pagewire_transport::{Error, HandshakeError};
 
 use crate::errors::PagewireError;
 
@@ -289,6 +289,10 @@ pub(crate) fn to_py(py: Python<'_>, e: &Error) -> PyErr {
             vec![("addr", *addr), ("length", *len)],
         ),
         Error::EmptyBatch => ("EmptyBatch", "EmptyBatch", vec![]),
+        // A refused token is worth telling apart from other refusals (a config mistake).
+        Error::Handshake(HandshakeError::TokenMismatch) => {
+            ("HandshakeError", "TokenMismatch", vec![])
+        }
         Error::Handshake(_) => ("HandshakeError", "Handshake", vec![]),
         Error::Connect { .. } => ("PeerUnreachable", "Connect", vec![]),
         Error::PeerGone { .. } => ("PeerGone", "PeerGone", vec![]),

@@ -109,6 +109,7 @@ macro_rules! all_backends {
                 many_small_ops,
                 hostile_handshakes,
                 handshake_flood,
+                token_refusals_are_counted,
                 known_on_both_sides_when_connect_returns,
                 tokens_and_mismatch,
             );

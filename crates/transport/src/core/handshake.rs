@@ -22,10 +22,15 @@ use crate::util::ct_eq;
 /// reports it as [`HandshakeError::TooManyPeers`].
 pub(crate) const TOO_MANY_PEERS: &str = "too many peers";
 
+/// The `Reject` reason for a token that differs from the acceptor's (none counts as
+/// one): fixed text, so the initiator reports it as [`HandshakeError::TokenMismatch`].
+pub(crate) const TOKEN_MISMATCH: &str = "token mismatch";
+
 /// A frame of a kind the state does not expect, or the peer's refusal.
 fn unexpected(f: Frame, expected: &'static str) -> HandshakeError {
     match f {
         Frame::Reject { reason } if reason == TOO_MANY_PEERS => HandshakeError::TooManyPeers,
+        Frame::Reject { reason } if reason == TOKEN_MISMATCH => HandshakeError::TokenMismatch,
         Frame::Reject { reason } => HandshakeError::Rejected { reason },
         other => HandshakeError::UnexpectedFrame {
             expected,
@@ -158,7 +163,7 @@ impl AwaitRequest<'_> {
         if !ct_eq(&token, self.token) {
             return Err(Refused {
                 error: HandshakeError::TokenMismatch,
-                tell: Some("token mismatch"),
+                tell: Some(TOKEN_MISMATCH),
             });
         }
         if let Request::Hello(h) = &req
@@ -254,6 +259,15 @@ mod tests {
                 })
                 .unwrap_err(),
             HandshakeError::TooManyPeers
+        );
+        // So is a refused token.
+        assert_eq!(
+            AwaitWelcome { ours: &ours }
+                .handle(Frame::Reject {
+                    reason: TOKEN_MISMATCH.into()
+                })
+                .unwrap_err(),
+            HandshakeError::TokenMismatch
         );
         assert!(matches!(
             AwaitReady.handle(Frame::Regions(Vec::new())),

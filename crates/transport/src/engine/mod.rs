@@ -180,6 +180,8 @@ struct Inner {
     notify_rx: Receiver<Notification>,
     /// Notifications dropped at the queue's bound.
     notify_dropped: Arc<AtomicU64>,
+    /// Control connections refused for a token that differs from ours.
+    token_refusals: AtomicU64,
     accept_tx: Sender<PeerId>,
     accept_rx: Receiver<PeerId>,
     local_addr: SocketAddr,
@@ -277,6 +279,7 @@ impl Engine {
             notify_tx,
             notify_rx,
             notify_dropped: Arc::new(AtomicU64::new(0)),
+            token_refusals: AtomicU64::new(0),
             accept_tx,
             accept_rx,
             local_addr,
@@ -666,6 +669,14 @@ impl Engine {
         self.inner.notify_dropped.load(Ordering::Relaxed)
     }
 
+    /// How many control connections (handshakes, `Describe`, rail reconnections) this
+    /// engine refused because their token differed from its own (a missing one counts).
+    /// Each was answered with a `Reject` the initiator reports as
+    /// [`HandshakeError::TokenMismatch`]; the log shows the 1st, 2nd, 4th, 8th, ... only.
+    pub fn token_refusals(&self) -> u64 {
+        self.inner.token_refusals.load(Ordering::Relaxed)
+    }
+
     /// Closes every connection, stops the listener and releases all registrations.
     /// Pending batches fail. Idempotent.
     ///
@@ -967,6 +978,15 @@ impl Inner {
         .handle(first);
         match request {
             Err(handshake::Refused { error, tell }) => {
+                if error == HandshakeError::TokenMismatch {
+                    // Before the Reject goes out, so the count includes this refusal once
+                    // the initiator sees it. A stranger can repeat it as fast as it
+                    // connects: every one is counted, only powers of two are logged.
+                    let n = self.token_refusals.fetch_add(1, Ordering::Relaxed) + 1;
+                    if n.is_power_of_two() {
+                        tracing::warn!(%from, refused = n, "token mismatch: connection refused");
+                    }
+                }
                 if let Some(tell) = tell {
                     let _ = reject(&mut s, tell);
                 }
@@ -1323,10 +1343,13 @@ fn listen_loop(listener: TcpListener, inner: Weak<Inner>) {
             .spawn(move || {
                 let _slot = ticket;
                 let from = s.peer_addr().ok();
-                if let Err(e) = engine.serve(s, deadline)
-                    && !engine.shutdown.load(Ordering::Acquire)
-                {
-                    tracing::warn!(?from, error = %e, "control connection dropped");
+                match engine.serve(s, deadline) {
+                    // Counted and logged (sparingly) where it was refused.
+                    Err(HandshakeError::TokenMismatch) => {}
+                    Err(e) if !engine.shutdown.load(Ordering::Acquire) => {
+                        tracing::warn!(?from, error = %e, "control connection dropped");
+                    }
+                    _ => {}
                 }
             });
         if let Err(e) = spawned {

@@ -2,14 +2,15 @@
 //! real backends only (`tests/conformance.rs`), not on the simulated pair:
 //! `blocked_poster_does_not_starve_others` (its subject is a second thread blocked in
 //! `submit`), `hostile_handshakes` and `handshake_flood` (raw bytes and half-open TCP
-//! connections on the control port).
+//! connections on the control port), `token_refusals_are_counted` (a real engine's
+//! counter).
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
-use pagewire_transport::{Access, BackendKind, Batch, Op, TransferOp};
+use pagewire_transport::{Access, BackendKind, Batch, Error, HandshakeError, Op, TransferOp};
 
 use crate::common::*;
 
@@ -172,6 +173,30 @@ pub fn hostile_handshakes(kind: BackendKind) -> Result<()> {
         matches!(r, Ok(0) | Err(_)),
         "half-open client not dropped: {r:?}"
     );
+    Ok(())
+}
+
+/// Every control connection refused for its token (wrong or missing) is counted on the
+/// acceptor by the time the initiator has its `TokenMismatch`; none becomes a peer, and a
+/// right token still connects (and is not counted).
+pub fn token_refusals_are_counted(kind: BackendKind) -> Result<()> {
+    let b = engine_with(config(kind).token("sesame"))?;
+    for i in 0..5u64 {
+        let stranger = if i % 2 == 0 {
+            engine(kind)?
+        } else {
+            engine_with(config(kind).token(format!("guess{i}")))?
+        };
+        match stranger.connect(b.local_addr()) {
+            Err(Error::Handshake(HandshakeError::TokenMismatch)) => {}
+            other => bail!("stranger {i}: {other:?}"),
+        }
+        ensure!(b.token_refusals() == i + 1, "{}", b.token_refusals());
+    }
+    ensure!(b.peers().is_empty(), "{:?}", b.peers());
+    let right = engine_with(config(kind).token("sesame"))?;
+    connect(&right, &b)?;
+    ensure!(b.token_refusals() == 5 && b.peers().len() == 1);
     Ok(())
 }
 
