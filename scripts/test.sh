@@ -69,8 +69,14 @@ scripts/rdma-vm.sh --cpus 2 --timeout "${PAGEWIRE_VM_PY_TIMEOUT:-300}" run -- sh
 # put/get between processes over verbs, storage nodes on rxe1, clients on rxe0. About
 # 40 s of guest wall time, 17-23 s of it the test (measured 2026-12-01).
 echo "== store over verbs in the soft-RoCE VM"
-scripts/rdma-vm.sh --two-devices --cpus 2 --timeout 300 \
-    test -p pagewire-store --test cluster --locked -- --include-ignored --exact verbs_round_trip_between_two_devices
+# Then the session fence over verbs: puts of an earlier session refused by the NIC
+# (tests/fencing.rs in one process; cluster.rs with a writer stopped by SIGSTOP across a
+# master restart and across a node remount).
+scripts/rdma-vm.sh --two-devices --cpus 2 --timeout 420 \
+    test -p pagewire-store --test cluster --test fencing --locked -- --include-ignored --exact \
+    verbs_round_trip_between_two_devices verbs_stalled_writer_across_session_changes \
+    verbs::session_change_fences_old_writers verbs::session_change_fences_old_local_copies \
+    verbs::transfers_go_out_only_under_the_named_key
 echo "== VM part took $((SECONDS - vm_t0)) s"
 
 # One closing line over every libtest binary that ran, on the host and in the guest.

@@ -21,7 +21,12 @@ impl Drop for Kill {
 
 /// Spawns `pagewire args` and returns it with its first stdout line.
 fn spawn(args: &[&str]) -> (Kill, String) {
-    let mut c = pagewire()
+    spawn_cmd(pagewire(), args)
+}
+
+/// As [`spawn`], from a prepared command (environment).
+fn spawn_cmd(mut cmd: Command, args: &[&str]) -> (Kill, String) {
+    let mut c = cmd
         .args(args)
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
@@ -98,6 +103,70 @@ fn master_serve_and_bench_store_as_processes() {
     assert_eq!(r["put"]["batches"], 3);
     assert!(r["get"]["mib_s"].as_f64().unwrap() > 0.0);
     assert!(r["put"]["p99_ms"].as_f64().unwrap() >= r["put"]["p50_ms"].as_f64().unwrap());
+}
+
+/// `PAGEWIRE_TOKEN` guards a `store serve` node's engine (so its segment), not only its
+/// master link: an engine without the token is refused with `TokenMismatch`, one with it
+/// connects.
+#[test]
+fn serve_guards_its_segment_with_pagewire_token() {
+    use pagewire_transport::{BackendKind, Engine, EngineConfig, Error, HandshakeError};
+    let with_token = || {
+        let mut c = pagewire();
+        c.env("PAGEWIRE_TOKEN", "sesame");
+        c
+    };
+    let (_m, line) = spawn_cmd(
+        with_token(),
+        &["store", "master", "--listen", "127.0.0.1:0"],
+    );
+    let addr = line
+        .split_whitespace()
+        .find(|w| w.starts_with("127.0.0.1:"))
+        .unwrap_or_else(|| panic!("no address in {line:?}"))
+        .to_string();
+    let (_n, line) = spawn_cmd(
+        with_token(),
+        &[
+            "store",
+            "serve",
+            "--master",
+            &addr,
+            "--segment",
+            "8M",
+            "--listen",
+            "127.0.0.1:0",
+            "--transport",
+            "tcp",
+        ],
+    );
+    let node = line
+        .split_whitespace()
+        .skip_while(|w| *w != "at")
+        .nth(1)
+        .unwrap_or_else(|| panic!("no endpoint in {line:?}"))
+        .to_string();
+    let engine = |token: Option<&str>| {
+        let mut b = EngineConfig::builder()
+            .backend(BackendKind::Tcp)
+            .listen("127.0.0.1:0".parse().unwrap());
+        if let Some(t) = token {
+            b = b.token(t);
+        }
+        Engine::new(b.build().unwrap()).unwrap()
+    };
+    match engine(None).connect(node.as_str()) {
+        Err(Error::Handshake(HandshakeError::TokenMismatch)) => {}
+        other => panic!("tokenless engine: {other:?}"),
+    }
+    let ok = engine(Some("sesame"));
+    let peer = ok.connect(node.as_str()).expect("the token connects");
+    assert!(
+        ok.peer_regions(peer)
+            .unwrap()
+            .iter()
+            .any(|r| r.len == 8 << 20)
+    );
 }
 
 #[test]

@@ -153,7 +153,9 @@ fn secs(v: f64, what: &str) -> PyResult<Duration> {
 ///
 /// ``StoreClient(master, *, listen="0.0.0.0:0", transport="auto", device=None,
 /// segment_size=0, timeout=30.0, connect_timeout=10.0, token=None, local_copy=True)``
-/// joins the store at ``master`` (``host:port``) or raises :class:`StoreError`.
+/// joins the store at ``master`` (``host:port``) or raises :class:`StoreError`. One token
+/// guards the master link, this client's engine and its segment: ``token``, else
+/// ``PAGEWIRE_TOKEN``; both set and different raise :class:`StoreError` (code -600).
 #[pyclass(frozen, module = "pagewire._native", name = "StoreClient")]
 pub(crate) struct StoreClient {
     inner: pagewire_store::StoreClient,

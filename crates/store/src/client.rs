@@ -12,15 +12,25 @@
 //!   straight into the caller's memory. A replica that fails is retried on the next one.
 //!   A read that ends after its lease is reported as `LeaseExpired`: the space might have
 //!   been reused.
-//! * Every call has one deadline (`ClientConfig::timeout`).
+//! * Every call has one deadline (`ClientConfig::timeout`). A put's writes also end by the
+//!   time the master would take the put away (`put_discard_ms` in its `Welcome`), which
+//!   is long before it reuses the space.
+//! * Sessions are fenced by the data path: the master names each segment with the remote
+//!   key it was mounted under, and a transfer goes to a node only while the node's
+//!   description carries that key (a stale description is fetched again, once). A node
+//!   registers its segment anew before it mounts it in a new session, so a put or get of
+//!   an earlier session fails at the NIC or the engine's key check instead of landing in
+//!   space handed out again.
 //! * A storage node is a client that contributes a segment (`segment_size > 0`).
 
 use std::collections::HashMap;
 use std::sync::mpsc::{self, RecvTimeoutError};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Mutex, RwLock, Weak};
 use std::time::{Duration, Instant};
 
-use pagewire_transport::{Batch, Engine, EngineConfig, Error as TError, Op, PeerId, TransferOp};
+use pagewire_transport::{
+    Batch, Engine, EngineConfig, Error as TError, Op, PeerId, TransferHandle, TransferOp,
+};
 
 use crate::error::{Code, Result, StoreError};
 use crate::local::{self, Buffers, SegmentMem, Span};
@@ -38,7 +48,15 @@ pub struct ClientConfig {
     pub engine: EngineConfig,
     /// Bytes of this client's memory offered to the store (0: a pure client).
     pub segment_size: u64,
-    /// Shared secret for the master (none: no token).
+    /// Shared secret (none: no token). One token guards everything the client opens: the
+    /// master link, the transport engine, and so the segment registered on it. It may be
+    /// set here, in `engine.token` (`PAGEWIRE_TOKEN` through [`EngineConfig`]'s
+    /// environment overrides), or in both alike: [`StoreClient::connect`] gives the one
+    /// that is set to the other, and refuses two different ones (`StoreError::Config`).
+    /// [`StoreClient::with_engine`] refuses an engine whose token is not this one, a
+    /// missing one included (`StoreError::InvalidArgument`): its segment would be open to
+    /// peers without the token. A peer engine whose token differs is refused by the
+    /// transport (`HandshakeError::TokenMismatch` on its side).
     pub token: Option<String>,
     /// Deadline of each call (put, get, ...), set-up included (default 30 s).
     pub timeout: Duration,
@@ -49,6 +67,21 @@ pub struct ClientConfig {
 }
 
 impl ClientConfig {
+    /// The client's one token, from `token` and `engine_token`, whichever is set; two
+    /// different ones are refused, naming neither (they are secrets).
+    fn one_token(&self, engine_token: Option<&str>) -> Result<Option<String>> {
+        match (self.token.as_deref(), engine_token) {
+            (Some(s), Some(e)) if s != e => Err(StoreError::Config {
+                key: "token".into(),
+                value: "(not shown)".into(),
+                reason: "the store's token and the engine's (PAGEWIRE_TOKEN) differ: \
+                         one token guards the master, the engine and the segment"
+                    .into(),
+            }),
+            (s, e) => Ok(s.or(e).map(str::to_string)),
+        }
+    }
+
     /// Defaults around a master address: engine from [`EngineConfig::default`], no
     /// segment, 30 s per call.
     pub fn new(master: impl Into<String>) -> Self {
@@ -94,6 +127,10 @@ pub struct Target {
     pub endpoint: Arc<str>,
     /// Address in the node's memory.
     pub addr: u64,
+    /// Start of the segment in the node's memory.
+    pub base: u64,
+    /// The remote key the segment was mounted under (its session).
+    pub rkey: u32,
 }
 
 /// A complete object as the master describes it.
@@ -114,6 +151,10 @@ struct Inner {
     segment: Option<Arc<SegmentMem>>,
     buffers: Buffers,
     peers: Mutex<HashMap<Arc<str>, PeerId>>,
+    /// Read-held from checking a node's description against the segment keys until the
+    /// batch is submitted; write-held to fetch a description again. So a batch never goes
+    /// out under keys newer than the ones it was checked against.
+    describing: RwLock<()>,
     stop: Mutex<Option<mpsc::Sender<()>>>,
 }
 
@@ -173,6 +214,8 @@ struct Work {
     ops: Vec<TransferOp>,
     /// `(item index, segment)` per replica served.
     items: Vec<(usize, u64)>,
+    /// `(base, rkey)` of each segment the ops reach: the sessions they belong to.
+    fences: Vec<(u64, u32)>,
 }
 
 impl Work {
@@ -181,19 +224,59 @@ impl Work {
             endpoint: endpoint.clone(),
             ops: Vec::new(),
             items: Vec::new(),
+            fences: Vec::new(),
+        }
+    }
+
+    /// Records that item `i` is served from `t`.
+    fn serve(&mut self, i: usize, t: &Target) {
+        self.items.push((i, t.segment));
+        if !self.fences.contains(&(t.base, t.rkey)) {
+            self.fences.push((t.base, t.rkey));
         }
     }
 }
 
+/// Why a node's share of a transfer did not go out.
+enum Refused {
+    /// The transfer belongs to an earlier session of a segment (the node registered it
+    /// anew since): not the node's fault, and it must not be retried.
+    Stale,
+    /// Connecting, describing or submitting failed.
+    Failed(StoreError),
+}
+
+impl<E: Into<StoreError>> From<E> for Refused {
+    fn from(e: E) -> Self {
+        Refused::Failed(e.into())
+    }
+}
+
 impl StoreClient {
-    /// Opens a transport engine from `cfg.engine` and joins the store.
-    pub fn connect(cfg: ClientConfig) -> Result<StoreClient> {
+    /// Opens a transport engine from `cfg.engine` and joins the store. The engine and
+    /// the master link get the one token of `cfg` (see [`ClientConfig::token`]).
+    pub fn connect(mut cfg: ClientConfig) -> Result<StoreClient> {
+        let token = cfg.one_token(cfg.engine.token.as_deref())?;
+        cfg.engine.token.clone_from(&token);
+        cfg.token = token;
         let engine = Engine::new(cfg.engine.clone())?;
         Self::build(engine, true, cfg)
     }
 
     /// Joins the store with an engine the caller already has (shared with other uses).
-    pub fn with_engine(engine: Engine, cfg: ClientConfig) -> Result<StoreClient> {
+    /// With `cfg.token` set the engine must have been opened with that token; without
+    /// it, the engine's token (if any) is the master's too.
+    pub fn with_engine(engine: Engine, mut cfg: ClientConfig) -> Result<StoreClient> {
+        let theirs = engine.config().token.as_deref();
+        if cfg.token.is_some() && cfg.token.as_deref() != theirs {
+            // Refused before anything is registered: the segment would otherwise be open
+            // to peers that lack the store's token.
+            return Err(StoreError::invalid(
+                "the engine was opened without the store's token (or with another one): \
+                 open it with the same token (EngineConfig::token, PAGEWIRE_TOKEN)",
+            ));
+        }
+        cfg.token = theirs.map(str::to_string);
         Self::build(engine, false, cfg)
     }
 
@@ -223,15 +306,15 @@ impl StoreClient {
             None
         };
         let spec = segment.as_ref().map(|s| SegmentSpec {
-            base: s.base(),
-            size: s.size(),
+            mem: s.clone(),
+            engine: engine.clone(),
         });
         let token = cfg.token.clone().unwrap_or_default().into_bytes();
         let link = MasterLink::new(&cfg.master, token, spec);
         link.set_endpoint(endpoint.clone());
         if let Err(e) = link.session(set_up_by) {
-            if let Some(s) = &segment {
-                let _ = engine.deregister(s.region());
+            if let Some(r) = segment.as_ref().and_then(|s| s.region()) {
+                let _ = engine.deregister(r);
             }
             return Err(fail(e));
         }
@@ -245,6 +328,7 @@ impl StoreClient {
             segment,
             buffers: Buffers::default(),
             peers: Mutex::new(HashMap::new()),
+            describing: RwLock::new(()),
             stop: Mutex::new(Some(tx)),
         });
         let weak = Arc::downgrade(&inner);
@@ -365,6 +449,9 @@ impl StoreClient {
             )));
         }
         let deadline = deadline_of(self.inner.cfg.timeout);
+        // No later than the master's own start of the put (it answers after this).
+        let started = Instant::now();
+        let mut session = None;
         let mut items: Vec<Result<Vec<Target>, Code>> = keys
             .iter()
             .zip(sizes)
@@ -397,15 +484,25 @@ impl StoreClient {
                 Ok(Response::Placed(p)) if p.items.len() == idx.len() => p,
                 Ok(other) => {
                     // Revoke what earlier chunks reserved, then fail the call.
-                    let r = Reservation::new(self, keys, sizes, items, deadline);
+                    let r = Reservation::new(self, keys, sizes, items, session, started, deadline);
                     drop(r);
                     return Err(self.bad_reply(other));
                 }
                 Err(e) => {
-                    drop(Reservation::new(self, keys, sizes, items, deadline));
+                    drop(Reservation::new(
+                        self, keys, sizes, items, session, started, deadline,
+                    ));
                     return Err(e);
                 }
             };
+            let now = self.inner.link.current();
+            if session.is_some_and(|s| s != now) {
+                // The master changed between chunks: what earlier ones reserved is gone.
+                for it in items.iter_mut().filter(|it| it.is_ok()) {
+                    *it = Err(Code::TransferFailed);
+                }
+            }
+            session = Some(now);
             let Placement {
                 segments,
                 items: placed,
@@ -418,7 +515,9 @@ impl StoreClient {
                 });
             }
         }
-        Ok(Reservation::new(self, keys, sizes, items, deadline))
+        Ok(Reservation::new(
+            self, keys, sizes, items, session, started, deadline,
+        ))
     }
 
     fn bad_reply(&self, r: Response) -> StoreError {
@@ -474,24 +573,16 @@ impl StoreClient {
         let mut suspects = Vec::new();
         let mut handles = Vec::with_capacity(work.len());
         for w in work {
-            let submitted = self.peer(&w.endpoint).and_then(|peer| {
-                let batch = || {
-                    let mut b = Batch::with_capacity(w.ops.len()).deadline(deadline);
-                    b.extend(w.ops.iter().copied());
-                    b
-                };
-                match self.inner.engine.submit(peer, batch()) {
-                    Err(TError::RemoteOutOfBounds { .. }) => {
-                        // The node registered its segment after we connected: look again.
-                        self.inner.engine.redescribe(peer)?;
-                        Ok(self.inner.engine.submit(peer, batch())?)
-                    }
-                    r => Ok(r?),
-                }
-            });
-            match submitted {
+            match self.submit_fenced(&w, deadline) {
                 Ok(h) => handles.push((h, w)),
-                Err(e) => {
+                Err(Refused::Stale) => {
+                    tracing::warn!(
+                        endpoint = %w.endpoint,
+                        "store: {op:?} not sent: it was placed in an earlier session of the node's segment (the node registered it anew since)"
+                    );
+                    failed.extend(w.items.iter().map(|x| x.0));
+                }
+                Err(Refused::Failed(e)) => {
                     tracing::warn!(endpoint = %w.endpoint, "store: {op:?} to storage node failed: {e}");
                     self.forget_peer(&w.endpoint);
                     failed.extend(w.items.iter().map(|x| x.0));
@@ -511,6 +602,50 @@ impl StoreClient {
         suspects.sort_unstable();
         suspects.dedup();
         (failed, suspects)
+    }
+
+    /// Submits one node's share, after checking that the node's description carries the
+    /// key of every segment session the ops belong to (fetching it again once if not).
+    fn submit_fenced(&self, w: &Work, deadline: Instant) -> Result<TransferHandle, Refused> {
+        let engine = &self.inner.engine;
+        let peer = self.peer(&w.endpoint)?;
+        let batch = || {
+            let mut b = Batch::with_capacity(w.ops.len()).deadline(deadline);
+            b.extend(w.ops.iter().copied());
+            b
+        };
+        let current = |peer| -> Result<bool, Refused> {
+            let regions = engine.peer_regions(peer)?;
+            Ok(w.fences
+                .iter()
+                .all(|&(base, rkey)| regions.iter().any(|r| r.addr == base && r.rkey == rkey)))
+        };
+        {
+            let _held = self
+                .inner
+                .describing
+                .read()
+                .unwrap_or_else(|p| p.into_inner());
+            if current(peer)? {
+                match engine.submit(peer, batch()) {
+                    Err(TError::RemoteOutOfBounds { .. }) => {}
+                    r => return Ok(r?),
+                }
+            }
+        }
+        // The description predates the session the master named (the node registered its
+        // segment after we connected, or anew for a new session): fetch it again. If the
+        // keys still differ, this transfer belongs to an older session than the node's.
+        let _held = self
+            .inner
+            .describing
+            .write()
+            .unwrap_or_else(|p| p.into_inner());
+        engine.redescribe(peer)?;
+        if !current(peer)? {
+            return Err(Refused::Stale);
+        }
+        Ok(engine.submit(peer, batch())?)
     }
 
     fn local_segment(&self, t: &Target, len: u64) -> Option<Arc<SegmentMem>> {
@@ -541,6 +676,7 @@ impl StoreClient {
         let deadline = deadline_of(self.inner.cfg.timeout);
         let mut out: Vec<Result<u64, Code>> = vec![Err(Code::NotFound); keys.len()];
         let mut located: Vec<Option<(Located, Instant)>> = vec![None; keys.len()];
+        let mut session = None;
         let todo: Vec<usize> = (0..keys.len())
             .filter(|&i| {
                 let p = parts[i].as_ref();
@@ -559,6 +695,7 @@ impl StoreClient {
             let idx = &todo[range];
             let sent = Instant::now();
             let found = self.find(idx.iter().map(|&i| keys[i].as_ref()), true, deadline)?;
+            session = Some(self.inner.link.current());
             let lease_end = sent + Duration::from_millis(found.lease_ttl_ms as u64);
             for (&i, item) in idx.iter().zip(self.locate(found)) {
                 match item {
@@ -587,7 +724,11 @@ impl StoreClient {
                 };
                 let p = parts[i].as_ref();
                 if let Some(seg) = self.local_segment(t, l.size) {
-                    out[i] = if !local::copy_out(&self.inner.buffers, &seg, t.addr, l.size, p) {
+                    out[i] = if seg.rkey() != t.rkey {
+                        // Leased in an earlier session of this segment.
+                        Err(Code::TransferFailed)
+                    } else if !local::copy_out(&self.inner.buffers, &seg, t.rkey, t.addr, l.size, p)
+                    {
                         Err(Code::InvalidParams)
                     } else if Instant::now() > *lease_end {
                         Err(Code::LeaseExpired)
@@ -614,7 +755,7 @@ impl StoreClient {
                     });
                     off += n;
                 }
-                w.items.push((i, t.segment));
+                w.serve(i, t);
                 round.push(i);
             }
             if round.is_empty() {
@@ -642,7 +783,8 @@ impl StoreClient {
                 };
             }
         }
-        if !reported.is_empty() {
+        // Segment ids are the session's: report only to the master that named them.
+        if !reported.is_empty() && session == Some(self.inner.link.current()) {
             reported.sort_unstable();
             reported.dedup();
             let _ = self
@@ -837,10 +979,10 @@ impl Inner {
         self.buffers.clear(&self.engine);
         if self.owns_engine {
             self.engine.shutdown();
-        } else if let Some(s) = &self.segment {
+        } else if let Some(r) = self.segment.as_ref().and_then(|s| s.region()) {
             let _ = self
                 .engine
-                .deregister_wait(s.region(), Instant::now() + Duration::from_secs(5));
+                .deregister_wait(r, Instant::now() + Duration::from_secs(5));
         }
     }
 }
@@ -861,14 +1003,14 @@ impl Drop for Inner {
 }
 
 fn target(segments: &[SegmentRef], id: u64, addr: u64) -> Target {
-    let endpoint = segments
-        .iter()
-        .find(|s| s.id == id)
-        .map_or_else(|| Arc::from(""), |s| Arc::from(s.endpoint.as_str()));
+    // The decoder checked that every replica names a listed segment.
+    let s = segments.iter().find(|s| s.id == id);
     Target {
         segment: id,
-        endpoint,
+        endpoint: s.map_or_else(|| Arc::from(""), |s| Arc::from(s.endpoint.as_str())),
         addr,
+        base: s.map_or(0, |s| s.base),
+        rkey: s.map_or(0, |s| s.rkey),
     }
 }
 
@@ -907,6 +1049,10 @@ pub struct Reservation<'c> {
     keys: Vec<Vec<u8>>,
     sizes: Vec<u64>,
     items: Vec<Result<Vec<Target>, Code>>,
+    /// The master session that reserved (`None`: nothing reserved).
+    session: Option<(u64, u64)>,
+    /// When `PutStart` was sent.
+    started: Instant,
     deadline: Instant,
     open: bool,
 }
@@ -926,6 +1072,8 @@ impl<'c> Reservation<'c> {
         keys: &[K],
         sizes: &[u64],
         items: Vec<Result<Vec<Target>, Code>>,
+        session: Option<(u64, u64)>,
+        started: Instant,
         deadline: Instant,
     ) -> Self {
         Reservation {
@@ -933,6 +1081,8 @@ impl<'c> Reservation<'c> {
             keys: keys.iter().map(|k| k.as_ref().to_vec()).collect(),
             sizes: sizes.to_vec(),
             items,
+            session,
+            started,
             deadline,
             open: true,
         }
@@ -957,7 +1107,14 @@ impl<'c> Reservation<'c> {
         }
         // Leave time to publish or revoke inside the call's deadline.
         let left = self.deadline.saturating_duration_since(Instant::now());
-        let data_deadline = self.deadline - (left / 10).min(Duration::from_secs(1));
+        let mut data_deadline = self.deadline - (left / 10).min(Duration::from_secs(1));
+        // The master takes a put away `put_discard_ms` after it started and reuses the
+        // space only much later (`put_release_ms`): writing past the first is pointless,
+        // and stopping there keeps every write of the put inside the master's hold.
+        if let Some(w) = c.inner.link.welcome() {
+            let by = self.started + Duration::from_millis(w.put_discard_ms as u64);
+            data_deadline = data_deadline.min(by);
+        }
         let mut out: Vec<Result<(), Code>> = Vec::with_capacity(n);
         let mut failed = vec![false; n];
         let mut work: HashMap<Arc<str>, Work> = HashMap::new();
@@ -978,7 +1135,7 @@ impl<'c> Reservation<'c> {
             out.push(Ok(()));
             for t in reps {
                 if let Some(seg) = c.local_segment(t, self.sizes[i]) {
-                    if !local::copy_in(&c.inner.buffers, &seg, t.addr, p) {
+                    if !local::copy_in(&c.inner.buffers, &seg, t.rkey, t.addr, p) {
                         failed[i] = true;
                         out[i] = Err(Code::TransferFailed);
                     }
@@ -997,7 +1154,7 @@ impl<'c> Reservation<'c> {
                     });
                     off += s.len;
                 }
-                w.items.push((i, t.segment));
+                w.serve(i, t);
             }
         }
         let (bad, suspects) = c.run(Op::Write, work.into_values().collect(), data_deadline);
@@ -1021,6 +1178,19 @@ impl<'c> Reservation<'c> {
             }
         }
         self.open = false;
+        if self.session != Some(c.inner.link.current()) {
+            // The master that reserved is gone (or dropped us): the new one knows none of
+            // these keys or segment ids. Nothing was published, and the data path kept
+            // every byte out of the new session's space.
+            tracing::warn!(
+                "store: put reserved in an earlier master session; {} key(s) not published",
+                done_idx.len()
+            );
+            for &i in &done_idx {
+                out[i] = Err(Code::TransferFailed);
+            }
+            return Ok(out);
+        }
         let codes = c.finish(done, revoked, suspects, self.deadline);
         match codes {
             Ok(codes) => {
@@ -1077,7 +1247,7 @@ impl StoreClient {
 
 impl Drop for Reservation<'_> {
     fn drop(&mut self) {
-        if !self.open {
+        if !self.open || self.session != Some(self.client.inner.link.current()) {
             return;
         }
         let revoked: Vec<Vec<u8>> = self

@@ -21,8 +21,12 @@
 //! * Segments of a client silent for `client_ttl_ms` are unmounted; their objects lose
 //!   those replicas (and vanish with the last one). A segment that a client reported as
 //!   failing, or whose owner's connection closed, takes no new replicas until its owner is
-//!   heard from again. A segment mounted again after a master restart takes replicas only
-//!   after `lease_ttl_ms`, when every lease the old master granted on it has ended.
+//!   heard from again.
+//! * Every mount names the remote key of the segment's registration, and every reply that
+//!   names a segment carries it. A node registers its memory anew before each mount after
+//!   its first, so transfers of an earlier session (an earlier master, or before the
+//!   master dropped the node) fail at the data path instead of landing in space this
+//!   session hands out: a remounted segment takes replicas at once.
 
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap, HashMap};
@@ -144,8 +148,8 @@ struct Segment {
     endpoint: Arc<str>,
     base: u64,
     alloc: Allocator,
-    /// Takes no replicas before this (a remount after a master restart).
-    usable_from: Millis,
+    /// The remote key of the registration the owner mounted (see the module doc).
+    rkey: u32,
     /// A client reported a failed transfer, or the owner's connection closed.
     suspect: bool,
 }
@@ -235,18 +239,21 @@ impl MasterCore {
     pub fn new(cfg: CoreConfig, seed: u64) -> Self {
         let mut rng = seed;
         let epoch = splitmix(&mut rng);
+        // Segment ids start at a random point, so that an id a client kept from another
+        // master instance names nothing here (ids stay far from wrapping).
+        let first_segment = (splitmix(&mut rng) >> 20).max(1);
         MasterCore {
             cfg,
             epoch,
             rng,
             clients: HashMap::new(),
             segments: BTreeMap::new(),
-            next_segment: 1,
+            next_segment: first_segment,
             objects: HashMap::new(),
             pending: BTreeMap::new(),
             next_seq: 0,
             held: BinaryHeap::new(),
-            cursor: 0,
+            cursor: first_segment - 1,
             uses: Uses(0),
             capacity: 0,
             used: 0,
@@ -359,14 +366,15 @@ impl MasterCore {
 
     // ---------------------------------------------------------------- segments
 
-    /// Mounts `[base, base+size)` of the client's memory as a segment.
+    /// Mounts `[base, base+size)` of the client's memory, registered under `rkey`, as a
+    /// segment.
     pub fn mount(
         &mut self,
         now: Millis,
         client: u64,
         base: u64,
         size: u64,
-        remount: bool,
+        rkey: u32,
     ) -> Result<u64, Code> {
         self.touch(now, client)?;
         let end = base.checked_add(size).ok_or(Code::InvalidParams)?;
@@ -392,18 +400,13 @@ impl MasterCore {
         let id = self.next_segment;
         self.next_segment += 1;
         self.capacity += alloc.size();
-        let usable_from = if remount {
-            now + self.cfg.lease_ttl_ms
-        } else {
-            now
-        };
         self.segments.insert(
             id,
             Segment {
                 endpoint,
                 base,
                 alloc,
-                usable_from,
+                rkey,
                 suspect: false,
             },
         );
@@ -549,8 +552,8 @@ impl MasterCore {
         Ok(reps)
     }
 
-    fn placeable(&self, now: Millis, s: &Segment, need: u64) -> bool {
-        s.usable_from <= now && !s.suspect && s.alloc.largest_free() >= need
+    fn placeable(&self, _now: Millis, s: &Segment, need: u64) -> bool {
+        !s.suspect && s.alloc.largest_free() >= need
     }
 
     /// Allocates up to `wanted` replicas of `size` on distinct segments, on distinct
@@ -594,10 +597,12 @@ impl MasterCore {
             }
         }
         // The cursor walks segment ids; wrap it to the id space in use.
-        if let Some((&last, _)) = self.segments.last_key_value()
-            && self.cursor > last
+        if let (Some((&first, _)), Some((&last, _))) = (
+            self.segments.first_key_value(),
+            self.segments.last_key_value(),
+        ) && (self.cursor > last || self.cursor < first)
         {
-            self.cursor = 0;
+            self.cursor = first - 1;
         }
         let mut out = Vec::with_capacity(picked.len());
         for id in picked {
@@ -740,9 +745,12 @@ impl MasterCore {
     ) {
         for r in reps {
             if !out.iter().any(|s| s.id == r.segment) {
+                let s = &self.segments[&r.segment];
                 out.push(SegmentRef {
                     id: r.segment,
-                    endpoint: self.segments[&r.segment].endpoint.to_string(),
+                    endpoint: s.endpoint.to_string(),
+                    base: s.base,
+                    rkey: s.rkey,
                 });
             }
         }

@@ -53,6 +53,7 @@
 //! things fail, the configuration, and how the design scales past one master.
 #![warn(missing_docs)]
 
+mod admission;
 pub mod alloc;
 pub mod client;
 pub mod core;
@@ -92,6 +93,8 @@ pub mod fuzzing {
         let segs = vec![SegmentRef {
             id: 3,
             endpoint: "127.0.0.1:7000".into(),
+            base: 1 << 20,
+            rkey: 0x42,
         }];
         let reqs = [
             Request::Hello(Hello {
@@ -103,7 +106,7 @@ pub mod fuzzing {
             Request::Mount {
                 base: 1 << 20,
                 size: 1 << 20,
-                remount: false,
+                rkey: 0x42,
             },
             Request::Unmount { segment: 3 },
             Request::PutStart(PutStart {
@@ -142,6 +145,7 @@ pub mod fuzzing {
                 heartbeat_ms: 1000,
                 client_ttl_ms: 10_000,
                 max_frame: DEFAULT_MAX_FRAME,
+                put_discard_ms: 30_000,
             }),
             Response::Ack,
             Response::Mounted { segment: 3 },

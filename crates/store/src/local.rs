@@ -113,8 +113,33 @@ fn covered(map: &BTreeMap<u64, (u64, RegionId)>, s: &Span) -> bool {
 #[derive(Debug)]
 pub(crate) struct SegmentMem {
     buf: HostBuffer,
-    region: RegionId,
+    /// The current registration. Copies in this process hold it read-locked while they
+    /// run; [`SegmentMem::renew`] write-locks it, so no copy of an earlier session is
+    /// under way once a new one starts.
+    reg: RwLock<Registration>,
     endpoint: String,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Registration {
+    /// `None` after a renewal that deregistered but could not register again.
+    region: Option<RegionId>,
+    /// The remote key at the segment's base: what the master names the session by.
+    rkey: u32,
+}
+
+fn segment_access() -> Access {
+    Access::LOCAL_WRITE | Access::REMOTE_READ | Access::REMOTE_WRITE
+}
+
+/// The remote key `engine` exposes at `base`.
+fn rkey_at(engine: &Engine, base: u64) -> Result<u32> {
+    engine
+        .exposed_regions()
+        .iter()
+        .find(|r| r.addr == base)
+        .map(|r| r.rkey)
+        .ok_or_else(|| StoreError::invalid(format!("segment {base:#x} is not exposed")))
 }
 
 impl SegmentMem {
@@ -123,13 +148,20 @@ impl SegmentMem {
         let len = usize::try_from(size)
             .map_err(|_| StoreError::invalid(format!("segment of {size} bytes")))?;
         let buf = HostBuffer::new(len)?;
-        let region = engine.register(
-            &buf,
-            Access::LOCAL_WRITE | Access::REMOTE_READ | Access::REMOTE_WRITE,
-        )?;
+        let region = engine.register(&buf, segment_access())?;
+        let rkey = match rkey_at(engine, buf.addr()) {
+            Ok(k) => k,
+            Err(e) => {
+                let _ = engine.deregister(region);
+                return Err(e);
+            }
+        };
         let seg = Arc::new(SegmentMem {
             buf,
-            region,
+            reg: RwLock::new(Registration {
+                region: Some(region),
+                rkey,
+            }),
             endpoint: endpoint.to_string(),
         });
         let mut v = LOCAL.lock().unwrap_or_else(|p| p.into_inner());
@@ -146,8 +178,54 @@ impl SegmentMem {
         self.buf.len() as u64
     }
 
-    pub fn region(&self) -> RegionId {
-        self.region
+    fn reg(&self) -> RwLockReadGuard<'_, Registration> {
+        self.reg.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The current registration's region (none after a failed renewal).
+    pub fn region(&self) -> Option<RegionId> {
+        self.reg().region
+    }
+
+    /// The remote key of the current registration.
+    pub fn rkey(&self) -> u32 {
+        self.reg().rkey
+    }
+
+    /// Registers the memory anew (the contents stay), for a new session with the master:
+    /// peers holding the old key are refused by the data path from now on (the NIC for
+    /// verbs, the engine's key check for TCP and loopback), and copies in this process
+    /// check the key too. Waits (up to `deadline`) for transfers still using the old
+    /// registration. Returns the new key, never equal to the old one.
+    pub fn renew(&self, engine: &Engine, deadline: std::time::Instant) -> Result<u32> {
+        let mut reg = self.reg.write().unwrap_or_else(|p| p.into_inner());
+        let old = *reg;
+        if let Some(r) = old.region {
+            engine.deregister_wait(r, deadline)?;
+            reg.region = None;
+        }
+        // A backend may hand the same key out again (verbs key bits are few): register
+        // until the key differs, releasing each attempt that does not.
+        for _ in 0..8 {
+            let region = engine.register(&self.buf, segment_access())?;
+            match rkey_at(engine, self.base()) {
+                Ok(k) if k != old.rkey => {
+                    *reg = Registration {
+                        region: Some(region),
+                        rkey: k,
+                    };
+                    return Ok(k);
+                }
+                Ok(_) => engine.deregister(region)?,
+                Err(e) => {
+                    let _ = engine.deregister(region);
+                    return Err(e);
+                }
+            }
+        }
+        Err(StoreError::invalid(
+            "the backend gave the segment its old remote key eight times".to_string(),
+        ))
     }
 
     fn holds(&self, addr: u64, len: u64) -> bool {
@@ -169,9 +247,22 @@ pub(crate) fn find(endpoint: &str, addr: u64, len: u64) -> Option<Arc<SegmentMem
         .find(|s| s.endpoint == endpoint && s.holds(addr, len))
 }
 
-/// Copies the caller's `parts` (in order) into `seg` at `dst`. Returns `false`, copying
-/// nothing, when a part is not registered or the object would not fit the segment.
-pub(crate) fn copy_in(bufs: &Buffers, seg: &SegmentMem, dst: u64, parts: &[Span]) -> bool {
+/// Copies the caller's `parts` (in order) into `seg` at `dst`, if the segment is still
+/// registered under `rkey` (the session the master placed the object in). Returns `false`,
+/// copying nothing, when it is not, when a part is not registered or the object would not
+/// fit the segment.
+pub(crate) fn copy_in(
+    bufs: &Buffers,
+    seg: &SegmentMem,
+    rkey: u32,
+    dst: u64,
+    parts: &[Span],
+) -> bool {
+    // Held across the copy: a renewal waits for it.
+    let reg = seg.reg();
+    if reg.rkey != rkey {
+        return false;
+    }
     let map = bufs.read();
     let total: Option<u64> = parts.iter().try_fold(0u64, |a, s| a.checked_add(s.len));
     let Some(total) = total else { return false };
@@ -195,15 +286,21 @@ pub(crate) fn copy_in(bufs: &Buffers, seg: &SegmentMem, dst: u64, parts: &[Span]
 }
 
 /// Copies `size` bytes from `seg` at `src` into the caller's `parts` (in order, the last
-/// part may be larger than what remains). Returns `false`, copying nothing, when a part
-/// is not registered, the parts are too small, or the range is not inside the segment.
+/// part may be larger than what remains), if `seg` is still registered under `rkey`.
+/// Returns `false`, copying nothing, when it is not, when a part is not registered, the
+/// parts are too small, or the range is not inside the segment.
 pub(crate) fn copy_out(
     bufs: &Buffers,
     seg: &SegmentMem,
+    rkey: u32,
     src: u64,
     size: u64,
     parts: &[Span],
 ) -> bool {
+    let reg = seg.reg();
+    if reg.rkey != rkey {
+        return false;
+    }
     let map = bufs.read();
     let room: Option<u64> = parts.iter().try_fold(0u64, |a, s| a.checked_add(s.len));
     if room.is_none_or(|r| r < size)
@@ -262,14 +359,15 @@ mod tests {
             assert!(bufs.insert(&e, sp, 300).is_err(), "twice");
         }
         let at = seg.base() + 4096;
+        let k = seg.rkey();
         let parts = [Span::new(sp, 100), Span::new(sp + 100, 200)];
-        assert!(copy_in(&bufs, &seg, at, &parts));
+        assert!(copy_in(&bufs, &seg, k, at, &parts));
         assert!(
-            !copy_in(&bufs, &seg, seg.base() + seg.size() - 10, &parts),
+            !copy_in(&bufs, &seg, k, seg.base() + seg.size() - 10, &parts),
             "past the segment"
         );
         assert!(
-            !copy_in(&bufs, &seg, at, &[Span::new(sp, 301)]),
+            !copy_in(&bufs, &seg, k, at, &[Span::new(sp, 301)]),
             "past the buffer"
         );
         let found = find("local-test:1", at, 300).expect("published");
@@ -277,18 +375,35 @@ mod tests {
         assert!(find("local-test:1", seg.base() + seg.size(), 1).is_none());
         assert!(find("elsewhere:1", at, 300).is_none());
         assert!(
-            !copy_out(&bufs, &seg, at, 300, &[Span::new(dp, 299)]),
+            !copy_out(&bufs, &seg, k, at, 300, &[Span::new(dp, 299)]),
             "too small"
         );
         assert!(copy_out(
             &bufs,
             &seg,
+            k,
             at,
             300,
             &[Span::new(dp, 7), Span::new(dp + 7, 313)]
         ));
         assert_eq!(&dst[..300], &src[..]);
         assert!(dst[300..].iter().all(|&b| b == 0));
+        // A new registration: the old key copies nothing either way, the new one sees
+        // the same bytes.
+        let k2 = seg
+            .renew(
+                &e,
+                std::time::Instant::now() + std::time::Duration::from_secs(5),
+            )
+            .unwrap();
+        assert_ne!(k2, k);
+        assert_eq!(rkey_at(&e, seg.base()).unwrap(), k2);
+        assert!(!copy_in(&bufs, &seg, k, at, &parts), "old session");
+        dst.fill(0);
+        assert!(!copy_out(&bufs, &seg, k, at, 300, &[Span::new(dp, 320)]));
+        assert!(dst.iter().all(|&b| b == 0));
+        assert!(copy_out(&bufs, &seg, k2, at, 300, &[Span::new(dp, 320)]));
+        assert_eq!(&dst[..300], &src[..]);
         bufs.clear(&e);
         assert!(!bufs.covers(&[Span::new(sp, 1)]));
         drop(found);

@@ -1,10 +1,15 @@
 //! The master server: the decision core ([`crate::core`]) behind a TCP listener.
 //!
 //! Threads: one accepts, one ticks the core (held space, silent clients, unfinished puts,
-//! eviction), one per client connection. Connections are capped in total and before
-//! their `Hello` (so half-open floods cannot starve clients); every frame has a deadline
-//! once its first byte arrived, and a connection quiet for longer than the client TTL is
-//! closed. The master never touches the data path: requests are metadata only.
+//! eviction), one per client connection. Connections are capped in total. Before its
+//! `Hello` a connection holds a pre-`Hello` slot (module `admission`), which makes room for every
+//! newcomer by closing older silent connections, so a flood of idle sockets cannot lock
+//! clients out; its first frame may be no longer than the largest valid `Hello`. Every
+//! frame has a deadline once its first byte arrived, the bytes buffered for requests are
+//! capped across all connections, and a connection quiet for longer than the client TTL
+//! is closed. What remote peers can cause at will (refused, evicted or unauthorized
+//! connections, bad frames) is logged as counts, at most one line per second. The master
+//! never touches the data path: requests are metadata only.
 
 use std::collections::HashMap;
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -13,10 +18,11 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use crate::admission::{Admission, Pending};
 use crate::core::{CoreConfig, MasterCore, Millis};
 use crate::error::{Code, Result, StoreError};
 use crate::net::{self, ReadError};
-use crate::proto::{self, Request, Response, Stats, Welcome};
+use crate::proto::{self, Header, Request, Response, Stats, Welcome};
 
 /// Master settings.
 #[derive(Debug, Clone)]
@@ -31,8 +37,16 @@ pub struct MasterConfig {
     pub max_frame: u32,
     /// Most client connections at once.
     pub max_connections: usize,
-    /// Most connections that have not said `Hello` yet.
+    /// Most connections that have not said `Hello` yet; a newcomer past it closes the
+    /// oldest such connection of the address holding the most of them.
     pub max_unauthenticated: usize,
+    /// Most connections from one source address that have not said `Hello` yet; a
+    /// newcomer past it closes that address's oldest such connection.
+    pub max_unauthenticated_per_addr: usize,
+    /// Cap on request bytes buffered across all connections at once (at least
+    /// `max_frame`). A frame that would pass it is answered `NoSpace` and its connection
+    /// closed.
+    pub max_buffered: usize,
     /// Deadline for a frame once its first byte arrived, and for writing a reply.
     pub frame_timeout: Duration,
     /// Period of the core's housekeeping.
@@ -48,6 +62,8 @@ impl Default for MasterConfig {
             max_frame: proto::DEFAULT_MAX_FRAME,
             max_connections: 1024,
             max_unauthenticated: 64,
+            max_unauthenticated_per_addr: 16,
+            max_buffered: 256 << 20,
             frame_timeout: Duration::from_secs(5),
             tick: Duration::from_millis(100),
         }
@@ -59,10 +75,13 @@ struct Shared {
     core: Mutex<MasterCore>,
     origin: Instant,
     shutdown: AtomicBool,
-    conns: Mutex<HashMap<u64, TcpStream>>,
+    /// A clone of every connection's socket, to close them all at shutdown.
+    conns: Mutex<HashMap<u64, Arc<TcpStream>>>,
     next_conn: AtomicU64,
     open: AtomicUsize,
-    unauthenticated: AtomicUsize,
+    admission: Arc<Admission>,
+    budget: Budget,
+    noise: Noise,
 }
 
 impl Shared {
@@ -108,12 +127,28 @@ impl Master {
             value: String::new(),
             reason,
         })?;
+        let bad = |key: &str, value: usize, reason: &str| StoreError::Config {
+            key: key.into(),
+            value: value.to_string(),
+            reason: reason.into(),
+        };
         if cfg.max_frame < 4096 {
-            return Err(StoreError::Config {
-                key: "max_frame".into(),
-                value: cfg.max_frame.to_string(),
-                reason: "at least 4096".into(),
-            });
+            return Err(bad("max_frame", cfg.max_frame as usize, "at least 4096"));
+        }
+        if cfg.max_buffered < cfg.max_frame as usize {
+            return Err(bad("max_buffered", cfg.max_buffered, "at least max_frame"));
+        }
+        for (key, v) in [
+            ("max_connections", cfg.max_connections),
+            ("max_unauthenticated", cfg.max_unauthenticated),
+            (
+                "max_unauthenticated_per_addr",
+                cfg.max_unauthenticated_per_addr,
+            ),
+        ] {
+            if v == 0 {
+                return Err(bad(key, v, "at least 1"));
+            }
         }
         let listener = TcpListener::bind(cfg.listen)
             .map_err(|e| StoreError::io(format!("bind master listener {}", cfg.listen), e))?;
@@ -122,13 +157,15 @@ impl Master {
             .map_err(|e| StoreError::io("master listener address", e))?;
         let shared = Arc::new(Shared {
             core: Mutex::new(MasterCore::new(cfg.core.clone(), random_seed())),
-            cfg,
             origin: Instant::now(),
             shutdown: AtomicBool::new(false),
             conns: Mutex::new(HashMap::new()),
             next_conn: AtomicU64::new(1),
             open: AtomicUsize::new(0),
-            unauthenticated: AtomicUsize::new(0),
+            admission: Admission::new(cfg.max_unauthenticated, cfg.max_unauthenticated_per_addr),
+            budget: Budget::new(cfg.max_buffered),
+            noise: Noise::new(NOISE_INTERVAL),
+            cfg,
         });
         let s = shared.clone();
         let accept = std::thread::Builder::new()
@@ -143,6 +180,7 @@ impl Master {
                     std::thread::sleep(s.cfg.tick);
                     let now = s.now();
                     s.core().tick(now);
+                    s.noise.flush();
                 }
             })
             .map_err(|e| StoreError::io("spawn master tick thread", e))?;
@@ -210,18 +248,16 @@ impl Drop for Master {
     }
 }
 
-/// Gives back a connection slot (and a pre-`Hello` slot while held) when dropped.
+/// Gives back a connection slot (and its pre-`Hello` slot while held) when dropped.
 struct Slot {
     shared: Arc<Shared>,
     id: u64,
-    unauthenticated: bool,
+    pending: Option<Pending>,
 }
 
 impl Slot {
     fn authenticated(&mut self) {
-        if std::mem::take(&mut self.unauthenticated) {
-            self.shared.unauthenticated.fetch_sub(1, Ordering::AcqRel);
-        }
+        self.pending = None;
     }
 }
 
@@ -239,13 +275,17 @@ impl Drop for Slot {
 
 fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
     loop {
-        let stream = match listener.accept() {
-            Ok((s, _)) => s,
+        let (stream, peer) = match listener.accept() {
+            Ok(a) => a,
             Err(e) => {
                 if shared.shutdown.load(Ordering::Acquire) {
                     return;
                 }
-                tracing::warn!("store master accept: {e}");
+                // Out of descriptors under a flood, typically: counted, not one line each.
+                shared.noise.note(|t| {
+                    t.accept_failed += 1;
+                    t.last = format!("accept: {e}");
+                });
                 std::thread::sleep(Duration::from_millis(10));
                 continue;
             }
@@ -253,38 +293,238 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
         if shared.shutdown.load(Ordering::Acquire) {
             return;
         }
-        let cfg = &shared.cfg;
-        if shared.open.load(Ordering::Acquire) >= cfg.max_connections
-            || shared.unauthenticated.load(Ordering::Acquire) >= cfg.max_unauthenticated
-        {
-            tracing::warn!(
-                peer = ?stream.peer_addr().ok(),
-                "store master: connection refused (connection caps reached)"
-            );
+        if shared.open.load(Ordering::Acquire) >= shared.cfg.max_connections {
+            shared.noise.note(|t| t.refused += 1);
             continue;
         }
+        let Ok(clone) = stream.try_clone().map(Arc::new) else {
+            shared.noise.note(|t| t.refused += 1);
+            continue;
+        };
+        let (pending, evicted) = shared.admission.admit(peer.ip(), clone.clone());
+        if evicted.is_some() {
+            shared.noise.note(|t| t.evicted += 1);
+        }
         shared.open.fetch_add(1, Ordering::AcqRel);
-        shared.unauthenticated.fetch_add(1, Ordering::AcqRel);
         let id = shared.next_conn.fetch_add(1, Ordering::Relaxed);
         let slot = Slot {
             shared: shared.clone(),
             id,
-            unauthenticated: true,
+            pending: Some(pending),
         };
-        if let Ok(c) = stream.try_clone() {
-            shared
-                .conns
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .insert(id, c);
-        }
+        shared
+            .conns
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(id, clone);
         let r = std::thread::Builder::new()
             .name("pagewire-store-conn".into())
             .spawn(move || serve(stream, slot));
         if let Err(e) = r {
-            tracing::warn!("store master: cannot spawn a connection thread: {e}");
+            shared.noise.note(|t| {
+                t.refused += 1;
+                t.last = format!("spawn a connection thread: {e}");
+            });
         }
     }
+}
+
+/// Interval of the counted warnings.
+const NOISE_INTERVAL: Duration = Duration::from_secs(1);
+
+/// Counts of what remote peers can cause at will, since the last line logged.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+struct Tally {
+    /// Connections closed at accept (`max_connections`, or out of resources).
+    refused: u64,
+    /// Silent pre-`Hello` connections closed to admit a newcomer.
+    evicted: u64,
+    /// First frames that were no valid `Hello`.
+    bad_hello: u64,
+    /// `Hello`s with the wrong token.
+    unauthorized: u64,
+    /// Bad frames or requests after `Hello`.
+    bad_frame: u64,
+    /// Frames refused because `max_buffered` was reached.
+    over_budget: u64,
+    /// Failed accepts.
+    accept_failed: u64,
+    /// The latest reason given, as an example.
+    last: String,
+}
+
+impl Tally {
+    fn is_empty(&self) -> bool {
+        self.refused
+            + self.evicted
+            + self.bad_hello
+            + self.unauthorized
+            + self.bad_frame
+            + self.over_budget
+            + self.accept_failed
+            == 0
+    }
+}
+
+/// Logs [`Tally`]s: at most one line per interval, so a flood cannot fill the log; the
+/// first event after a quiet interval is logged at once.
+struct Noise {
+    every: Duration,
+    state: Mutex<(Tally, Option<Instant>)>,
+}
+
+impl Noise {
+    fn new(every: Duration) -> Noise {
+        Noise {
+            every,
+            state: Mutex::new((Tally::default(), None)),
+        }
+    }
+
+    /// Counts an event and logs the tally when the interval allows.
+    fn note(&self, event: impl FnOnce(&mut Tally)) {
+        if let Some(t) = self.note_at(Instant::now(), event) {
+            Self::log(&t);
+        }
+    }
+
+    /// Logs what was counted, when the interval allows (the tick calls this, so counts
+    /// after the last line are not held back until the next event).
+    fn flush(&self) {
+        if let Some(t) = self.note_at(Instant::now(), |_| {}) {
+            Self::log(&t);
+        }
+    }
+
+    /// Counts an event at `now`; the tally to log, if it is due.
+    fn note_at(&self, now: Instant, event: impl FnOnce(&mut Tally)) -> Option<Tally> {
+        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        event(&mut st.0);
+        let due =
+            st.1.is_none_or(|last| now.duration_since(last) >= self.every);
+        if !due || st.0.is_empty() {
+            return None;
+        }
+        st.1 = Some(now);
+        Some(std::mem::take(&mut st.0))
+    }
+
+    fn log(t: &Tally) {
+        tracing::warn!(
+            refused = t.refused,
+            evicted = t.evicted,
+            bad_hello = t.bad_hello,
+            unauthorized = t.unauthorized,
+            bad_frame = t.bad_frame,
+            over_budget = t.over_budget,
+            accept_failed = t.accept_failed,
+            last = %t.last,
+            "store master: connections refused or closed since the last such line"
+        );
+    }
+}
+
+/// Request bytes buffered across all connections, against `max_buffered`.
+struct Budget {
+    cap: usize,
+    used: AtomicUsize,
+}
+
+impl Budget {
+    fn new(cap: usize) -> Budget {
+        Budget {
+            cap,
+            used: AtomicUsize::new(0),
+        }
+    }
+
+    fn take(&self, n: usize) -> bool {
+        self.used
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |u| {
+                u.checked_add(n).filter(|&v| v <= self.cap)
+            })
+            .is_ok()
+    }
+
+    fn give(&self, n: usize) {
+        self.used.fetch_sub(n, Ordering::AcqRel);
+    }
+}
+
+/// What one connection holds of the [`Budget`]; given back on drop.
+struct Charge<'a> {
+    budget: &'a Budget,
+    held: usize,
+}
+
+impl Charge<'_> {
+    fn take(&mut self, n: usize) -> bool {
+        let ok = self.budget.take(n);
+        if ok {
+            self.held += n;
+        }
+        ok
+    }
+
+    fn release(&mut self) {
+        self.budget.give(std::mem::take(&mut self.held));
+    }
+}
+
+impl Drop for Charge<'_> {
+    fn drop(&mut self) {
+        self.release();
+    }
+}
+
+/// A body buffer larger than this is not kept between requests (the budget counts the
+/// bytes of the frame being read, not what an idle connection keeps).
+const KEEP_BODY: usize = 64 << 10;
+
+/// Why a request was not read.
+enum Unread {
+    Read(ReadError),
+    /// The buffered-bytes budget ran out inside this frame: its header, the body bytes
+    /// not read yet and the frame's deadline.
+    OverBudget(Header, usize, Instant),
+}
+
+/// Reads one frame of at most `max` body bytes; `grant` is asked for its buffer's bytes.
+fn read_request(
+    s: &mut TcpStream,
+    shared: &Shared,
+    max: u32,
+    idle: Instant,
+    hard: Instant,
+    body: &mut Vec<u8>,
+    grant: &mut dyn FnMut(usize) -> bool,
+) -> std::result::Result<Header, Unread> {
+    let (h, deadline) =
+        net::read_header(s, max, idle, shared.cfg.frame_timeout, hard).map_err(Unread::Read)?;
+    match net::read_body(s, h.len, deadline, body, grant) {
+        Ok(true) => Ok(h),
+        Ok(false) => Err(Unread::OverBudget(h, h.len as usize - body.len(), deadline)),
+        Err(e) => Err(Unread::Read(e)),
+    }
+}
+
+/// Answers a frame the budget had no room for; the caller then closes. The rest of the
+/// frame is read and dropped first (within its deadline), so that the sender is not cut
+/// off mid-write and reads the answer instead of a reset.
+fn over_budget(s: &mut TcpStream, shared: &Shared, req_id: u32, left: usize, by: Instant) {
+    shared.noise.note(|t| t.over_budget += 1);
+    if net::discard(s, left, by).is_err() {
+        return;
+    }
+    let _ = send(
+        s,
+        shared,
+        req_id,
+        &Response::Error {
+            code: Code::NoSpace,
+            message: "the master's request buffers are full".into(),
+        },
+    );
 }
 
 fn send(s: &mut TcpStream, shared: &Shared, req_id: u32, resp: &Response) -> bool {
@@ -312,114 +552,145 @@ fn serve(mut s: TcpStream, mut slot: Slot) {
     let _ = s.set_nodelay(true);
     let cfg = &shared.cfg;
     let mut body = Vec::new();
+    let mut charge = Charge {
+        budget: &shared.budget,
+        held: 0,
+    };
     let far = || Instant::now() + Duration::from_secs(3600);
+    // What the peer says before `Hello` is counted, not logged line by line: anyone can
+    // connect and send it.
+    let bad_hello = |reason: String| {
+        shared.noise.note(|t| {
+            t.bad_hello += 1;
+            t.last = format!("{peer}: {reason}");
+        })
+    };
 
-    // Hello first, within one frame timeout.
+    // Hello first, within one frame timeout, and no longer than the largest valid one.
+    // It is not charged to the budget: pre-Hello slots bound it already, and clients
+    // must get in even while the budget is spent.
     let hello_by = Instant::now() + cfg.frame_timeout;
-    let client = match net::read_frame(
+    let h = match read_request(
         &mut s,
-        cfg.max_frame,
+        &shared,
+        proto::MAX_HELLO_FRAME,
         hello_by,
-        cfg.frame_timeout,
         hello_by,
         &mut body,
+        &mut |_| true,
     ) {
-        Ok(h) => match proto::decode_request(h.kind, &body) {
-            Ok(Request::Hello(hello)) => {
-                let token_ok = match &cfg.token {
-                    Some(t) => net::ct_eq(t, &hello.token),
-                    None => true,
-                };
-                if !token_ok {
-                    tracing::warn!(%peer, "store master: token mismatch");
-                    let _ = send(
-                        &mut s,
-                        &shared,
-                        h.req_id,
-                        &Response::Error {
-                            code: Code::Unauthorized,
-                            message: "token mismatch".into(),
-                        },
-                    );
-                    return;
-                }
-                let now = shared.now();
-                let r = shared.core().hello(now, hello.client_id, &hello.endpoint);
-                match r {
-                    Ok((id, resumed)) => {
-                        let c = &cfg.core;
-                        let w = Welcome {
-                            client_id: id,
-                            epoch: shared.core().epoch(),
-                            resumed,
-                            lease_ttl_ms: c.lease_ttl_ms as u32,
-                            heartbeat_ms: c.heartbeat_ms as u32,
-                            client_ttl_ms: c.client_ttl_ms as u32,
-                            max_frame: cfg.max_frame,
-                        };
-                        if !send(&mut s, &shared, h.req_id, &Response::Welcome(w)) {
-                            return;
-                        }
-                        tracing::debug!(%peer, endpoint = %hello.endpoint, client = format_args!("{id:#x}"), resumed, "store client connected");
-                        id
-                    }
-                    Err(code) => {
-                        let _ = send(
-                            &mut s,
-                            &shared,
-                            h.req_id,
-                            &Response::Error {
-                                code,
-                                message: "too many clients".into(),
-                            },
-                        );
-                        return;
-                    }
-                }
-            }
-            Ok(_) => {
-                refuse(
-                    &mut s,
-                    &shared,
-                    h.req_id,
-                    "the first frame must be Hello".into(),
-                );
+        Ok(h) => h,
+        Err(Unread::OverBudget(h, left, by)) => {
+            return over_budget(&mut s, &shared, h.req_id, left, by);
+        }
+        Err(Unread::Read(ReadError::Proto(e))) => return bad_hello(e.to_string()),
+        Err(Unread::Read(_)) => return,
+    };
+    let hello = match proto::decode_request(h.kind, &body) {
+        Ok(Request::Hello(hello)) => hello,
+        Ok(_) => {
+            bad_hello("the first frame is not Hello".into());
+            return refuse(
+                &mut s,
+                &shared,
+                h.req_id,
+                "the first frame must be Hello".into(),
+            );
+        }
+        Err(e) => {
+            bad_hello(e.to_string());
+            return refuse(&mut s, &shared, h.req_id, e.to_string());
+        }
+    };
+    let token_ok = match &cfg.token {
+        Some(t) => net::ct_eq(t, &hello.token),
+        None => true,
+    };
+    if !token_ok {
+        shared.noise.note(|t| {
+            t.unauthorized += 1;
+            t.last = format!("{peer}: token mismatch");
+        });
+        let _ = send(
+            &mut s,
+            &shared,
+            h.req_id,
+            &Response::Error {
+                code: Code::Unauthorized,
+                message: "token mismatch".into(),
+            },
+        );
+        return;
+    }
+    // Authenticated: the pre-Hello slot goes back at once, before the core is asked, so
+    // the window in which a flood can evict this connection ends here.
+    slot.authenticated();
+    let now = shared.now();
+    let r = shared.core().hello(now, hello.client_id, &hello.endpoint);
+    let client = match r {
+        Ok((id, resumed)) => {
+            let c = &cfg.core;
+            let w = Welcome {
+                client_id: id,
+                epoch: shared.core().epoch(),
+                resumed,
+                lease_ttl_ms: c.lease_ttl_ms as u32,
+                heartbeat_ms: c.heartbeat_ms as u32,
+                client_ttl_ms: c.client_ttl_ms as u32,
+                max_frame: cfg.max_frame,
+                put_discard_ms: c.put_discard_ms as u32,
+            };
+            if !send(&mut s, &shared, h.req_id, &Response::Welcome(w)) {
                 return;
             }
-            Err(e) => {
-                tracing::warn!(%peer, "store master: bad hello: {e}");
-                refuse(&mut s, &shared, h.req_id, e.to_string());
-                return;
-            }
-        },
-        Err(ReadError::Proto(e)) => {
-            tracing::warn!(%peer, "store master: bad hello: {e}");
+            tracing::debug!(%peer, endpoint = %hello.endpoint, client = format_args!("{id:#x}"), resumed, "store client connected");
+            id
+        }
+        Err(code) => {
+            let _ = send(
+                &mut s,
+                &shared,
+                h.req_id,
+                &Response::Error {
+                    code,
+                    message: "too many clients".into(),
+                },
+            );
             return;
         }
-        Err(_) => return,
     };
-    slot.authenticated();
 
     // Requests until the client leaves, goes quiet for longer than its TTL, or misbehaves.
     let quiet = Duration::from_millis(cfg.core.client_ttl_ms) * 2;
+    let bad_frame = |reason: String| {
+        shared.noise.note(|t| {
+            t.bad_frame += 1;
+            t.last = format!("{peer}: {reason}");
+        })
+    };
     loop {
         let idle = Instant::now() + quiet;
-        let h = match net::read_frame(
+        let h = match read_request(
             &mut s,
+            &shared,
             cfg.max_frame,
             idle,
-            cfg.frame_timeout,
             far(),
             &mut body,
+            &mut |n| charge.take(n),
         ) {
             Ok(h) => h,
-            Err(ReadError::Proto(e)) => {
-                tracing::warn!(%peer, "store master: bad frame: {e}");
+            Err(Unread::OverBudget(h, left, by)) => {
+                over_budget(&mut s, &shared, h.req_id, left, by);
+                break;
+            }
+            Err(Unread::Read(ReadError::Proto(e))) => {
+                bad_frame(format!("bad frame: {e}"));
                 refuse(&mut s, &shared, 0, e.to_string());
                 break;
             }
-            Err(ReadError::Closed) => break,
-            Err(e) => {
+            Err(Unread::Read(ReadError::Closed)) => break,
+            Err(Unread::Read(e)) => {
                 tracing::debug!(%peer, "store master: connection ends: {e:?}");
                 break;
             }
@@ -427,14 +698,21 @@ fn serve(mut s: TcpStream, mut slot: Slot) {
         let req = match proto::decode_request(h.kind, &body) {
             Ok(r) => r,
             Err(e) => {
-                tracing::warn!(%peer, "store master: bad request: {e}");
+                bad_frame(format!("bad request: {e}"));
                 refuse(&mut s, &shared, h.req_id, e.to_string());
                 break;
             }
         };
         let bye = matches!(req, Request::Bye);
         let resp = handle(&shared, client, req);
-        if !send(&mut s, &shared, h.req_id, &resp) || bye {
+        let sent = send(&mut s, &shared, h.req_id, &resp);
+        // The frame is done: its bytes go back to the budget, and a large buffer is not
+        // kept while the connection idles.
+        charge.release();
+        if body.capacity() > KEEP_BODY {
+            body = Vec::new();
+        }
+        if !sent || bye {
             if bye {
                 return;
             }
@@ -464,11 +742,7 @@ fn handle(shared: &Shared, client: u64, req: Request) -> Response {
             message: "Hello twice on one connection".into(),
         },
         Request::Heartbeat => Response::Ack,
-        Request::Mount {
-            base,
-            size,
-            remount,
-        } => match core.mount(now, client, base, size, remount) {
+        Request::Mount { base, size, rkey } => match core.mount(now, client, base, size, rkey) {
             Ok(segment) => Response::Mounted { segment },
             Err(c) => err(c),
         },
@@ -497,5 +771,62 @@ fn handle(shared: &Shared, client: u64, req: Request) -> Response {
             core.bye(now, client);
             Response::Ack
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A flood of events gives one line per interval, the first at once; the counts add
+    /// up, and nothing is logged for an interval without events.
+    #[test]
+    fn counted_warnings_come_at_most_once_per_interval() {
+        let noise = Noise::new(Duration::from_secs(1));
+        let t0 = Instant::now();
+        let at = |ms| t0 + Duration::from_millis(ms);
+        let first = noise
+            .note_at(at(0), |t| t.refused += 1)
+            .expect("first at once");
+        assert_eq!((first.refused, first.evicted), (1, 0));
+        // One event every 3 ms for 3 s: a line at 1002 ms and one at 2004 ms, 334 each.
+        let mut lines = Vec::new();
+        for i in 1..=1000u64 {
+            if let Some(t) = noise.note_at(at(i * 3), |t| {
+                t.evicted += 1;
+                t.last = format!("e{i}");
+            }) {
+                lines.push((i, t.refused, t.evicted, t.last));
+            }
+        }
+        assert_eq!(
+            lines,
+            [(334, 0, 334, "e334".into()), (668, 0, 334, "e668".into())]
+        );
+        // The rest waits for its interval, then the tick's flush logs it.
+        assert!(noise.note_at(at(3003), |_| {}).is_none());
+        assert_eq!(
+            noise.note_at(at(3004), |_| {}).map(|t| t.evicted),
+            Some(332)
+        );
+        assert!(noise.note_at(at(5000), |_| {}).is_none(), "nothing counted");
+    }
+
+    #[test]
+    fn the_budget_refuses_past_its_cap_and_takes_back_what_a_charge_held() {
+        let b = Budget::new(100);
+        let mut c1 = Charge {
+            budget: &b,
+            held: 0,
+        };
+        let mut c2 = Charge {
+            budget: &b,
+            held: 0,
+        };
+        assert!(c1.take(60) && c2.take(40) && !c2.take(1));
+        c1.release();
+        assert!(c2.take(60) && !c1.take(1));
+        drop(c2);
+        assert!(c1.take(100));
     }
 }

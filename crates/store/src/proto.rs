@@ -18,7 +18,7 @@ use crate::error::Code;
 /// First four bytes of every frame.
 pub const MAGIC: [u8; 4] = *b"PWKV";
 /// The protocol version this build speaks (and the only one it accepts).
-pub const VERSION: u16 = 1;
+pub const VERSION: u16 = 2;
 /// Bytes of the frame header.
 pub const HEADER_LEN: usize = 16;
 /// Longest key, in bytes.
@@ -37,6 +37,9 @@ pub const MAX_REPLICAS: usize = 16;
 pub const MAX_SEGMENTS: usize = 1 << 16;
 /// Default cap on one frame (header excluded); both ends may set their own.
 pub const DEFAULT_MAX_FRAME: u32 = 16 << 20;
+/// Largest body of a valid `Hello` (token, client id, endpoint at their caps): the cap on
+/// a connection's first frame, so a peer that has not authenticated buffers no more.
+pub const MAX_HELLO_FRAME: u32 = (2 + MAX_TOKEN + 8 + 2 + MAX_ENDPOINT) as u32;
 
 /// A decoding failure: the bytes are not a valid frame of this version.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -159,9 +162,10 @@ pub enum Request {
         base: u64,
         /// Bytes.
         size: u64,
-        /// The memory was mounted with an earlier master (its contents may still be read
-        /// by holders of that master's leases).
-        remount: bool,
+        /// The remote key of the registration that starts at `base`: the node registers
+        /// the memory anew before every mount after its first, so a writer or reader
+        /// holding an address from an earlier session is refused by the data path.
+        rkey: u32,
     },
     /// Kind 4.
     Unmount {
@@ -224,6 +228,10 @@ pub struct Welcome {
     pub client_ttl_ms: u32,
     /// The master's frame cap.
     pub max_frame: u32,
+    /// How long a put may take from `PutStart` before the master takes it away: the
+    /// client stops writing by then, so the master's hold on that space outlasts every
+    /// write of the put.
+    pub put_discard_ms: u32,
 }
 
 /// A segment named in a reply: its id and the endpoint that serves it.
@@ -233,6 +241,11 @@ pub struct SegmentRef {
     pub id: u64,
     /// Engine endpoint of the owner (`host:port`).
     pub endpoint: String,
+    /// Start of the segment in the owner's address space.
+    pub base: u64,
+    /// The remote key the segment was mounted with: a transfer goes out only while the
+    /// owner's description of `base` carries this key.
+    pub rkey: u32,
 }
 
 /// One replica: where its bytes are.
@@ -390,6 +403,8 @@ impl W<'_> {
         for seg in s {
             self.u64(seg.id);
             self.bytes(seg.endpoint.as_bytes());
+            self.u64(seg.base);
+            self.u32(seg.rkey);
         }
     }
     fn replicas(&mut self, r: &[Replica]) {
@@ -438,14 +453,10 @@ impl Request {
                 w.bytes(h.endpoint.as_bytes());
             }
             Request::Heartbeat | Request::Stats | Request::Bye => {}
-            Request::Mount {
-                base,
-                size,
-                remount,
-            } => {
+            Request::Mount { base, size, rkey } => {
                 w.u64(*base);
                 w.u64(*size);
-                w.bool(*remount);
+                w.u32(*rkey);
             }
             Request::Unmount { segment } => w.u64(*segment),
             Request::PutStart(p) => {
@@ -505,6 +516,7 @@ impl Response {
                 w.u32(h.heartbeat_ms);
                 w.u32(h.client_ttl_ms);
                 w.u32(h.max_frame);
+                w.u32(h.put_discard_ms);
             }
             Response::Ack => {}
             Response::Mounted { segment } => w.u64(*segment),
@@ -711,7 +723,7 @@ impl<'a> R<'a> {
         }
     }
     fn segments(&mut self) -> Result<Vec<SegmentRef>, ProtoError> {
-        let n = self.count("segment count", MAX_SEGMENTS, 10)?;
+        let n = self.count("segment count", MAX_SEGMENTS, 22)?;
         let mut v = Vec::with_capacity(n);
         for _ in 0..n {
             let id = self.u64("segment id")?;
@@ -719,10 +731,17 @@ impl<'a> R<'a> {
             if endpoint.is_empty() {
                 return Err(bad("endpoint length", 0));
             }
+            let base = self.u64("segment base")?;
+            let rkey = self.u32("segment rkey")?;
             if v.iter().any(|s: &SegmentRef| s.id == id) {
                 return Err(bad("duplicate segment id", id as i64));
             }
-            v.push(SegmentRef { id, endpoint });
+            v.push(SegmentRef {
+                id,
+                endpoint,
+                base,
+                rkey,
+            });
         }
         Ok(v)
     }
@@ -792,7 +811,7 @@ pub fn decode_request(kind: u8, body: &[u8]) -> Result<Request, ProtoError> {
             Request::Mount {
                 base,
                 size,
-                remount: r.bool("remount")?,
+                rkey: r.u32("rkey")?,
             }
         }
         4 => Request::Unmount {
@@ -866,6 +885,7 @@ pub fn decode_response(kind: u8, body: &[u8]) -> Result<Response, ProtoError> {
                 heartbeat_ms: positive(r.u32("heartbeat")?, "heartbeat")?,
                 client_ttl_ms: positive(r.u32("client ttl")?, "client ttl")?,
                 max_frame: r.u32("max frame")?,
+                put_discard_ms: positive(r.u32("put discard")?, "put discard")?,
             })
         }
         0x82 => Response::Ack,
@@ -988,7 +1008,7 @@ mod tests {
             Request::Mount {
                 base: 0x7f00_0000_0000,
                 size: 1 << 30,
-                remount: true,
+                rkey: 0x1234_5678,
             },
             Request::Unmount { segment: 3 },
             Request::PutStart(PutStart {
@@ -1023,10 +1043,14 @@ mod tests {
             SegmentRef {
                 id: 1,
                 endpoint: "127.0.0.1:1".into(),
+                base: 0x7f00_0000_0000,
+                rkey: 7,
             },
             SegmentRef {
                 id: 5,
                 endpoint: "[::1]:2".into(),
+                base: 4096,
+                rkey: u32::MAX,
             },
         ];
         vec![
@@ -1038,6 +1062,7 @@ mod tests {
                 heartbeat_ms: 1000,
                 client_ttl_ms: 10_000,
                 max_frame: 1 << 20,
+                put_discard_ms: 30_000,
             }),
             Response::Ack,
             Response::Mounted { segment: 5 },
@@ -1112,12 +1137,14 @@ mod tests {
             decode_header(&bad_magic, 1024),
             Err(ProtoError::BadMagic(_))
         ));
-        let mut v2 = h;
-        v2[4] = 2;
-        assert_eq!(
-            decode_header(&v2, 1024),
-            Err(ProtoError::Version { got: 2 })
-        );
+        for old in [1u16, VERSION + 1] {
+            let mut v = h;
+            v[4..6].copy_from_slice(&old.to_le_bytes());
+            assert_eq!(
+                decode_header(&v, 1024),
+                Err(ProtoError::Version { got: old })
+            );
+        }
         let mut kind = h;
         kind[6] = 0x40;
         assert_eq!(
@@ -1172,7 +1199,7 @@ mod tests {
         let mount = |base: u64, size: u64| {
             let mut b = base.to_le_bytes().to_vec();
             b.extend_from_slice(&size.to_le_bytes());
-            b.push(0);
+            b.extend_from_slice(&7u32.to_le_bytes());
             decode_request(3, &b)
         };
         assert!(mount(0x1000, 0).is_err());
@@ -1184,6 +1211,8 @@ mod tests {
             segments: vec![SegmentRef {
                 id: 1,
                 endpoint: "a:1".into(),
+                base: 0,
+                rkey: 1,
             }],
             items: vec![Ok(vec![Replica {
                 segment: 2,
@@ -1197,6 +1226,8 @@ mod tests {
             segments: vec![SegmentRef {
                 id: 1,
                 endpoint: "a:1".into(),
+                base: 0,
+                rkey: 1,
             }],
             items: vec![Ok(vec![
                 Replica {

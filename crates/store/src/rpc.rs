@@ -3,8 +3,9 @@
 //!
 //! The link reconnects by itself: a call that finds no stream connects and says `Hello`
 //! (resuming the client's id when the master still knows it). When the master answers
-//! with a new id (it restarted, or dropped us for silence), the link mounts the client's
-//! segment again, flagged as a remount, before the call goes on. A request that reached
+//! with a new id (it restarted, or dropped us for silence), the link registers the client's
+//! segment anew (a new remote key, so transfers of the old session fail at the data path)
+//! and mounts it under that key before the call goes on. A request that reached
 //! the master is never sent twice; one refused as `UnknownClient` (so not executed) is
 //! sent once more on a fresh session.
 
@@ -12,15 +13,27 @@ use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use pagewire_transport::Engine;
+
 use crate::error::{Code, Result, StoreError};
+use crate::local::SegmentMem;
 use crate::net::{self, ReadError};
 use crate::proto::{self, Hello, Request, Response, Welcome};
 
-/// The client's segment, as the master should know it.
-#[derive(Debug, Clone, Copy)]
+/// The client's segment and the engine it is registered with (to register it anew).
+#[derive(Clone)]
 pub(crate) struct SegmentSpec {
-    pub base: u64,
-    pub size: u64,
+    pub mem: Arc<SegmentMem>,
+    pub engine: Engine,
+}
+
+impl std::fmt::Debug for SegmentSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SegmentSpec")
+            .field("base", &format_args!("{:#x}", self.mem.base()))
+            .field("size", &self.mem.size())
+            .finish()
+    }
 }
 
 #[derive(Debug, Default)]
@@ -116,6 +129,13 @@ impl MasterLink {
         })
     }
 
+    /// `(client id, master epoch)` of the session the link has now, without connecting:
+    /// replies of one session name segments that mean nothing to another.
+    pub fn current(&self) -> (u64, u64) {
+        let st = self.state();
+        (st.client_id, st.welcome.map_or(0, |w| w.epoch))
+    }
+
     /// What the master said in its last `Welcome`.
     pub fn welcome(&self) -> Option<Welcome> {
         self.state().welcome
@@ -150,14 +170,27 @@ impl MasterLink {
                 "store: new session with the master (it restarted or dropped this client)"
             );
         }
-        let resumed = w.resumed;
+        if !w.resumed {
+            st.segment_id = None;
+        }
         st.client_id = w.client_id;
         st.welcome = Some(w);
-        if !resumed && let Some(seg) = self.segment {
+        // Mount unless the master still has this client's segment: a session whose mount
+        // failed (say, the old registration was still busy) resumes without one.
+        if st.segment_id.is_none()
+            && let Some(seg) = &self.segment
+        {
+            // A session after the first: whatever the old one placed or leased on this
+            // memory must not reach it any more.
+            let rkey = if st.mounted_once {
+                seg.mem.renew(&seg.engine, deadline)?
+            } else {
+                seg.mem.rkey()
+            };
             let req = Request::Mount {
-                base: seg.base,
-                size: seg.size,
-                remount: st.mounted_once,
+                base: seg.mem.base(),
+                size: seg.mem.size(),
+                rkey,
             };
             match self.exchange(&mut s, st, &req, deadline)? {
                 Response::Mounted { segment } => {

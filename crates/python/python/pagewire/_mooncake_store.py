@@ -234,6 +234,8 @@ class MooncakeDistributedStore:
         the store. ``metadata_server`` is not needed (any value is accepted),
         ``engine`` is not shared (this client opens its own transport engine), and SSD
         offload is not supported (``enable_ssd_offload=True`` returns ``-1``).
+        Mooncake's config has no token: ``PAGEWIRE_TOKEN`` in the environment guards the
+        master link, the engine and the segment alike.
         """
         if isinstance(local_hostname, dict):
             cfg = dict(local_hostname)

@@ -7,6 +7,8 @@ use proptest::prelude::*;
 use std::collections::HashSet;
 
 const MIB: u64 = 1 << 20;
+/// The remote key nodes mount with in these tests.
+const RKEY: u32 = 0x5eed;
 
 fn cfg() -> CoreConfig {
     CoreConfig {
@@ -38,7 +40,7 @@ impl World {
     }
     fn node(&mut self, ep: &str, base: u64, size: u64) -> (u64, u64) {
         let c = self.client(ep);
-        let s = self.core.mount(self.now, c, base, size, false).unwrap();
+        let s = self.core.mount(self.now, c, base, size, RKEY).unwrap();
         (c, s)
     }
     fn start(&mut self, c: u64, items: &[(&str, u64)], replicas: u8) -> Placement {
@@ -116,7 +118,9 @@ fn put_publishes_only_at_finish_and_first_write_wins() {
         p.segments,
         [SegmentRef {
             id: seg,
-            endpoint: "n1:1".into()
+            endpoint: "n1:1".into(),
+            base: 0x10_0000,
+            rkey: RKEY,
         }]
     );
     // Invisible while pending.
@@ -156,10 +160,10 @@ fn put_publishes_only_at_finish_and_first_write_wins() {
 fn replicas_go_to_distinct_segments_on_distinct_endpoints_first() {
     let mut w = World::new(cfg());
     let c = w.client("n1:1");
-    let s1 = w.core.mount(w.now, c, 0, 4 * MIB, false).unwrap();
-    let s2 = w.core.mount(w.now, c, 8 * MIB, 4 * MIB, false).unwrap();
+    let s1 = w.core.mount(w.now, c, 0, 4 * MIB, RKEY).unwrap();
+    let s2 = w.core.mount(w.now, c, 8 * MIB, 4 * MIB, RKEY).unwrap();
     assert_eq!(
-        w.core.mount(w.now, c, 2 * MIB, 4 * MIB, false),
+        w.core.mount(w.now, c, 2 * MIB, 4 * MIB, RKEY),
         Err(Code::InvalidParams),
         "overlaps a segment of the same endpoint"
     );
@@ -437,15 +441,33 @@ fn suspect_segments_take_nothing_until_their_owner_speaks() {
 }
 
 #[test]
-fn remounts_wait_for_the_old_masters_leases() {
+fn a_remount_takes_replicas_at_once_under_its_new_key() {
+    // The data path fences the old session (new registration, new key), so the master
+    // need not wait: the node remounted after it was dropped is usable now, and every
+    // reply names the new key.
     let mut w = World::new(cfg());
-    let c = w.client("n1:1");
-    w.core.mount(w.now, c, 0, MIB, true).unwrap();
+    let (n, s1) = w.node("n1:1", 0, MIB);
     let cl = w.client("c:1");
-    assert_eq!(w.start(cl, &[("a", 64)], 1).items[0], Err(Code::NoSpace));
-    w.now += 1_000;
-    w.core.touch(w.now, c).unwrap();
-    assert!(w.start(cl, &[("a", 64)], 1).items[0].is_ok());
+    let p = w.start(cl, &[("a", 64)], 1);
+    assert_eq!(p.segments[0].rkey, RKEY);
+    let old = p.items[0].clone().unwrap()[0];
+    w.now += cfg().client_ttl_ms + 1;
+    w.core.touch(w.now, cl).unwrap();
+    w.advance(0);
+    assert_eq!(w.core.stats().segments, 0, "silent node dropped");
+    let n2 = w.core.hello(w.now, n, "n1:1").unwrap().0;
+    assert_ne!(n2, n);
+    let s2 = w.core.mount(w.now, n2, 0, MIB, RKEY + 2).unwrap();
+    assert_ne!(s2, s1);
+    let p = w.start(cl, &[("b", 64)], 1);
+    let rep = p.items[0].clone().unwrap()[0];
+    assert_eq!(rep.segment, s2);
+    assert_eq!(
+        rep.addr, old.addr,
+        "the same bytes, handed out again at once"
+    );
+    assert_eq!(p.segments[0].rkey, RKEY + 2);
+    assert_eq!(w.get(&["b"], false).items.len(), 1);
 }
 
 #[test]
