@@ -29,7 +29,7 @@ use std::sync::{Arc, Mutex, RwLock, Weak};
 use std::time::{Duration, Instant};
 
 use pagewire_transport::{
-    Batch, Engine, EngineConfig, Error as TError, Op, PeerId, TransferHandle, TransferOp,
+    Batch, Engine, EngineConfig, Error as TError, Fault, Op, PeerId, TransferHandle, TransferOp,
 };
 
 use crate::error::{Code, Result, StoreError};
@@ -586,7 +586,9 @@ impl StoreClient {
                     tracing::warn!(endpoint = %w.endpoint, "store: {op:?} to storage node failed: {e}");
                     self.forget_peer(&w.endpoint);
                     failed.extend(w.items.iter().map(|x| x.0));
-                    suspects.extend(w.items.iter().map(|x| x.1));
+                    if implicates_node(&e) {
+                        suspects.extend(w.items.iter().map(|x| x.1));
+                    }
                 }
             }
         }
@@ -596,7 +598,9 @@ impl StoreClient {
                 h.cancel();
                 self.forget_peer(&w.endpoint);
                 failed.extend(w.items.iter().map(|x| x.0));
-                suspects.extend(w.items.iter().map(|x| x.1));
+                if implicates_node(&StoreError::Transport(e)) {
+                    suspects.extend(w.items.iter().map(|x| x.1));
+                }
             }
         }
         suspects.sort_unstable();
@@ -999,6 +1003,17 @@ impl Drop for Inner {
             self.link.bye();
             self.close_transport();
         }
+    }
+}
+
+/// Whether a failed transfer says something about the node (unreachable, refusing, silent)
+/// and is worth reporting to the master, rather than about this client (its memory, its
+/// configuration, its own shutdown). The master weighs reports anyway (docs/store.md).
+fn implicates_node(e: &StoreError) -> bool {
+    match e {
+        StoreError::Transport(t) => matches!(t.fault(), Fault::Peer | Fault::Io | Fault::Timeout),
+        StoreError::Io { .. } | StoreError::Timeout { .. } => true,
+        _ => false,
     }
 }
 

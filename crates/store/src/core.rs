@@ -19,9 +19,15 @@
 //!   leased, not hard-pinned; soft-pinned ones last) are dropped until `evict_ratio` of the
 //!   capacity is free again; a put that finds no room evicts until it fits, then gives up.
 //! * Segments of a client silent for `client_ttl_ms` are unmounted; their objects lose
-//!   those replicas (and vanish with the last one). A segment that a client reported as
-//!   failing, or whose owner's connection closed, takes no new replicas until its owner is
-//!   heard from again.
+//!   those replicas (and vanish with the last one). A segment whose owner's connection
+//!   closed takes no new replicas until its owner is heard from again.
+//! * A client's report of a failed transfer is evidence, not a verdict: it counts only for
+//!   a segment the master named to that client recently (so it could have failed against
+//!   it), and the segment takes no new replicas only once the master confirms it: reports
+//!   from clients at two addresses within `client_ttl_ms`, or its owner silent for two
+//!   heartbeats since the report. A client whose reports nobody confirms, [`STRIKES`] in a row, is the one
+//!   held back: its reports are ignored and its puts refused (`TransferFailed`) for a
+//!   period that doubles with each further strike, up to [`PENALTY_MAX_MS`].
 //! * Every mount names the remote key of the segment's registration, and every reply that
 //!   names a segment carries it. A node registers its memory anew before each mount after
 //!   its first, so transfers of an earlier session (an earlier master, or before the
@@ -38,6 +44,18 @@ use crate::proto::{self, Found, ObjectInfo, Pin, Placement, Replica, SegmentRef,
 
 /// Milliseconds on the caller's monotonic clock.
 pub type Millis = u64;
+
+/// Reporters at distinct addresses whose reports confirm one another (see the module
+/// doc).
+pub const CONFIRMING_REPORTERS: usize = 2;
+/// Unconfirmed reports in a row after which a client is held back.
+pub const STRIKES: u32 = 4;
+/// The first period a client is held back for; each further strike doubles it.
+pub const PENALTY_FIRST_MS: Millis = 250;
+/// The longest period a client is held back for.
+pub const PENALTY_MAX_MS: Millis = 10_000;
+/// Reports kept per segment (the newest; distinct reporters).
+const MAX_REPORTS: usize = 8;
 
 /// The master's knobs (defaults as in Mooncake Store where it has the same knob).
 #[derive(Debug, Clone, PartialEq)]
@@ -141,6 +159,32 @@ struct ClientState {
     endpoint: Arc<str>,
     last_seen: Millis,
     segments: Vec<u64>,
+    /// Segments named to this client in a reply, and when last: its reports count only
+    /// for these (it cannot have failed a transfer to a segment it was never told of).
+    named: HashMap<u64, Millis>,
+    /// Reports in a row that nothing confirmed.
+    strikes: u32,
+    /// When the latest strike was counted (strikes older than `client_ttl_ms` lapse).
+    struck_at: Millis,
+    /// Reports are ignored and puts refused until then.
+    held_until: Millis,
+    /// Where its connection comes from (see [`MasterCore::hello_from`]).
+    origin: u128,
+}
+
+impl ClientState {
+    fn new(endpoint: &str, now: Millis) -> Self {
+        ClientState {
+            endpoint: endpoint.into(),
+            last_seen: now,
+            segments: Vec::new(),
+            named: HashMap::new(),
+            strikes: 0,
+            struck_at: 0,
+            held_until: 0,
+            origin: 0,
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -150,8 +194,14 @@ struct Segment {
     alloc: Allocator,
     /// The remote key of the registration the owner mounted (see the module doc).
     rkey: u32,
-    /// A client reported a failed transfer, or the owner's connection closed.
-    suspect: bool,
+    /// The client that mounted it.
+    owner: u64,
+    /// The owner's connection closed, and the owner has not spoken since: the master's
+    /// own view, enough to place nothing new here.
+    closed: bool,
+    /// `(reporter's origin, when)` of counted reports of failed transfers, distinct
+    /// origins, at most [`MAX_REPORTS`] (the newest).
+    reports: Vec<(u128, Millis)>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -212,7 +262,12 @@ pub struct MasterCore {
     used: u64,
     evicted: u64,
     reclaimed: u64,
+    /// When [`MasterCore::prune_evidence`] last ran.
+    pruned_at: Millis,
 }
+
+/// How often the tick forgets evidence that can no longer count.
+const PRUNE_EVERY_MS: Millis = 1_000;
 
 /// A counter of object uses (puts published, gets, existence checks).
 #[derive(Debug)]
@@ -259,6 +314,7 @@ impl MasterCore {
             used: 0,
             evicted: 0,
             reclaimed: 0,
+            pruned_at: 0,
         }
     }
 
@@ -275,21 +331,38 @@ impl MasterCore {
     // ---------------------------------------------------------------- clients
 
     /// A client says hello: resumes `requested` if it is known under the same endpoint,
-    /// else registers a new client. Returns `(id, resumed)`.
+    /// else registers a new client. Returns `(id, resumed)`. Its reports count as those
+    /// of a host of their own (see [`MasterCore::hello_from`]).
     pub fn hello(
         &mut self,
         now: Millis,
         requested: u64,
         endpoint: &str,
     ) -> Result<(u64, bool), Code> {
+        self.hello_from(now, requested, endpoint, None)
+    }
+
+    /// [`MasterCore::hello`] from the source address `origin` (the server passes the
+    /// connection's IP address). Reports confirm one another only from distinct origins:
+    /// anyone can open a second connection, not a second address.
+    pub fn hello_from(
+        &mut self,
+        now: Millis,
+        requested: u64,
+        endpoint: &str,
+        origin: Option<u128>,
+    ) -> Result<(u64, bool), Code> {
         if let Some(c) = self.clients.get_mut(&requested)
             && &*c.endpoint == endpoint
         {
             c.last_seen = now;
+            if let Some(o) = origin {
+                c.origin = o;
+            }
             let segs = c.segments.clone();
             for s in segs {
                 if let Some(seg) = self.segments.get_mut(&s) {
-                    seg.suspect = false;
+                    seg.closed = false;
                 }
             }
             return Ok((requested, true));
@@ -303,14 +376,11 @@ impl MasterCore {
                 break id;
             }
         };
-        self.clients.insert(
-            id,
-            ClientState {
-                endpoint: endpoint.into(),
-                last_seen: now,
-                segments: Vec::new(),
-            },
-        );
+        let mut c = ClientState::new(endpoint, now);
+        // Without an address, each client is an origin of its own (ids are random u64s,
+        // addresses are marked apart by the top bit).
+        c.origin = origin.map_or(u128::from(id) | (1 << 127), |o| o & !(1 << 127));
+        self.clients.insert(id, c);
         Ok((id, false))
     }
 
@@ -320,7 +390,7 @@ impl MasterCore {
         c.last_seen = now;
         for s in &c.segments {
             if let Some(seg) = self.segments.get_mut(s) {
-                seg.suspect = false;
+                seg.closed = false;
             }
         }
         Ok(())
@@ -332,7 +402,7 @@ impl MasterCore {
         if let Some(c) = self.clients.get(&client) {
             for s in &c.segments {
                 if let Some(seg) = self.segments.get_mut(s) {
-                    seg.suspect = true;
+                    seg.closed = true;
                 }
             }
         }
@@ -407,7 +477,9 @@ impl MasterCore {
                 base,
                 alloc,
                 rkey,
-                suspect: false,
+                owner: client,
+                closed: false,
+                reports: Vec::new(),
             },
         );
         self.clients
@@ -479,6 +551,12 @@ impl MasterCore {
             segments: Vec::new(),
             items: Vec::with_capacity(req.items.len()),
         };
+        if self.clients[&client].held_until > now {
+            // Its transfers keep failing where nobody else's do: reserve nothing for it
+            // (a reservation it cannot fill holds space from everyone for a while).
+            out.items = vec![Err(Code::TransferFailed); req.items.len()];
+            return Ok(out);
+        }
         let wanted = (req.replicas as usize).clamp(1, proto::MAX_REPLICAS);
         for (key, size) in &req.items {
             let item = self.start_one(now, client, key, *size, wanted, req);
@@ -492,6 +570,7 @@ impl MasterCore {
             }));
         }
         self.name_segments(&mut out.segments, out.items.iter().flatten().flatten());
+        self.named(now, client, &out.segments);
         self.watermark(now);
         Ok(out)
     }
@@ -552,8 +631,36 @@ impl MasterCore {
         Ok(reps)
     }
 
-    fn placeable(&self, _now: Millis, s: &Segment, need: u64) -> bool {
-        !s.suspect && s.alloc.largest_free() >= need
+    fn placeable(&self, now: Millis, s: &Segment, need: u64) -> bool {
+        !self.suspect(now, s) && s.alloc.largest_free() >= need
+    }
+
+    /// Whether the master confirms that `s` is failing: its owner's connection closed,
+    /// clients agree, or the owner went silent after a report (see the module doc).
+    fn suspect(&self, now: Millis, s: &Segment) -> bool {
+        if s.closed {
+            return true;
+        }
+        let since = now.saturating_sub(self.cfg.client_ttl_ms);
+        let recent = || s.reports.iter().filter(move |r| r.1 >= since);
+        if recent().count() >= CONFIRMING_REPORTERS {
+            return true;
+        }
+        let silent_since = self
+            .clients
+            .get(&s.owner)
+            .map_or(0, |c| c.last_seen.saturating_add(2 * self.cfg.heartbeat_ms));
+        recent().any(|r| r.1 >= self.clients.get(&s.owner).map_or(0, |c| c.last_seen))
+            && now >= silent_since
+    }
+
+    /// Records that `segments` were named to `client` at `now`.
+    fn named(&mut self, now: Millis, client: u64, segments: &[SegmentRef]) {
+        if let Some(c) = self.clients.get_mut(&client) {
+            for s in segments {
+                c.named.insert(s.id, now);
+            }
+        }
     }
 
     /// Allocates up to `wanted` replicas of `size` on distinct segments, on distinct
@@ -623,7 +730,15 @@ impl MasterCore {
         f: &proto::PutFinish,
     ) -> Result<Vec<Code>, Code> {
         self.touch(now, client)?;
-        self.mark_suspects(&f.suspects);
+        if f.suspects.is_empty() {
+            if !f.done.is_empty() {
+                // Its transfers work: whatever it reported before was not its own fault.
+                let c = self.clients.get_mut(&client).expect("touched");
+                c.strikes = 0;
+            }
+        } else {
+            self.weigh_report(now, client, &f.suspects);
+        }
         let mut codes = Vec::with_capacity(f.done.len() + f.revoked.len());
         for k in &f.done {
             codes.push(match self.objects.get_mut(&**k) {
@@ -657,18 +772,76 @@ impl MasterCore {
         Ok(codes)
     }
 
-    /// Segments a client failed to reach take nothing new until their owner speaks.
+    /// A client failed transfers to `suspects`: evidence against them, weighed as the
+    /// module doc says.
     pub fn report(&mut self, now: Millis, client: u64, suspects: &[u64]) -> Result<(), Code> {
         self.touch(now, client)?;
-        self.mark_suspects(suspects);
+        self.weigh_report(now, client, suspects);
         Ok(())
     }
 
-    fn mark_suspects(&mut self, suspects: &[u64]) {
-        for s in suspects {
-            if let Some(seg) = self.segments.get_mut(s) {
-                seg.suspect = true;
+    /// Counts `client`'s report against each segment named to it recently (not its own),
+    /// then strikes the client if no segment it named is confirmed failing.
+    fn weigh_report(&mut self, now: Millis, client: u64, suspects: &[u64]) {
+        let window = self.cfg.put_discard_ms.max(self.cfg.lease_ttl_ms);
+        let c = self.clients.get_mut(&client).expect("touched");
+        if c.held_until > now {
+            return;
+        }
+        let origin = c.origin;
+        let counted: Vec<u64> = suspects
+            .iter()
+            .copied()
+            .filter(|s| {
+                c.named
+                    .get(s)
+                    .is_some_and(|&at| now.saturating_sub(at) <= window)
+            })
+            .collect();
+        for &id in &counted {
+            let Some(seg) = self.segments.get_mut(&id) else {
+                continue;
+            };
+            if seg.owner == client {
+                continue;
             }
+            seg.reports.retain(|r| r.0 != origin);
+            if seg.reports.len() >= MAX_REPORTS {
+                seg.reports.remove(0);
+            }
+            seg.reports.push((origin, now));
+        }
+        let confirmed = counted.iter().any(|id| {
+            self.segments
+                .get(id)
+                .is_some_and(|s| s.owner != client && self.suspect(now, s))
+        });
+        let ttl = self.cfg.client_ttl_ms;
+        let c = self.clients.get_mut(&client).expect("touched");
+        if confirmed {
+            c.strikes = 0;
+            return;
+        }
+        if now.saturating_sub(c.struck_at) > ttl {
+            c.strikes = 0;
+        }
+        c.strikes += 1;
+        c.struck_at = now;
+        if c.strikes >= STRIKES {
+            let doublings = (c.strikes - STRIKES).min(16);
+            let period = (PENALTY_FIRST_MS << doublings).min(PENALTY_MAX_MS);
+            c.held_until = now.saturating_add(period);
+            // Its earlier reports are discredited too: they must not confirm anyone's.
+            for s in self.segments.values_mut() {
+                s.reports.retain(|r| r.0 != origin);
+            }
+            let c = &self.clients[&client];
+            tracing::warn!(
+                client = format_args!("{client:#x}"),
+                endpoint = %c.endpoint,
+                strikes = c.strikes,
+                "store client reports failures that nobody confirms: its reports are ignored and its puts refused for {period} ms"
+            );
         }
     }
 
@@ -676,7 +849,8 @@ impl MasterCore {
 
     /// Replica lists of complete objects; with `lease`, each found object is leased for
     /// `lease_ttl_ms` from `now`. Replicas on segments under suspicion are listed last.
-    pub fn get(&mut self, now: Millis, keys: &[Vec<u8>], lease: bool) -> Found {
+    /// `client` is the asker (the segments named go into its record; 0: nobody).
+    pub fn get(&mut self, now: Millis, client: u64, keys: &[Vec<u8>], lease: bool) -> Found {
         let ttl = self.cfg.lease_ttl_ms;
         let mut items = Vec::with_capacity(keys.len());
         for k in keys {
@@ -692,7 +866,7 @@ impl MasterCore {
             if lease {
                 o.lease_until = o.lease_until.max(now.saturating_add(ttl));
             }
-            let mut replicas: Vec<Replica> = o
+            let replicas: Vec<Replica> = o
                 .replicas
                 .iter()
                 .map(|&(s, off)| Replica {
@@ -700,11 +874,14 @@ impl MasterCore {
                     addr: self.segments[&s].base + off,
                 })
                 .collect();
-            replicas.sort_by_key(|r| self.segments[&r.segment].suspect);
             items.push(Ok(ObjectInfo {
                 size: o.size,
                 replicas,
             }));
+        }
+        for o in items.iter_mut().flatten() {
+            o.replicas
+                .sort_by_key(|r| self.suspect(now, &self.segments[&r.segment]));
         }
         let mut found = Found {
             lease_ttl_ms: if lease { ttl as u32 } else { 0 },
@@ -718,6 +895,7 @@ impl MasterCore {
             .flat_map(|o| o.replicas.iter().copied())
             .collect();
         self.name_segments(&mut found.segments, names.iter());
+        self.named(now, client, &found.segments);
         found
     }
 
@@ -876,8 +1054,26 @@ impl MasterCore {
             self.take_away(now, &k);
         }
         rep.puts_reclaimed = (self.reclaimed - before) as usize;
+        if now.saturating_sub(self.pruned_at) >= PRUNE_EVERY_MS {
+            self.prune_evidence(now);
+        }
         rep.evicted = self.watermark(now);
         rep
+    }
+
+    /// Forgets segments named to clients, and reports, that can no longer count.
+    fn prune_evidence(&mut self, now: Millis) {
+        self.pruned_at = now;
+        let window = self.cfg.put_discard_ms.max(self.cfg.lease_ttl_ms);
+        let ttl = self.cfg.client_ttl_ms;
+        let segments = &self.segments;
+        for c in self.clients.values_mut() {
+            c.named
+                .retain(|id, at| segments.contains_key(id) && now.saturating_sub(*at) <= window);
+        }
+        for s in self.segments.values_mut() {
+            s.reports.retain(|r| now.saturating_sub(r.1) <= ttl);
+        }
     }
 
     /// Evicts when usage is at the high watermark; returns how many objects went.

@@ -626,7 +626,14 @@ fn serve(mut s: TcpStream, mut slot: Slot) {
     // the window in which a flood can evict this connection ends here.
     slot.authenticated();
     let now = shared.now();
-    let r = shared.core().hello(now, hello.client_id, &hello.endpoint);
+    // Reports confirm one another only from distinct addresses (core::MasterCore::hello_from).
+    let origin = s.peer_addr().ok().map(|a| match a.ip() {
+        std::net::IpAddr::V4(a) => u128::from(a.to_ipv6_mapped()),
+        std::net::IpAddr::V6(a) => u128::from(a),
+    });
+    let r = shared
+        .core()
+        .hello_from(now, hello.client_id, &hello.endpoint, origin);
     let client = match r {
         Ok((id, resumed)) => {
             let c = &cfg.core;
@@ -758,7 +765,7 @@ fn handle(shared: &Shared, client: u64, req: Request) -> Response {
             Ok(codes) => Response::Codes(codes),
             Err(c) => err(c),
         },
-        Request::Get { lease, keys } => Response::Found(core.get(now, &keys, lease)),
+        Request::Get { lease, keys } => Response::Found(core.get(now, client, &keys, lease)),
         Request::Exist { keys } => Response::Codes(core.exist(now, &keys)),
         Request::Remove { force, keys } => Response::Codes(core.remove(now, &keys, force)),
         Request::RemoveAll { force } => Response::Count(core.remove_all(now, force)),

@@ -75,7 +75,7 @@ impl World {
     }
     fn get(&mut self, keys: &[&str], lease: bool) -> Found {
         let keys: Vec<Vec<u8>> = keys.iter().map(|k| k.as_bytes().to_vec()).collect();
-        self.core.get(self.now, &keys, lease)
+        self.core.get(self.now, 0, &keys, lease)
     }
     /// Whether the key is visible, without leasing it (the model's view).
     fn exists(&self, key: &str) -> bool {
@@ -411,7 +411,7 @@ fn unfinished_puts_are_reclaimed_and_their_space_held_until_release() {
 }
 
 #[test]
-fn suspect_segments_take_nothing_until_their_owner_speaks() {
+fn segments_of_a_closed_owner_take_nothing_until_it_speaks() {
     let mut w = World::new(cfg());
     let (n1, s1) = w.node("n1:1", 0, 8 * MIB);
     let (_n2, s2) = w.node("n2:1", 0, 8 * MIB);
@@ -431,13 +431,178 @@ fn suspect_segments_take_nothing_until_their_owner_speaks() {
         })
         .collect();
     assert_eq!(segs, HashSet::from([s1, s2]));
-    // A client's report works the same way.
-    w.core.report(w.now, c, &[s2]).unwrap();
-    let p = w.start(c, &[("c", 64)], 1);
-    assert_eq!(p.items[0].as_ref().unwrap()[0].segment, s1);
-    // Both suspect: no room anywhere.
-    w.core.report(w.now, c, &[s1]).unwrap();
-    assert_eq!(w.start(c, &[("d", 64)], 1).items[0], Err(Code::NoSpace));
+}
+
+/// Where `key` (one replica) was placed.
+fn placed(w: &mut World, c: u64, key: &str) -> Result<u64, Code> {
+    w.start(c, &[(key, 64)], 1).items[0]
+        .as_ref()
+        .map(|r| r[0].segment)
+        .map_err(|e| *e)
+}
+
+/// Places keys until both segments were named to `c`.
+fn name_both(w: &mut World, c: u64, tag: &str) {
+    let got: HashSet<u64> = (0..4)
+        .map(|i| placed(w, c, &format!("{tag}{i}")).unwrap())
+        .collect();
+    assert_eq!(got.len(), 2, "{got:?}");
+}
+
+#[test]
+fn one_clients_reports_do_not_stop_placement_on_a_live_node() {
+    // The attack of issue 29 item 4: a client reports every segment, over and over.
+    let mut w = World::new(cfg());
+    let (n1, s1) = w.node("n1:1", 0, 8 * MIB);
+    let (n2, s2) = w.node("n2:1", 0, 8 * MIB);
+    let bad = w.client("bad:1");
+    let good = w.client("good:1");
+    name_both(&mut w, bad, "x");
+    for i in 0..50 {
+        w.now += 100;
+        w.core.touch(w.now, n1).unwrap();
+        w.core.touch(w.now, n2).unwrap();
+        w.core.report(w.now, bad, &[s1, s2]).unwrap();
+        assert!(
+            placed(&mut w, good, &format!("g{i}")).is_ok(),
+            "report {i} stopped another client's put"
+        );
+    }
+    // Both segments still take replicas, in turn.
+    let segs: HashSet<u64> = (0..4)
+        .map(|i| placed(&mut w, good, &format!("h{i}")).unwrap())
+        .collect();
+    assert_eq!(segs, HashSet::from([s1, s2]));
+    // The reporter is the one held back: its puts are refused.
+    assert_eq!(placed(&mut w, bad, "b"), Err(Code::TransferFailed));
+}
+
+#[test]
+fn reports_count_only_for_segments_named_to_the_reporter() {
+    let mut w = World::new(cfg());
+    let (_n1, s1) = w.node("n1:1", 0, 8 * MIB);
+    let (_n2, s2) = w.node("n2:1", 0, 8 * MIB);
+    let a = w.client("a:1");
+    let b = w.client("b:1");
+    // Neither was told of any segment: their reports are noise, even together and with
+    // the owners silent.
+    w.core.report(w.now, a, &[s1]).unwrap();
+    w.core.report(w.now, b, &[s1]).unwrap();
+    w.now += 10 * cfg().heartbeat_ms;
+    w.core.touch(w.now, a).unwrap();
+    let segs: HashSet<u64> = (0..4)
+        .map(|i| placed(&mut w, b, &format!("k{i}")).unwrap())
+        .collect();
+    assert_eq!(segs, HashSet::from([s1, s2]));
+}
+
+#[test]
+fn reports_are_confirmed_by_a_second_client_or_the_owners_silence() {
+    let mut w = World::new(cfg());
+    let hb = cfg().heartbeat_ms;
+    let (n1, s1) = w.node("n1:1", 0, 8 * MIB);
+    let (n2, s2) = w.node("n2:1", 0, 8 * MIB);
+    let a = w.client("a:1");
+    let b = w.client("b:1");
+    name_both(&mut w, a, "a");
+    name_both(&mut w, b, "b");
+    // Two clients agree: s1 takes nothing, though its owner keeps talking.
+    w.core.report(w.now, a, &[s1]).unwrap();
+    w.core.report(w.now, b, &[s1]).unwrap();
+    w.core.touch(w.now, n1).unwrap();
+    for i in 0..4 {
+        assert_eq!(placed(&mut w, a, &format!("c{i}")), Ok(s2));
+    }
+    // Until the reports age out (client_ttl_ms).
+    w.now += cfg().client_ttl_ms + 1;
+    w.core.touch(w.now, n1).unwrap();
+    w.core.touch(w.now, n2).unwrap();
+    w.core.touch(w.now, b).unwrap();
+    name_both(&mut w, a, "d");
+    name_both(&mut w, b, "e");
+    // One report, then the owner goes silent for two heartbeats: confirmed by the
+    // master's own view.
+    w.core.report(w.now, a, &[s2]).unwrap();
+    w.now += hb;
+    w.core.touch(w.now, n1).unwrap();
+    assert!(
+        (0..4)
+            .map(|i| placed(&mut w, b, &format!("f{i}")).unwrap())
+            .any(|s| s == s2),
+        "one heartbeat late is not yet silence"
+    );
+    w.now += hb;
+    w.core.touch(w.now, n1).unwrap();
+    for i in 0..4 {
+        assert_eq!(placed(&mut w, b, &format!("g{i}")), Ok(s1));
+    }
+    // The owner speaks again: its word outweighs one report.
+    w.core.touch(w.now, n2).unwrap();
+    let segs: HashSet<u64> = (0..4)
+        .map(|i| placed(&mut w, b, &format!("h{i}")).unwrap())
+        .collect();
+    assert_eq!(segs, HashSet::from([s1, s2]));
+    // Both confirmed failing: no room anywhere.
+    w.core.report(w.now, a, &[s1, s2]).unwrap();
+    w.core.report(w.now, b, &[s1, s2]).unwrap();
+    assert_eq!(placed(&mut w, a, "i"), Err(Code::NoSpace));
+}
+
+#[test]
+fn a_client_whose_reports_nobody_confirms_is_held_back_longer_each_time() {
+    let mut w = World::new(cfg());
+    let (n1, s1) = w.node("n1:1", 0, 8 * MIB);
+    let (n2, s2) = w.node("n2:1", 0, 8 * MIB);
+    let bad = w.client("bad:1");
+    let good = w.client("good:1");
+    name_both(&mut w, bad, "x");
+    name_both(&mut w, good, "g");
+    let strike = |w: &mut World| {
+        w.core.touch(w.now, n1).unwrap();
+        w.core.report(w.now, bad, &[s1]).unwrap();
+    };
+    for _ in 0..STRIKES - 1 {
+        strike(&mut w);
+    }
+    assert!(placed(&mut w, bad, "a").is_ok(), "not yet held back");
+    strike(&mut w);
+    assert_eq!(placed(&mut w, bad, "b"), Err(Code::TransferFailed));
+    // What it reports while held back counts for nothing: with another client's report,
+    // it would confirm s2.
+    w.core.report(w.now, bad, &[s2]).unwrap();
+    w.core.report(w.now, good, &[s2]).unwrap();
+    w.core.touch(w.now, n1).unwrap();
+    w.core.touch(w.now, n2).unwrap();
+    let segs: HashSet<u64> = (0..4)
+        .map(|i| placed(&mut w, good, &format!("h{i}")).unwrap())
+        .collect();
+    assert_eq!(
+        segs,
+        HashSet::from([s1, s2]),
+        "a held-back client confirmed a report"
+    );
+    w.now += PENALTY_FIRST_MS;
+    // Each unconfirmed report past the threshold doubles the period.
+    let held_for = |w: &mut World, tag: &str| {
+        let from = w.now;
+        let mut i = 0;
+        while placed(w, bad, &format!("{tag}{i}")) == Err(Code::TransferFailed) {
+            w.now += 10;
+            i += 1;
+        }
+        w.now - from
+    };
+    strike(&mut w);
+    let first = held_for(&mut w, "c");
+    strike(&mut w);
+    let second = held_for(&mut w, "d");
+    assert!(second >= 2 * first - 10, "{first} ms, then {second} ms");
+    // A put that goes through clean clears its record.
+    let p = w.start(bad, &[("e", 64)], 1);
+    assert!(p.items[0].is_ok());
+    assert_eq!(w.finish(bad, &["e"], &[]), [Code::Ok]);
+    strike(&mut w);
+    assert!(placed(&mut w, bad, "f").is_ok());
 }
 
 #[test]
@@ -523,7 +688,8 @@ enum Op {
     },
     Advance(u64),
     Silence(usize),
-    Report(usize),
+    /// `(client, node)`: the client reports the node's segment.
+    Report(usize, usize),
 }
 
 fn ops() -> impl Strategy<Value = Vec<Op>> {
@@ -535,7 +701,7 @@ fn ops() -> impl Strategy<Value = Vec<Op>> {
         1 => (0u8..24, any::<bool>()).prop_map(|(key, force)| Op::Remove { key, force }),
         2 => (1u64..1_500).prop_map(Op::Advance),
         1 => (0usize..5).prop_map(Op::Silence),
-        1 => (0usize..3).prop_map(Op::Report),
+        1 => (0usize..3, 0usize..3).prop_map(|(c, n)| Op::Report(c, n)),
     ];
     proptest::collection::vec(op, 1..120)
 }
@@ -552,15 +718,16 @@ proptest! {
     #[test]
     fn random_traffic_keeps_the_rules(ops in ops()) {
         let mut w = World::new(cfg());
-        let nodes: Vec<u64> = (0..3)
-            .map(|i| w.node(&format!("n{i}:1"), 0, 1 << 20).0)
-            .collect();
+        let (nodes, segs): (Vec<u64>, Vec<u64>) = (0..3)
+            .map(|i| w.node(&format!("n{i}:1"), 0, 1 << 20))
+            .unzip();
         let clients: Vec<u64> = (0..3).map(|i| w.client(&format!("c{i}:1"))).collect();
         let mut silent: HashSet<usize> = HashSet::new();
         // Model: key -> (size, lease_until) of complete objects we saw finish.
         let mut visible: HashMap<u8, (u64, Millis)> = HashMap::new();
         let mut started: HashMap<u8, (usize, u64)> = HashMap::new();
         let mut lost_segments = false;
+        let mut reports = [0u32; 3];
         for op in ops {
             match op {
                 Op::Start { client, key, size, replicas } => {
@@ -588,6 +755,8 @@ proptest! {
                             prop_assert!(visible.contains_key(&key) || started.contains_key(&key) || lost_segments || w.core.stats().reclaimed > 0);
                         }
                         Err(Code::NoSpace) => {}
+                        // A client held back for reports nobody confirmed.
+                        Err(Code::TransferFailed) if reports[client] >= STRIKES => {}
                         Err(c) => prop_assert!(false, "unexpected {c:?}"),
                     }
                 }
@@ -656,9 +825,9 @@ proptest! {
                     }
                 }
                 Op::Silence(i) => { silent.insert(i); }
-                Op::Report(i) => {
-                    let seg = (i + 1) as u64;
-                    let _ = w.core.report(w.now, clients[0], &[seg]);
+                Op::Report(c, n) => {
+                    reports[c] += 1;
+                    let _ = w.core.report(w.now, clients[c], &[segs[n]]);
                 }
             }
             // Every object the model holds under a running lease is still there.
