@@ -102,9 +102,30 @@ pub mod fuzzing {
 
     /// Decodes a body of each frame kind; must never panic.
     pub fn decode_bodies(bytes: &[u8]) {
-        for kind in 1..=6u8 {
+        for kind in FRAME_KINDS {
             let _ = crate::core::wire::decode_body(kind, bytes);
         }
+    }
+
+    /// The handshake's frame kinds (Hello, Welcome, Ready, Reject, Describe, Regions, Rail,
+    /// RailAccepted).
+    pub const FRAME_KINDS: [u8; 8] = [1, 2, 3, 4, 5, 6, 7, 8];
+
+    /// The kind of a whole frame of the current version that decodes, if it does: whether
+    /// an input reaches a body decoder past the header checks.
+    pub fn frame_kind(bytes: &[u8]) -> Option<u8> {
+        crate::core::wire::decode_frame(bytes, 1 << 20)
+            .ok()
+            .map(|f| f.kind())
+    }
+
+    /// One valid encoded frame of every kind of the current version, with every endpoint
+    /// variant (the seeds a fuzzing session starts from).
+    pub fn sample_frames() -> Vec<Vec<u8>> {
+        crate::core::wire::sample_frames()
+            .iter()
+            .map(|f| f.encode())
+            .collect()
     }
 
     /// One line of a corpus file (`scripts/fuzz.sh`'s format: hex, `-` for the empty

@@ -601,92 +601,95 @@ impl Reader<'_> {
     }
 }
 
+/// One valid frame of every kind, with every endpoint variant (verbs with a second rail,
+/// TCP, loopback) and regions with rail keys: the unit tests' round trips and the fuzz
+/// corpus's seeds (`crate::fuzzing::sample_frames`).
+pub(crate) fn sample_frames() -> Vec<Frame> {
+    let mut railed = RemoteRegion::new(
+        0x9000,
+        1 << 20,
+        8,
+        Access::REMOTE_READ | Access::REMOTE_WRITE,
+    );
+    railed.rails = RailKeys::from_slice(&[0x81, 0x82]).unwrap();
+    let regions = vec![
+        RemoteRegion::new(0x1000, 4096, 7, Access::REMOTE_WRITE),
+        railed,
+    ];
+    vec![
+        Frame::Hello(Hello {
+            token: b"secret".to_vec(),
+            engine_id: 42,
+            listen_port: 7000,
+            session: 99,
+            endpoint: EndpointInfo::Verbs {
+                gid: [3; 16],
+                lid: 0,
+                mtu: 1024,
+                qps: vec![QpInfo { qpn: 17, psn: 5 }, QpInfo { qpn: 18, psn: 6 }],
+                rails: vec![RailEndpoint {
+                    gid: [4; 16],
+                    lid: 0,
+                    mtu: 4096,
+                    qps: vec![QpInfo { qpn: 19, psn: 7 }],
+                }],
+            },
+            regions: regions.clone(),
+        }),
+        Frame::Welcome(Welcome {
+            engine_id: 43,
+            session: 1,
+            endpoint: EndpointInfo::Tcp {
+                data_port: 9000,
+                streams: 4,
+                session: 77,
+            },
+            regions,
+        }),
+        Frame::Welcome(Welcome {
+            engine_id: 43,
+            session: 1,
+            endpoint: EndpointInfo::Loopback {
+                engine_id: 1,
+                conn: 2,
+            },
+            regions: vec![],
+        }),
+        Frame::Ready,
+        Frame::Reject {
+            reason: "token mismatch".into(),
+        },
+        Frame::Describe {
+            token: vec![],
+            session: 5,
+        },
+        Frame::Regions(vec![]),
+        Frame::Rail {
+            token: vec![7; 3],
+            session: 9,
+            rail: 1,
+            endpoint: EndpointInfo::Verbs {
+                gid: [3; 16],
+                lid: 0,
+                mtu: 4096,
+                qps: vec![QpInfo { qpn: 17, psn: 5 }],
+                rails: vec![],
+            },
+        },
+        Frame::RailAccepted(EndpointInfo::Verbs {
+            gid: [4; 16],
+            lid: 1,
+            mtu: 1024,
+            qps: vec![QpInfo { qpn: 18, psn: 6 }],
+            rails: vec![],
+        }),
+    ]
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use proptest::prelude::*;
-
-    fn sample_frames() -> Vec<Frame> {
-        let mut railed = RemoteRegion::new(
-            0x9000,
-            1 << 20,
-            8,
-            Access::REMOTE_READ | Access::REMOTE_WRITE,
-        );
-        railed.rails = RailKeys::from_slice(&[0x81, 0x82]).unwrap();
-        let regions = vec![
-            RemoteRegion::new(0x1000, 4096, 7, Access::REMOTE_WRITE),
-            railed,
-        ];
-        vec![
-            Frame::Hello(Hello {
-                token: b"secret".to_vec(),
-                engine_id: 42,
-                listen_port: 7000,
-                session: 99,
-                endpoint: EndpointInfo::Verbs {
-                    gid: [3; 16],
-                    lid: 0,
-                    mtu: 1024,
-                    qps: vec![QpInfo { qpn: 17, psn: 5 }, QpInfo { qpn: 18, psn: 6 }],
-                    rails: vec![RailEndpoint {
-                        gid: [4; 16],
-                        lid: 0,
-                        mtu: 4096,
-                        qps: vec![QpInfo { qpn: 19, psn: 7 }],
-                    }],
-                },
-                regions: regions.clone(),
-            }),
-            Frame::Welcome(Welcome {
-                engine_id: 43,
-                session: 1,
-                endpoint: EndpointInfo::Tcp {
-                    data_port: 9000,
-                    streams: 4,
-                    session: 77,
-                },
-                regions,
-            }),
-            Frame::Welcome(Welcome {
-                engine_id: 43,
-                session: 1,
-                endpoint: EndpointInfo::Loopback {
-                    engine_id: 1,
-                    conn: 2,
-                },
-                regions: vec![],
-            }),
-            Frame::Ready,
-            Frame::Reject {
-                reason: "token mismatch".into(),
-            },
-            Frame::Describe {
-                token: vec![],
-                session: 5,
-            },
-            Frame::Regions(vec![]),
-            Frame::Rail {
-                token: vec![7; 3],
-                session: 9,
-                rail: 1,
-                endpoint: EndpointInfo::Verbs {
-                    gid: [3; 16],
-                    lid: 0,
-                    mtu: 4096,
-                    qps: vec![QpInfo { qpn: 17, psn: 5 }],
-                    rails: vec![],
-                },
-            },
-            Frame::RailAccepted(EndpointInfo::Verbs {
-                gid: [4; 16],
-                lid: 1,
-                mtu: 1024,
-                qps: vec![QpInfo { qpn: 18, psn: 6 }],
-                rails: vec![],
-            }),
-        ]
-    }
 
     #[test]
     fn roundtrip() {
