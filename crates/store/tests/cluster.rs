@@ -607,15 +607,29 @@ fn storage_node_killed_during_a_put() -> Result<()> {
     ));
     // Readable from the surviving replica (the dead one may be listed first).
     ensure!(all(&b.ok("get old 16 65536 5")?, "65536"));
-    // New puts land on the live node only.
-    ensure!(all(&a.ok("put r 32 65536 6 2")?, "0"));
-    for reps in b.ok("query r 32")? {
+    // New puts land on the live node only, once the master has seen the node's connection
+    // close: at once on an idle host, but a loaded one may run a put first. So the first
+    // put that succeeds whole, within 5 s, must have used the live node alone.
+    let until = Instant::now() + Duration::from_secs(5);
+    let mut round = 0;
+    let r = loop {
+        let r = format!("r{round}");
+        if all(&a.ok(&format!("put {r} 32 65536 6 2"))?, "0") {
+            break r;
+        }
+        ensure!(
+            Instant::now() < until,
+            "no put succeeded on the live node alone"
+        );
+        round += 1;
+    };
+    for reps in b.ok(&format!("query {r} 32"))? {
         ensure!(
             !reps.contains(&gone) && reps.contains(c.node_ep(1)),
             "{reps}"
         );
     }
-    ensure!(all(&b.ok("get r 32 65536 6")?, "65536"));
+    ensure!(all(&b.ok(&format!("get {r} 32 65536 6"))?, "65536"));
     // The dead node's segment goes after the TTL.
     let until = Instant::now() + Duration::from_secs(10);
     loop {
@@ -740,7 +754,9 @@ fn master_killed_and_restarted() -> Result<()> {
             code == Code::MasterUnavailable.as_i32() || code == Code::Timeout.as_i32(),
             "{cmd}: {l}"
         );
-        ensure!(ms <= 3_500, "{cmd}: took {ms} ms against a 3 s deadline");
+        // The client measured the call; past the deadline is only scheduling on a loaded
+        // host (the call itself ends at its deadline), so the margin is generous.
+        ensure!(ms <= 5_000, "{cmd}: took {ms} ms against a 3 s deadline");
     }
     // Back on the same address.
     let listen = c.addr.clone();
