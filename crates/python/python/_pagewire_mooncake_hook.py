@@ -1,12 +1,15 @@
-"""Opt-in import hook: with ``PAGEWIRE_AS_MOONCAKE=1``, ``import mooncake.engine`` gives
-``pagewire.mooncake_compat``.
+"""Opt-in import hook: with ``PAGEWIRE_AS_MOONCAKE=1``, the ``mooncake`` package is
+pagewire's: ``import mooncake.engine`` gives ``pagewire.mooncake_compat`` and
+``import mooncake.store`` gives ``pagewire.mooncake_store``.
 
 The wheel installs ``pagewire_mooncake.pth`` next to this module; at interpreter start it
 calls :func:`install` when the variable is ``1`` (and imports nothing otherwise). The
-pagewire wheel owns no ``mooncake/`` directory: when the real Mooncake is installed its
-package stays importable (``mooncake.store`` and the rest are Mooncake's), only
-``mooncake.engine`` is redirected; without it, an empty ``mooncake`` package is
-provided so that ``mooncake.engine`` resolves.
+pagewire wheel owns no ``mooncake/`` directory. With the switch on, the hook answers the
+whole ``mooncake`` namespace, whether or not Mooncake's own wheel is installed: its
+package is a placeholder (Mooncake's ``__init__`` would import its own store), the two
+modules above are pagewire's, and any other ``mooncake.X`` raises an ``ImportError`` that
+names it and says that pagewire does not provide it, so a program never runs on a mix
+of the two. With the switch off, nothing changes.
 """
 
 import importlib
@@ -16,7 +19,10 @@ import importlib.util
 import sys
 
 #: Module names answered by pagewire, and what they resolve to.
-ALIASES = {"mooncake.engine": "pagewire.mooncake_compat"}
+ALIASES = {
+    "mooncake.engine": "pagewire.mooncake_compat",
+    "mooncake.store": "pagewire.mooncake_store",
+}
 
 
 class _Alias(importlib.abc.Loader):
@@ -32,32 +38,53 @@ class _Alias(importlib.abc.Loader):
         pass
 
 
-class _EmptyPackage(importlib.abc.Loader):
-    """An empty ``mooncake`` package, when the real one is not installed."""
+def _package_getattr(name):
+    if name.startswith("__"):
+        raise AttributeError(name)
+    raise AttributeError(
+        f"pagewire does not provide mooncake.{name} (PAGEWIRE_AS_MOONCAKE=1: pagewire answers "
+        f"the mooncake package; it provides {', '.join(sorted(ALIASES))})"
+    )
+
+
+class _Package(importlib.abc.Loader):
+    """pagewire's ``mooncake`` package: a namespace for the aliased modules only."""
 
     def create_module(self, spec):
         return None
 
     def exec_module(self, module):
-        module.__doc__ = "Placeholder package created by pagewire's mooncake import hook."
+        module.__doc__ = "The mooncake package as pagewire's import hook answers it (PAGEWIRE_AS_MOONCAKE=1)."
+        module.__getattr__ = _package_getattr
+
+
+class _Refuse(importlib.abc.Loader):
+    """A Mooncake module pagewire does not provide: the import fails, naming it."""
+
+    def create_module(self, spec):
+        raise ImportError(
+            f"pagewire does not provide {spec.name} (PAGEWIRE_AS_MOONCAKE=1: pagewire answers "
+            f"the mooncake package and provides {', '.join(sorted(ALIASES))}; unset the "
+            "variable to use Mooncake's own)",
+            name=spec.name,
+        )
+
+    def exec_module(self, module):  # pragma: no cover - create_module raised
+        pass
 
 
 class MooncakeFinder(importlib.abc.MetaPathFinder):
-    """Redirects the names in :data:`ALIASES`; finds nothing else."""
+    """Answers ``mooncake`` and every ``mooncake.*`` name (see the module doc)."""
 
     def find_spec(self, fullname, path=None, target=None):
         if fullname in ALIASES:
             return importlib.util.spec_from_loader(fullname, _Alias(ALIASES[fullname]))
         if fullname == "mooncake":
-            for finder in sys.meta_path:
-                if finder is self or not hasattr(finder, "find_spec"):
-                    continue
-                spec = finder.find_spec(fullname, path, target)
-                if spec is not None:
-                    return None  # the real Mooncake: let the normal import load it
-            spec = importlib.machinery.ModuleSpec(fullname, _EmptyPackage(), is_package=True)
+            spec = importlib.machinery.ModuleSpec(fullname, _Package(), is_package=True)
             spec.submodule_search_locations = []
             return spec
+        if fullname.startswith("mooncake."):
+            return importlib.util.spec_from_loader(fullname, _Refuse())
         return None
 
 

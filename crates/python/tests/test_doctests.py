@@ -5,9 +5,10 @@ import doctest
 import pagewire
 import pagewire.errors
 import pagewire.mooncake_compat
+import pagewire.mooncake_store
 
 
 def test_module_examples():
-    for mod in (pagewire, pagewire.errors, pagewire.mooncake_compat):
+    for mod in (pagewire, pagewire.errors, pagewire.mooncake_compat, pagewire.mooncake_store):
         failed, tried = doctest.testmod(mod, raise_on_error=False, verbose=False)
         assert tried > 0 and failed == 0, mod.__name__

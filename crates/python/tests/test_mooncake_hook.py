@@ -1,6 +1,7 @@
 """The opt-in switch: with PAGEWIRE_AS_MOONCAKE=1, `import mooncake.engine` gives
-pagewire.mooncake_compat, through the .pth file the installed wheel puts in
-site-packages. Each check runs in a fresh interpreter."""
+pagewire.mooncake_compat and `import mooncake.store` pagewire.mooncake_store, through the
+.pth file the installed wheel puts in site-packages, and every other `mooncake.*` fails
+naming itself. Each check runs in a fresh interpreter."""
 
 import os
 import shutil
@@ -36,20 +37,65 @@ def test_switch_on_redirects_mooncake_engine():
     out = py(
         "import mooncake.engine as e, pagewire.mooncake_compat as c, mooncake;"
         "from mooncake.engine import TransferEngine, TransferOpcode, TransferNotify;"
-        "print(e is c, TransferEngine.__module__, mooncake.__file__)",
+        "print(e is c, TransferEngine.__module__, getattr(mooncake, '__file__', None))",
         {"PAGEWIRE_AS_MOONCAKE": "1"},
     )
     same, module, mooncake_file = out.split()
     assert same == "True" and module == "pagewire.mooncake_compat"
-    # the real Mooncake package stays installed and importable around it
-    assert mooncake_file.endswith("mooncake/__init__.py")
+    # the package is pagewire's placeholder even though Mooncake's wheel is installed
+    assert mooncake_file == "None"
+
+
+def test_switch_on_redirects_mooncake_store():
+    """SGLang's HiCache import, unchanged: `from mooncake.store import ...`."""
+    out = py(
+        "import mooncake.store as s, pagewire.mooncake_store as p, pagewire.mooncake_compat as c;"
+        "from mooncake.store import MooncakeDistributedStore, ReplicateConfig, SoftPinAction;"
+        "print(s is p, MooncakeDistributedStore is c.MooncakeDistributedStore,"
+        " MooncakeDistributedStore.__module__, ReplicateConfig().replica_num)",
+        {"PAGEWIRE_AS_MOONCAKE": "1"},
+    )
+    assert out.split() == ["True", "True", "pagewire._mooncake_store", "1"]
+
+
+def test_switch_on_refuses_what_pagewire_does_not_provide():
+    """Never a mix of the two: other Mooncake modules and names fail at the import, named."""
+    code = r"""
+import importlib
+for mod in ("mooncake.async_store", "mooncake.buffer_pool", "mooncake.mooncake_connector_v1"):
+    try:
+        importlib.import_module(mod)
+    except ImportError as e:
+        assert mod in str(e) and "pagewire does not provide" in str(e), e
+        assert e.name == mod
+    else:
+        raise SystemExit(f"{mod} imported")
+# A name the module lacks: `from` imports fail naming it and pagewire's module (Python
+# words that ImportError itself); attribute access says why, and hasattr stays False.
+import mooncake, mooncake.store
+try:
+    from mooncake.store import BufferPool
+except ImportError as e:
+    assert "BufferPool" in str(e) and "pagewire.mooncake_store" in str(e), e
+else:
+    raise SystemExit("BufferPool imported")
+for mod, name in ((mooncake.store, "mooncake.store.BufferPool"), (mooncake, "mooncake.BufferPool")):
+    try:
+        mod.BufferPool
+    except AttributeError as e:
+        assert f"pagewire does not provide {name}" in str(e), e
+    assert not hasattr(mod, "BufferPool")
+print("refused")
+"""
+    assert py(code, {"PAGEWIRE_AS_MOONCAKE": "1"}) == "refused"
 
 
 def test_switch_off_leaves_the_real_mooncake():
     for value in (None, "0", ""):
         env = {} if value is None else {"PAGEWIRE_AS_MOONCAKE": value}
-        out = py("import mooncake.engine as e; print(e.__file__)", env)
-        assert out.endswith("engine.so"), out
+        out = py("import mooncake.engine as e, mooncake.store as s; print(e.__file__, s.__file__)", env)
+        engine, store = out.split()
+        assert engine.endswith("engine.so") and store.endswith("store.so"), out
 
 
 def test_without_the_real_mooncake(tmp_path):
@@ -60,8 +106,8 @@ def test_without_the_real_mooncake(tmp_path):
         (shutil.copytree if src.is_dir() else shutil.copy)(src, tmp_path / name)
     code = (
         "import site, sys; site.addsitedir(sys.argv[1]);"
-        "import mooncake.engine as e; import mooncake;"
-        "print(e.__name__, e.TransferEngine.__module__, mooncake.__path__)"
+        "import mooncake.engine as e; import mooncake; import mooncake.store as s;"
+        "print(e.__name__, e.TransferEngine.__module__, s.__name__, mooncake.__path__)"
     )
     env = {k: v for k, v in os.environ.items() if k != "PAGEWIRE_AS_MOONCAKE"}
     env["PAGEWIRE_AS_MOONCAKE"] = "1"
@@ -70,8 +116,9 @@ def test_without_the_real_mooncake(tmp_path):
         [sys.executable, "-S", "-I", "-c", code, str(tmp_path)], capture_output=True, text=True, env=env, timeout=60
     )
     assert p.returncode == 0, p.stderr[-3000:]
-    # `mooncake.engine` is the very module object pagewire.mooncake_compat
-    assert p.stdout.split()[:2] == ["pagewire.mooncake_compat", "pagewire.mooncake_compat"]
+    # `mooncake.engine` is the very module object pagewire.mooncake_compat, and
+    # `mooncake.store` pagewire.mooncake_store
+    assert p.stdout.split()[:3] == ["pagewire.mooncake_compat", "pagewire.mooncake_compat", "pagewire.mooncake_store"]
     # and without the switch, there is no mooncake at all
     env.pop("PAGEWIRE_AS_MOONCAKE")
     p = subprocess.run(
