@@ -219,6 +219,12 @@ impl MooncakeEngine {
         self.inner.read().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
+    /// The transport engine under this Mooncake engine, once initialized: what a store
+    /// set up with `engine=` shares (SGLang's `SGLANG_HICACHE_MOONCAKE_REUSE_TE`).
+    pub(crate) fn transport_engine(&self) -> Option<pagewire_transport::Engine> {
+        self.get().map(|e| e.transport().clone())
+    }
+
     /// Runs `f` on the initialized engine with the GIL released. Before `initialize`,
     /// on a failure (logged) or a panic, returns `on_fail` of the case.
     fn call<T: Send>(

@@ -216,6 +216,44 @@ impl StoreClient {
         })
     }
 
+    /// ``StoreClient.sharing(master, engine, *, segment_size=0, timeout=30.0,
+    /// connect_timeout=10.0, local_copy=True)``: joins the store on the transport engine of
+    /// an initialized :class:`pagewire.mooncake_compat.TransferEngine` (its port, its
+    /// backend and its token, which also guards the master link) instead of opening one.
+    /// The segment is registered on that engine and deregistered when this client closes;
+    /// the engine stays the caller's.
+    #[staticmethod]
+    #[pyo3(signature = (master, engine, *, segment_size = 0, timeout = 30.0,
+        connect_timeout = 10.0, local_copy = true))]
+    fn sharing(
+        py: Python<'_>,
+        master: &str,
+        engine: &Bound<'_, crate::compat::MooncakeEngine>,
+        segment_size: u64,
+        timeout: f64,
+        connect_timeout: f64,
+        local_copy: bool,
+    ) -> PyResult<Self> {
+        let Some(transport) = engine.get().transport_engine() else {
+            return Err(PyValueError::new_err(
+                "the engine is not initialized: call initialize() first",
+            ));
+        };
+        let mut cfg = ClientConfig::new(master);
+        cfg.engine = transport.config().clone();
+        cfg.segment_size = segment_size;
+        cfg.timeout = secs(timeout, "timeout")?;
+        cfg.connect_timeout = secs(connect_timeout, "connect_timeout")?;
+        cfg.local_copy = local_copy;
+        let inner = py
+            .detach(move || pagewire_store::StoreClient::with_engine(transport, cfg))
+            .map_err(|e| store_err(py, e))?;
+        Ok(StoreClient {
+            inner,
+            closed: AtomicBool::new(false),
+        })
+    }
+
     /// ``host:port`` of this client's transport engine (what other clients connect to;
     /// Mooncake's ``get_hostname``).
     #[getter]

@@ -1,6 +1,7 @@
 """pagewire.mooncake_compat.MooncakeDistributedStore on its own: what the differential
 test cannot compare (Mooncake crashes or takes 90 s there), and pagewire's own rules."""
 
+import socket
 import time
 
 import numpy as np
@@ -50,11 +51,75 @@ def test_unreachable_master_returns_minus_one_within_10_s():
     t0 = time.monotonic()
     assert s.setup("127.0.0.1", "P2PHANDSHAKE", MIB, MIB, "tcp", "", "127.0.0.1:1") == -1
     assert time.monotonic() - t0 < 10
-    # An address that drops packets: the connect times out instead (10.255.255.1 is not
-    # routed here), still within 10 s.
-    t0 = time.monotonic()
-    assert s.setup("127.0.0.1", "P2PHANDSHAKE", MIB, MIB, "tcp", "", "10.255.255.1:50051") == -1
-    assert time.monotonic() - t0 < 10
+    # A master that never answers: a loopback listener whose accept queue is full drops
+    # new connections' SYNs, so the connect (or the Hello) times out, still within 10 s.
+    with socket.socket() as lsn:
+        lsn.bind(("127.0.0.1", 0))
+        lsn.listen(0)
+        held = []
+        for _ in range(4):
+            c = socket.socket()
+            c.setblocking(False)
+            c.connect_ex(lsn.getsockname())
+            held.append(c)
+        t0 = time.monotonic()
+        master_addr = f"127.0.0.1:{lsn.getsockname()[1]}"
+        assert s.setup("127.0.0.1", "P2PHANDSHAKE", MIB, MIB, "tcp", "", master_addr) == -1
+        assert time.monotonic() - t0 < 10
+        for c in held:
+            c.close()
+
+
+def test_engine_reuse_shares_the_pd_engine_and_its_port(master):
+    """SGLang's SGLANG_HICACHE_MOONCAKE_REUSE_TE: the store gets the PD engine's handle and
+    the PD engine's session id as local_hostname. It must use that engine (one port, one
+    listener) and never try to bind the session id's port."""
+    from pagewire.mooncake_compat import TransferEngine
+
+    te = TransferEngine()
+    assert te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    session = f"127.0.0.1:{te.get_rpc_port()}"
+    s = MooncakeDistributedStore()
+    rc = s.setup(session, "P2PHANDSHAKE", 8 * MIB, 4 * MIB, "tcp", "", master, te.get_engine())
+    assert rc == 0
+    assert s.get_hostname() == session, "the store is reachable at the PD engine's port"
+    # Another store client reads what this one stored: bytes through the shared engine.
+    reader = store(master, segment=0)
+    src, dst = buffer(MIB, fill=0x5A), buffer(MIB)
+    assert s.register_buffer(src.ctypes.data, MIB) == 0
+    assert reader.register_buffer(dst.ctypes.data, MIB) == 0
+    assert s.put_from("shared-engine", src.ctypes.data, MIB) == 0
+    assert reader.get_into("shared-engine", dst.ctypes.data, MIB) == MIB
+    assert (dst == src).all()
+    # The PD engine still moves its own bytes after the store closes.
+    s.close()
+    reader.close()
+    other = TransferEngine()
+    assert other.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    a, b = buffer(65536, fill=7), buffer(65536)
+    assert te.register_memory(a.ctypes.data, 65536) == 0
+    assert other.register_memory(b.ctypes.data, 65536) == 0
+    peer = f"127.0.0.1:{other.get_rpc_port()}"
+    assert te.transfer_sync_write(peer, a.ctypes.data, b.ctypes.data, 65536) == 0
+    assert (a == b).all()
+    # Anything that is not pagewire's engine handle is refused, not ignored.
+    t = MooncakeDistributedStore()
+    assert t.setup(session, "P2PHANDSHAKE", MIB, MIB, "tcp", "", master, object()) == -1
+
+
+def test_a_port_in_local_hostname_is_never_bound(master):
+    """Without engine=, the store opens its own engine on the host of local_hostname and
+    a port of its own, as Mooncake does: the port named is left alone, even when another
+    process listens there."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        s = MooncakeDistributedStore()
+        assert s.setup(f"127.0.0.1:{port}", "P2PHANDSHAKE", MIB, MIB, "tcp", "", master) == 0
+        host, got = s.get_hostname().rsplit(":", 1)
+        assert host == "127.0.0.1" and int(got) != port
+        s.close()
 
 
 def test_setup_forms_and_refusals(master):

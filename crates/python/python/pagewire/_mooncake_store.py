@@ -159,13 +159,15 @@ def _multi(keys: Sequence[Any], all_buffer_ptrs: Any, all_sizes: Any) -> tuple:
 
 
 def _host_of(local_hostname: str) -> str:
-    """The listen address for ``local_hostname`` (``host`` or ``host:port``)."""
-    host, port = local_hostname, "0"
+    """The listen address for ``local_hostname`` (``host`` or ``host:port``): its host, and
+    a port of the system's choosing. The port a ``local_hostname`` carries is not bound: it
+    may be another engine's (SGLang passes its PD engine's session id), and Mooncake's
+    store picks its own too."""
+    host = local_hostname
     if local_hostname.startswith("["):
-        host, _, rest = local_hostname[1:].partition("]")
-        port = rest.lstrip(":") or "0"
+        host = local_hostname[1:].partition("]")[0]
     elif local_hostname.count(":") == 1:
-        host, port = local_hostname.split(":")
+        host = local_hostname.split(":")[0]
     if not host:
         host = "0.0.0.0"
     try:
@@ -173,7 +175,7 @@ def _host_of(local_hostname: str) -> str:
     except OSError:
         _log.warning("local_hostname %r does not resolve; listening on 0.0.0.0", host)
         ip = "0.0.0.0"
-    return f"{ip}:{int(port)}"
+    return f"{ip}:0"
 
 
 class _Staging:
@@ -231,9 +233,15 @@ class MooncakeDistributedStore:
         within 5 s or an argument is refused. ``setup(config_dict)`` takes Mooncake's dict
         form. ``protocol``: ``"rdma"`` uses verbs when a device opens, else TCP (logged);
         ``"tcp"`` uses TCP. ``global_segment_size`` bytes of this process are offered to
-        the store. ``metadata_server`` is not needed (any value is accepted),
-        ``engine`` is not shared (this client opens its own transport engine), and SSD
+        the store. ``metadata_server`` is not needed (any value is accepted), and SSD
         offload is not supported (``enable_ssd_offload=True`` returns ``-1``).
+        ``engine``: the handle ``TransferEngine.get_engine()`` returns (SGLang passes its
+        PD engine's with ``SGLANG_HICACHE_MOONCAKE_REUSE_TE``): the store then uses that
+        engine, its port, backend and token, and opens none of its own (``protocol``
+        and ``rdma_devices`` are the engine's); another engine object returns ``-1``.
+        Without it the store opens its own engine on ``local_hostname``'s host and a
+        port of its own: a port in ``local_hostname`` is never bound (Mooncake does not
+        either).
         Mooncake's config has no token: ``PAGEWIRE_TOKEN`` in the environment guards the
         master link, the engine and the segment alike.
         """
@@ -268,19 +276,38 @@ class MooncakeDistributedStore:
             _log.error("setup: protocol %r is neither tcp nor rdma", protocol)
             return _INTERNAL_ERROR
         device = str(rdma_devices or "").split(",")[0].strip() or None
+        shared = None
+        if engine is not None:
+            from pagewire.mooncake_compat import InnerTransferEngine
+
+            if not isinstance(engine, InnerTransferEngine):
+                _log.error(
+                    "setup: engine %r is not a pagewire engine handle (TransferEngine.get_engine())",
+                    type(engine).__name__,
+                )
+                return _INTERNAL_ERROR
+            shared = engine._owner
         try:
-            client = StoreClient(
-                str(master_server_addr),
-                listen=_host_of(str(local_hostname)),
-                transport="auto" if proto == "rdma" else "tcp",
-                device=device if proto == "rdma" else None,
-                segment_size=int(global_segment_size),
-                connect_timeout=SETUP_TIMEOUT,
-            )
+            if shared is not None:
+                client = StoreClient.sharing(
+                    str(master_server_addr),
+                    shared,
+                    segment_size=int(global_segment_size),
+                    connect_timeout=SETUP_TIMEOUT,
+                )
+            else:
+                client = StoreClient(
+                    str(master_server_addr),
+                    listen=_host_of(str(local_hostname)),
+                    transport="auto" if proto == "rdma" else "tcp",
+                    device=device if proto == "rdma" else None,
+                    segment_size=int(global_segment_size),
+                    connect_timeout=SETUP_TIMEOUT,
+                )
         except (StoreError, ValueError, OverflowError) as e:
             _log.error("setup: %s", e)
             return _INTERNAL_ERROR
-        if proto == "rdma" and client.transport != "verbs":
+        if shared is None and proto == "rdma" and client.transport != "verbs":
             _log.warning("setup: protocol 'rdma' but no RDMA device opened: using TCP")
         try:
             staging = _Staging(client, local_buffer_size)
@@ -288,8 +315,6 @@ class MooncakeDistributedStore:
             _log.error("setup: local buffer of %s bytes: %s", local_buffer_size, e)
             client.close()
             return _INTERNAL_ERROR
-        if engine is not None:
-            _log.info("setup: the engine argument is not shared; the store has its own")
         self._client, self._staging = client, staging
         return _OK
 

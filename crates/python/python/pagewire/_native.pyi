@@ -433,6 +433,16 @@ class StoreClient:
         token: Optional[str] = None,
         local_copy: bool = True,
     ) -> StoreClient: ...
+    @staticmethod
+    def sharing(
+        master: str,
+        engine: Any,
+        *,
+        segment_size: int = 0,
+        timeout: float = 30.0,
+        connect_timeout: float = 10.0,
+        local_copy: bool = True,
+    ) -> StoreClient: ...
     @property
     def endpoint(self) -> str: ...
     @property
