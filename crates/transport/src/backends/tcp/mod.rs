@@ -76,6 +76,9 @@ use sys::IoVec;
 mod sys;
 use smallvec::SmallVec;
 
+/// How long a thread that expects bytes within microseconds polls before it blocks
+/// ([`spin_for_request`], and a caller reading its own small batch's response).
+const SPIN: Duration = Duration::from_micros(50);
 const STREAM_MAGIC: u32 = u32::from_le_bytes(*b"PGWS");
 /// 2: a NOTIFY may ride in its batch's burst (request flag byte 2, status `S_SKIPPED`).
 const STREAM_VERSION: u16 = 2;
@@ -669,7 +672,14 @@ impl Reader for StreamRx {
                         break;
                     }
                     let wait = limit.min(until).saturating_duration_since(now);
-                    if let Err(e) = sys::wait_readable(&fd, wait) {
+                    // The response of a small batch is due in microseconds: poll
+                    // before sleeping (see `spin_for_request`, the peer's half of it).
+                    let ready = match sys::spin_readable(&fd, SPIN.min(wait)) {
+                        Ok(true) => Ok(true),
+                        Ok(false) => sys::wait_readable(&fd, wait),
+                        Err(e) => Err(e),
+                    };
+                    if let Err(e) = ready {
                         conn.break_all(io_broken("receive failed", &e));
                         conn.fail_group(self.i, &mut st, &conn.gone());
                         break;
@@ -1690,9 +1700,13 @@ fn serve_requests(b: &TcpShared, session: &Session, s: &mut &TcpStream) -> Resul
     let mut acks: Vec<u8> = Vec::with_capacity(GATHER * RESP_LEN);
     // A request of the current burst was refused.
     let mut refused = false;
+    // Payload bytes of the current burst, and whether the last burst was a small call's
+    // (what a caller waits for with the next one likely soon): only then poll a while
+    // for the next request before blocking.
+    let (mut burst_bytes, mut small) = (0u64, false);
     loop {
         let mut req = [0u8; REQ_LEN];
-        match read_idle(s, &mut req, b.io_timeout, &session.closed) {
+        match read_idle(s, &mut req, b.io_timeout, &session.closed, small) {
             Ok(true) => {}
             Ok(false) => return Ok(()), // clean close between requests
             Err(e) => return Err(io_broken("request", &e)),
@@ -1704,8 +1718,12 @@ fn serve_requests(b: &TcpShared, session: &Session, s: &mut &TcpStream) -> Resul
         serve_request(b, session, s, &req, &mut scratch, &mut acks, &mut refused)?;
         // Acks wait while the requester said more requests follow in the same burst.
         let more = req[1] == 1;
+        burst_bytes =
+            burst_bytes.saturating_add(u64::from_le_bytes(req[24..32].try_into().expect("8")));
         if !more {
             refused = false;
+            small = burst_bytes <= DIRECT_BYTES;
+            burst_bytes = 0;
         }
         if !acks.is_empty() && (!more || acks.len() >= GATHER * RESP_LEN) {
             s.write_all(&acks).map_err(|e| io_broken("respond", &e))?;
@@ -1978,12 +1996,34 @@ fn read_full(s: &mut &TcpStream, buf: &mut [u8], timeout: Duration) -> std::io::
 /// system call per request, but measured 7-10 % more responder CPU time per byte (and
 /// about 6 % less bandwidth) for 1-8 MiB WRITEs over 4 streams on loopback
 /// (`bench write --local -q 4`, A/B in alternating runs); the cause is not known.
+/// After a small call's burst, before a responder blocks for its stream's next request,
+/// it asks without sleeping for up to [`SPIN`], when no other responder of this process
+/// is doing so already. A thread
+/// woken from a blocking read costs tens of microseconds more than one that was polling
+/// (a whole small call's worth on a VM, whose idle vCPU must be woken), and a caller's
+/// next small call often follows within that time. One spinner at a time bounds what it
+/// costs when many streams go idle together (a striped batch ending on 2 cores).
+fn spin_for_request(s: &TcpStream) {
+    static SPINNING: AtomicBool = AtomicBool::new(false);
+    if SPINNING
+        .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
+        .is_ok()
+    {
+        let _ = sys::spin_readable(s, SPIN);
+        SPINNING.store(false, Ordering::Release);
+    }
+}
+
 fn read_idle(
     s: &mut &TcpStream,
     buf: &mut [u8],
     timeout: Duration,
     closed: &AtomicBool,
+    spin: bool,
 ) -> std::io::Result<bool> {
+    if spin {
+        spin_for_request(s);
+    }
     loop {
         match s.read(&mut buf[..1]) {
             Ok(0) => return Ok(false),

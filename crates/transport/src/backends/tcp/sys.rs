@@ -80,6 +80,21 @@ pub(crate) fn wait_readable(fd: &impl AsRawFd, timeout: Duration) -> io::Result<
     wait_for(fd, libc::POLLIN, timeout)
 }
 
+/// Whether `fd` turns readable within `spin`, asking without sleeping: a short busy wait
+/// before a blocking one, for a reply due in microseconds (see the callers).
+pub(crate) fn spin_readable(fd: &impl AsRawFd, spin: Duration) -> io::Result<bool> {
+    let until = std::time::Instant::now() + spin;
+    loop {
+        if wait_for(fd, libc::POLLIN, Duration::ZERO)? {
+            return Ok(true);
+        }
+        if std::time::Instant::now() >= until {
+            return Ok(false);
+        }
+        std::hint::spin_loop();
+    }
+}
+
 /// Waits until `fd`'s send buffer has room (or an error), at most `timeout`; `Ok(false)`
 /// when the time ran out.
 fn wait_writable(fd: &impl AsRawFd, timeout: Duration) -> io::Result<bool> {
