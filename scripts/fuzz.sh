@@ -83,22 +83,39 @@ def inputs(d):
     if not os.path.isdir(d):
         return []
     return [open(os.path.join(d, f), "rb").read() for f in sorted(os.listdir(d))]
-old = set()
+# The file: a header, "# seeds: ..." and the seeds, "# minimized:" and the rest. The
+# seeds stay whatever cmin keeps (a valid frame of every kind: cmin may drop one whose
+# coverage other inputs reach, and the corpus replay requires every kind).
+header, seeds, old, part = [], [], set(), "header"
 if os.path.exists(hexfile):
-    old = {l.strip() for l in open(hexfile) if l.strip() and not l.startswith("#")}
+    for l in open(hexfile):
+        l = l.rstrip("\n")
+        if l.startswith("# seeds"):
+            part = "seeds"
+        elif l.startswith("# minimized"):
+            part = "rest"
+        elif l.startswith("#"):
+            if part == "header":
+                header.append(l)
+        elif l.strip():
+            (seeds.append if part == "seeds" else old.add)(l.strip())
 crashes = {b.hex() or "-" for b in inputs(artifacts)}
 if found == "ok":
     lines = {b.hex() or "-" for b in inputs(corpus)}  # minimized by cmin
 else:
     lines = old | crashes  # the run's other finds are not minimized: keep the old set
+lines -= set(seeds)
 day = datetime.date.today().isoformat()
 with open(hexfile, "w") as f:
-    f.write(f"# cargo-fuzz corpus of fuzz/fuzz_targets/{target}.rs, minimized with `cargo fuzz cmin`\n")
-    f.write(f"# ({day}, {len(lines)} inputs); one input per line, hex. Replayed by tests/fuzz_corpus.rs.\n")
-    f.write("# Regenerate: scripts/fuzz.sh (docs/transport.md, \"Fuzzing\").\n")
+    for h in header or [f"# Corpus of fuzz/fuzz_targets/{target}.rs, one input per line, hex."]:
+        f.write(h + "\n")
+    f.write("# seeds: kept by scripts/fuzz.sh whatever `cargo fuzz cmin` keeps\n")
+    for l in seeds:
+        f.write(l + "\n")
+    f.write(f"# minimized: {len(lines)} inputs kept by `cargo fuzz cmin` on {day}\n")
     for l in sorted(lines):
         f.write(l + "\n")
-print(len(lines))
+print(len(seeds) + len(lines))
 PY
 )
     echo "fuzz: $t: $found after $((SECONDS - t0)) s; corpus $before -> $after inputs ($hex)"
