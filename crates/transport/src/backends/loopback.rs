@@ -314,7 +314,8 @@ impl Shared {
                 return Ok(false);
             };
             // SAFETY: the local range was validated by the engine against a registered
-            // region that the batch pins (it cannot be deregistered while `b` lives); the
+            // region that the batch pins while it is pending (it loses its pins only once
+            // it failed or was cancelled, under the landing guard we hold: see `post`); the
             // remote range was validated against the peer's registry and is pinned by
             // `pin`. Both regions' memory stays allocated while registered (caller
             // contract of `register_raw`, or the HostBuffer keep-alive). `copy` (memmove)
@@ -345,6 +346,8 @@ struct LoopConn {
 
 impl Conn for LoopConn {
     fn post(&self, batch: BatchState, ops: ResolvedOps, notify: Option<u32>) -> Result<()> {
+        // Every copy, either way, is under the batch's landing guard.
+        batch.guarded_by_landing();
         let batch = Arc::new(batch);
         let tx = lock(&self.shared.tx);
         let Some(tx) = tx.as_ref().filter(|_| !self.is_broken()) else {

@@ -18,7 +18,11 @@
 //! so under [`BatchState::landing`]: failing or cancelling the batch waits for that guard,
 //! and no guard is given once the batch finished, so once a failure or cancellation is
 //! reported, nothing more of the batch lands there. (Verbs: what the NIC was given lands
-//! or flushes on its own; see docs/transport.md.)
+//! or flushes on its own; see docs/transport.md.) A backend whose every access to a
+//! batch's local memory is under that guard says so ([`BatchState::guarded_by_landing`]):
+//! the batch's pins then go when it fails or is cancelled, before that is reported, not
+//! when the backend lets go of it, so the caller may deregister at once (a TCP READ whose
+//! peer stalled would otherwise hold its target until the connection's `io_timeout`).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
@@ -235,6 +239,11 @@ pub(crate) struct BatchShared {
     /// a batch sent directly on one stream); weak, so a batch never keeps its
     /// connection's state alive.
     pub(crate) reader: OnceLock<Weak<dyn Reader>>,
+    /// The pins of the local regions; taken when the backend lets go of the batch, or
+    /// on failure when `guarded` (see the module doc).
+    pins: Mutex<Option<Pins>>,
+    /// Every access of the backend to the local memory is under `landing`.
+    guarded: AtomicBool,
 }
 
 /// Where a waiting caller can read a batch's completion itself, blocking in the kernel
@@ -255,21 +264,34 @@ impl BatchShared {
     pub(crate) fn finish(&self, next: Phase) -> bool {
         // A failure or cancellation waits for bytes being landed, so none land after it
         // is reported. Success needs no wait: every byte is in.
-        let _landing = (!matches!(next, Phase::Done(_)))
+        let landing = (!matches!(next, Phase::Done(_)))
             .then(|| self.landing.lock().unwrap_or_else(|p| p.into_inner()));
         let mut p = self.lock();
         if !matches!(*p, Phase::Pending) {
             return false;
         }
+        // Nothing lands now (`landing` is held) nor after (no guard is given once the
+        // phase changes below): a guarded batch's memory is the caller's again before
+        // the outcome is published.
+        let freed = match landing {
+            Some(_) if self.guarded.load(Ordering::Acquire) => self.take_pins(),
+            _ => None,
+        };
         *p = next;
         self.finished.store(true, Ordering::Release);
         // A waiter registers under the lock before it sleeps, and one that took the lock
         // after us saw the outcome: reading the count after unlocking misses no one.
         drop(p);
+        drop(landing);
+        drop(freed);
         if self.sleepers.load(Ordering::Acquire) > 0 {
             self.cv.notify_all();
         }
         true
+    }
+
+    fn take_pins(&self) -> Option<Pins> {
+        self.pins.lock().unwrap_or_else(|p| p.into_inner()).take()
     }
 
     pub(crate) fn expire_if_due(&self, now: Instant) {
@@ -334,13 +356,20 @@ impl NotifyGate {
 
 /// The backend's view of a batch. Holding it keeps the local regions pinned, so a
 /// backend must keep its `Arc<BatchState>` until nothing it posted can still touch
-/// local memory (e.g. until the last CQE of the batch, or the QP is flushed).
+/// local memory (e.g. until the last CQE of the batch, or the QP is flushed), unless it
+/// declared that its every access is under [`BatchState::landing`]
+/// ([`BatchState::guarded_by_landing`]).
 #[derive(Debug)]
 pub(crate) struct BatchState {
     shared: Arc<BatchShared>,
-    _pins: Pins,
-    /// A prepared batch's pins, shared by its runs.
+    /// A prepared batch's pins, shared by its runs (kept until the backend lets go).
     _keep: Option<Arc<RunCell>>,
+}
+
+impl Drop for BatchState {
+    fn drop(&mut self) {
+        drop(self.shared.take_pins());
+    }
 }
 
 impl BatchState {
@@ -375,9 +404,25 @@ impl BatchState {
                 sleepers: AtomicUsize::new(0),
                 driver,
                 reader: OnceLock::new(),
+                pins: Mutex::new(Some(pins)),
+                guarded: AtomicBool::new(false),
             }),
-            _pins: pins,
             _keep: None,
+        }
+    }
+
+    /// The backend touches this batch's local memory only under [`Self::landing`]: its
+    /// pins may go as soon as it fails or is cancelled (see the module doc). A batch
+    /// that failed already loses them now.
+    pub(crate) fn guarded_by_landing(&self) {
+        self.shared.guarded.store(true, Ordering::Release);
+        let s = &self.shared;
+        if s.cancel.load(Ordering::Acquire) || s.finished.load(Ordering::Acquire) {
+            // Under the guard, so that no landing is under way while they go.
+            let _landing = s.landing.lock().unwrap_or_else(|p| p.into_inner());
+            if !matches!(*s.lock(), Phase::Done(_) | Phase::Pending) {
+                drop(s.take_pins());
+            }
         }
     }
 

@@ -1376,8 +1376,10 @@ impl ConnShared {
             let read = match land.then(|| job.batch.landing()).flatten() {
                 // SAFETY: the engine validated `[local, local+len)` against a registered
                 // region with LOCAL_WRITE that `job.batch` keeps pinned (registered, hence
-                // allocated); `got < len`. Only this thread writes there, and only while
-                // the batch is pending (the guard).
+                // allocated) while it is pending, and a guard is only given to a pending
+                // batch (a batch of READs loses its pins when it fails, under this same
+                // guard: `BatchState::guarded_by_landing`); `got < len`. Only this thread
+                // writes there, and only while the batch is pending (the guard).
                 Some(_g) => unsafe {
                     sys::recv_now(sock, (job.local as *mut u8).add(got), len - got)
                 },
@@ -1447,6 +1449,12 @@ struct TcpConn {
 
 impl Conn for TcpConn {
     fn post(&self, batch: BatchState, ops: ResolvedOps, notify: Option<u32>) -> Result<()> {
+        // A READ's request carries no local bytes, and its payload lands under the
+        // batch's landing guard: a batch of READs is done with its memory once it fails.
+        // (A WRITE's payload is sent from the caller's memory by a sender thread.)
+        if ops.iter().all(|o| o.op == Op::Read) {
+            batch.guarded_by_landing();
+        }
         let batch = Arc::new(batch);
         let c = &self.conn;
         if c.broken.load(Ordering::Acquire) {
