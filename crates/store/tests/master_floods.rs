@@ -14,8 +14,8 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use anyhow::{Result, ensure};
-use common::client_cfg;
-use pagewire_store::proto::{self, Hello, Request, Response};
+use common::{authenticated, client_cfg, frame, reply};
+use pagewire_store::proto::{self, Request, Response};
 use pagewire_store::{Code, Master, MasterConfig, StoreClient};
 use pagewire_transport::BackendKind;
 
@@ -158,36 +158,6 @@ fn silent_floods_from_the_clients_address_lock_nobody_out() -> Result<()> {
         c.close();
     }
     Ok(())
-}
-
-/// One request frame as bytes.
-fn frame(req: &Request, id: u32) -> Vec<u8> {
-    let mut b = Vec::new();
-    req.encode(id, &mut b);
-    b
-}
-
-/// A raw connection that said Hello (no token) and got its Welcome.
-fn authenticated(addr: SocketAddr) -> Result<TcpStream> {
-    let mut s = TcpStream::connect(addr)?;
-    s.set_read_timeout(Some(Duration::from_secs(5)))?;
-    let hello = Request::Hello(Hello {
-        token: Vec::new(),
-        client_id: 0,
-        endpoint: "127.0.0.1:9".into(),
-    });
-    s.write_all(&frame(&hello, 1))?;
-    ensure!(matches!(reply(&mut s)?, Response::Welcome(_)));
-    Ok(s)
-}
-
-fn reply(s: &mut TcpStream) -> Result<Response> {
-    let mut h = [0u8; proto::HEADER_LEN];
-    s.read_exact(&mut h)?;
-    let header = proto::decode_header(&h, proto::DEFAULT_MAX_FRAME)?;
-    let mut body = vec![0u8; header.len as usize];
-    s.read_exact(&mut body)?;
-    Ok(proto::decode_response(header.kind, &body)?)
 }
 
 /// A `Get` header announcing `len` body bytes.

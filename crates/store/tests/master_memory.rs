@@ -4,13 +4,13 @@
 
 mod common;
 
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::io::Write;
+use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
-use common::client_cfg;
-use pagewire_store::proto::{self, Hello, Request, Response};
+use common::{authenticated, client_cfg};
+use pagewire_store::proto::{self, Hello, Request};
 use pagewire_store::{Master, MasterConfig, StoreClient};
 use pagewire_transport::BackendKind;
 
@@ -44,25 +44,6 @@ fn hello() -> Request {
         client_id: 0,
         endpoint: "127.0.0.1:9".into(),
     })
-}
-
-/// A connection that said Hello and got its Welcome (the master has no token).
-fn authenticated(addr: SocketAddr) -> Result<TcpStream> {
-    let mut s = TcpStream::connect(addr)?;
-    s.set_read_timeout(Some(Duration::from_secs(5)))?;
-    let mut b = Vec::new();
-    hello().encode(1, &mut b);
-    s.write_all(&b)?;
-    let mut h = [0u8; proto::HEADER_LEN];
-    s.read_exact(&mut h)?;
-    let header = proto::decode_header(&h, proto::DEFAULT_MAX_FRAME)?;
-    let mut body = vec![0u8; header.len as usize];
-    s.read_exact(&mut body)?;
-    ensure!(matches!(
-        proto::decode_response(header.kind, &body)?,
-        Response::Welcome(_)
-    ));
-    Ok(s)
 }
 
 /// The resident set's growth over `base` once it stops rising for a moment (the master's

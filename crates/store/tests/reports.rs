@@ -7,15 +7,15 @@
 
 mod common;
 
-use std::io::{Read, Write};
+use std::io::Write;
 use std::net::{SocketAddr, TcpStream};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use anyhow::{Result, ensure};
-use common::{Buf, client_cfg, fill};
-use pagewire_store::proto::{self, Hello, Request, Response};
+use common::{Buf, client_cfg, fill, frame, reply};
+use pagewire_store::proto::{Hello, Request, Response};
 use pagewire_store::{ClientConfig, Master, MasterConfig, PutOptions, StoreClient};
 use pagewire_transport::BackendKind;
 
@@ -28,21 +28,6 @@ fn cfg(m: SocketAddr, token: &str, segment: u64) -> ClientConfig {
     c.local_copy = false;
     c.timeout = Duration::from_secs(5);
     c
-}
-
-fn frame(req: &Request, id: u32) -> Vec<u8> {
-    let mut b = Vec::new();
-    req.encode(id, &mut b);
-    b
-}
-
-fn reply(s: &mut TcpStream) -> Result<Response> {
-    let mut h = [0u8; proto::HEADER_LEN];
-    s.read_exact(&mut h)?;
-    let header = proto::decode_header(&h, proto::DEFAULT_MAX_FRAME)?;
-    let mut body = vec![0u8; header.len as usize];
-    s.read_exact(&mut body)?;
-    Ok(proto::decode_response(header.kind, &body)?)
 }
 
 /// A raw master connection that said Hello and asked for `key`, so that the master named

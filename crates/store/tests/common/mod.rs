@@ -2,8 +2,11 @@
 //! patterns derived from the key (so any process can check any page), registered buffers.
 #![allow(dead_code)]
 
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
 use std::time::Duration;
 
+use pagewire_store::proto::{self, Hello, Request, Response};
 use pagewire_store::{ClientConfig, Span, StoreClient};
 use pagewire_transport::{BackendKind, EngineConfig};
 
@@ -74,4 +77,35 @@ impl Buf {
         assert!(off + len <= self.mem.len());
         Span::new(self.addr() + off as u64, len as u64)
     }
+}
+
+/// One request frame as bytes (for tests that speak the master's protocol by hand).
+pub fn frame(req: &Request, id: u32) -> Vec<u8> {
+    let mut b = Vec::new();
+    req.encode(id, &mut b);
+    b
+}
+
+/// Reads one response frame.
+pub fn reply(s: &mut TcpStream) -> anyhow::Result<Response> {
+    let mut h = [0u8; proto::HEADER_LEN];
+    s.read_exact(&mut h)?;
+    let header = proto::decode_header(&h, proto::DEFAULT_MAX_FRAME)?;
+    let mut body = vec![0u8; header.len as usize];
+    s.read_exact(&mut body)?;
+    Ok(proto::decode_response(header.kind, &body)?)
+}
+
+/// A raw master connection that said Hello (no token) and got its Welcome.
+pub fn authenticated(addr: SocketAddr) -> anyhow::Result<TcpStream> {
+    let mut s = TcpStream::connect(addr)?;
+    s.set_read_timeout(Some(Duration::from_secs(5)))?;
+    let hello = Request::Hello(Hello {
+        token: Vec::new(),
+        client_id: 0,
+        endpoint: "127.0.0.1:9".into(),
+    });
+    s.write_all(&frame(&hello, 1))?;
+    anyhow::ensure!(matches!(reply(&mut s)?, Response::Welcome(_)), "no Welcome");
+    Ok(s)
 }
