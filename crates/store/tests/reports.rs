@@ -14,8 +14,8 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use anyhow::{Result, ensure};
-use common::{Buf, client_cfg, fill, frame, reply};
-use pagewire_store::proto::{Hello, Request, Response};
+use common::{Buf, authenticated, client_cfg, fill, frame, reply};
+use pagewire_store::proto::{Request, Response};
 use pagewire_store::{ClientConfig, Master, MasterConfig, PutOptions, StoreClient};
 use pagewire_transport::BackendKind;
 
@@ -33,15 +33,7 @@ fn cfg(m: SocketAddr, token: &str, segment: u64) -> ClientConfig {
 /// A raw master connection that said Hello and asked for `key`, so that the master named
 /// the segments of its replicas to it: its reports of them count as evidence.
 fn informed_reporter(m: SocketAddr, key: &str) -> Result<(TcpStream, Vec<u64>)> {
-    let mut s = TcpStream::connect(m)?;
-    s.set_read_timeout(Some(Duration::from_secs(5)))?;
-    let hello = Request::Hello(Hello {
-        token: Vec::new(),
-        client_id: 0,
-        endpoint: "127.0.0.1:9".into(),
-    });
-    s.write_all(&frame(&hello, 1))?;
-    ensure!(matches!(reply(&mut s)?, Response::Welcome(_)));
+    let mut s = authenticated(m)?;
     let get = Request::Get {
         lease: false,
         keys: vec![key.as_bytes().to_vec()],
