@@ -29,7 +29,8 @@ use std::sync::{Arc, Mutex, RwLock, Weak};
 use std::time::{Duration, Instant};
 
 use pagewire_transport::{
-    Batch, Engine, EngineConfig, Error as TError, Fault, Op, PeerId, TransferHandle, TransferOp,
+    Batch, Engine, EngineConfig, Error as TError, Fault, Op, PeerId, RemoteRegion, TransferHandle,
+    TransferOp,
 };
 
 use crate::error::{Code, Result, StoreError};
@@ -618,11 +619,11 @@ impl StoreClient {
             b.extend(w.ops.iter().copied());
             b
         };
-        let current = |peer| -> Result<bool, Refused> {
-            let regions = engine.peer_regions(peer)?;
-            Ok(w.fences
+        // Whether a description of the node carries every segment session of the ops.
+        let current = |regions: &[RemoteRegion]| {
+            w.fences
                 .iter()
-                .all(|&(base, rkey)| regions.iter().any(|r| r.addr == base && r.rkey == rkey)))
+                .all(|&(base, rkey)| regions.iter().any(|r| r.addr == base && r.rkey == rkey))
         };
         {
             let _held = self
@@ -630,7 +631,7 @@ impl StoreClient {
                 .describing
                 .read()
                 .unwrap_or_else(|p| p.into_inner());
-            if current(peer)? {
+            if current(&engine.peer_regions(peer)?) {
                 match engine.submit(peer, batch()) {
                     Err(TError::RemoteOutOfBounds { .. }) => {}
                     r => return Ok(r?),
@@ -645,8 +646,7 @@ impl StoreClient {
             .describing
             .write()
             .unwrap_or_else(|p| p.into_inner());
-        engine.redescribe(peer)?;
-        if !current(peer)? {
+        if !current(&engine.redescribe(peer)?) {
             return Err(Refused::Stale);
         }
         Ok(engine.submit(peer, batch())?)

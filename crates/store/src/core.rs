@@ -173,7 +173,7 @@ struct ClientState {
 }
 
 impl ClientState {
-    fn new(endpoint: &str, now: Millis) -> Self {
+    fn new(endpoint: &str, now: Millis, origin: u128) -> Self {
         ClientState {
             endpoint: endpoint.into(),
             last_seen: now,
@@ -182,7 +182,7 @@ impl ClientState {
             strikes: 0,
             struck_at: 0,
             held_until: 0,
-            origin: 0,
+            origin,
         }
     }
 }
@@ -376,11 +376,11 @@ impl MasterCore {
                 break id;
             }
         };
-        let mut c = ClientState::new(endpoint, now);
         // Without an address, each client is an origin of its own (ids are random u64s,
         // addresses are marked apart by the top bit).
-        c.origin = origin.map_or(u128::from(id) | (1 << 127), |o| o & !(1 << 127));
-        self.clients.insert(id, c);
+        let origin = origin.map_or(u128::from(id) | (1 << 127), |o| o & !(1 << 127));
+        self.clients
+            .insert(id, ClientState::new(endpoint, now, origin));
         Ok((id, false))
     }
 
@@ -646,12 +646,16 @@ impl MasterCore {
         if recent().count() >= CONFIRMING_REPORTERS {
             return true;
         }
-        let silent_since = self
-            .clients
-            .get(&s.owner)
-            .map_or(0, |c| c.last_seen.saturating_add(2 * self.cfg.heartbeat_ms));
-        recent().any(|r| r.1 >= self.clients.get(&s.owner).map_or(0, |c| c.last_seen))
-            && now >= silent_since
+        // One report, and the owner has said nothing since it for two heartbeats.
+        let last_seen = self.clients.get(&s.owner).map_or(0, |c| c.last_seen);
+        now >= last_seen.saturating_add(2 * self.cfg.heartbeat_ms)
+            && recent().any(|r| r.1 >= last_seen)
+    }
+
+    /// How long a segment named to a client stays one it may report: its transfers to it
+    /// (a put's writes, a leased read) end within this.
+    fn named_window(&self) -> Millis {
+        self.cfg.put_discard_ms.max(self.cfg.lease_ttl_ms)
     }
 
     /// Records that `segments` were named to `client` at `now`.
@@ -783,39 +787,34 @@ impl MasterCore {
     /// Counts `client`'s report against each segment named to it recently (not its own),
     /// then strikes the client if no segment it named is confirmed failing.
     fn weigh_report(&mut self, now: Millis, client: u64, suspects: &[u64]) {
-        let window = self.cfg.put_discard_ms.max(self.cfg.lease_ttl_ms);
-        let c = self.clients.get_mut(&client).expect("touched");
+        let window = self.named_window();
+        let c = &self.clients[&client];
         if c.held_until > now {
             return;
         }
         let origin = c.origin;
+        // Segments named to it recently, that still exist and are not its own.
         let counted: Vec<u64> = suspects
             .iter()
             .copied()
-            .filter(|s| {
+            .filter(|id| {
                 c.named
-                    .get(s)
+                    .get(id)
                     .is_some_and(|&at| now.saturating_sub(at) <= window)
+                    && self.segments.get(id).is_some_and(|s| s.owner != client)
             })
             .collect();
-        for &id in &counted {
-            let Some(seg) = self.segments.get_mut(&id) else {
-                continue;
-            };
-            if seg.owner == client {
-                continue;
-            }
+        for id in &counted {
+            let seg = self.segments.get_mut(id).expect("filtered above");
             seg.reports.retain(|r| r.0 != origin);
             if seg.reports.len() >= MAX_REPORTS {
                 seg.reports.remove(0);
             }
             seg.reports.push((origin, now));
         }
-        let confirmed = counted.iter().any(|id| {
-            self.segments
-                .get(id)
-                .is_some_and(|s| s.owner != client && self.suspect(now, s))
-        });
+        let confirmed = counted
+            .iter()
+            .any(|id| self.suspect(now, &self.segments[id]));
         let ttl = self.cfg.client_ttl_ms;
         let c = self.clients.get_mut(&client).expect("touched");
         if confirmed {
@@ -1064,7 +1063,7 @@ impl MasterCore {
     /// Forgets segments named to clients, and reports, that can no longer count.
     fn prune_evidence(&mut self, now: Millis) {
         self.pruned_at = now;
-        let window = self.cfg.put_discard_ms.max(self.cfg.lease_ttl_ms);
+        let window = self.named_window();
         let ttl = self.cfg.client_ttl_ms;
         let segments = &self.segments;
         for c in self.clients.values_mut() {

@@ -192,6 +192,12 @@ impl SegmentMem {
         self.reg().rkey
     }
 
+    /// The current registration, held (a renewal waits for it), if its key is `rkey`: a
+    /// copy of the session the master placed an object in runs under it, or not at all.
+    fn in_session(&self, rkey: u32) -> Option<RwLockReadGuard<'_, Registration>> {
+        Some(self.reg()).filter(|r| r.rkey == rkey)
+    }
+
     /// Registers the memory anew (the contents stay), for a new session with the master:
     /// peers holding the old key are refused by the data path from now on (the NIC for
     /// verbs, the engine's key check for TCP and loopback), and copies in this process
@@ -259,10 +265,9 @@ pub(crate) fn copy_in(
     parts: &[Span],
 ) -> bool {
     // Held across the copy: a renewal waits for it.
-    let reg = seg.reg();
-    if reg.rkey != rkey {
+    let Some(_reg) = seg.in_session(rkey) else {
         return false;
-    }
+    };
     let map = bufs.read();
     let total: Option<u64> = parts.iter().try_fold(0u64, |a, s| a.checked_add(s.len));
     let Some(total) = total else { return false };
@@ -297,10 +302,9 @@ pub(crate) fn copy_out(
     size: u64,
     parts: &[Span],
 ) -> bool {
-    let reg = seg.reg();
-    if reg.rkey != rkey {
+    let Some(_reg) = seg.in_session(rkey) else {
         return false;
-    }
+    };
     let map = bufs.read();
     let room: Option<u64> = parts.iter().try_fold(0u64, |a, s| a.checked_add(s.len));
     if room.is_none_or(|r| r < size)

@@ -798,17 +798,22 @@ fn master_killed_and_restarted() -> Result<()> {
 #[ignore = "needs RDMA devices RDMA_DEVICE and RDMA_DEVICE2: runs in scripts/rdma-vm.sh --two-devices"]
 fn verbs_round_trip_between_two_devices() -> Result<()> {
     let _g = serial();
+    round_trip(verbs_setup(8 << 20)?, 64, 16 << 10)
+}
+
+/// Verbs with storage nodes on `RDMA_DEVICE2` and clients on `RDMA_DEVICE`, a segment of
+/// `segment` bytes and a call deadline generous enough for rxe under TCG.
+fn verbs_setup(segment: u64) -> Result<Setup> {
     let dev = std::env::var("RDMA_DEVICE").context("RDMA_DEVICE not set")?;
     let dev2 = std::env::var("RDMA_DEVICE2").context("RDMA_DEVICE2 not set")?;
-    let setup = Setup {
+    Ok(Setup {
         backend: "verbs",
         node_device: Some(dev2),
         client_device: Some(dev),
-        segment: 8 << 20,
+        segment,
         client_timeout_ms: 60_000,
         ..Setup::default()
-    };
-    round_trip(setup, 64, 16 << 10)
+    })
 }
 
 // ---------------------------------------------------------------- fencing
@@ -941,16 +946,9 @@ fn stalled_writer_across_a_node_remount() -> Result<()> {
 #[ignore = "needs RDMA devices RDMA_DEVICE and RDMA_DEVICE2: runs in scripts/rdma-vm.sh --two-devices"]
 fn verbs_stalled_writer_across_session_changes() -> Result<()> {
     let _g = serial();
-    let dev = std::env::var("RDMA_DEVICE").context("RDMA_DEVICE not set")?;
-    let dev2 = std::env::var("RDMA_DEVICE2").context("RDMA_DEVICE2 not set")?;
     let setup = Setup {
-        backend: "verbs",
-        node_device: Some(dev2),
-        client_device: Some(dev),
-        segment: 64 << 20,
         client_ttl_ms: 2_000,
-        client_timeout_ms: 60_000,
-        ..Setup::default()
+        ..verbs_setup(64 << 20)?
     };
     stalled_writer_across_a_session_change(setup.clone(), SessionChange::MasterRestart)?;
     stalled_writer_across_a_session_change(setup, SessionChange::NodeDropped)

@@ -441,11 +441,16 @@ fn placed(w: &mut World, c: u64, key: &str) -> Result<u64, Code> {
         .map_err(|e| *e)
 }
 
+/// The segments four one-replica puts of `c` land on (keys `tag0`..`tag3`).
+fn spread(w: &mut World, c: u64, tag: &str) -> HashSet<u64> {
+    (0..4)
+        .map(|i| placed(w, c, &format!("{tag}{i}")).unwrap())
+        .collect()
+}
+
 /// Places keys until both segments were named to `c`.
 fn name_both(w: &mut World, c: u64, tag: &str) {
-    let got: HashSet<u64> = (0..4)
-        .map(|i| placed(w, c, &format!("{tag}{i}")).unwrap())
-        .collect();
+    let got = spread(w, c, tag);
     assert_eq!(got.len(), 2, "{got:?}");
 }
 
@@ -469,9 +474,7 @@ fn one_clients_reports_do_not_stop_placement_on_a_live_node() {
         );
     }
     // Both segments still take replicas, in turn.
-    let segs: HashSet<u64> = (0..4)
-        .map(|i| placed(&mut w, good, &format!("h{i}")).unwrap())
-        .collect();
+    let segs = spread(&mut w, good, "h");
     assert_eq!(segs, HashSet::from([s1, s2]));
     // The reporter is the one held back: its puts are refused.
     assert_eq!(placed(&mut w, bad, "b"), Err(Code::TransferFailed));
@@ -490,9 +493,7 @@ fn reports_count_only_for_segments_named_to_the_reporter() {
     w.core.report(w.now, b, &[s1]).unwrap();
     w.now += 10 * cfg().heartbeat_ms;
     w.core.touch(w.now, a).unwrap();
-    let segs: HashSet<u64> = (0..4)
-        .map(|i| placed(&mut w, b, &format!("k{i}")).unwrap())
-        .collect();
+    let segs = spread(&mut w, b, "k");
     assert_eq!(segs, HashSet::from([s1, s2]));
 }
 
@@ -538,9 +539,7 @@ fn reports_are_confirmed_by_a_second_client_or_the_owners_silence() {
     }
     // The owner speaks again: its word outweighs one report.
     w.core.touch(w.now, n2).unwrap();
-    let segs: HashSet<u64> = (0..4)
-        .map(|i| placed(&mut w, b, &format!("h{i}")).unwrap())
-        .collect();
+    let segs = spread(&mut w, b, "h");
     assert_eq!(segs, HashSet::from([s1, s2]));
     // Both confirmed failing: no room anywhere.
     w.core.report(w.now, a, &[s1, s2]).unwrap();
@@ -573,9 +572,7 @@ fn a_client_whose_reports_nobody_confirms_is_held_back_longer_each_time() {
     w.core.report(w.now, good, &[s2]).unwrap();
     w.core.touch(w.now, n1).unwrap();
     w.core.touch(w.now, n2).unwrap();
-    let segs: HashSet<u64> = (0..4)
-        .map(|i| placed(&mut w, good, &format!("h{i}")).unwrap())
-        .collect();
+    let segs = spread(&mut w, good, "h");
     assert_eq!(
         segs,
         HashSet::from([s1, s2]),
