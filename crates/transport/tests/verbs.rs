@@ -938,6 +938,117 @@ fn rail_back(
     }
 }
 
+/// Issue 31: a READ whose peer stops answering (the peer's link goes down 50 ms into a
+/// 64 MiB READ) fails at its 500 ms deadline, and its target is the caller's again at
+/// once: the failure is reported only after the READ's QPs were moved to ERR and its WRs
+/// flushed, so deregistering right after it does not wait (it waited until the broken
+/// connection was dropped). With the link back up, not one more byte of the READ lands,
+/// and a new connection moves data again.
+#[test]
+#[ignore = "needs two RDMA devices: runs in scripts/rdma-vm.sh --two-devices"]
+fn verbs_failed_read_lets_go_of_its_target() -> Result<()> {
+    let dev = device("verbs_failed_read_lets_go_of_its_target").to_string();
+    let var = |k: &str| {
+        std::env::var(k)
+            .ok()
+            .filter(|v| !v.is_empty())
+            .with_context(|| format!("{k} is not set: run with scripts/rdma-vm.sh --two-devices"))
+    };
+    let (dev2, ndev2) = (var("RDMA_DEVICE2")?, var("SOFTROCE_NDEV2")?);
+    // A link goes down: no other device test runs meanwhile.
+    let _links = rail_links();
+    const GUARD: u8 = 0xa5;
+    let n = 64 << 20;
+    // Every 1 MiB WR signalled, as in the failover tests.
+    let cfg = |b: EngineConfigBuilder| b.max_wr_bytes(1 << 20).signal_every(1);
+    let a = engine(&dev, cfg)?;
+    let b = engine(&dev2, cfg)?;
+    let src = filled_large(n, 11)?;
+    let mut dst = HostBuffer::new(n)?;
+    dst.fill(GUARD);
+    b.register(&src, Access::ALL)?;
+    let region = a.register(&dst, Access::LOCAL_WRITE)?;
+    let peer = a.connect(b.local_addr())?;
+
+    let t0 = Instant::now();
+    let read = Batch::new()
+        .read(dst.addr(), src.addr(), n as u64)
+        .timeout(Duration::from_millis(500));
+    // The link goes down from another thread: on rxe the submitting thread itself moves
+    // much of the data, inside the post.
+    let (got, down) = std::thread::scope(|s| {
+        let downer = s.spawn(|| {
+            std::thread::sleep(Duration::from_millis(50));
+            LinkDown::new(&ndev2)
+        });
+        let got = a.submit(peer, read).and_then(|h| h.wait(secs(30)));
+        (got, downer.join().expect("the link-down thread panicked"))
+    });
+    let failed_at = Instant::now();
+    let down = down?;
+    let Err(err) = got else {
+        bail!(
+            "the READ finished in {:?}, before the link went down",
+            t0.elapsed()
+        );
+    };
+    // Deregistered right away: the failure was reported once nothing of the READ could
+    // land any more.
+    a.deregister_wait(region, failed_at + Duration::from_secs(3))
+        .context("the failed READ's target is still pinned 3 s after the failure")?;
+    let waited = failed_at.elapsed();
+    eprintln!(
+        "READ failed {:?} after submit ({err}); its target deregistered {waited:?} after the failure",
+        failed_at - t0
+    );
+    ensure!(
+        matches!(
+            err,
+            Error::Timeout { .. } | Error::Completion { .. } | Error::PeerGone { .. }
+        ),
+        "unexpected error {err:?}"
+    );
+    ensure!(
+        waited < Duration::from_millis(100),
+        "the failed READ's target stayed pinned for {waited:?}"
+    );
+    let snap = dst.to_vec();
+    let landed = snap.iter().filter(|&&x| x != GUARD).count();
+    // The link back, and time for a retransmission: nothing of the READ may land now.
+    down.up()?;
+    std::thread::sleep(Duration::from_secs(1));
+    let later = dst.to_vec();
+    let late = snap.iter().zip(&later).filter(|(x, y)| x != y).count();
+    eprintln!("{landed} bytes had landed at the failure, {late} after it");
+    ensure!(late == 0, "{late} bytes landed after the READ failed");
+
+    // The connection broke; a new one carries a READ again (once the link's GID is back).
+    a.disconnect(peer)?;
+    let small = 1 << 20;
+    a.register(&dst, Access::LOCAL_WRITE)?;
+    let until = Instant::now() + Duration::from_secs(30);
+    loop {
+        let again = a.connect(b.local_addr()).and_then(|p| {
+            a.submit(p, Batch::new().read(dst.addr(), src.addr(), small as u64))?
+                .wait(secs(30))?;
+            Ok(p)
+        });
+        match again {
+            Ok(_) => break,
+            Err(e) if Instant::now() < until => {
+                eprintln!("not back yet: {e}");
+                std::thread::sleep(Duration::from_millis(500));
+            }
+            Err(e) => return Err(e).context("no READ after the link came back"),
+        }
+    }
+    ensure!(
+        same_bytes(&src, &dst, small),
+        "bytes differ after reconnecting"
+    );
+    Ok(())
+}
+
 // ---------------------------------------------------------------- no device (runs everywhere)
 
 /// Forcing verbs with a device that does not exist is a typed error, never a hang or a

@@ -23,6 +23,10 @@
 //! the batch's pins then go when it fails or is cancelled, before that is reported, not
 //! when the backend lets go of it, so the caller may deregister at once (a TCP READ whose
 //! peer stalled would otherwise hold its target until the connection's `io_timeout`).
+//! A backend whose hardware touches the memory on its own (verbs) gives the batch a
+//! [`Settle`] instead: a failure first has it stop that hardware (QPs to ERR, their WRs
+//! flushed), within a short bound, and when it did, the pins go before the failure is
+//! reported, as for a guarded batch.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
@@ -242,8 +246,23 @@ pub(crate) struct BatchShared {
     /// The pins of the local regions; taken when the backend lets go of the batch, or
     /// on failure when `guarded` (see the module doc).
     pins: Mutex<Option<Pins>>,
-    /// Every access of the backend to the local memory is under `landing`.
+    /// Every access of the backend to the local memory is under `landing` (or, once
+    /// `settle` said so, there is none any more).
     guarded: AtomicBool,
+    /// What stops the backend's hardware touching the local memory when the batch fails
+    /// (see [`Settle`]); taken by the first failure, held while it runs.
+    settle: Mutex<Option<Weak<dyn Settle>>>,
+}
+
+/// A backend whose hardware reads and writes a batch's local memory on its own (verbs:
+/// what was posted lands or flushes whatever the engine does) and can stop it.
+pub(crate) trait Settle: Send + Sync {
+    /// The batch is failing: make sure that nothing the hardware was given for it can
+    /// touch its local memory any more (verbs: the QPs carrying its WRs moved to ERR and
+    /// those WRs flushed), waiting a short bound at most. `true` when that holds; the
+    /// batch's pins then go before the failure is reported. Runs on the thread that
+    /// fails the batch, before the outcome is published, at most once per batch.
+    fn settle(&self) -> bool;
 }
 
 /// Where a waiting caller can read a batch's completion itself, blocking in the kernel
@@ -262,6 +281,9 @@ impl BatchShared {
 
     /// Moves Pending to `next`; later transitions are ignored (first outcome wins).
     pub(crate) fn finish(&self, next: Phase) -> bool {
+        if matches!(next, Phase::Failed(_)) && !self.finished.load(Ordering::Acquire) {
+            self.settle_hardware();
+        }
         // A failure or cancellation waits for bytes being landed, so none land after it
         // is reported. Success needs no wait: every byte is in.
         let landing = (!matches!(next, Phase::Done(_)))
@@ -288,6 +310,17 @@ impl BatchShared {
             self.cv.notify_all();
         }
         true
+    }
+
+    /// Runs the backend's [`Settle`], if it gave one; a concurrent failure waits for it,
+    /// so none is published while the hardware may still touch the memory.
+    fn settle_hardware(&self) {
+        let mut slot = self.settle.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(s) = slot.take().and_then(|w| w.upgrade())
+            && s.settle()
+        {
+            self.guarded.store(true, Ordering::Release);
+        }
     }
 
     fn take_pins(&self) -> Option<Pins> {
@@ -406,6 +439,7 @@ impl BatchState {
                 reader: OnceLock::new(),
                 pins: Mutex::new(Some(pins)),
                 guarded: AtomicBool::new(false),
+                settle: Mutex::new(None),
             }),
             _keep: None,
         }
@@ -424,6 +458,20 @@ impl BatchState {
                 drop(s.take_pins());
             }
         }
+    }
+
+    /// On failure, `settle` stops the backend's hardware first (see [`Settle`]).
+    #[cfg_attr(not(feature = "verbs"), allow(dead_code))] // verbs only
+    pub(crate) fn settled_by(&self, settle: Weak<dyn Settle>) {
+        *self.shared.settle.lock().unwrap_or_else(|p| p.into_inner()) = Some(settle);
+    }
+
+    /// Nothing the backend was given can touch the local memory any more (verbs: the
+    /// batch's WRs were flushed or their QPs destroyed): the pins go now, before the
+    /// backend reports the batch's failure.
+    #[cfg_attr(not(feature = "verbs"), allow(dead_code))] // verbs only
+    pub(crate) fn let_go(&self) {
+        drop(self.shared.take_pins());
     }
 
     /// Also keeps `cell` (a prepared batch's pins) alive until the backend lets go.

@@ -12,6 +12,12 @@ use std::time::Duration;
 /// batch.
 pub(crate) const STALL_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// How long a failing batch waits for its WRs to flush once the connection moved its QPs
+/// to ERR, before its failure is reported anyway (its memory then stays pinned until the
+/// QPs are destroyed). Flushing is local to the NIC (rxe: one pass of its completer), so
+/// this is far more than it takes.
+pub(crate) const FLUSH_WAIT: Duration = Duration::from_millis(50);
+
 /// QP 0 of a connection idle this long gets a heartbeat (a zero-length WRITE): RC has no
 /// keepalive, so without one a side that only receives never learns that its peer died.
 pub(crate) const HEARTBEAT_IDLE: Duration = Duration::from_secs(2);

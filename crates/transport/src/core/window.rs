@@ -156,6 +156,12 @@ impl<T> InFlight<T> {
         out.len() - before
     }
 
+    /// The groups in flight, oldest first.
+    #[cfg_attr(not(feature = "verbs"), allow(dead_code))] // verbs only
+    pub fn groups(&self) -> impl Iterator<Item = &Group<T>> {
+        self.groups.iter()
+    }
+
     /// The QP failed: everything in flight is lost. Returns all groups.
     pub fn drain_all(&mut self) -> Vec<Group<T>> {
         self.outstanding = 0;

@@ -3,7 +3,7 @@
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Mutex, OnceLock, TryLockError, Weak};
 use std::time::{Duration, Instant};
 
 use sideway::ibverbs::completion::BasicCompletionQueue;
@@ -14,7 +14,7 @@ use super::qp::{
     POLL_BATCH, RcQp, WC_RECV_RDMA_WITH_IMM, WC_SUCCESS, Wc, WrSpec, poll_cq, wc_status_name,
 };
 use crate::contract::{BatchSink, BatchState, Reaper, RunCell, TagSink};
-use crate::core::batch::NotifyGate;
+use crate::core::batch::{NotifyGate, Settle};
 use crate::core::health::{self, FirstCause, Verdict};
 use crate::core::slice::{Dir, PlanOp, PlannedWr, WrQueue, Wrs, plan_wrs, stripe};
 use crate::core::wait::ENGINE_REAP_EVERY;
@@ -125,12 +125,115 @@ struct BatchCtl {
     held: Mutex<Option<PlannedWr>>,
     tag: Option<u32>,
     done: AtomicBool,
+    /// WRs of the batch on a send queue: counted before they are posted, uncounted when a
+    /// completion (successful or not) retires them.
+    on_nic: AtomicU32,
+    /// The batch is failing: nothing more of it is posted, and it never completes.
+    stopping: AtomicBool,
+    /// A failure that waits for the batch's WRs to leave the send queues (flushed, once
+    /// the connection moved its QPs to ERR): reported when the last reference goes (see
+    /// `Drop`), or by the health check after [`FLUSH_WAIT`](health::FLUSH_WAIT).
+    doomed: Mutex<Option<Error>>,
+    /// The connection, for [`Settle`].
+    conn: Weak<VerbsConn>,
 }
 
 impl BatchCtl {
+    fn new(
+        sink: CtlSink,
+        pieces: u64,
+        held: Option<PlannedWr>,
+        tag: Option<u32>,
+        conn: Weak<VerbsConn>,
+    ) -> Arc<Self> {
+        Arc::new(BatchCtl {
+            sink,
+            pending: NotifyGate::new(pieces),
+            held: Mutex::new(held),
+            tag,
+            done: AtomicBool::new(false),
+            on_nic: AtomicU32::new(0),
+            stopping: AtomicBool::new(false),
+            doomed: Mutex::new(None),
+            conn,
+        })
+    }
+
+    /// Fails the batch with `err`: now if none of its WRs is on a send queue, else once
+    /// they have all left (the connection broke, so they flush), so that the failure is
+    /// reported when nothing of the batch can touch its memory any more.
     fn fail(&self, err: Error) {
+        // SeqCst, against a poster's check of `stopping` then count of `on_nic`: one of
+        // the two sees the other.
+        self.stopping.store(true, Ordering::SeqCst);
+        if self.on_nic.load(Ordering::SeqCst) > 0 {
+            self.doom(err);
+            return;
+        }
+        self.report(err);
+    }
+
+    /// Fails the batch with `err` (unless it has an outcome already) once the last
+    /// reference goes: see `Drop`.
+    fn doom(&self, err: Error) {
+        self.stopping.store(true, Ordering::SeqCst);
+        lock(&self.doomed).get_or_insert(err);
+    }
+
+    fn report(&self, err: Error) {
         if !self.done.swap(true, Ordering::AcqRel) {
             self.sink.fail(err);
+        }
+    }
+
+    /// Reports a failure that waited for WRs that did not flush in time; the batch's
+    /// pins stay with it (in the graveyard) until the QPs are destroyed.
+    fn report_doomed(&self) {
+        let doomed = lock(&self.doomed).take();
+        if let Some(e) = doomed {
+            self.report(e);
+        }
+    }
+
+    /// `n` WRs of the batch left the send queue (a completion retired them).
+    fn off_nic(&self, n: u32) {
+        self.on_nic.fetch_sub(n, Ordering::AcqRel);
+    }
+}
+
+impl Drop for BatchCtl {
+    /// The last reference: no WR of the batch is on a send queue (each was retired by a
+    /// completion, or its QP destroyed). A failure waiting for that is reported now,
+    /// after the pins went, so the caller may deregister at once.
+    fn drop(&mut self) {
+        let doomed = self
+            .doomed
+            .get_mut()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        if let Some(e) = doomed {
+            if let CtlSink::Core(b) = &self.sink {
+                b.let_go();
+            }
+            self.report(e);
+        }
+    }
+}
+
+/// A batch that fails in the engine core (its deadline passed while WRs of it were on a
+/// send queue) first stops the NIC: the connection breaks (its QPs go to ERR, so every WR
+/// on them flushes) and the failure waits, for [`FLUSH_WAIT`](health::FLUSH_WAIT) at
+/// most, until the batch's WRs have left the send queues. Without this, a READ's target
+/// stayed pinned (and could still be written) until the connection's stall watchdog
+/// broke it and the broken connection was dropped.
+impl Settle for BatchCtl {
+    fn settle(&self) -> bool {
+        // The core reports this failure, with its own cause.
+        self.done.store(true, Ordering::Release);
+        self.stopping.store(true, Ordering::Release);
+        match self.conn.upgrade() {
+            Some(c) => c.settle(self),
+            None => self.on_nic.load(Ordering::Acquire) == 0,
         }
     }
 }
@@ -217,6 +320,19 @@ impl QpSlot {
         }
     }
 
+    /// Waits until the post lock is free (no post under way), until `until`.
+    fn wait_free(&self, until: Instant) -> bool {
+        loop {
+            match self.qp.try_lock() {
+                Ok(_) | Err(TryLockError::Poisoned(_)) => return true,
+                Err(TryLockError::WouldBlock) if Instant::now() < until => {
+                    std::thread::yield_now();
+                }
+                Err(TryLockError::WouldBlock) => return false,
+            }
+        }
+    }
+
     fn record_activity(&self) {
         self.activity.fetch_add(1, Ordering::Release);
     }
@@ -247,9 +363,14 @@ pub(crate) struct VerbsConn {
     notify: Option<Arc<dyn TagSink>>,
     peer: PeerId,
     deferred: Deferred,
-    /// Batches failed by a broken connection while WRs of theirs may still sit in a send
-    /// queue: kept (with the regions they pin) until the QPs are destroyed with `self`.
+    /// When it broke.
+    broken_at: OnceLock<Instant>,
+    /// Batches failed by a broken connection whose WRs did not flush within
+    /// [`FLUSH_WAIT`](health::FLUSH_WAIT): kept (with the regions they pin) until the QPs
+    /// are destroyed with `self`.
     graveyard: Mutex<Vec<Arc<BatchCtl>>>,
+    /// Itself, for the batches it carries (see [`Settle`]).
+    me: Weak<VerbsConn>,
     /// Prepared lanes on QP 0. After `qps`, so a lane's regions outlive the QPs that may
     /// still hold one of its runs.
     lanes: Mutex<Lanes>,
@@ -311,6 +432,8 @@ impl VerbsConn {
             recv_cq,
             cfg,
             broken: FirstCause::new(),
+            broken_at: OnceLock::new(),
+            me: Weak::new(),
             notify,
             peer,
             deferred: Deferred::default(),
@@ -321,6 +444,13 @@ impl VerbsConn {
             engine_reaper: Weak::new(),
             label,
         }
+    }
+
+    /// Knows itself as `me` (the `Arc` it is built into), so that its batches can reach
+    /// it when they fail in the engine core.
+    pub fn with_self(mut self, me: &Weak<VerbsConn>) -> Self {
+        self.me = me.clone();
+        self
     }
 
     /// Kicks `poller` (the engine's completion thread) on every post instead of a private
@@ -385,13 +515,17 @@ impl VerbsConn {
             // Reads (or nothing) before the notification: a zero-length WRITE_WITH_IMM.
             _ => PlannedWr::zero_length_write(),
         });
-        let ctl = Arc::new(BatchCtl {
-            sink: sink.into(),
-            pending: NotifyGate::new(wrs.len() as u64 + 1),
-            held: Mutex::new(held),
-            tag: notify,
-            done: AtomicBool::new(false),
-        });
+        let ctl = BatchCtl::new(
+            sink.into(),
+            wrs.len() as u64 + 1,
+            held,
+            notify,
+            self.me.clone(),
+        );
+        if let CtlSink::Core(b) = &ctl.sink {
+            let settle: Weak<dyn Settle> = Arc::downgrade(&ctl) as Weak<BatchCtl>;
+            b.settled_by(settle);
+        }
         // A lone WRITE with a notification leaves nothing before the held WR. A single WR
         // goes to QP 0, as striping would put it, without building a queue per QP.
         let posted = match wrs.len() {
@@ -609,13 +743,13 @@ impl VerbsConn {
         let started = Instant::now();
         let done = Arc::new(ProbeSink::default());
         let n = self.qps.len();
-        let ctl = Arc::new(BatchCtl {
-            sink: CtlSink::from(Arc::clone(&done)),
-            pending: NotifyGate::new(n as u64 + 1),
-            held: Mutex::new(None),
-            tag: None,
-            done: AtomicBool::new(false),
-        });
+        let ctl = BatchCtl::new(
+            CtlSink::from(Arc::clone(&done)),
+            n as u64 + 1,
+            None,
+            None,
+            Weak::new(),
+        );
         let mut per_qp: Vec<WrQueue<PlannedWr>> = (0..n)
             .map(|_| WrQueue::new(smallvec::smallvec![PlannedWr::zero_length_write()]))
             .collect();
@@ -656,6 +790,10 @@ impl VerbsConn {
     ) -> Result<usize, Error> {
         let slot = &self.qps[i];
         let mut qp = lock(&slot.qp);
+        // Checked under the post lock: see `settle`.
+        if ctl.stopping.load(Ordering::SeqCst) {
+            return Ok(0);
+        }
         let (first, n) = {
             let mut t = lock(&slot.track);
             let n = (t.available() as usize)
@@ -670,6 +808,7 @@ impl VerbsConn {
                 wrs += 1;
                 bytes += w.len();
                 if is_signaled(k, n, self.cfg.signal_every as usize) {
+                    ctl.on_nic.fetch_add(wrs, Ordering::SeqCst);
                     t.push(Group {
                         last_seq: (first + k as u64) & SEQ_MASK,
                         wrs,
@@ -704,7 +843,8 @@ impl VerbsConn {
         if !ctl.pending.landed(n) {
             return;
         }
-        if ctl.done.load(Ordering::Acquire) {
+        // A failing batch never completes (nor sends its notification).
+        if ctl.done.load(Ordering::Acquire) || ctl.stopping.load(Ordering::Acquire) {
             return;
         }
         // Only a batch with a tag ever holds a WR back: the others skip the lock.
@@ -746,6 +886,11 @@ impl VerbsConn {
             let Some((ctl, w)) = self.deferred.pop_front() else {
                 return;
             };
+            // Failing (checked under the post lock: see `settle`): its failure is reported
+            // without it.
+            if ctl.stopping.load(Ordering::Acquire) {
+                continue;
+            }
             // sideway passes the immediate through as raw `__be32`; send network order so
             // C peers reading it with ntohl agree.
             let imm = ctl.tag.unwrap_or(0).to_be();
@@ -792,6 +937,7 @@ impl VerbsConn {
                 return Ok(false);
             }
             let first = t.reserve(n as u32);
+            ctl.on_nic.fetch_add(n as u32, Ordering::SeqCst);
             t.push(Group {
                 last_seq: (first + n as u64 - 1) & SEQ_MASK,
                 wrs: n as u32,
@@ -824,16 +970,29 @@ impl VerbsConn {
         // finds with that cause, not with its own view (the health check's "QP in ERR"
         // reached a batch whose REM_ACCESS_ERR another thread had recorded).
         let (err, first) = self.broken.record(err);
+        if first {
+            let _ = self.broken_at.set(Instant::now());
+        }
+        // Stop the QPs first (no more DMA, the peer's QPs see errors): every WR on them
+        // flushes, and each batch with WRs there reports its failure once they have (see
+        // `BatchCtl::fail`). A QP busy posting is skipped: its poster sees `broken` next,
+        // and the next health check (or `close`) moves it, so a broken connection accepts
+        // no WRITE or notification for longer than one health-check period.
+        self.stop_qps();
         let mut cut = 0u64;
+        let mut owners = Vec::new();
         for slot in &self.qps {
-            let groups = lock(&slot.track).drain_all();
-            for g in groups {
+            let t = lock(&slot.track);
+            owners.extend(t.groups().map(|g| {
                 if g.owner.sink.is_user_work() {
                     cut += u64::from(g.wrs);
                 }
-                g.owner.fail(err.clone());
-                lock(&self.graveyard).push(g.owner);
-            }
+                Arc::clone(&g.owner)
+            }));
+        }
+        // Outside the track locks: a failure may be reported (and its batch settled) here.
+        for o in owners {
+            o.fail(err.clone());
         }
         for (ctl, _) in self.deferred.take_all() {
             cut += 1;
@@ -855,12 +1014,70 @@ impl VerbsConn {
                 tracing::debug!(conn = %self.label, reason = %err, "verbs connection closed");
             }
         }
-        // Stop the QPs (no more DMA, the peer's QPs see errors). A QP busy posting is
-        // skipped: its poster sees `broken` next, and the next health check (or `close`)
-        // moves it, so a broken connection accepts no WRITE or notification for longer
-        // than one health-check period.
-        self.stop_qps();
         err
+    }
+
+    /// A broken connection whose WRs did not all flush within
+    /// [`FLUSH_WAIT`](health::FLUSH_WAIT) of the break (a QP that could not be moved to
+    /// ERR, a provider that does not flush): their batches' failures are reported now,
+    /// and the batches (with the regions they pin) wait in the graveyard for the QPs to
+    /// be destroyed.
+    fn give_up_flushes(&self) {
+        if self
+            .broken_at
+            .get()
+            .is_none_or(|t| t.elapsed() < health::FLUSH_WAIT)
+        {
+            return;
+        }
+        for slot in &self.qps {
+            let groups = lock(&slot.track).drain_all();
+            for g in groups {
+                g.owner.report_doomed();
+                lock(&self.graveyard).push(g.owner);
+            }
+        }
+    }
+
+    /// [`Settle`] for `ctl`, one of this connection's batches, failing in the engine
+    /// core: once no post of it is under way, if WRs of it are on a send queue, breaks
+    /// the connection (its QPs go to ERR) and reaps until they have flushed, for
+    /// [`FLUSH_WAIT`](health::FLUSH_WAIT) at most. `true` when none is left.
+    fn settle(&self, ctl: &BatchCtl) -> bool {
+        let until = Instant::now() + health::FLUSH_WAIT;
+        // Posters check `stopping` under the post lock: once each QP's lock has been
+        // free, nothing more of the batch goes out. Tried, not waited for: the thread
+        // failing the batch might hold one.
+        if !self.qps.iter().all(|s| s.wait_free(until)) {
+            return false;
+        }
+        let n = ctl.on_nic.load(Ordering::Acquire);
+        if n == 0 {
+            return true;
+        }
+        self.break_conn(Error::peer_gone(
+            self.peer,
+            PeerFault::Unresponsive,
+            format!("a batch failed with {n} work requests in flight: its QPs were moved to ERR to flush them"),
+        ));
+        let mut round = 0u32;
+        loop {
+            if ctl.on_nic.load(Ordering::Acquire) == 0 {
+                return true;
+            }
+            if Instant::now() >= until {
+                tracing::warn!(conn = %self.label, left = ctl.on_nic.load(Ordering::Acquire), "a failed batch's work requests did not flush in time: its memory stays pinned until the connection is gone");
+                return false;
+            }
+            // `stop_qps` skips a QP busy posting; it must stop too.
+            if !self.qps.iter().all(|s| s.errored.load(Ordering::Acquire)) {
+                self.stop_qps();
+            }
+            round = round.wrapping_add(1);
+            if self.reap_waiting(round, false) == 0 {
+                std::thread::yield_now();
+            }
+        }
     }
 
     /// Moves every QP not yet in ERR whose post lock is free to ERR.
@@ -991,12 +1208,15 @@ impl VerbsConn {
         if kind == WrKind::Recv || qi >= self.qps.len() {
             return;
         }
-        if wc.status != WC_SUCCESS {
+        let ok = wc.status == WC_SUCCESS;
+        if !ok && !self.is_broken() {
+            // The first failed completion names the cause; the flushes after it do not.
             self.break_conn(self.completion_error(wc, qi));
-            return;
         }
         if kind == WrKind::Lane {
-            self.lane_done(seq as usize);
+            if ok {
+                self.lane_done(seq as usize);
+            }
             return;
         }
         let n = lock(&self.qps[qi].track).retire_through(seq, buf);
@@ -1004,6 +1224,13 @@ impl VerbsConn {
             self.qps[qi].record_activity();
         }
         for g in buf.drain(..) {
+            g.owner.off_nic(g.wrs);
+            if !ok {
+                // Flushed (or failed): the batch fails, once its last WR has left the
+                // send queues and it let go of its memory (`BatchCtl`'s `Drop`).
+                g.owner.doom(self.broken_err());
+                continue;
+            }
             if !g.owner.done.load(Ordering::Acquire) {
                 g.owner.sink.on_acked(g.wrs as usize, g.bytes);
             }
@@ -1078,6 +1305,7 @@ impl VerbsConn {
         if self.is_broken() {
             // Finish the break: a QP that a poster held when it broke is still RTS.
             self.stop_qps();
+            self.give_up_flushes();
             return;
         }
         for (qi, slot) in self.qps.iter().enumerate() {
@@ -1147,13 +1375,13 @@ impl VerbsConn {
     /// makes it fail (hardware: RETRY_EXC_ERR) or stall (rxe), and the watchdog then
     /// breaks the connection, as it would for data.
     fn post_heartbeat(&self, qp: &mut RcQp) -> Result<(), Error> {
-        let ctl = Arc::new(BatchCtl {
-            sink: CtlSink::from(Arc::new(Heartbeat)),
-            pending: NotifyGate::new(1),
-            held: Mutex::new(None),
-            tag: None,
-            done: AtomicBool::new(false),
-        });
+        let ctl = BatchCtl::new(
+            CtlSink::from(Arc::new(Heartbeat)),
+            1,
+            None,
+            None,
+            Weak::new(),
+        );
         let w = PlannedWr::zero_length_write();
         // SAFETY: a zero-length WRITE has no SGE: no local memory is read, and the
         // responder checks no rkey and writes nothing. A full window skips this round.

@@ -501,7 +501,7 @@ impl PendingVerbs {
             recv_depth: self.recv_depth,
         };
         let seq = e.conn_seq.fetch_add(1, Ordering::Relaxed);
-        let conn = Arc::new(
+        let conn = Arc::new_cyclic(|me| {
             VerbsConn::new(
                 self.qps,
                 self.send_cq,
@@ -511,8 +511,9 @@ impl PendingVerbs {
                 peer,
                 format!("{}#{seq} {peer}", e.dev.name),
             )
-            .with_poller(&e.poller),
-        );
+            .with_poller(&e.poller)
+            .with_self(me)
+        });
         e.adopt(&conn);
         Ok(conn)
     }
