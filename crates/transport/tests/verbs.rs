@@ -939,7 +939,7 @@ fn rail_back(
 }
 
 /// Issue 31: a READ whose peer stops answering (the peer's link goes down 50 ms into a
-/// 64 MiB READ) fails at its 500 ms deadline, and its target is the caller's again at
+/// 16 MiB READ) fails at its 500 ms deadline, and its target is the caller's again at
 /// once: the failure is reported only after the READ's QPs were moved to ERR and its WRs
 /// flushed, so deregistering right after it does not wait (it waited until the broken
 /// connection was dropped). With the link back up, not one more byte of the READ lands,
@@ -958,12 +958,14 @@ fn verbs_failed_read_lets_go_of_its_target() -> Result<()> {
     // A link goes down: no other device test runs meanwhile.
     let _links = rail_links();
     const GUARD: u8 = 0xa5;
-    let n = 64 << 20;
+    let n = 16 << 20;
     // Every 1 MiB WR signalled, as in the failover tests.
     let cfg = |b: EngineConfigBuilder| b.max_wr_bytes(1 << 20).signal_every(1);
     let a = engine(&dev, cfg)?;
     let b = engine(&dev2, cfg)?;
-    let src = filled_large(n, 11)?;
+    // Plain fills: a pattern costs seconds under the guest's emulated CPU.
+    let mut src = HostBuffer::new(n)?;
+    src.fill(0x5a);
     let mut dst = HostBuffer::new(n)?;
     dst.fill(GUARD);
     b.register(&src, Access::ALL)?;
@@ -1018,7 +1020,11 @@ fn verbs_failed_read_lets_go_of_its_target() -> Result<()> {
     down.up()?;
     std::thread::sleep(Duration::from_secs(1));
     let later = dst.to_vec();
-    let late = snap.iter().zip(&later).filter(|(x, y)| x != y).count();
+    let late = if later == snap {
+        0
+    } else {
+        snap.iter().zip(&later).filter(|(x, y)| x != y).count()
+    };
     eprintln!("{landed} bytes had landed at the failure, {late} after it");
     ensure!(late == 0, "{late} bytes landed after the READ failed");
 

@@ -1044,6 +1044,15 @@ impl VerbsConn {
     /// the connection (its QPs go to ERR) and reaps until they have flushed, for
     /// [`FLUSH_WAIT`](health::FLUSH_WAIT) at most. `true` when none is left.
     fn settle(&self, ctl: &BatchCtl) -> bool {
+        // Broken for longer than the flushes may take: what has not flushed never will
+        // (the health check gives up on it), so waiting again is no use.
+        if self
+            .broken_at
+            .get()
+            .is_some_and(|t| t.elapsed() >= health::FLUSH_WAIT)
+        {
+            return ctl.on_nic.load(Ordering::Acquire) == 0;
+        }
         let until = Instant::now() + health::FLUSH_WAIT;
         // Posters check `stopping` under the post lock: once each QP's lock has been
         // free, nothing more of the batch goes out. Tried, not waited for: the thread
