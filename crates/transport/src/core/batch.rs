@@ -593,4 +593,119 @@ mod tests {
         assert!(!g.landed(3));
         assert!(g.landed(1), "pieces may land in groups");
     }
+
+    /// A backend's [`Settle`] that records whether the failure was already published when
+    /// it ran, and answers `stopped`.
+    struct Stopper {
+        batch: Arc<BatchShared>,
+        stopped: bool,
+        ran: Mutex<Vec<bool>>,
+    }
+
+    impl Settle for Stopper {
+        fn settle(&self) -> bool {
+            let published = self.batch.finished.load(Ordering::Acquire);
+            self.ran.lock().unwrap().push(published);
+            self.stopped
+        }
+    }
+
+    /// One region of 4 KiB in a fresh registry, and a batch (one hour to its deadline)
+    /// that pins it.
+    fn pinned_batch() -> (
+        crate::core::registry::Registry,
+        crate::types::RegionId,
+        BatchState,
+    ) {
+        use crate::core::registry::{Chunk, InsertPlan, Registry};
+        use crate::types::{Access, RailKeys};
+        let reg = Registry::default();
+        let (addr, len) = (0x10_000, 0x1000);
+        assert!(matches!(
+            reg.begin_insert(addr, len, Access::LOCAL_WRITE),
+            Ok(InsertPlan::New)
+        ));
+        let chunk = Chunk {
+            addr,
+            len,
+            lkey: 1,
+            rkey: 2,
+            lrails: RailKeys::NONE,
+            rrails: RailKeys::NONE,
+        };
+        let id = reg
+            .finish_insert(
+                addr,
+                len,
+                Access::LOCAL_WRITE,
+                vec![chunk],
+                Vec::new(),
+                None,
+            )
+            .map_err(|(e, _)| e)
+            .unwrap();
+        let pin = reg.pin(addr, len, Access::LOCAL_WRITE).unwrap();
+        let now = Instant::now();
+        let b = BatchState::new(
+            7,
+            PeerId(1),
+            1,
+            1,
+            len,
+            now,
+            now + Duration::from_secs(3600),
+            smallvec::smallvec![pin],
+            None,
+        );
+        (reg, id, b)
+    }
+
+    #[test]
+    fn a_failure_settles_the_hardware_first_and_lets_go_once_it_stopped() {
+        for stopped in [true, false] {
+            let (reg, id, b) = pinned_batch();
+            let s = Arc::new(Stopper {
+                batch: b.shared(),
+                stopped,
+                ran: Mutex::new(Vec::new()),
+            });
+            let w: Weak<dyn Settle> = Arc::downgrade(&s) as Weak<Stopper>;
+            b.settled_by(w);
+            b.fail(Error::Timeout {
+                after: Duration::ZERO,
+            });
+            b.fail(Error::Shutdown);
+            assert_eq!(
+                *s.ran.lock().unwrap(),
+                [false],
+                "settled once, before the failure was published"
+            );
+            assert!(matches!(
+                b.shared().status(Instant::now()),
+                BatchStatus::Failed(Error::Timeout { .. })
+            ));
+            // Stopped: the region is the caller's again while the backend still holds
+            // the batch. Not stopped: it stays pinned until the backend lets go.
+            assert_eq!(reg.remove(id).is_ok(), stopped, "stopped: {stopped}");
+            drop(b);
+            if !stopped {
+                assert!(reg.remove(id).is_ok(), "pinned after the backend let go");
+            }
+        }
+    }
+
+    #[test]
+    fn success_and_cancellation_do_not_settle() {
+        let (_reg, _id, b) = pinned_batch();
+        let s = Arc::new(Stopper {
+            batch: b.shared(),
+            stopped: true,
+            ran: Mutex::new(Vec::new()),
+        });
+        let w: Weak<dyn Settle> = Arc::downgrade(&s) as Weak<Stopper>;
+        b.settled_by(w);
+        assert!(b.shared().cancel());
+        b.succeed(Instant::now());
+        assert!(s.ran.lock().unwrap().is_empty());
+    }
 }
