@@ -983,7 +983,10 @@ fn verbs_failed_read_lets_go_of_its_target() -> Result<()> {
             std::thread::sleep(Duration::from_millis(50));
             LinkDown::new(&ndev2)
         });
-        let got = a.submit(peer, read).and_then(|h| h.wait(secs(30)));
+        let got = a.submit(peer, read).and_then(|h| {
+            eprintln!("submit returned after {:?}", t0.elapsed());
+            h.wait(secs(30))
+        });
         (got, downer.join().expect("the link-down thread panicked"))
     });
     let failed_at = Instant::now();
