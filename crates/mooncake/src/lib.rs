@@ -77,12 +77,14 @@ mod code;
 mod engine;
 pub mod env;
 mod mailbox;
+mod managed;
 pub mod memcheck;
 mod segments;
 pub mod sid;
 mod transfer;
 
 pub use code::{Code, Error};
+pub use managed::MANAGED_CHUNK_BYTES;
 pub use engine::{DEFAULT_HANDSHAKE_TIMEOUT, Note, Options, TransferEngine};
 pub use mailbox::{MAX_NOTIFY_BYTES, OUTBOX_BYTES, QUEUE_MAX, SLOT_BYTES, SLOTS};
 pub use segments::{LOCAL_SEGMENT, SegmentInfo};
