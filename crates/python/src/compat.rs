@@ -517,7 +517,8 @@ impl MooncakeEngine {
         }))
     }
 
-    /// Copies the first ``length`` bytes of ``src`` (str as UTF-8, bytes, bytearray) to
+    /// Copies the first ``length`` bytes of ``src`` (str as UTF-8, bytes, bytearray; None
+    /// is empty) to
     /// ``dest_address``, which must lie in memory registered with this engine: 0, or -1
     /// (also when ``src`` is shorter than ``length``).
     #[pyo3(signature = (dest_address, src, length, /))]
@@ -529,14 +530,17 @@ impl MooncakeEngine {
         length: &Bound<'_, PyAny>,
     ) -> PyResult<i32> {
         let (a, n) = (addr(dest_address, "dest_address")?, addr(length, "length")?);
-        let data: Vec<u8> = if let Ok(s) = src.extract::<String>() {
+        // None is no bytes (Mooncake's `char*` gets a null pointer).
+        let data: Vec<u8> = if src.is_none() {
+            Vec::new()
+        } else if let Ok(s) = src.extract::<String>() {
             s.into_bytes()
         } else if src.is_instance_of::<pyo3::types::PyBytes>()
             || src.is_instance_of::<pyo3::types::PyByteArray>()
         {
             src.extract::<Vec<u8>>()?
         } else {
-            return Err(PyTypeError::new_err("src must be str, bytes or bytearray"));
+            return Err(PyTypeError::new_err("src must be str, bytes, bytearray or None"));
         };
         let Some(data) = usize::try_from(n).ok().and_then(|n| data.get(..n)) else {
             let msg = format!("write_bytes_to_buffer: length {n} exceeds the {} bytes of src", data.len());

@@ -360,6 +360,8 @@ class RpcInterface:
                 family, _, _, _, sockaddr = infos[0]
                 sock = socket.socket(family, socket.SOCK_STREAM)
                 try:
+                    # A restarted server binds past its old connections' TIME_WAIT.
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                     sock.bind(sockaddr)
                     sock.listen(128)
                 except OSError:

@@ -63,8 +63,9 @@ class SharedSegment:
 
     @staticmethod
     def supported(mmap: bool = True, host_register: bool = False) -> bool:
-        """Whether this build can share memory across processes: the mmap path only."""
-        return bool(mmap)
+        """Whether this build can share memory across processes: the mmap path without
+        HostRegister only."""
+        return bool(mmap) and not host_register
 
     @staticmethod
     def create(name: str, size: int, world_size: int, rank_id: int, owner_rank: int = 0,
