@@ -448,10 +448,12 @@ impl TransferEngine {
         match class_of(len) {
             Some(class) => m.give_back(addr, class),
             None => {
-                if !m.large.get(&addr).is_some_and(|b| b.len() == len) {
+                if m.large.get(&addr).is_none_or(|b| b.len() != len) {
                     return fail(
                         Code::InvalidArgument,
-                        format!("free_managed_buffer({addr:#x}, {len}): not a managed buffer of that length"),
+                        format!(
+                            "free_managed_buffer({addr:#x}, {len}): not a managed buffer of that length"
+                        ),
                     );
                 }
                 // Freed only once nothing can touch it (a closed engine touches nothing).

@@ -540,10 +540,15 @@ impl MooncakeEngine {
         {
             src.extract::<Vec<u8>>()?
         } else {
-            return Err(PyTypeError::new_err("src must be str, bytes, bytearray or None"));
+            return Err(PyTypeError::new_err(
+                "src must be str, bytes, bytearray or None",
+            ));
         };
         let Some(data) = usize::try_from(n).ok().and_then(|n| data.get(..n)) else {
-            let msg = format!("write_bytes_to_buffer: length {n} exceeds the {} bytes of src", data.len());
+            let msg = format!(
+                "write_bytes_to_buffer: length {n} exceeds the {} bytes of src",
+                data.len()
+            );
             log(py, "error", &msg);
             return Ok(-1);
         };
@@ -561,13 +566,20 @@ impl MooncakeEngine {
         source_address: &Bound<'py, PyAny>,
         length: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, pyo3::types::PyBytes>> {
-        let (a, n) = (addr(source_address, "source_address")?, addr(length, "length")?);
+        let (a, n) = (
+            addr(source_address, "source_address")?,
+            addr(length, "length")?,
+        );
         let Some(e) = self.get() else {
-            return Err(PyValueError::new_err("read_bytes_from_buffer: called before initialize"));
+            return Err(PyValueError::new_err(
+                "read_bytes_from_buffer: called before initialize",
+            ));
         };
         match py.detach(|| e.read_local(a, n)) {
             Ok(v) => Ok(pyo3::types::PyBytes::new(py, &v)),
-            Err(err) => Err(PyValueError::new_err(format!("read_bytes_from_buffer: {err}"))),
+            Err(err) => Err(PyValueError::new_err(format!(
+                "read_bytes_from_buffer: {err}"
+            ))),
         }
     }
 }
