@@ -184,3 +184,25 @@ def test_tensor_outside_this_process_memory_is_not_read(server):
 
 def test_header_layout():
     assert rpc._HEAD.size == struct.calcsize("<4sBHQ") == 15
+
+
+def test_announced_size_allocates_nothing(server):
+    """A header that announces 900 MiB (under the limit) and sends nothing more costs
+    no memory: the server reads what arrives."""
+    s, target, port, got = server
+
+    def rss_mb():
+        with open("/proc/self/status") as f:
+            return next(int(l.split()[1]) for l in f if l.startswith("VmRSS")) // 1024
+
+    before = rss_mb()
+    socks = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(4)]
+    try:
+        for k in socks:
+            k.sendall(rpc._HEAD.pack(b"PWRP", 1, 0, 900 << 20) + b"partial")
+        time.sleep(0.5)
+        assert rss_mb() - before < 100
+    finally:
+        for k in socks:
+            k.close()
+    assert got == []

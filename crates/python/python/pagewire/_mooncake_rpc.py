@@ -14,7 +14,8 @@ header (dtype 1..9, ndim <= 4) goes to the tensor callback instead, as a
 only once a data callback is set (Mooncake drops them otherwise, tensors included).
 
 Limits (pagewire's, Mooncake has none): a message is at most ``PAGEWIRE_RPC_MAX_BYTES``
-(default 1 GiB); a server serves at most 64 connections at once and closes the rest on
+(default 1 GiB), and a server's memory grows with the bytes that arrive, not with what a
+header announces; a server serves at most 64 connections at once and closes the rest on
 accept; an idle connection is closed after ``timeout_seconds``; a send has one deadline,
 ``timeout_seconds`` plus 1 ns per byte; at most 256 ``*_async`` sends are in flight per
 interface. With ``PAGEWIRE_TOKEN`` set, both sides present it (compared in constant
@@ -108,6 +109,27 @@ def _recv_exact(sock: socket.socket, n: int, deadline: float) -> Optional[bytear
             return None
         got += k
     return buf
+
+
+def _recv_payload(sock: socket.socket, n: int, deadline: float) -> Optional[bytes]:
+    """``n`` bytes before ``deadline``, read in pieces: memory grows only with the bytes
+    that arrive, never with what a header announces."""
+    parts: List[bytes] = []
+    got = 0
+    while got < n:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return None
+        sock.settimeout(left)
+        try:
+            piece = sock.recv(min(n - got, 1 << 20))
+        except OSError:
+            return None
+        if not piece:
+            return None
+        parts.append(piece)
+        got += len(piece)
+    return b"".join(parts)
 
 
 def _deadline(timeout_s: float, nbytes: int) -> float:
@@ -272,10 +294,10 @@ class _Server:
                 if n > limit:
                     self._refuse(conn, _TOO_BIG, f"message of {n} bytes exceeds {limit}")
                     return
-                data = _recv_exact(conn, n, _deadline(self.idle_s, n)) if n else bytearray()
+                data = _recv_payload(conn, n, _deadline(self.idle_s, n))
                 if data is None:
                     return
-                self.owner._deliver(bytes(data))
+                self.owner._deliver(data)
                 conn.sendall(bytes([_OK]))
         except OSError:
             pass
