@@ -538,3 +538,28 @@ def test_stopped_and_killed_peers(env):
         assert a.send_probe(b.sid) == -102
         assert time.time() - t < 5
     a.close()
+
+
+def test_shared_segment_blob_is_checked():
+    """A blob is another process's bytes: a name pagewire did not make is never opened,
+    a wrong rank or declaration is refused, and the owner's name goes with it."""
+    from pagewire._mooncake_shm import _BLOB, SharedSegment
+
+    owner, blob = SharedSegment.create("kv", 4096, 2, 0)
+    peer, pblob = SharedSegment.create("kv", 4096, 2, 1)
+    fields = list(_BLOB.unpack(blob))
+    for name in (b"/../../etc/passwd", b"/pwss_1_zzzz", b""):
+        fields[-1] = name
+        with pytest.raises(RuntimeError, match="names no segment"):
+            peer.complete([_BLOB.pack(*fields), pblob])
+    with pytest.raises(RuntimeError, match="malformed"):
+        peer.complete([pblob, pblob])  # rank 1's blob in rank 0's place
+    assert not peer.ready() and peer.base_addr() == 0
+    peer.complete([blob, pblob])
+    ctypes.memmove(owner.base_addr(), b"shared", 6)
+    assert ctypes.string_at(peer.base_addr(), 6) == b"shared"
+    path = "/dev/shm" + _BLOB.unpack(blob)[-1].rstrip(b"\0").decode()
+    assert os.path.exists(path)
+    del owner
+    assert not os.path.exists(path)  # unlinked with the owner; the peer keeps its mapping
+    assert ctypes.string_at(peer.base_addr(), 6) == b"shared"

@@ -596,3 +596,8 @@ def create_rpc_server(local_rank: int = 0, world_size: int = 1) -> RpcInterface:
     r = RpcInterface()
     r.initialize("0.0.0.0:8080", 0, 30, 10)
     return r
+
+
+# Named where callers import them from (reprs, pickling, the hook's mooncake.engine).
+for _o in (RpcInterface, ReceivedData, ReceivedTensor, create_rpc_client, create_rpc_server):
+    _o.__module__ = "pagewire.mooncake_compat"

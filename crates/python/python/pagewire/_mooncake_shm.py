@@ -177,3 +177,8 @@ class SharedSegment:
                 os.unlink(_SHM_DIR + self._shm.decode())
         except (OSError, AttributeError):
             pass
+
+
+# Named where callers import them from (reprs, pickling, the hook's mooncake.engine).
+for _o in (SharedSegment,):
+    _o.__module__ = "pagewire.mooncake_compat"
