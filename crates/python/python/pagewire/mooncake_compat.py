@@ -188,7 +188,7 @@ class InnerTransferEngine:
 def _not_implemented(name: str) -> NotImplementedError:
     return NotImplementedError(
         f"pagewire.mooncake_compat.TransferEngine.{name} is not implemented by pagewire "
-        "(register your own memory with register_memory)"
+        "(a CUDA build's call; this build moves host memory only)"
     )
 
 
