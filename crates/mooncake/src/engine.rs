@@ -16,6 +16,7 @@ use pagewire_transport::{
 
 use crate::code::{Code, Error, fail};
 use crate::mailbox::{Mailbox, PeerBoxes, Tag, decode};
+use crate::managed::{Block, MANAGED_CHUNK_BYTES, Managed, class_of};
 use crate::segments::Segments;
 use crate::transfer::Batches;
 use crate::{env, lock, memcheck, random_u64, sid};
@@ -119,6 +120,9 @@ pub(crate) struct Inner {
 pub struct TransferEngine {
     pub(crate) inner: Arc<Inner>,
     worker: Mutex<Option<(Sender<()>, JoinHandle<()>)>>,
+    /// Managed buffers' memory: a field of this struct, not of `inner`, so that it is
+    /// freed after `drop` closed the engine (nothing touches it any more then).
+    managed: Mutex<Managed>,
 }
 
 impl TransferEngine {
@@ -188,6 +192,7 @@ impl TransferEngine {
         Ok(TransferEngine {
             inner,
             worker: Mutex::new(Some((stop_tx, thread))),
+            managed: Mutex::new(Managed::default()),
         })
     }
 
@@ -411,6 +416,123 @@ impl TransferEngine {
             }
         }
         first
+    }
+}
+
+impl TransferEngine {
+    // ------------------------------------------------------------------ managed memory
+
+    /// `allocate_managed_buffer`: the address of `len` bytes of zeroed memory this engine
+    /// allocated and registered for remote access (Mooncake's buddy allocator, see
+    /// `managed.rs`: 8 KiB .. 256 MiB blocks of 2 GiB chunks, larger requests alone).
+    /// The memory stays valid until [`Self::free_managed`] (large buffers) or the
+    /// engine is dropped.
+    pub fn allocate_managed(&self, len: u64) -> Result<u64, Error> {
+        self.check_open()?;
+        let mut m = lock(&self.managed);
+        let Some(class) = class_of(len) else {
+            let b = self.registered_block(len)?;
+            let a = b.addr();
+            m.large.insert(a, b);
+            return Ok(a);
+        };
+        m.take(class, &mut || self.registered_block(MANAGED_CHUNK_BYTES))
+    }
+
+    /// `free_managed_buffer(addr, len)`: `len` must be the length it was allocated with
+    /// (it names the size class). A block returns to its free list (still registered);
+    /// a large buffer is unregistered and freed. [`Code::InvalidArgument`] for an
+    /// address that is not an allocated managed buffer of that size.
+    pub fn free_managed(&self, addr: u64, len: u64) -> Result<(), Error> {
+        let mut m = lock(&self.managed);
+        match class_of(len) {
+            Some(class) => m.give_back(addr, class),
+            None => {
+                if m.large.get(&addr).is_none_or(|b| b.len() != len) {
+                    return fail(
+                        Code::InvalidArgument,
+                        format!(
+                            "free_managed_buffer({addr:#x}, {len}): not a managed buffer of that length"
+                        ),
+                    );
+                }
+                // Freed only once nothing can touch it (a closed engine touches nothing).
+                if !self.inner.closed.load(Ordering::Acquire) {
+                    self.unregister(addr)?;
+                }
+                m.large.remove(&addr);
+                Ok(())
+            }
+        }
+    }
+
+    /// A new block of `len` bytes, registered for remote access.
+    fn registered_block(&self, len: u64) -> Result<Block, Error> {
+        let b = Block::new(len).ok_or_else(|| {
+            Error::new(
+                Code::Memory,
+                format!("managed buffer: allocating {len} bytes failed"),
+            )
+        })?;
+        // SAFETY: the block is freed only after it is unregistered or the engine closed
+        // (`free_managed`, and the field order of `TransferEngine`).
+        unsafe { self.register(b.addr(), b.len(), true) }?;
+        Ok(b)
+    }
+
+    /// `write_bytes_to_buffer`: copies `data` to `addr`, which with `data.len()` must lie
+    /// inside one buffer registered with this engine ([`Code::AddressNotRegistered`]
+    /// otherwise; Mooncake writes to any address).
+    pub fn write_local(&self, addr: u64, data: &[u8]) -> Result<(), Error> {
+        self.with_local(addr, data.len() as u64, |p| {
+            // SAFETY: `p` starts `data.len()` bytes inside a registered buffer, which the
+            // registration contract keeps allocated while the regions lock is held (an
+            // unregistration takes it before the caller may free the memory).
+            unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), p, data.len()) }
+        })
+    }
+
+    /// `read_bytes_from_buffer`: `len` bytes at `addr`, inside one registered buffer as
+    /// [`Self::write_local`].
+    pub fn read_local(&self, addr: u64, len: u64) -> Result<Vec<u8>, Error> {
+        let n = usize::try_from(len)
+            .map_err(|_| Error::new(Code::InvalidArgument, "length does not fit"))?;
+        let mut out = Vec::new();
+        self.with_local(addr, len, |p| {
+            // SAFETY: as in `write_local`: `n` bytes at `p` lie in registered memory.
+            out.extend_from_slice(unsafe { std::slice::from_raw_parts(p, n) })
+        })?;
+        Ok(out)
+    }
+
+    /// Runs `f` on `addr` when `[addr, addr+len)` lies in one registered buffer, with
+    /// the regions locked (so that it cannot be unregistered meanwhile).
+    fn with_local(&self, addr: u64, len: u64, f: impl FnOnce(*mut u8)) -> Result<(), Error> {
+        self.check_open()?;
+        let regions = lock(&self.inner.regions);
+        let inside = addr.checked_add(len).is_some_and(|end| {
+            regions
+                .range(..=addr)
+                .next_back()
+                .is_some_and(|(&a, r)| r.id.is_some() && end <= a + r.len)
+        });
+        if !inside {
+            return fail(
+                Code::AddressNotRegistered,
+                format!("[{addr:#x}, +{len}) is not inside a buffer registered with this engine"),
+            );
+        }
+        if len > 0 {
+            f(addr as *mut u8);
+        }
+        Ok(())
+    }
+
+    fn check_open(&self) -> Result<(), Error> {
+        if self.inner.closed.load(Ordering::Acquire) {
+            return fail(Code::Context, "the engine is closed");
+        }
+        Ok(())
     }
 }
 

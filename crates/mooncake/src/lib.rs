@@ -77,6 +77,7 @@ mod code;
 mod engine;
 pub mod env;
 mod mailbox;
+mod managed;
 pub mod memcheck;
 mod segments;
 pub mod sid;
@@ -85,6 +86,7 @@ mod transfer;
 pub use code::{Code, Error};
 pub use engine::{DEFAULT_HANDSHAKE_TIMEOUT, Note, Options, TransferEngine};
 pub use mailbox::{MAX_NOTIFY_BYTES, OUTBOX_BYTES, QUEUE_MAX, SLOT_BYTES, SLOTS};
+pub use managed::MANAGED_CHUNK_BYTES;
 pub use segments::{LOCAL_SEGMENT, SegmentInfo};
 pub use transfer::{
     BatchCheck, MAX_BATCH_SIZE, Opcode, Request, TaskStatus, Transfer, TransferStatus,

@@ -406,3 +406,61 @@ fn broken_accepted_connections_are_forgotten() {
     );
     b.close();
 }
+
+/// Managed buffers: registered memory a peer writes into, Mooncake's block order, the
+/// byte helpers only inside registered memory, a refused bogus free, and a large buffer
+/// unregistered by its free.
+#[test]
+fn managed_buffers() {
+    let (a, b) = (engine(), engine());
+    let first = a.allocate_managed(100).unwrap();
+    let second = a.allocate_managed(8192).unwrap();
+    assert_eq!(first - second, 8192);
+    let chunk = b.first_buffer_address(a.name()).unwrap();
+    assert_eq!(first, chunk + pagewire_mooncake::MANAGED_CHUNK_BYTES - 8192);
+
+    let mut src = Buf::new(4096, 7);
+    // SAFETY: `src` outlives `b` (closed below).
+    unsafe { b.register(src.addr(), 4096, false) }.unwrap();
+    let (locals, remotes, lens) = ([src.addr()], [first], [4096]);
+    b.transfer_sync(&Transfer::write(a.name(), &locals, &remotes, &lens), None)
+        .unwrap();
+    assert_eq!(a.read_local(first, 4096).unwrap(), src.0);
+
+    a.write_local(first, b"abc").unwrap();
+    assert_eq!(a.read_local(first, 3).unwrap(), b"abc");
+    let mut stray = Buf::zeroed(64);
+    assert_eq!(
+        code(a.write_local(stray.addr(), b"abc")),
+        Code::AddressNotRegistered
+    );
+    assert_eq!(
+        code(a.read_local(stray.addr(), 3)),
+        Code::AddressNotRegistered
+    );
+    // Past the end of the chunk (the first block is its last 8 KiB).
+    assert_eq!(
+        code(a.read_local(first + 8190, 3)),
+        Code::AddressNotRegistered
+    );
+
+    assert_eq!(
+        code(a.free_managed(stray.addr(), 100)),
+        Code::InvalidArgument
+    );
+    assert_eq!(
+        code(a.free_managed(first, 300 << 20)),
+        Code::InvalidArgument
+    );
+    a.free_managed(first, 100).unwrap();
+    assert_eq!(code(a.free_managed(first, 100)), Code::InvalidArgument);
+    assert_eq!(a.allocate_managed(1).unwrap(), first); // LIFO reuse
+
+    let big = a.allocate_managed(300 << 20).unwrap();
+    a.write_local(big + (300 << 20) - 1, b"z").unwrap();
+    a.free_managed(big, 300 << 20).unwrap();
+    assert_eq!(code(a.write_local(big, b"z")), Code::AddressNotRegistered);
+    b.close();
+    a.close();
+    assert_eq!(code(a.allocate_managed(1)), Code::Context);
+}

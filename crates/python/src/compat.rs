@@ -15,7 +15,7 @@
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
-use pyo3::exceptions::{PyNotImplementedError, PyTypeError, PyValueError};
+use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 
@@ -492,13 +492,95 @@ impl MooncakeEngine {
         }
     }
 
-    /// Not implemented by pagewire; raises ``NotImplementedError``.
+    /// Mooncake's managed buffer: the address of ``length`` bytes of zeroed memory this
+    /// engine allocated and registered (0 on failure or before ``initialize``).
     #[pyo3(signature = (length, /))]
-    fn allocate_managed_buffer(&self, length: &Bound<'_, PyAny>) -> PyResult<u64> {
-        let _ = length;
-        Err(PyNotImplementedError::new_err(
-            "pagewire.mooncake_compat.TransferEngine.allocate_managed_buffer is not implemented (register your own memory with register_memory)",
-        ))
+    fn allocate_managed_buffer(&self, py: Python<'_>, length: &Bound<'_, PyAny>) -> PyResult<u64> {
+        let n = addr(length, "length")?;
+        Ok(self.call(py, "allocate_managed_buffer", zero, |e| {
+            e.allocate_managed(n)
+        }))
+    }
+
+    /// Returns a managed buffer; ``length`` is the length it was allocated with. 0, or
+    /// -1 for an address that is not a managed buffer of that length.
+    #[pyo3(signature = (buffer_addr, length, /))]
+    fn free_managed_buffer(
+        &self,
+        py: Python<'_>,
+        buffer_addr: &Bound<'_, PyAny>,
+        length: &Bound<'_, PyAny>,
+    ) -> PyResult<i32> {
+        let (a, n) = (addr(buffer_addr, "buffer_addr")?, addr(length, "length")?);
+        Ok(self.call(py, "free_managed_buffer", minus_one, |e| {
+            e.free_managed(a, n).map(|()| 0)
+        }))
+    }
+
+    /// Copies the first ``length`` bytes of ``src`` (str as UTF-8, bytes, bytearray; None
+    /// is empty) to
+    /// ``dest_address``, which must lie in memory registered with this engine: 0, or -1
+    /// (also when ``src`` is shorter than ``length``).
+    #[pyo3(signature = (dest_address, src, length, /))]
+    fn write_bytes_to_buffer(
+        &self,
+        py: Python<'_>,
+        dest_address: &Bound<'_, PyAny>,
+        src: &Bound<'_, PyAny>,
+        length: &Bound<'_, PyAny>,
+    ) -> PyResult<i32> {
+        let (a, n) = (addr(dest_address, "dest_address")?, addr(length, "length")?);
+        // None is no bytes (Mooncake's `char*` gets a null pointer).
+        let data: Vec<u8> = if src.is_none() {
+            Vec::new()
+        } else if let Ok(s) = src.extract::<String>() {
+            s.into_bytes()
+        } else if src.is_instance_of::<pyo3::types::PyBytes>()
+            || src.is_instance_of::<pyo3::types::PyByteArray>()
+        {
+            src.extract::<Vec<u8>>()?
+        } else {
+            return Err(PyTypeError::new_err(
+                "src must be str, bytes, bytearray or None",
+            ));
+        };
+        let Some(data) = usize::try_from(n).ok().and_then(|n| data.get(..n)) else {
+            let msg = format!(
+                "write_bytes_to_buffer: length {n} exceeds the {} bytes of src",
+                data.len()
+            );
+            log(py, "error", &msg);
+            return Ok(-1);
+        };
+        Ok(self.call(py, "write_bytes_to_buffer", minus_one, |e| {
+            e.write_local(a, data).map(|()| 0)
+        }))
+    }
+
+    /// ``length`` bytes at ``source_address``, which must lie in memory registered with
+    /// this engine (``ValueError`` otherwise; Mooncake reads any address).
+    #[pyo3(signature = (source_address, length, /))]
+    fn read_bytes_from_buffer<'py>(
+        &self,
+        py: Python<'py>,
+        source_address: &Bound<'py, PyAny>,
+        length: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, pyo3::types::PyBytes>> {
+        let (a, n) = (
+            addr(source_address, "source_address")?,
+            addr(length, "length")?,
+        );
+        let Some(e) = self.get() else {
+            return Err(PyValueError::new_err(
+                "read_bytes_from_buffer: called before initialize",
+            ));
+        };
+        match py.detach(|| e.read_local(a, n)) {
+            Ok(v) => Ok(pyo3::types::PyBytes::new(py, &v)),
+            Err(err) => Err(PyValueError::new_err(format!(
+                "read_bytes_from_buffer: {err}"
+            ))),
+        }
     }
 }
 
@@ -668,7 +750,15 @@ fn local_topology(device_filter: Option<&str>, backend: Option<&str>) -> String 
     }
 }
 
+/// Whether `[addr, addr+len)` is mapped read-write memory of this process (the RPC
+/// interface's `send_tensor` reads a tensor's `data_ptr()` only then).
+#[pyfunction]
+fn _host_rw(addr: u64, len: u64) -> bool {
+    pagewire_mooncake::memcheck::check_host_rw(addr, len).is_ok()
+}
+
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(_host_rw, m)?)?;
     m.add_class::<MooncakeEngine>()?;
     m.add_class::<MooncakeTransfers>()?;
     Ok(())

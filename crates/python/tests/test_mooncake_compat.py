@@ -388,13 +388,11 @@ def test_ipv6_session_ids(env):
     b.close()
 
 
-def test_unimplemented_methods_raise(env):
+def test_cuda_only_methods_raise(env):
+    """Mooncake's CUDA builds only (the non-CUDA wheel lacks them): present, and they
+    raise NotImplementedError."""
     te = engine()
     for name, args in [
-        ("allocate_managed_buffer", (4096,)),
-        ("free_managed_buffer", (1, 4096)),
-        ("write_bytes_to_buffer", (1, "x", 1)),
-        ("read_bytes_from_buffer", (1, 1)),
         ("transfer_write_on_cuda", ("127.0.0.1:1", 1, 1, 1)),
         ("transfer_read_on_cuda", ("127.0.0.1:1", 1, 1, 1)),
         ("batch_transfer_write_on_cuda", ("127.0.0.1:1", [1], [1], [1])),
@@ -406,6 +404,41 @@ def test_unimplemented_methods_raise(env):
     assert te.get_engine() is not None and te.get_engine_ptr() != 0
     assert "cpu:0" in te.get_local_topology()
     te.close()
+
+
+def test_managed_buffers(env):
+    """Before initialize each call fails (Mooncake crashes); after close too. A block
+    lives in registered memory until the engine goes; a large buffer is unregistered
+    by free."""
+    te = TransferEngine()
+    assert te.allocate_managed_buffer(4096) == 0
+    assert te.free_managed_buffer(1, 4096) == -1
+    assert te.write_bytes_to_buffer(1, "x", 1) == -1
+    with pytest.raises(ValueError):
+        te.read_bytes_from_buffer(1, 1)
+    te = engine()
+
+    def rss_mb():
+        with open("/proc/self/status") as f:
+            return next(int(l.split()[1]) for l in f if l.startswith("VmRSS")) // 1024
+
+    before, t = rss_mb(), time.monotonic()
+    a = te.allocate_managed_buffer(4096)
+    # The 2 GiB chunk is mapped lazily: no page is touched by the allocation.
+    assert rss_mb() - before < 100 and time.monotonic() - t < 1.0
+    assert a != 0 and te.read_bytes_from_buffer(a, 8192) == bytes(8192)  # zeroed
+    assert te.write_bytes_to_buffer(a, b"abc", 3) == 0
+    # The first block is the chunk's last 8 KiB: 3 bytes at +8190 cross the registration.
+    assert te.write_bytes_to_buffer(a + 8190, b"abc", 3) == -1
+    assert te.write_bytes_to_buffer(a, "ab", 3) == -1  # src shorter than length
+    assert te.free_managed_buffer(a, 4096) == 0
+    assert te.free_managed_buffer(a, 4096) == -1  # twice
+    big = te.allocate_managed_buffer(257 << 20)
+    assert big != 0 and te.write_bytes_to_buffer(big + (257 << 20) - 1, b"z", 1) == 0
+    assert te.free_managed_buffer(big, 257 << 20) == 0
+    assert te.write_bytes_to_buffer(big, b"z", 1) == -1  # unregistered and freed
+    te.close()
+    assert te.allocate_managed_buffer(4096) == 0
 
 
 def test_module_attributes():
@@ -505,3 +538,28 @@ def test_stopped_and_killed_peers(env):
         assert a.send_probe(b.sid) == -102
         assert time.time() - t < 5
     a.close()
+
+
+def test_shared_segment_blob_is_checked():
+    """A blob is another process's bytes: a name pagewire did not make is never opened,
+    a wrong rank or declaration is refused, and the owner's name goes with it."""
+    from pagewire._mooncake_shm import _BLOB, SharedSegment
+
+    owner, blob = SharedSegment.create("kv", 4096, 2, 0)
+    peer, pblob = SharedSegment.create("kv", 4096, 2, 1)
+    fields = list(_BLOB.unpack(blob))
+    for name in (b"/../../etc/passwd", b"/pwss_1_zzzz", b""):
+        fields[-1] = name
+        with pytest.raises(RuntimeError, match="names no segment"):
+            peer.complete([_BLOB.pack(*fields), pblob])
+    with pytest.raises(RuntimeError, match="malformed"):
+        peer.complete([pblob, pblob])  # rank 1's blob in rank 0's place
+    assert not peer.ready() and peer.base_addr() == 0
+    peer.complete([blob, pblob])
+    ctypes.memmove(owner.base_addr(), b"shared", 6)
+    assert ctypes.string_at(peer.base_addr(), 6) == b"shared"
+    path = "/dev/shm" + _BLOB.unpack(blob)[-1].rstrip(b"\0").decode()
+    assert os.path.exists(path)
+    del owner
+    assert not os.path.exists(path)  # unlinked with the owner; the peer keeps its mapping
+    assert ctypes.string_at(peer.base_addr(), 6) == b"shared"

@@ -22,9 +22,17 @@ module (an import hook the wheel installs), so unchanged SGLang and vLLM code us
 
 from __future__ import annotations
 
-import enum
 from typing import Any, List
 
+from pagewire._mooncake_rpc import (
+    CoroRPCInterface,
+    ReceivedData,
+    ReceivedTensor,
+    RpcInterface,
+    create_rpc_client,
+    create_rpc_server,
+)
+from pagewire._mooncake_shm import SharedSegment
 from pagewire._native import _MooncakeTransfers
 
 __all__ = [
@@ -40,6 +48,13 @@ __all__ = [
     "SUPPORT_MNNVL",
     "SUPPORT_MUSA",
     "SUPPORT_INTRA_NVLINK",
+    "RpcInterface",
+    "CoroRPCInterface",
+    "ReceivedData",
+    "ReceivedTensor",
+    "create_rpc_client",
+    "create_rpc_server",
+    "SharedSegment",
 ]
 
 #: This build moves host memory only (no CUDA, HIP, MUSA, EFA or NVLink paths).
@@ -51,11 +66,83 @@ SUPPORT_MUSA = False
 SUPPORT_INTRA_NVLINK = False
 
 
-class TransferOpcode(enum.IntEnum):
-    """Direction of ``transfer_sync`` / ``batch_transfer_sync`` (Mooncake's values)."""
+class TransferOpcode:
+    """Direction of ``transfer_sync`` / ``batch_transfer_sync``: ``Read`` (0) or
+    ``Write`` (1), with the behaviour of Mooncake's pybind11 enum: ``.name``,
+    ``.value``, ``int()``, ``__members__``; equal only to the same member (not to the
+    int), ordered by value; ``TransferOpcode(v)`` gives a member equal to ``v``'s."""
 
-    Read = 0
-    Write = 1
+    __slots__ = ("_value",)
+    __members__: "dict[str, TransferOpcode]"
+    Read: "TransferOpcode"
+    Write: "TransferOpcode"
+
+    def __init__(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(
+                "__init__(): incompatible constructor arguments. The following argument "
+                "types are supported:\n    1. TransferOpcode(value: int)"
+            )
+        self._value = value
+
+    @property
+    def value(self) -> int:
+        return self._value
+
+    @property
+    def name(self) -> str:
+        for n, v in type(self).__members__.items():
+            if v._value == self._value:
+                return n
+        return "???"
+
+    def __int__(self) -> int:
+        return self._value
+
+    def __index__(self) -> int:
+        return self._value
+
+    def __hash__(self) -> int:
+        return hash(self._value)
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and other._value == self._value  # type: ignore[attr-defined]
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+    def _cmp(self, other: object, op: str) -> bool:
+        if type(other) is not type(self):
+            raise TypeError(f"'{op}' not supported between instances of "
+                            f"'{type(self).__name__}' and '{type(other).__name__}'")
+        return getattr(self._value, op)(other._value)  # type: ignore[attr-defined]
+
+    def __lt__(self, other: object) -> bool:
+        return self._cmp(other, "__lt__")
+
+    def __le__(self, other: object) -> bool:
+        return self._cmp(other, "__le__")
+
+    def __gt__(self, other: object) -> bool:
+        return self._cmp(other, "__gt__")
+
+    def __ge__(self, other: object) -> bool:
+        return self._cmp(other, "__ge__")
+
+    def __repr__(self) -> str:
+        return f"<TransferOpcode.{self.name}: {self._value}>"
+
+    def __str__(self) -> str:
+        return f"TransferOpcode.{self.name}"
+
+    def __reduce__(self) -> Any:
+        return (TransferOpcode, (self._value,))
+
+
+TransferOpcode.Read = TransferOpcode(0)
+TransferOpcode.Write = TransferOpcode(1)
+TransferOpcode.__members__ = {"Read": TransferOpcode.Read, "Write": TransferOpcode.Write}
+TransferOpcode.__doc__ = "Members:\n\n  Read\n\n  Write"
 
 
 Read = TransferOpcode.Read
@@ -101,7 +188,7 @@ class InnerTransferEngine:
 def _not_implemented(name: str) -> NotImplementedError:
     return NotImplementedError(
         f"pagewire.mooncake_compat.TransferEngine.{name} is not implemented by pagewire "
-        "(register your own memory with register_memory)"
+        "(a CUDA build's call; this build moves host memory only)"
     )
 
 
@@ -144,20 +231,8 @@ class TransferEngine(_MooncakeTransfers):
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    # Mooncake's helpers that pagewire does not implement: present (callers probe with
-    # hasattr), same signatures, and they raise NotImplementedError.
-
-    def free_managed_buffer(self, buffer_addr: int, length: int, /) -> int:
-        """Not implemented by pagewire; raises ``NotImplementedError``."""
-        raise _not_implemented("free_managed_buffer")
-
-    def write_bytes_to_buffer(self, dest_address: int, src: str, length: int, /) -> int:
-        """Not implemented by pagewire; raises ``NotImplementedError``."""
-        raise _not_implemented("write_bytes_to_buffer")
-
-    def read_bytes_from_buffer(self, source_address: int, length: int, /) -> bytes:
-        """Not implemented by pagewire; raises ``NotImplementedError``."""
-        raise _not_implemented("read_bytes_from_buffer")
+    # CUDA builds only in Mooncake (the non-CUDA wheel has none of these): present for
+    # callers that probe with hasattr, and they raise NotImplementedError.
 
     def transfer_write_on_cuda(self, target_hostname: str, buffer: int, peer_buffer_address: int,
                                length: int, stream_ptr: int = 0, transport_hint: str = "") -> None:

@@ -12,9 +12,18 @@ SUPPORT_MNNVL: bool
 SUPPORT_MUSA: bool
 SUPPORT_INTRA_NVLINK: bool
 
-class TransferOpcode(enum.IntEnum):
-    Read = 0
-    Write = 1
+class TransferOpcode:
+    """pybind11-style enum: equal only to its members, not to ints."""
+    Read: TransferOpcode
+    Write: TransferOpcode
+    __members__: dict[str, TransferOpcode]
+    def __init__(self, value: int) -> None: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def value(self) -> int: ...
+    def __int__(self) -> int: ...
+    def __index__(self) -> int: ...
 
 Read: TransferOpcode
 Write: TransferOpcode
@@ -34,9 +43,6 @@ class TransferEngine(_MooncakeTransfers):
     def warmup_efa_segment(self, segment_name: str) -> int: ...
     def __enter__(self) -> TransferEngine: ...
     def __exit__(self, *exc: Any) -> None: ...
-    def free_managed_buffer(self, buffer_addr: int, length: int, /) -> int: ...
-    def write_bytes_to_buffer(self, dest_address: int, src: str, length: int, /) -> int: ...
-    def read_bytes_from_buffer(self, source_address: int, length: int, /) -> bytes: ...
     def transfer_write_on_cuda(
         self, target_hostname: str, buffer: int, peer_buffer_address: int, length: int,
         stream_ptr: int = 0, transport_hint: str = "",
@@ -53,6 +59,17 @@ class TransferEngine(_MooncakeTransfers):
         self, target_hostname: str, buffers: List[int], peer_buffer_addresses: List[int],
         lengths: List[int], stream_ptr: int = 0, transport_hint: str = "",
     ) -> None: ...
+
+# --- RpcInterface, SharedSegment (pagewire._mooncake_rpc, pagewire._mooncake_shm) -------
+from pagewire._mooncake_rpc import (
+    CoroRPCInterface as CoroRPCInterface,
+    ReceivedData as ReceivedData,
+    ReceivedTensor as ReceivedTensor,
+    RpcInterface as RpcInterface,
+    create_rpc_client as create_rpc_client,
+    create_rpc_server as create_rpc_server,
+)
+from pagewire._mooncake_shm import SharedSegment as SharedSegment
 
 # --- store: mooncake.store.MooncakeDistributedStore on the pagewire store --------------
 from typing import Optional, Sequence
