@@ -23,10 +23,13 @@ import ctypes
 import enum
 import logging
 import mmap
+import operator
 import socket
 import threading
 from typing import Any, List, Optional, Sequence
 
+from pagewire._mooncake_store_more import _StoreMore
+from pagewire._mooncake_store_types import parse_size
 from pagewire._native import StoreClient, StoreError
 
 __all__ = [
@@ -90,7 +93,7 @@ class ReplicateConfig:
         "dfs_replica_num",
         "with_hard_pin",
         "soft_pin_action",
-        "soft_pin_ttl_ms",
+        "_soft_pin_ttl_ms",
         "preferred_segment",
         "preferred_segments",
         "preferred_nof_segments",
@@ -112,6 +115,20 @@ class ReplicateConfig:
         self.prefer_alloc_in_same_node = False
         self.group_ids = None
         self.data_type = ObjectDataType.UNKNOWN
+
+    @property
+    def soft_pin_ttl_ms(self) -> Optional[int]:
+        """How long a soft pin lasts (ms), ``None`` for the master's default; an unsigned
+        integer, so ``-1`` raises ``TypeError`` as Mooncake's does. Accepted, not used."""
+        return self._soft_pin_ttl_ms
+
+    @soft_pin_ttl_ms.setter
+    def soft_pin_ttl_ms(self, value: Optional[int]) -> None:
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 64
+        ):
+            raise TypeError(f"soft_pin_ttl_ms: an unsigned 64-bit integer or None, not {value!r}")
+        self._soft_pin_ttl_ms = value
 
     def __repr__(self) -> str:
         return (
@@ -198,7 +215,7 @@ class _Staging:
         self.mem.close()
 
 
-class MooncakeDistributedStore:
+class MooncakeDistributedStore(_StoreMore):
     """``mooncake.store.MooncakeDistributedStore`` on pagewire (see the module docstring).
 
     Return codes are Mooncake's: ``0`` or a size on success; ``-200`` no space, ``-600``
@@ -258,7 +275,18 @@ class MooncakeDistributedStore:
                 _log.error("setup: unknown keys %s or no local_hostname", sorted(unknown))
                 return _INTERNAL_ERROR
             cfg.pop("ipc_socket_path", None)
+            for key in ("global_segment_size", "local_buffer_size"):
+                if key in cfg:
+                    size = parse_size(cfg[key])
+                    if size is None:
+                        _log.error("setup: %s %r is not a size", key, cfg[key])
+                        return _INVALID_PARAMS
+                    cfg[key] = size
             return self.setup(**cfg)
+        # Mooncake's positional form takes integers only (size strings go in the dict):
+        # anything else is the same TypeError.
+        global_segment_size = operator.index(global_segment_size)
+        local_buffer_size = operator.index(local_buffer_size)
         if self._client is not None:
             _log.error("setup: already set up")
             return _INTERNAL_ERROR
@@ -331,6 +359,8 @@ class MooncakeDistributedStore:
     def close(self) -> int:
         """Leaves the store (the master unmounts this client's segment); ``0``."""
         client, self._client = self._client, None
+        for name in ("_region_map", "_put_sessions", "_get_sessions"):
+            self.__dict__.pop(name, None)
         if client is not None:
             if self._staging is not None:
                 self._staging.close()
@@ -350,6 +380,7 @@ class MooncakeDistributedStore:
         except (StoreError, OverflowError, ValueError) as e:
             _log.debug("register_buffer: %s", e)
             return _INVALID_PARAMS
+        self._note_registered(buffer_ptr, size)
         return _OK
 
     def unregister_buffer(self, buffer_ptr: int) -> int:
@@ -360,6 +391,7 @@ class MooncakeDistributedStore:
             self._client.unregister_buffer(int(buffer_ptr))
         except (StoreError, OverflowError, ValueError):
             return _INVALID_PARAMS
+        self._note_unregistered(buffer_ptr)
         return _OK
 
     # ------------------------------------------------------------------ existence
