@@ -15,7 +15,6 @@ import bisect
 import ctypes
 import inspect
 import logging
-import re
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from pagewire._mooncake_store_types import (
@@ -309,23 +308,15 @@ class _StoreMore:
         return [k for k, c in zip(keys, codes) if c == _OK]
 
     def remove_by_regex(self, regex_pattern: str, force: bool = False) -> int:
-        """How many objects whose key matches ``regex_pattern`` (ECMAScript-like syntax;
-        Python's ``re`` here) were removed; ``-600`` for a pattern that does not
-        compile."""
+        """How many complete objects whose key matches ``regex_pattern`` (searched anywhere
+        in the key) were removed; leased ones stay unless ``force``. ``-600`` for a
+        pattern that does not compile. The master matches with Rust's ``regex`` syntax
+        (Mooncake: ECMAScript); they agree except on look-around and back-references,
+        which pagewire refuses (``-600``)."""
         if self._client is None:
             return _INTERNAL_ERROR
         try:
-            pattern = re.compile(str(regex_pattern))
-        except re.error:
-            return _INVALID_PARAMS
-        lister = getattr(self._client, "keys", None)
-        if lister is None:
-            return _NOT_SUPPORTED
-        try:
-            keys = [k for k in lister() if pattern.search(k)]
-            if not keys:
-                return 0
-            return sum(1 for c in self._client.remove(keys, bool(force)) if c == _OK)
+            return self._client.remove_matching(str(regex_pattern), bool(force))
         except StoreError as e:
             return e.code
 

@@ -497,11 +497,10 @@ class MooncakeHostMemAllocator:
 
     def free(self, arg0: int, /) -> int:
         with self._lock:
-            entry = self._maps.pop(int(arg0), None)
-        if entry is None:
+            mem, view = self._maps.pop(int(arg0), (None, None))
+        if mem is None:
             return -1
-        mem, view = entry
-        del view
+        del view  # the last export of the mapping, so that it can close
         mem.close()
         return 0
 
