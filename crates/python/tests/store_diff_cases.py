@@ -176,6 +176,11 @@ def surface(Store, Config, master: str, out: dict) -> None:
         spare.append(t)
         out[f"setup_sizes_{sizes[0]}"] = t.setup({**cfg, "global_segment_size": sizes[0], "local_buffer_size": sizes[1]})
     out["setup_positional_string"] = _catch(lambda: Store().setup(*setup[:2], "16MB", *setup[3:]))
+    t = Store()
+    spare.append(t)
+    t.setup("localhost", *setup[1:])
+    host, _, port = t.get_hostname().rpartition(":")
+    out["get_hostname_form"] = [host, 12300 <= int(port) < 14300]
     for t in spare:
         t.close()
 

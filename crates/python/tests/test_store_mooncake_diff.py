@@ -94,6 +94,7 @@ EXPECT.update({
     "setup_sizes_16XB": (SAME, -600),
     "setup_sizes_0.5GB": (SAME, 0),
     "setup_positional_string": (SAME, "TypeError"),
+    "get_hostname_form": (SAME, ["localhost", True]),
     "surface_setup": (SAME, 0),
     "surface_register": (SAME, 0),
     "put_batch_values": (SAME, 0),

@@ -24,6 +24,7 @@ import enum
 import logging
 import mmap
 import operator
+import random
 import socket
 import threading
 from typing import Any, List, Optional, Sequence
@@ -175,24 +176,41 @@ def _multi(keys: Sequence[Any], all_buffer_ptrs: Any, all_sizes: Any) -> tuple:
     return keys, ptrs, sizes
 
 
-def _host_of(local_hostname: str) -> str:
-    """The listen address for ``local_hostname`` (``host`` or ``host:port``): its host, and
-    a port of the system's choosing. The port a ``local_hostname`` carries is not bound: it
-    may be another engine's (SGLang passes its PD engine's session id), and Mooncake's
-    store picks its own too."""
+#: The ports Mooncake's store picks its RPC port from (``get_hostname()``'s port).
+PORT_RANGE = (12300, 14300)
+
+
+def _host_of(local_hostname: str) -> tuple:
+    """``(host as given, IP to listen on)`` for ``local_hostname`` (``host`` or
+    ``host:port``). The port a ``local_hostname`` carries is not bound: it may be another
+    engine's (SGLang passes its PD engine's session id), and Mooncake's store picks its
+    own too."""
     host = local_hostname
     if local_hostname.startswith("["):
         host = local_hostname[1:].partition("]")[0]
     elif local_hostname.count(":") == 1:
         host = local_hostname.split(":")[0]
     if not host:
-        host = "0.0.0.0"
+        return "", "0.0.0.0"
     try:
         ip = socket.gethostbyname(host)
     except OSError:
         _log.warning("local_hostname %r does not resolve; listening on 0.0.0.0", host)
         ip = "0.0.0.0"
-    return f"{ip}:0"
+    return host, ip
+
+
+def _free_port(ip: str) -> int:
+    """A port of :data:`PORT_RANGE` free on ``ip`` now (random tries), else ``0``."""
+    for _ in range(32):
+        port = random.randrange(*PORT_RANGE)
+        with socket.socket() as probe:
+            try:
+                probe.bind((ip, port))
+            except OSError:
+                continue
+        return port
+    return 0
 
 
 class _Staging:
@@ -225,6 +243,7 @@ class MooncakeDistributedStore(_StoreMore):
 
     def __init__(self) -> None:
         self._client: Optional[StoreClient] = None
+        self._hostname = ""
         self._staging: Optional[_Staging] = None
         self._lock = threading.Lock()
 
@@ -315,6 +334,7 @@ class MooncakeDistributedStore(_StoreMore):
                 )
                 return _INTERNAL_ERROR
             shared = engine._owner
+        host = ""
         try:
             if shared is not None:
                 client = StoreClient.sharing(
@@ -324,9 +344,10 @@ class MooncakeDistributedStore(_StoreMore):
                     connect_timeout=SETUP_TIMEOUT,
                 )
             else:
+                host, ip = _host_of(str(local_hostname))
                 client = StoreClient(
                     str(master_server_addr),
-                    listen=_host_of(str(local_hostname)),
+                    listen=f"{ip}:{_free_port(ip)}",
                     transport="auto" if proto == "rdma" else "tcp",
                     device=device if proto == "rdma" else None,
                     segment_size=int(global_segment_size),
@@ -344,11 +365,24 @@ class MooncakeDistributedStore(_StoreMore):
             client.close()
             return _INTERNAL_ERROR
         self._client, self._staging = client, staging
+        # Mooncake names a store by the host it was given and its own port.
+        port = client.endpoint.rpartition(":")[2]
+        self._hostname = f"{host}:{port}" if shared is None and host else client.endpoint
         return _OK
 
     def get_hostname(self) -> str:
-        """The store's transport endpoint (``host:port``); ``""`` before ``setup``."""
-        return self._client.endpoint if self._client is not None else ""
+        """The store's name, as Mooncake's: ``local_hostname``'s host and the store's own
+        port (one of :data:`PORT_RANGE` when free), e.g. ``localhost:12345``; with
+        ``engine=``, the engine's session id. ``""`` before ``setup``. Configs'
+        ``preferred_segment`` and ``batch_replica_clear`` take it."""
+        return self._hostname if self._client is not None else ""
+
+    def _endpoint_of(self, segment: Optional[str]) -> Optional[str]:
+        """The transport endpoint for a segment name (this store's hostname maps to its
+        endpoint; others are endpoints already)."""
+        if segment and self._client is not None and segment == self._hostname:
+            return self._client.endpoint
+        return segment
 
     def health_check(self) -> int:
         """``0`` healthy, ``1`` not set up or closed, ``2`` master unreachable."""
@@ -432,6 +466,7 @@ class MooncakeDistributedStore(_StoreMore):
         opts = _put_options(config)
         if opts is None:
             return [_INVALID_PARAMS] * len(keys)
+        opts["preferred"] = self._endpoint_of(opts["preferred"])
         try:
             codes = self._client.put(keys, ptrs, sizes, **opts)
         except StoreError as e:

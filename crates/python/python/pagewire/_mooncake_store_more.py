@@ -290,6 +290,7 @@ class _StoreMore:
         if self._client is None or not keys:
             return []
         if segment_name:
+            segment_name = self._endpoint_of(segment_name)  # type: ignore[attr-defined]
             try:
                 rows = self._client.query(keys)
             except StoreError:
