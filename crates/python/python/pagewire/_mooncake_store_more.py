@@ -369,6 +369,18 @@ class _StoreMore:
 
     # ------------------------------------------------------------------ sessions
 
+    def _session_ranges(self, lists: Sequence[Any], i: int, object_size: int) -> Optional[list]:
+        """Key ``i``'s ``(pointer, size, object offset)`` ranges of a session call, or
+        ``None`` when its lists differ in length or a range leaves the object or the
+        registered memory."""
+        ptrs, sizes, offs = (list(x[i]) for x in lists)
+        if not (len(ptrs) == len(sizes) == len(offs)):
+            return None
+        ranges = list(zip(ptrs, sizes, offs))
+        if any(o < 0 or n < 0 or o + n > object_size or self._room_at(p) < n for p, n, o in ranges):
+            return None
+        return ranges
+
     def _sessions(self, name: str) -> dict:
         s = self.__dict__.get(name)
         if s is None:
@@ -417,16 +429,15 @@ class _StoreMore:
         if self._client is None or not (len(keys) == len(all_buffer_ptrs) == len(all_sizes) == len(all_dst_offsets)):
             return out
         sessions = self._sessions("_put_sessions")
+        lists = (all_buffer_ptrs, all_sizes, all_dst_offsets)
         for i, key in enumerate(keys):
-            ptrs, sizes, offs = list(all_buffer_ptrs[i]), list(all_sizes[i]), list(all_dst_offsets[i])
-            if key not in sessions or not (len(ptrs) == len(sizes) == len(offs)):
+            data = sessions[key][0] if key in sessions else None
+            ranges = self._session_ranges(lists, i, len(data)) if data is not None else None
+            if ranges is None:
                 continue
-            data = sessions[key][0]
-            if any(o < 0 or n < 0 or o + n > len(data) or self._room_at(p) < n for p, n, o in zip(ptrs, sizes, offs)):
-                continue
-            for p, n, o in zip(ptrs, sizes, offs):
+            for p, n, o in ranges:
                 data[o : o + n] = ctypes.string_at(p, n)
-            out[i] = sum(sizes)
+            out[i] = sum(n for _, n, _ in ranges)
         return out
 
     def batch_put_session_end(self, keys: List[str]) -> List[int]:
@@ -483,16 +494,15 @@ class _StoreMore:
         if self._client is None or not (len(keys) == len(all_buffer_ptrs) == len(all_sizes) == len(all_src_offsets)):
             return out
         sessions = self._sessions("_get_sessions")
+        lists = (all_buffer_ptrs, all_sizes, all_src_offsets)
         for i, key in enumerate(keys):
-            ptrs, sizes, offs = list(all_buffer_ptrs[i]), list(all_sizes[i]), list(all_src_offsets[i])
             data = sessions.get(key)
-            if data is None or not (len(ptrs) == len(sizes) == len(offs)):
+            ranges = self._session_ranges(lists, i, len(data)) if data is not None else None
+            if ranges is None:
                 continue
-            if any(o < 0 or n < 0 or o + n > len(data) or self._room_at(p) < n for p, n, o in zip(ptrs, sizes, offs)):
-                continue
-            for p, n, o in zip(ptrs, sizes, offs):
+            for p, n, o in ranges:
                 ctypes.memmove(p, data[o : o + n], n)
-            out[i] = sum(sizes)
+            out[i] = sum(n for _, n, _ in ranges)
         return out
 
     def batch_get_session_end(self, keys: List[str]) -> int:
