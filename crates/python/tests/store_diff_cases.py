@@ -13,6 +13,7 @@ import json
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -338,6 +339,19 @@ def surface(Store, Config, master: str, out: dict) -> None:
         out["pool_with"] = held.size
     out["pool_errors"] = [_catch(lambda: pool.acquire(100 * MIB, False)), pool.prewarm(4096, 2), pool.close(),
                           _catch(lambda: pool.acquire(10))]  # fmt: skip
+    # Mooncake's accounting: at least the local buffer (16 MiB here) is lent at a time.
+    pool = mod.BufferPool(s, max_bytes=4 * MIB, min_size_class=MIB)
+    first, second = pool.acquire(8 * MIB), pool.acquire(8 * MIB)
+    out["pool_exhaustion"] = [
+        _catch(lambda: pool.acquire(MIB, False)), _catch(lambda: pool.acquire(MIB, True, 0.2)),
+        _catch(lambda: pool.acquire(MIB, True, -1)), _catch(lambda: pool.acquire(17 * MIB)),
+        _catch(lambda: pool.acquire(-1)),
+    ]  # fmt: skip
+    threading.Timer(0.2, first.release).start()
+    out["pool_waits_for_release"] = [pool.acquire(4 * MIB, True, 10).size, second.size]
+    second.release()
+    out["pool_zero"] = pool.acquire(0).size
+    pool.close()
     out["descriptor_defaults"] = [
         [getattr(mod.Descriptor(), f) for f in ("buffer_address", "size", "transport_endpoint")],
         [getattr(mod.ParallelAxis(), f) for f in ("kind", "rank", "size", "split_dim", "expert_id", "stage_id")],

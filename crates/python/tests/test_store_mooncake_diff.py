@@ -155,6 +155,14 @@ EXPECT.update({
         SAME,
         ["RuntimeError: requested buffer size exceeds pool capacity", None, None, "RuntimeError: buffer pool is closed"],
     ),
+    "pool_exhaustion": (
+        SAME,
+        ["RuntimeError: buffer pool is exhausted", "RuntimeError: timed out waiting for buffer",
+         "RuntimeError: timeout must be non-negative",
+         "RuntimeError: requested buffer size exceeds pool capacity", "TypeError"],
+    ),
+    "pool_waits_for_release": (SAME, [4 * MIB, 8 * MIB]),
+    "pool_zero": (SAME, 0),
     "descriptor_defaults": (
         SAME,
         [[0, 0, ""], ["", 0, 1, None, None, None], [], ["as_stored", None], [64, [1024]], [0, 0, ""]],

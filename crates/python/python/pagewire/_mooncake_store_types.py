@@ -16,6 +16,7 @@ import ctypes.util
 import enum
 import logging
 import mmap
+import operator
 import os
 import threading
 import time
@@ -344,7 +345,7 @@ class BufferLease:
     def release(self) -> None:
         region, self._region = self._region, None
         if region is not None:
-            self._pool._give_back(region)
+            self._pool._give_back(region, self._size)
 
     def __enter__(self) -> "BufferLease":
         return self
@@ -359,14 +360,20 @@ class BufferLease:
             pass
 
 
+#: How long an ``acquire`` without a timeout waits for a release (seconds): pagewire
+#: bounds every wait (Mooncake's waits without end).
+POOL_WAIT = 30.0
+
+
 class BufferPool:
-    """Registered buffers for zero-copy calls, lent by size class: a request takes the
-    smallest power-of-two class (at least ``min_size_class``) and reuses a returned buffer
-    of that class before mapping a new one. ``max_bytes`` (0: no limit) caps what the
-    pool maps; when it is reached, ``acquire`` waits for a release (``block``, default
-    ``block_on_exhaustion``) up to ``timeout`` (default ``default_timeout``; ``None``:
-    until one comes) or raises ``RuntimeError``. Buffers are page-aligned (``alignment``
-    is accepted; mappings are placed by the kernel)."""
+    """Registered buffers for zero-copy calls, with Mooncake's accounting: the pool lends
+    at most ``max_bytes`` at a time (at least the store's ``local_buffer_size``; ``0``:
+    twice that), counted by the sizes asked for; a request larger than that raises
+    ``RuntimeError`` (``max_size_class`` is accepted: Mooncake only counts larger ones). When it is reached, ``acquire`` waits for
+    a release (``block``, default ``block_on_exhaustion``) up to ``timeout`` (default
+    ``default_timeout``, else :data:`POOL_WAIT`) or raises ``RuntimeError``. Released
+    buffers are kept (up to ``max_bytes`` of them) and reused by power-of-two size class
+    from ``min_size_class``; they are page-aligned (``alignment`` is accepted)."""
 
     def __init__(
         self,
@@ -383,16 +390,17 @@ class BufferPool:
     ) -> None:
         if store is None or getattr(store, "_client", None) is None:
             raise RuntimeError("MooncakeDistributedStore is not initialized")
+        local = store._staging.size  # type: ignore[attr-defined]
         self._store = store
-        self._max_bytes = int(max_bytes)
+        self._capacity = max(int(max_bytes), local) if int(max_bytes) else 2 * local
         self._min_class = max(int(min_size_class), mmap.PAGESIZE)
-        self._max_class = None if max_size_class is None else int(max_size_class)
         self._block = bool(block_on_exhaustion)
-        self._timeout = default_timeout
+        self._timeout = None if default_timeout is None else float(default_timeout)
         self._max_regions = None if max_regions is None else int(max_regions)
-        self._free: Dict[int, List[_Region]] = {}
-        self._all: List[_Region] = []
-        self._mapped = 0
+        self._idle: Dict[int, List[_Region]] = {}
+        self._idle_bytes = 0
+        self._lent_bytes = 0
+        self._lent = 0
         self._closed = False
         self._cond = threading.Condition()
         if prewarm_size is not None and prewarm_count:
@@ -404,49 +412,62 @@ class BufferPool:
             c <<= 1
         return c
 
-    def _fits(self, cls: int) -> bool:
-        if self._max_bytes and self._mapped + cls > self._max_bytes:
+    def _fits(self, size: int) -> bool:
+        if self._lent_bytes + size > self._capacity:
             return False
-        return self._max_regions is None or len(self._all) < self._max_regions
+        return self._max_regions is None or self._lent < self._max_regions
 
-    def _take(self, size: int, block: Optional[bool], timeout: Any) -> _Region:
-        size = int(size)
-        if size <= 0:
-            raise RuntimeError("requested buffer size must be positive")
-        cls = self._class_of(size)
-        if (self._max_bytes and cls > self._max_bytes) or (
-            self._max_class is not None and cls > self._max_class
-        ):
+    def _take(self, size: int, block: Any, timeout: Any) -> _Region:
+        size = operator.index(size)
+        if size < 0:
+            raise TypeError(f"acquire(): size is an unsigned integer, not {size}")
+        need = max(size, 1)
+        if need > self._capacity:
             raise RuntimeError("requested buffer size exceeds pool capacity")
         block = self._block if block is None else bool(block)
-        timeout = self._timeout if timeout is None else timeout
-        deadline = None if timeout is None else time.monotonic() + float(timeout)
+        wait = self._timeout if timeout is None else float(timeout)
+        if wait is not None and wait < 0:
+            raise RuntimeError("timeout must be non-negative")
+        deadline = time.monotonic() + (POOL_WAIT if wait is None else wait)
         with self._cond:
             while True:
                 if self._closed:
                     raise RuntimeError("buffer pool is closed")
-                free = self._free.get(cls)
-                if free:
-                    return free.pop()
-                if self._fits(cls):
-                    region = _Region(self._store, cls)
-                    self._all.append(region)
-                    self._mapped += cls
-                    return region
+                if self._fits(need):
+                    break
                 if not block:
                     raise RuntimeError("buffer pool is exhausted")
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise RuntimeError("timed out waiting for a buffer")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise RuntimeError("timed out waiting for buffer")
                 self._cond.wait(left)
+            self._lent_bytes += need
+            self._lent += 1
+            cls = self._class_of(need)
+            idle = self._idle.get(cls)
+            if idle:
+                self._idle_bytes -= cls
+                return idle.pop()
+        try:
+            return _Region(self._store, cls)
+        except Exception:
+            self._returned(need)
+            raise
 
-    def _give_back(self, region: _Region) -> None:
+    def _returned(self, need: int) -> None:
+        self._lent_bytes -= need
+        self._lent -= 1
+        self._cond.notify_all()
+
+    def _give_back(self, region: _Region, size: int) -> None:
         with self._cond:
-            if self._closed:
-                region.close()
-                return
-            self._free.setdefault(region.size, []).append(region)
-            self._cond.notify_all()
+            self._returned(max(size, 1))
+            keep = not self._closed and self._idle_bytes + region.size <= self._capacity
+            if keep:
+                self._idle.setdefault(region.size, []).append(region)
+                self._idle_bytes += region.size
+        if not keep:
+            region.close()
 
     def acquire(self, size: int, block: object = None, timeout: object = None) -> BufferLease:
         return BufferLease(self, self._take(size, block, timeout), int(size))
@@ -455,19 +476,27 @@ class BufferPool:
         return self.acquire(size, block, timeout)
 
     def prewarm(self, size: int, count: int) -> None:
-        regions = [self._take(size, False, None) for _ in range(int(count))]
-        for r in regions:
-            self._give_back(r)
+        """Maps ``count`` buffers for requests of ``size`` bytes ahead of use (as many as
+        the pool's limits allow)."""
+        leases = []
+        try:
+            for _ in range(int(count)):
+                leases.append(self.acquire(size, False))
+        except RuntimeError:
+            pass
+        for lease in leases:
+            lease.release()
 
     def close(self) -> None:
         with self._cond:
             if self._closed:
                 return
             self._closed = True
-            free = [r for rs in self._free.values() for r in rs]
-            self._free.clear()
+            idle = [r for rs in self._idle.values() for r in rs]
+            self._idle.clear()
+            self._idle_bytes = 0
             self._cond.notify_all()
-        for r in free:
+        for r in idle:
             r.close()
 
 
