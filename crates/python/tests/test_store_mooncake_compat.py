@@ -221,3 +221,26 @@ def test_store_surface_differences_pagewire_pins(master):
     with pytest.raises(NotImplementedError):
         ms.EngramStore(0, ms.EngramStoreConfig())
     assert ms.SoftPinAction.ENABLE == 1 and ms.FAILED is ms.TaskStatus.FAILED
+
+
+def test_preferred_segment_takes_another_stores_hostname(master):
+    """get_hostname() is Mooncake's form (the host as given); a config naming another
+    store by it places the replica in that store's segment."""
+    a, b = MooncakeDistributedStore(), MooncakeDistributedStore()
+    for s in (a, b):
+        assert s.setup("localhost", "P2PHANDSHAKE", 16 * MIB, 16 * MIB, "tcp", "", master) == 0
+    try:
+        assert a.get_hostname().startswith("localhost:") and a.get_hostname() != b.get_hostname()
+        # Several puts each: without the preference, placement takes turns.
+        for owner in (a, b, a, b, b, a):
+            for i in range(3):
+                c = ReplicateConfig()
+                c.preferred_segment = owner.get_hostname()
+                key = f"to-{owner.get_hostname()}-{i}"
+                assert a.upsert(key, b"x" * 4096, c) == 0
+                (rep,) = a.get_replica_desc(key)
+                where = rep.get_memory_descriptor().buffer_descriptor.transport_endpoint
+                assert where.rpartition(":")[2] == owner.get_hostname().rpartition(":")[2]
+    finally:
+        a.close()
+        b.close()

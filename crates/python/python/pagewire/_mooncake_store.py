@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import enum
+import functools
 import logging
 import mmap
 import operator
@@ -198,6 +199,19 @@ def _host_of(local_hostname: str) -> tuple:
         _log.warning("local_hostname %r does not resolve; listening on 0.0.0.0", host)
         ip = "0.0.0.0"
     return host, ip
+
+
+@functools.lru_cache(maxsize=256)
+def _resolved(name: str) -> str:
+    """``host:port`` with the host resolved to its IPv4 address (unchanged when it does not
+    resolve or has no port)."""
+    host, sep, port = name.rpartition(":")
+    if not sep or not host or host.startswith("["):
+        return name
+    try:
+        return f"{socket.gethostbyname(host)}:{port}"
+    except OSError:
+        return name
 
 
 def _free_port(ip: str) -> int:
@@ -378,11 +392,13 @@ class MooncakeDistributedStore(_StoreMore):
         return self._hostname if self._client is not None else ""
 
     def _endpoint_of(self, segment: Optional[str]) -> Optional[str]:
-        """The transport endpoint for a segment name (this store's hostname maps to its
-        endpoint; others are endpoints already)."""
-        if segment and self._client is not None and segment == self._hostname:
+        """The transport endpoint for a segment name: a store's ``get_hostname()`` is its
+        host as given and its endpoint's port, so the host is resolved."""
+        if not segment:
+            return segment
+        if self._client is not None and segment == self._hostname:
             return self._client.endpoint
-        return segment
+        return _resolved(segment)
 
     def health_check(self) -> int:
         """``0`` healthy, ``1`` not set up or closed, ``2`` master unreachable."""

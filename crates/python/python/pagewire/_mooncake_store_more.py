@@ -240,10 +240,10 @@ class _StoreMore:
         self, keys: List[str], buffer_ptrs: List[int], sizes: List[int], config: Any = None
     ) -> List[int]:
         """Like :meth:`batch_put_from`, replacing existing objects."""
-        keys = list(keys)
+        keys, buffer_ptrs, sizes = list(keys), list(buffer_ptrs), list(sizes)
         if self._client is None:
             return [_INTERNAL_ERROR] * len(keys)
-        if len(keys) == len(list(buffer_ptrs)) == len(list(sizes)) and keys:
+        if len(keys) == len(buffer_ptrs) == len(sizes) and keys:
             self._drop(keys)
         return self.batch_put_from(keys, buffer_ptrs, sizes, config)  # type: ignore[attr-defined]
 
