@@ -4,7 +4,7 @@ exists in pagewire with the same signature: ``mooncake.store`` against
 (what ``PAGEWIRE_AS_MOONCAKE=1`` answers for them).
 
 The wheel's surface is read in a separate process (mooncake_surface.py): classes, their
-methods, properties and nested enums, module-level functions, enums with their members
+methods, properties (a writable one must be settable in pagewire too) and nested enums, module-level functions, enums with their members
 and values, and constants. pybind11 callables carry their signatures in the docstring
 (one line per overload); pagewire's are read with ``inspect.signature`` (Python functions,
 and pyo3 ones through ``__text_signature__``). Same signature means: the same parameter
@@ -182,6 +182,9 @@ def test_name(name):
     if obj is None:  # a __slots__ field: an attribute, as a property is
         assert kind == "property", f"{name}: pagewire has a data field, Mooncake a {kind}"
         return
+    if kind == "property" and entry.get("writable"):
+        raw = inspect.getattr_static(owner, name.rsplit(".", 1)[-1])
+        assert not isinstance(raw, property) or raw.fset is not None, f"{name}: read-only, Mooncake's is writable"
     if kind == "class":
         assert isinstance(obj, type), f"{name}: pagewire's is a {type(obj).__name__}"
     elif kind == "enum":
