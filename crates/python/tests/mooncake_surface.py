@@ -16,7 +16,6 @@ import ast
 import importlib
 import json
 import re
-import sys
 
 MODULES = {"store": "mooncake.store", "engine": "mooncake.engine"}
 
