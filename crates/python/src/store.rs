@@ -427,6 +427,16 @@ impl StoreClient {
             .map_err(|e| store_err(py, e))
     }
 
+    /// Removes every complete object whose key matches ``pattern`` (a regular expression
+    /// searched anywhere in the key; not leased unless ``force``); returns how many.
+    #[pyo3(signature = (pattern, force = false))]
+    fn remove_matching(&self, py: Python<'_>, pattern: &str, force: bool) -> PyResult<u64> {
+        let c = self.client()?.clone();
+        let pattern = pattern.to_owned();
+        py.detach(move || c.remove_matching(&pattern, force))
+            .map_err(|e| store_err(py, e))
+    }
+
     /// The master's counts, as a dict.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let c = self.client()?.clone();

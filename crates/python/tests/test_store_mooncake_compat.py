@@ -134,7 +134,7 @@ def test_setup_forms_and_refusals(master):
         "master_server_addr": master,
     }
     assert s.setup(cfg) == 0
-    assert s.get_hostname().startswith("127.0.0.1:")
+    assert s.get_hostname().startswith("localhost:"), "Mooncake's form: the host as given"
     assert s.setup(cfg) == -1, "set up twice"
     assert s.health_check() == 0
     s.close()
@@ -196,3 +196,51 @@ def test_copying_calls_larger_than_the_local_buffer(master):
     assert s.put("empty", b"") == -600
     assert s.put("big", b"other") == 0 and s.get("big") == value, "first write wins"
     s.close()
+
+
+def test_store_surface_differences_pagewire_pins(master):
+    """What docs/python.md lists as pagewire's own answers for the wheel's other names."""
+    import pagewire.mooncake_store as ms
+
+    s = store(master)
+    try:
+        assert s.create_copy_task("k", [s.get_hostname()]) == ((0, 0), -1012)
+        assert s.create_move_task("k", s.get_hostname(), "nowhere:1") == ((0, 0), -600)
+        assert s.allocate_and_mount_segment(MIB) == {"ret": -1012, "segment_ids": []}
+        # Rust regex syntax on the master: look-around is refused, not misread.
+        assert s.put("ka", b"1") == 0 and s.put("kb", b"2") == 0
+        assert s.remove_by_regex("k(?=a)") == -600
+        assert s.remove_by_regex("^k[ab]$") == 2
+        h = s.get_buffer("missing")
+        assert h is None
+        assert s.put("h", b"held") == 0
+        h = s.get_buffer("h")
+        assert s.remove("h", True) == 0 and bytes(h) == b"held", "a private copy"
+    finally:
+        s.close()
+    with pytest.raises(NotImplementedError):
+        ms.EngramStore(0, ms.EngramStoreConfig())
+    assert ms.SoftPinAction.ENABLE == 1 and ms.FAILED is ms.TaskStatus.FAILED
+
+
+def test_preferred_segment_takes_another_stores_hostname(master):
+    """get_hostname() is Mooncake's form (the host as given); a config naming another
+    store by it places the replica in that store's segment."""
+    a, b = MooncakeDistributedStore(), MooncakeDistributedStore()
+    for s in (a, b):
+        assert s.setup("localhost", "P2PHANDSHAKE", 16 * MIB, 16 * MIB, "tcp", "", master) == 0
+    try:
+        assert a.get_hostname().startswith("localhost:") and a.get_hostname() != b.get_hostname()
+        # Several puts each: without the preference, placement takes turns.
+        for owner in (a, b, a, b, b, a):
+            for i in range(3):
+                c = ReplicateConfig()
+                c.preferred_segment = owner.get_hostname()
+                key = f"to-{owner.get_hostname()}-{i}"
+                assert a.upsert(key, b"x" * 4096, c) == 0
+                (rep,) = a.get_replica_desc(key)
+                where = rep.get_memory_descriptor().buffer_descriptor.transport_endpoint
+                assert where.rpartition(":")[2] == owner.get_hostname().rpartition(":")[2]
+    finally:
+        a.close()
+        b.close()

@@ -928,6 +928,21 @@ impl StoreClient {
         }
     }
 
+    /// Removes the complete objects whose key matches `pattern` (a regular expression,
+    /// searched anywhere in the key; not leased unless `force`); returns how many. A
+    /// pattern that does not compile is `InvalidParams`.
+    pub fn remove_matching(&self, pattern: &str, force: bool) -> Result<u64> {
+        let deadline = deadline_of(self.inner.cfg.timeout);
+        let req = Request::RemoveMatching {
+            force,
+            pattern: pattern.to_owned(),
+        };
+        match self.inner.link.call(&req, deadline)? {
+            Response::Count(n) => Ok(n),
+            other => Err(self.bad_reply(other)),
+        }
+    }
+
     /// The master's counts.
     pub fn stats(&self) -> Result<Stats> {
         let deadline = deadline_of(self.inner.cfg.timeout);

@@ -960,10 +960,22 @@ impl MasterCore {
     /// Removes every complete object not leased (or every one with `force`); returns how
     /// many.
     pub fn remove_all(&mut self, now: Millis, force: bool) -> u64 {
+        self.remove_matching(now, force, |_| true)
+    }
+
+    /// As `remove_all`, for the keys `matches` accepts.
+    pub fn remove_matching(
+        &mut self,
+        now: Millis,
+        force: bool,
+        matches: impl Fn(&[u8]) -> bool,
+    ) -> u64 {
         let keys: Vec<Key> = self
             .objects
             .iter()
-            .filter(|(_, o)| o.state == State::Complete && (force || o.lease_until <= now))
+            .filter(|(k, o)| {
+                o.state == State::Complete && (force || o.lease_until <= now) && matches(k)
+            })
             .map(|(k, _)| k.clone())
             .collect();
         let n = keys.len() as u64;

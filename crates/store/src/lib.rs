@@ -132,6 +132,10 @@ pub mod fuzzing {
                 keys: vec![b"a".to_vec()],
             },
             Request::RemoveAll { force: true },
+            Request::RemoveMatching {
+                force: false,
+                pattern: "^a".into(),
+            },
             Request::Stats,
             Request::Report { suspects: vec![3] },
             Request::Bye,
@@ -194,7 +198,7 @@ pub mod fuzzing {
 
     /// Decodes `bytes` as the body of every frame kind, both directions. Must never panic.
     pub fn decode_bodies(bytes: &[u8]) {
-        for kind in (1..=13).chain(0x81..=0x88).chain([0x8f]) {
+        for kind in (1..=14).chain(0x81..=0x88).chain([0x8f]) {
             let _ = proto::decode_request(kind, bytes);
             let _ = proto::decode_response(kind, bytes);
         }

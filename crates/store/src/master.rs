@@ -729,6 +729,16 @@ fn serve(mut s: TcpStream, mut slot: Slot) {
     shared.core().disconnected(client);
 }
 
+/// Compiles a client's pattern with bounded memory (the regex crate matches in linear
+/// time, so neither the compile nor the scan can stall the master).
+fn pattern_of(pattern: &str) -> Result<regex::bytes::Regex, String> {
+    regex::bytes::RegexBuilder::new(pattern)
+        .size_limit(1 << 20)
+        .dfa_size_limit(1 << 20)
+        .build()
+        .map_err(|e| format!("pattern: {e}"))
+}
+
 fn err(code: Code) -> Response {
     Response::Error {
         code,
@@ -769,6 +779,13 @@ fn handle(shared: &Shared, client: u64, req: Request) -> Response {
         Request::Exist { keys } => Response::Codes(core.exist(now, &keys)),
         Request::Remove { force, keys } => Response::Codes(core.remove(now, &keys, force)),
         Request::RemoveAll { force } => Response::Count(core.remove_all(now, force)),
+        Request::RemoveMatching { force, pattern } => match pattern_of(&pattern) {
+            Ok(re) => Response::Count(core.remove_matching(now, force, |k| re.is_match(k))),
+            Err(message) => Response::Error {
+                code: Code::InvalidParams,
+                message,
+            },
+        },
         Request::Stats => Response::Stats(core.stats()),
         Request::Report { suspects } => match core.report(now, client, &suspects) {
             Ok(()) => Response::Ack,

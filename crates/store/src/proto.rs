@@ -209,6 +209,14 @@ pub enum Request {
     },
     /// Kind 13: the client leaves; its segments are unmounted now.
     Bye,
+    /// Kind 14: remove the complete objects whose key matches a regular expression
+    /// (searched anywhere in the key; not leased unless `force`). Answered with a count.
+    RemoveMatching {
+        /// As in `Remove`.
+        force: bool,
+        /// The pattern (Rust `regex` syntax), at most `MAX_KEY_LEN` bytes.
+        pattern: String,
+    },
 }
 
 /// Master -> client: answer to `Hello`.
@@ -441,6 +449,7 @@ impl Request {
             Request::Stats => 11,
             Request::Report { .. } => 12,
             Request::Bye => 13,
+            Request::RemoveMatching { .. } => 14,
         }
     }
 
@@ -484,6 +493,10 @@ impl Request {
                 w.keys(keys);
             }
             Request::RemoveAll { force } => w.bool(*force),
+            Request::RemoveMatching { force, pattern } => {
+                w.bool(*force);
+                w.bytes(pattern.as_bytes());
+            }
             Request::Report { suspects } => w.u64s(suspects),
         })
     }
@@ -599,7 +612,7 @@ pub fn decode_header(h: &[u8; HEADER_LEN], max: u32) -> Result<Header, ProtoErro
         return Err(ProtoError::Version { got: version });
     }
     let kind = h[6];
-    if !(1..=13).contains(&kind) && !(0x81..=0x88).contains(&kind) && kind != 0x8f {
+    if !(1..=14).contains(&kind) && !(0x81..=0x88).contains(&kind) && kind != 0x8f {
         return Err(ProtoError::UnknownKind(kind));
     }
     if h[7] != 0 {
@@ -863,6 +876,10 @@ pub fn decode_request(kind: u8, body: &[u8]) -> Result<Request, ProtoError> {
             suspects: r.u64s("suspect count")?,
         },
         13 => Request::Bye,
+        14 => Request::RemoveMatching {
+            force: r.bool("force")?,
+            pattern: r.string("pattern", MAX_KEY_LEN)?,
+        },
         k => return Err(ProtoError::UnknownKind(k)),
     };
     r.finish(req)
@@ -1032,6 +1049,10 @@ mod tests {
                 keys: vec![b"k".to_vec()],
             },
             Request::RemoveAll { force: false },
+            Request::RemoveMatching {
+                force: true,
+                pattern: "^k[0-9]+$".into(),
+            },
             Request::Stats,
             Request::Report { suspects: vec![9] },
             Request::Bye,
@@ -1288,7 +1309,7 @@ mod tests {
             let _ = decode_request(h.kind, body);
             let _ = decode_response(h.kind, body);
         }
-        for kind in (1..=13).chain(0x81..=0x88).chain([0x8f]) {
+        for kind in (1..=14).chain(0x81..=0x88).chain([0x8f]) {
             let _ = decode_request(kind, bytes);
             let _ = decode_response(kind, bytes);
         }

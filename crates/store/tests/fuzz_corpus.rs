@@ -33,7 +33,7 @@ fn store_protocol_corpus_decodes_without_panicking() {
         inputs += 1;
     }
     assert!(inputs >= 50, "only {inputs} corpus inputs");
-    let kinds: Vec<u8> = (1..=13).chain(0x81..=0x88).chain([0x8f]).collect();
+    let kinds: Vec<u8> = (1..=14).chain(0x81..=0x88).chain([0x8f]).collect();
     let missing: Vec<u8> = kinds
         .iter()
         .copied()
@@ -49,7 +49,7 @@ fn store_protocol_corpus_decodes_without_panicking() {
 #[test]
 fn every_sample_frame_decodes() {
     let frames = fuzzing::sample_frames();
-    assert_eq!(frames.len(), 22);
+    assert_eq!(frames.len(), 23);
     for (i, f) in frames.iter().enumerate() {
         assert!(fuzzing::decode_frame(f), "sample {i} does not decode");
     }

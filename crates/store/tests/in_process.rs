@@ -137,7 +137,8 @@ fn first_write_wins_and_typed_errors(kind: BackendKind) -> Result<()> {
     Ok(())
 }
 
-/// A read lease blocks removal until it ends; force removes anyway.
+/// A read lease blocks removal (one by one, all, or by pattern) until it ends; force
+/// removes anyway.
 fn leases(kind: BackendKind) -> Result<()> {
     let c = cluster(kind, 4 << 20, 400)?;
     let (a, b) = (client(&c, kind)?, client(&c, kind)?);
@@ -154,6 +155,19 @@ fn leases(kind: BackendKind) -> Result<()> {
     std::thread::sleep(Duration::from_millis(500));
     ensure!(a.remove(&["l1", "l1"], false)? == [Code::Ok, Code::NotFound]);
     ensure!(a.remove_all(false)? == 0);
+    // By pattern: a leased match stays unless forced; a pattern that does not compile (or
+    // needs look-around) is refused as a whole.
+    for k in ["rx1", "rx2", "rxz"] {
+        ensure!(a.put(&[k], &[[src.span(0, 4096)]], &PutOptions::default())? == [Ok(())]);
+    }
+    ensure!(b.get(&["rx2"], &[[dst.span(0, 4096)]])? == [Ok(4096)]);
+    ensure!(a.remove_matching("^rx[0-9]$", false)? == 1);
+    ensure!(a.remove_matching("^rx[0-9]$", true)? == 1);
+    ensure!(b.exist(&["rx1", "rx2", "rxz"])? == [Ok(false), Ok(false), Ok(true)]);
+    for bad in ["((", "rx(?=z)"] {
+        let e = a.remove_matching(bad, true).expect_err(bad);
+        ensure!(e.code() == Code::InvalidParams, "{bad}: {e}");
+    }
     Ok(())
 }
 

@@ -21,12 +21,17 @@ from __future__ import annotations
 
 import ctypes
 import enum
+import functools
 import logging
 import mmap
+import operator
+import random
 import socket
 import threading
 from typing import Any, List, Optional, Sequence
 
+from pagewire._mooncake_store_more import _StoreMore
+from pagewire._mooncake_store_types import parse_size
 from pagewire._native import StoreClient, StoreError
 
 __all__ = [
@@ -90,7 +95,7 @@ class ReplicateConfig:
         "dfs_replica_num",
         "with_hard_pin",
         "soft_pin_action",
-        "soft_pin_ttl_ms",
+        "_soft_pin_ttl_ms",
         "preferred_segment",
         "preferred_segments",
         "preferred_nof_segments",
@@ -112,6 +117,20 @@ class ReplicateConfig:
         self.prefer_alloc_in_same_node = False
         self.group_ids = None
         self.data_type = ObjectDataType.UNKNOWN
+
+    @property
+    def soft_pin_ttl_ms(self) -> Optional[int]:
+        """How long a soft pin lasts (ms), ``None`` for the master's default; an unsigned
+        integer, so ``-1`` raises ``TypeError`` as Mooncake's does. Accepted, not used."""
+        return self._soft_pin_ttl_ms
+
+    @soft_pin_ttl_ms.setter
+    def soft_pin_ttl_ms(self, value: Optional[int]) -> None:
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 64
+        ):
+            raise TypeError(f"soft_pin_ttl_ms: an unsigned 64-bit integer or None, not {value!r}")
+        self._soft_pin_ttl_ms = value
 
     def __repr__(self) -> str:
         return (
@@ -158,24 +177,54 @@ def _multi(keys: Sequence[Any], all_buffer_ptrs: Any, all_sizes: Any) -> tuple:
     return keys, ptrs, sizes
 
 
-def _host_of(local_hostname: str) -> str:
-    """The listen address for ``local_hostname`` (``host`` or ``host:port``): its host, and
-    a port of the system's choosing. The port a ``local_hostname`` carries is not bound: it
-    may be another engine's (SGLang passes its PD engine's session id), and Mooncake's
-    store picks its own too."""
+#: The ports Mooncake's store picks its RPC port from (``get_hostname()``'s port).
+PORT_RANGE = (12300, 14300)
+
+
+def _host_of(local_hostname: str) -> tuple:
+    """``(host as given, IP to listen on)`` for ``local_hostname`` (``host`` or
+    ``host:port``). The port a ``local_hostname`` carries is not bound: it may be another
+    engine's (SGLang passes its PD engine's session id), and Mooncake's store picks its
+    own too."""
     host = local_hostname
     if local_hostname.startswith("["):
         host = local_hostname[1:].partition("]")[0]
     elif local_hostname.count(":") == 1:
         host = local_hostname.split(":")[0]
     if not host:
-        host = "0.0.0.0"
+        return "", "0.0.0.0"
     try:
         ip = socket.gethostbyname(host)
     except OSError:
         _log.warning("local_hostname %r does not resolve; listening on 0.0.0.0", host)
         ip = "0.0.0.0"
-    return f"{ip}:0"
+    return host, ip
+
+
+@functools.lru_cache(maxsize=256)
+def _resolved(name: str) -> str:
+    """``host:port`` with the host resolved to its IPv4 address (unchanged when it does not
+    resolve or has no port)."""
+    host, sep, port = name.rpartition(":")
+    if not sep or not host or host.startswith("["):
+        return name
+    try:
+        return f"{socket.gethostbyname(host)}:{port}"
+    except OSError:
+        return name
+
+
+def _free_port(ip: str) -> int:
+    """A port of :data:`PORT_RANGE` free on ``ip`` now (random tries), else ``0``."""
+    for _ in range(32):
+        port = random.randrange(*PORT_RANGE)
+        with socket.socket() as probe:
+            try:
+                probe.bind((ip, port))
+            except OSError:
+                continue
+        return port
+    return 0
 
 
 class _Staging:
@@ -198,7 +247,7 @@ class _Staging:
         self.mem.close()
 
 
-class MooncakeDistributedStore:
+class MooncakeDistributedStore(_StoreMore):
     """``mooncake.store.MooncakeDistributedStore`` on pagewire (see the module docstring).
 
     Return codes are Mooncake's: ``0`` or a size on success; ``-200`` no space, ``-600``
@@ -208,6 +257,7 @@ class MooncakeDistributedStore:
 
     def __init__(self) -> None:
         self._client: Optional[StoreClient] = None
+        self._hostname = ""
         self._staging: Optional[_Staging] = None
         self._lock = threading.Lock()
 
@@ -258,7 +308,18 @@ class MooncakeDistributedStore:
                 _log.error("setup: unknown keys %s or no local_hostname", sorted(unknown))
                 return _INTERNAL_ERROR
             cfg.pop("ipc_socket_path", None)
+            for key in ("global_segment_size", "local_buffer_size"):
+                if key in cfg:
+                    size = parse_size(cfg[key])
+                    if size is None:
+                        _log.error("setup: %s %r is not a size", key, cfg[key])
+                        return _INVALID_PARAMS
+                    cfg[key] = size
             return self.setup(**cfg)
+        # Mooncake's positional form takes integers only (size strings go in the dict):
+        # anything else is the same TypeError.
+        global_segment_size = operator.index(global_segment_size)
+        local_buffer_size = operator.index(local_buffer_size)
         if self._client is not None:
             _log.error("setup: already set up")
             return _INTERNAL_ERROR
@@ -287,6 +348,7 @@ class MooncakeDistributedStore:
                 )
                 return _INTERNAL_ERROR
             shared = engine._owner
+        host = ""
         try:
             if shared is not None:
                 client = StoreClient.sharing(
@@ -296,9 +358,10 @@ class MooncakeDistributedStore:
                     connect_timeout=SETUP_TIMEOUT,
                 )
             else:
+                host, ip = _host_of(str(local_hostname))
                 client = StoreClient(
                     str(master_server_addr),
-                    listen=_host_of(str(local_hostname)),
+                    listen=f"{ip}:{_free_port(ip)}",
                     transport="auto" if proto == "rdma" else "tcp",
                     device=device if proto == "rdma" else None,
                     segment_size=int(global_segment_size),
@@ -316,11 +379,26 @@ class MooncakeDistributedStore:
             client.close()
             return _INTERNAL_ERROR
         self._client, self._staging = client, staging
+        # Mooncake names a store by the host it was given and its own port.
+        port = client.endpoint.rpartition(":")[2]
+        self._hostname = f"{host}:{port}" if shared is None and host else client.endpoint
         return _OK
 
     def get_hostname(self) -> str:
-        """The store's transport endpoint (``host:port``); ``""`` before ``setup``."""
-        return self._client.endpoint if self._client is not None else ""
+        """The store's name, as Mooncake's: ``local_hostname``'s host and the store's own
+        port (one of :data:`PORT_RANGE` when free), e.g. ``localhost:12345``; with
+        ``engine=``, the engine's session id. ``""`` before ``setup``. Configs'
+        ``preferred_segment`` and ``batch_replica_clear`` take it."""
+        return self._hostname if self._client is not None else ""
+
+    def _endpoint_of(self, segment: Optional[str]) -> Optional[str]:
+        """The transport endpoint for a segment name: a store's ``get_hostname()`` is its
+        host as given and its endpoint's port, so the host is resolved."""
+        if not segment:
+            return segment
+        if self._client is not None and segment == self._hostname:
+            return self._client.endpoint
+        return _resolved(segment)
 
     def health_check(self) -> int:
         """``0`` healthy, ``1`` not set up or closed, ``2`` master unreachable."""
@@ -331,6 +409,8 @@ class MooncakeDistributedStore:
     def close(self) -> int:
         """Leaves the store (the master unmounts this client's segment); ``0``."""
         client, self._client = self._client, None
+        for name in ("_region_map", "_put_sessions", "_get_sessions"):
+            self.__dict__.pop(name, None)
         if client is not None:
             if self._staging is not None:
                 self._staging.close()
@@ -350,6 +430,7 @@ class MooncakeDistributedStore:
         except (StoreError, OverflowError, ValueError) as e:
             _log.debug("register_buffer: %s", e)
             return _INVALID_PARAMS
+        self._note_registered(buffer_ptr, size)
         return _OK
 
     def unregister_buffer(self, buffer_ptr: int) -> int:
@@ -360,6 +441,7 @@ class MooncakeDistributedStore:
             self._client.unregister_buffer(int(buffer_ptr))
         except (StoreError, OverflowError, ValueError):
             return _INVALID_PARAMS
+        self._note_unregistered(buffer_ptr)
         return _OK
 
     # ------------------------------------------------------------------ existence
@@ -400,6 +482,7 @@ class MooncakeDistributedStore:
         opts = _put_options(config)
         if opts is None:
             return [_INVALID_PARAMS] * len(keys)
+        opts["preferred"] = self._endpoint_of(opts["preferred"])
         try:
             codes = self._client.put(keys, ptrs, sizes, **opts)
         except StoreError as e:

@@ -205,6 +205,34 @@ fn replicas_go_to_distinct_segments_on_distinct_endpoints_first() {
 }
 
 #[test]
+fn remove_matching_takes_matching_complete_unleased_keys_only() {
+    let mut w = World::new(CoreConfig {
+        client_ttl_ms: 60_000,
+        ..cfg()
+    });
+    w.node("n1:1", 0, 8 * MIB);
+    let c = w.client("c:1");
+    for k in ["rx1", "rx2", "rxz", "other"] {
+        w.put(c, k, 64).unwrap();
+    }
+    w.get(&["rx2"], true);
+    let digit_tail = |k: &[u8]| k.starts_with(b"rx") && k.last().is_some_and(u8::is_ascii_digit);
+    assert_eq!(
+        w.core.remove_matching(w.now, false, digit_tail),
+        1,
+        "rx2 is leased"
+    );
+    assert_eq!(w.remove("rx1", false), Code::NotFound);
+    assert_eq!(
+        w.core.remove_matching(w.now, true, digit_tail),
+        1,
+        "force takes rx2"
+    );
+    assert_eq!(w.remove("rxz", false), Code::Ok);
+    assert_eq!(w.remove("other", false), Code::Ok);
+}
+
+#[test]
 fn leases_block_removal_and_eviction_until_they_end() {
     let mut w = World::new(CoreConfig {
         client_ttl_ms: 60_000,
