@@ -58,17 +58,21 @@ pub mod alloc;
 pub mod client;
 pub mod core;
 pub mod error;
+pub mod ipc;
 mod local;
 pub mod master;
 mod net;
 pub mod proto;
 mod rpc;
+mod shm;
+pub mod standalone;
 
 pub use client::{ClientConfig, Located, PutOptions, Reservation, StoreClient, Target};
 pub use error::{Code, Result, StoreError};
 pub use local::Span;
 pub use master::{Master, MasterConfig};
 pub use proto::{Pin, Stats};
+pub use standalone::{DummyClient, DummyConfig, IpcAddr, RealClient, RealClientConfig, SharedBuf};
 
 /// Internals exposed for the `cargo fuzz` target and the corpus test; not a stable API.
 #[doc(hidden)]
