@@ -427,12 +427,15 @@ fn on_valid<T: Clone>(
     call: impl FnOnce(&[Vec<u8>], &[Vec<Span>]) -> Result<Vec<std::result::Result<T, Code>>>,
 ) -> Result<Vec<i64>> {
     let mut out = vec![Code::InvalidParams.as_i32() as i64; keys.len()];
-    let (idx, (k, p)): (Vec<usize>, (Vec<Vec<u8>>, Vec<Vec<Span>>)) = keys
-        .into_iter()
-        .zip(spans)
-        .enumerate()
-        .filter_map(|(i, (k, s))| s.map(|s| (i, (k, s))))
-        .unzip();
+    let mut idx = Vec::new();
+    let (mut k, mut p) = (Vec::new(), Vec::new());
+    for (i, (key, s)) in keys.into_iter().zip(spans).enumerate() {
+        if let Some(s) = s {
+            idx.push(i);
+            k.push(key);
+            p.push(s);
+        }
+    }
     if !idx.is_empty() {
         for (i, r) in idx.into_iter().zip(call(&k, &p)?) {
             out[i] = r.map_or_else(|c| c.as_i32() as i64, &ok);

@@ -16,12 +16,19 @@ so ``from mooncake.store import X`` fails at the import with the name, not later
 
 from pagewire._mooncake_store import (
     MooncakeDistributedStore,
+    MooncakeHostMemAllocator,
     ObjectDataType,
     ReplicateConfig,
     SoftPinAction,
 )
 
-__all__ = ["MooncakeDistributedStore", "ObjectDataType", "ReplicateConfig", "SoftPinAction"]
+__all__ = [
+    "MooncakeDistributedStore",
+    "MooncakeHostMemAllocator",
+    "ObjectDataType",
+    "ReplicateConfig",
+    "SoftPinAction",
+]
 
 
 def __getattr__(name: str):
