@@ -65,7 +65,7 @@ fn shm_free(addr: u64) -> bool {
 /// A store client without segment or engine, working through the standalone client
 /// (``pagewire store client``) at ``address`` on this host.
 ///
-/// ``DummyClient(address, *, token=None, timeout=30.0)``: ``address`` is Mooncake's
+/// ``DummyClient(address, *, token=None, timeout=40.0)``: ``address`` is Mooncake's
 /// ``server_address`` (``host:port``), ``@abstract-name`` or ``unix:/path``; the token is
 /// ``token``, else ``PAGEWIRE_TOKEN``. Buffers must come from :func:`shm_alloc`.
 #[pyclass(frozen, module = "pagewire._native", name = "DummyClient")]
@@ -86,7 +86,7 @@ impl DummyClient {
 #[pymethods]
 impl DummyClient {
     #[new]
-    #[pyo3(signature = (address, *, token = None, timeout = 30.0))]
+    #[pyo3(signature = (address, *, token = None, timeout = 40.0))]
     fn new(py: Python<'_>, address: &str, token: Option<String>, timeout: f64) -> PyResult<Self> {
         let addr: IpcAddr = address.parse().map_err(|e| store_err(py, e))?;
         let mut cfg = DummyConfig::new(addr);

@@ -276,7 +276,7 @@ pub(crate) fn recv_with_fds(
         while !c.is_null() {
             if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
                 let data = libc::CMSG_DATA(c);
-                let bytes = (*c).cmsg_len as usize - (data as usize - c as usize);
+                let bytes = ((*c).cmsg_len as usize).saturating_sub(data as usize - c as usize);
                 for i in 0..bytes / std::mem::size_of::<libc::c_int>() {
                     let fd = std::ptr::read_unaligned(data.cast::<libc::c_int>().add(i));
                     fds.push(OwnedFd::from_raw_fd(fd));

@@ -253,6 +253,9 @@ struct Shared {
     uid: u32,
     live: AtomicUsize,
     stop: AtomicBool,
+    /// The live connections (a clone of each socket), so that shutdown can end them.
+    conns: Mutex<BTreeMap<u64, UnixStream>>,
+    next_conn: std::sync::atomic::AtomicU64,
 }
 
 /// A store client serving dummy clients of this host (see the module docs). Dropping it
@@ -285,6 +288,8 @@ impl RealClient {
             uid: shm::own_uid(),
             live: AtomicUsize::new(0),
             stop: AtomicBool::new(false),
+            conns: Mutex::new(BTreeMap::new()),
+            next_conn: std::sync::atomic::AtomicU64::new(0),
         });
         let s = shared.clone();
         let h = std::thread::Builder::new()
@@ -312,7 +317,9 @@ impl RealClient {
         self.shared.live.load(Ordering::Acquire)
     }
 
-    /// Stops accepting dummies (and removes a socket file). Idempotent.
+    /// Stops accepting dummies, disconnects the connected ones (their mappings are
+    /// deregistered and unmapped as their threads end) and removes a socket file.
+    /// Idempotent.
     pub fn shutdown(&self) {
         if self.shared.stop.swap(true, Ordering::AcqRel) {
             return;
@@ -321,6 +328,15 @@ impl RealClient {
         let _ = self.shared.cfg.address.connect();
         if let Some(h) = self.accept.lock().unwrap_or_else(|p| p.into_inner()).take() {
             let _ = h.join();
+        }
+        for c in self
+            .shared
+            .conns
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+        {
+            let _ = c.shutdown(std::net::Shutdown::Both);
         }
         if let IpcAddr::Path(p) = &self.shared.cfg.address {
             let _ = std::fs::remove_file(p);
@@ -334,11 +350,16 @@ impl Drop for RealClient {
     }
 }
 
-/// Decrements the live count when a connection's thread ends.
-struct Slot(Arc<Shared>);
+/// A connection's place: counted in `live` and listed in `conns` until its thread ends.
+struct Slot(Arc<Shared>, u64);
 
 impl Drop for Slot {
     fn drop(&mut self) {
+        self.0
+            .conns
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&self.1);
         self.0.live.fetch_sub(1, Ordering::AcqRel);
     }
 }
@@ -358,7 +379,15 @@ fn accept_loop(listener: UnixListener, shared: Arc<Shared>) {
             refuse(&conn, Code::Internal, "too many dummy clients");
             continue;
         }
-        let slot = Slot(shared.clone());
+        let id = shared.next_conn.fetch_add(1, Ordering::Relaxed);
+        let slot = Slot(shared.clone(), id);
+        if let Ok(c) = conn.try_clone() {
+            shared
+                .conns
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert(id, c);
+        }
         let spawned = std::thread::Builder::new()
             .name("pagewire-dummy".into())
             .spawn(move || {
@@ -686,7 +715,9 @@ pub struct DummyConfig {
     pub address: IpcAddr,
     /// The store's token (none: send none).
     pub token: Option<String>,
-    /// Deadline of each call (default 30 s; the real client's own store calls have theirs).
+    /// Deadline of each call (default 40 s: longer than the real client's own 30 s per
+    /// store call, so a slow store call comes back as the store's error, not as a lost
+    /// connection).
     pub timeout: Duration,
 }
 
@@ -696,20 +727,27 @@ impl DummyConfig {
         DummyConfig {
             address,
             token: None,
-            timeout: Duration::from_secs(30),
+            timeout: Duration::from_secs(40),
         }
     }
 }
 
 struct DummyInner {
     cfg: DummyConfig,
+    /// The connection; `None` after a failure (the next call connects again) or `close`.
     conn: Mutex<Option<UnixStream>>,
     /// Registered buffers: start -> (region id, the mapping kept alive while registered).
+    /// Locked before `conn` wherever both are held.
     regions: Mutex<BTreeMap<u64, (u32, Arc<SharedMem>)>>,
+    closed: AtomicBool,
 }
 
 /// A store client without segment or engine that works through a [`RealClient`] of the
 /// same host (Mooncake's `setup_dummy`). Cheap to clone.
+///
+/// When the connection fails (the real client restarted, a reply timed out), the call
+/// that saw it fails and the next one connects again, presents the token and maps every
+/// registered buffer anew.
 #[derive(Clone)]
 pub struct DummyClient {
     inner: Arc<DummyInner>,
@@ -730,34 +768,151 @@ fn gone(what: impl fmt::Display) -> StoreError {
     }
 }
 
-impl DummyClient {
-    /// Connects to the real client and presents the token.
-    pub fn connect(cfg: DummyConfig) -> Result<DummyClient> {
-        let conn = cfg
-            .address
-            .connect()
-            .map_err(|e| StoreError::MasterUnreachable {
-                addr: cfg.address.to_string(),
-                source: Arc::new(e),
-            })?;
+/// One request and its reply on `conn`, by `deadline`.
+fn exchange(
+    conn: &UnixStream,
+    req: &IpcRequest,
+    fd: Option<&SharedMem>,
+    deadline: Instant,
+) -> std::result::Result<IpcResponse, FrameError> {
+    let mut out = Vec::new();
+    req.encode(&mut out);
+    match fd {
+        Some(m) => {
+            set_deadline(conn, deadline)?;
+            shm::send_with_fd(conn, &out, m.fd())?;
+        }
+        None => write_frame(conn, &out, deadline)?,
+    }
+    let mut fds = Vec::new();
+    let (kind, body) = read_frame(conn, ipc::MAX_FRAME, deadline, &mut fds)?;
+    if !fds.is_empty() {
+        return Err(io::Error::new(io::ErrorKind::InvalidData, "unexpected descriptor").into());
+    }
+    Ok(ipc::decode_response(kind, &body)?)
+}
+
+impl DummyInner {
+    /// The error a failed exchange stands for.
+    fn failed(&self, e: FrameError) -> StoreError {
+        match e {
+            FrameError::Io(e) if e.kind() == io::ErrorKind::TimedOut => StoreError::Timeout {
+                what: "the standalone client's reply",
+                after: self.cfg.timeout,
+            },
+            FrameError::Proto(e) => StoreError::Protocol {
+                from: self.cfg.address.to_string(),
+                source: e,
+            },
+            FrameError::Io(e) => gone(e),
+        }
+    }
+
+    /// One exchange; a reply that is an error becomes `Rejected`.
+    fn checked(
+        &self,
+        conn: &UnixStream,
+        req: &IpcRequest,
+        fd: Option<&SharedMem>,
+        deadline: Instant,
+    ) -> Result<IpcResponse> {
+        match exchange(conn, req, fd, deadline).map_err(|e| self.failed(e))? {
+            IpcResponse::Error { code, message } => Err(StoreError::Rejected { code, message }),
+            r => Ok(r),
+        }
+    }
+
+    /// A new connection: the server's user id checked, the token presented.
+    fn open(&self, deadline: Instant) -> Result<UnixStream> {
+        let addr = &self.cfg.address;
+        let conn = addr.connect().map_err(|e| StoreError::MasterUnreachable {
+            addr: addr.to_string(),
+            source: Arc::new(e),
+        })?;
         // Whoever holds the name must be of our user id: the token is not handed to a
         // squatter of another user.
         let uid = shm::peer_uid(&conn).map_err(|e| StoreError::io("SO_PEERCRED", e))?;
         if uid != shm::own_uid() {
             return Err(StoreError::Rejected {
                 code: Code::Unauthorized,
-                message: format!("{} is served by user id {uid}, not ours", cfg.address),
+                message: format!("{addr} is served by user id {uid}, not ours"),
             });
         }
-        let c = DummyClient {
-            inner: Arc::new(DummyInner {
-                cfg,
-                conn: Mutex::new(Some(conn)),
-                regions: Mutex::new(BTreeMap::new()),
-            }),
+        let token = self.cfg.token.clone().unwrap_or_default().into_bytes();
+        self.checked(&conn, &IpcRequest::Hello { token }, None, deadline)?;
+        Ok(conn)
+    }
+
+    /// Connects again if the connection was lost, mapping every registered buffer anew.
+    fn ensure(&self) -> Result<()> {
+        if self.closed.load(Ordering::Acquire) {
+            return Err(StoreError::Shutdown);
+        }
+        let mut regions = self.regions.lock().unwrap_or_else(|p| p.into_inner());
+        let mut conn = self.conn.lock().unwrap_or_else(|p| p.into_inner());
+        if conn.is_some() {
+            return Ok(());
+        }
+        let deadline = Instant::now() + self.cfg.timeout;
+        let c = self.open(deadline)?;
+        for (id, m) in regions.values_mut() {
+            *id = region_of(self.checked(
+                &c,
+                &IpcRequest::Map { size: m.len() },
+                Some(m),
+                deadline,
+            )?)?;
+        }
+        *conn = Some(c);
+        Ok(())
+    }
+
+    /// One exchange on the connection; a broken one is dropped (the next call connects
+    /// again): the stream may be out of step.
+    fn call(&self, req: IpcRequest, fd: Option<&SharedMem>) -> Result<IpcResponse> {
+        let mut guard = self.conn.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(conn) = guard.as_ref() else {
+            return Err(if self.closed.load(Ordering::Acquire) {
+                StoreError::Shutdown
+            } else {
+                gone("the connection was lost")
+            });
         };
-        let token = c.inner.cfg.token.clone().unwrap_or_default().into_bytes();
-        c.call(IpcRequest::Hello { token }, None)?;
+        let deadline = Instant::now() + self.cfg.timeout;
+        match exchange(conn, &req, fd, deadline) {
+            Ok(IpcResponse::Error { code, message }) => Err(StoreError::Rejected { code, message }),
+            Ok(resp) => Ok(resp),
+            Err(e) => {
+                *guard = None;
+                Err(self.failed(e))
+            }
+        }
+    }
+}
+
+fn region_of(r: IpcResponse) -> Result<u32> {
+    match r {
+        IpcResponse::Codes(v) if v.len() == 1 && v[0] > 0 && v[0] <= u32::MAX as i64 => {
+            Ok(v[0] as u32)
+        }
+        other => Err(gone(format!("unexpected reply {other:?}"))),
+    }
+}
+
+impl DummyClient {
+    /// Connects to the real client and presents the token.
+    pub fn connect(cfg: DummyConfig) -> Result<DummyClient> {
+        let inner = DummyInner {
+            cfg,
+            conn: Mutex::new(None),
+            regions: Mutex::new(BTreeMap::new()),
+            closed: AtomicBool::new(false),
+        };
+        let conn = inner.open(Instant::now() + inner.cfg.timeout)?;
+        *inner.conn.lock().unwrap_or_else(|p| p.into_inner()) = Some(conn);
+        let c = DummyClient {
+            inner: Arc::new(inner),
+        };
         let weak = Arc::downgrade(&c.inner);
         std::thread::Builder::new()
             .name("pagewire-dummy-ping".into())
@@ -767,51 +922,8 @@ impl DummyClient {
     }
 
     fn call(&self, req: IpcRequest, fd: Option<&SharedMem>) -> Result<IpcResponse> {
-        let mut guard = self.inner.conn.lock().unwrap_or_else(|p| p.into_inner());
-        let Some(conn) = guard.as_ref() else {
-            return Err(StoreError::Shutdown);
-        };
-        let deadline = Instant::now() + self.inner.cfg.timeout;
-        let mut out = Vec::new();
-        req.encode(&mut out);
-        let r = (|| -> std::result::Result<IpcResponse, FrameError> {
-            match fd {
-                Some(m) => {
-                    set_deadline(conn, deadline)?;
-                    shm::send_with_fd(conn, &out, m.fd())?;
-                }
-                None => write_frame(conn, &out, deadline)?,
-            }
-            let mut fds = Vec::new();
-            let (kind, body) = read_frame(conn, ipc::MAX_FRAME, deadline, &mut fds)?;
-            if !fds.is_empty() {
-                return Err(
-                    io::Error::new(io::ErrorKind::InvalidData, "unexpected descriptor").into(),
-                );
-            }
-            Ok(ipc::decode_response(kind, &body)?)
-        })();
-        match r {
-            Ok(IpcResponse::Error { code, message }) => Err(StoreError::Rejected { code, message }),
-            Ok(resp) => Ok(resp),
-            Err(e) => {
-                // The stream is out of step (or gone): no later call may read this reply.
-                *guard = None;
-                Err(match e {
-                    FrameError::Io(e) if e.kind() == io::ErrorKind::TimedOut => {
-                        StoreError::Timeout {
-                            what: "the standalone client's reply",
-                            after: self.inner.cfg.timeout,
-                        }
-                    }
-                    FrameError::Proto(e) => StoreError::Protocol {
-                        from: self.inner.cfg.address.to_string(),
-                        source: e,
-                    },
-                    FrameError::Io(e) => gone(e),
-                })
-            }
-        }
+        self.inner.ensure()?;
+        self.inner.call(req, fd)
     }
 
     fn codes(&self, req: IpcRequest, n: usize) -> Result<Vec<i64>> {
@@ -831,22 +943,22 @@ impl DummyClient {
                  (allocate it with the dummy's allocator)"
             ))
         })?;
+        self.inner.ensure()?;
         let mut regions = self.inner.regions.lock().unwrap_or_else(|p| p.into_inner());
         if regions.contains_key(&mem.addr()) {
             return Ok(());
         }
-        let id = match self.call(IpcRequest::Map { size: mem.len() }, Some(&mem))? {
-            IpcResponse::Codes(v) if v.len() == 1 && v[0] > 0 && v[0] <= u32::MAX as i64 => {
-                v[0] as u32
-            }
-            other => return Err(gone(format!("unexpected reply {other:?}"))),
-        };
+        let id = region_of(
+            self.inner
+                .call(IpcRequest::Map { size: mem.len() }, Some(&mem))?,
+        )?;
         regions.insert(mem.addr(), (id, mem));
         Ok(())
     }
 
     /// Unregisters the shared buffer that holds `ptr` (the real client unmaps it).
     pub fn unregister_buffer(&self, ptr: u64) -> Result<()> {
+        self.inner.ensure()?;
         let mut regions = self.inner.regions.lock().unwrap_or_else(|p| p.into_inner());
         let Some((&base, &(id, _))) = regions
             .range(..=ptr)
@@ -855,7 +967,10 @@ impl DummyClient {
         else {
             return Err(StoreError::invalid(format!("{ptr:#x} is not registered")));
         };
-        self.codes(IpcRequest::Unmap { region: id }, 1)?;
+        match self.inner.call(IpcRequest::Unmap { region: id }, None)? {
+            IpcResponse::Codes(v) if v.len() == 1 => {}
+            other => return Err(gone(format!("unexpected reply {other:?}"))),
+        }
         regions.remove(&base);
         Ok(())
     }
@@ -1022,6 +1137,7 @@ impl DummyClient {
 
     /// Leaves the real client (which unmaps this dummy's buffers). Idempotent.
     pub fn close(&self) {
+        self.inner.closed.store(true, Ordering::Release);
         let conn = self
             .inner
             .conn
@@ -1054,10 +1170,11 @@ fn keepalive(weak: Weak<DummyInner>) {
     loop {
         std::thread::sleep(KEEPALIVE);
         let Some(inner) = weak.upgrade() else { return };
-        let c = DummyClient { inner };
-        if matches!(c.call(IpcRequest::Ping, None), Err(StoreError::Shutdown)) {
+        if inner.closed.load(Ordering::Acquire) {
             return;
         }
+        // Only pings a live connection: a lost one is reopened by the next call.
+        let _ = inner.call(IpcRequest::Ping, None);
     }
 }
 

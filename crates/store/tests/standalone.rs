@@ -310,3 +310,54 @@ fn the_dummy_endpoint_holds_against_hostile_peers() -> Result<()> {
     dummy(&s, Some(TOKEN))?.ping()?;
     Ok(())
 }
+
+/// The real client goes away (shutdown ends its dummies' connections) and another takes
+/// its address: the dummy's next call fails, the one after connects again, maps its
+/// buffer anew, and puts and gets work with the same registered memory.
+#[test]
+fn a_dummy_reconnects_to_a_new_real_client() -> Result<()> {
+    let s = setup(8)?;
+    let d = dummy(&s, Some(TOKEN))?;
+    let buf = SharedBuf::new(2 * 4096)?;
+    buf.write(0, &[7u8; 4096])?;
+    d.register_buffer(buf.addr(), buf.len())?;
+    let span = |off: u64| [Span::new(buf.addr() + off, 4096)];
+    ensure!(d.put(&["before"], &[span(0)], &PutOptions::default())? == [Ok(())]);
+
+    let store = s.real.store().clone();
+    let mut rc = RealClientConfig::new(s.real.address().clone());
+    rc.token = Some(TOKEN.into());
+    s.real.shutdown();
+    let t0 = Instant::now();
+    while s.real.dummies() > 0 && t0.elapsed() < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    ensure!(
+        s.real.dummies() == 0,
+        "shutdown left {} dummies",
+        s.real.dummies()
+    );
+    let again = RealClient::start(store, rc)?;
+    // The call that finds the connection gone fails; the next one reconnects.
+    let first = d.ping();
+    ensure!(first.is_err(), "{first:?}");
+    d.ping()?;
+    ensure!(again.dummies() == 1);
+    buf.write(0, &[9u8; 4096])?;
+    ensure!(d.put(&["after"], &[span(0)], &PutOptions::default())? == [Ok(())]);
+    ensure!(
+        d.get(&["before", "after"], &[span(4096), span(4096)])?
+            .len()
+            == 2
+    );
+    ensure!(d.get(&["after"], &[span(4096)])? == [Ok(4096)]);
+    let mut got = [0u8; 4096];
+    buf.read(4096, &mut got)?;
+    ensure!(got == [9u8; 4096]);
+    ensure!(d.get(&["before"], &[span(4096)])? == [Ok(4096)]);
+    buf.read(4096, &mut got)?;
+    ensure!(got == [7u8; 4096]);
+    d.close();
+    ensure!(matches!(d.ping(), Err(StoreError::Shutdown)));
+    Ok(())
+}

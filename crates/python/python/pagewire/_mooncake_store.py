@@ -378,7 +378,7 @@ class MooncakeDistributedStore:
         try:
             if int(mem_pool_size) < 0 or int(local_buffer_size) < 0:
                 raise ValueError("negative size")
-            client = DummyClient(str(server_address), timeout=SETUP_TIMEOUT * 6)
+            client = DummyClient(str(server_address))
         except (StoreError, ValueError, OverflowError, TypeError) as e:
             _log.error("setup_dummy: %s", e)
             return _INTERNAL_ERROR
