@@ -442,8 +442,12 @@ impl Regions<'_> {
 impl Drop for Regions<'_> {
     fn drop(&mut self) {
         for (_, m) in std::mem::take(&mut self.map) {
-            // Waits for transfers that use it; only then may the mapping go.
-            let _ = self.store.unregister_buffer(m.addr() as *mut u8);
+            // Waits for transfers that use it; only then may the mapping go. If that does
+            // not finish, the mapping is leaked rather than unmapped under the engine.
+            if let Err(e) = self.store.unregister_buffer(m.addr() as *mut u8) {
+                tracing::warn!("a dummy's region stays mapped: deregistering it failed: {e}");
+                std::mem::forget(m);
+            }
         }
     }
 }
