@@ -37,7 +37,8 @@ def main(impl: str, address: str) -> None:
     out["get"] = [s.get(P + "small").decode(), s.get(P + "nope").decode()]
     out["get_size"] = [s.get_size(P + "k1"), s.get_size(P + "nope")]
     dst = p + 4 * page
-    out["batch_get_into"] = s.batch_get_into([P + "k1", P + "nope"], [dst, dst + page], [page, page])
+    keys = [P + "k1", P + "nope"]
+    out["batch_get_into"] = s.batch_get_into(keys, [dst, dst + page], [page, page])
     out["bytes_equal"] = ctypes.string_at(dst, page) == bytes(i % 251 for i in range(page))
     out["get_into"] = s.get_into(P + "k2", dst, page)
     out["get_into_equal"] = ctypes.string_at(dst, page) == b"y" * page

@@ -223,11 +223,11 @@ class _Staging:
 
 
 class MooncakeHostMemAllocator:
-    """Mooncake's allocator for host pools that a dummy client (:meth:`MooncakeDistributedStore.setup_dummy`)
-    shares with its standalone client: ``alloc(size)`` returns the address of ``size``
-    zeroed bytes of shared memory (``0`` on failure), ``free(ptr)`` releases it (``0``, or
-    ``-1`` for an address it did not hand out). SGLang's ``MooncakeHostTensorAllocator``
-    wraps it for ``standalone_storage``."""
+    """Mooncake's allocator for host pools that a dummy client
+    (:meth:`MooncakeDistributedStore.setup_dummy`) shares with its standalone client:
+    ``alloc(size)`` returns the address of ``size`` zeroed bytes of shared memory (``0`` on
+    failure), ``free(ptr)`` releases it (``0``, or ``-1`` for an address it did not hand
+    out). SGLang's ``MooncakeHostTensorAllocator`` wraps it for ``standalone_storage``."""
 
     def alloc(self, size: int) -> int:
         try:
