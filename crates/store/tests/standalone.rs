@@ -361,3 +361,84 @@ fn a_dummy_reconnects_to_a_new_real_client() -> Result<()> {
     ensure!(matches!(d.ping(), Err(StoreError::Shutdown)));
     Ok(())
 }
+
+/// Run by `a_peer_of_another_user_is_refused_even_with_the_token` in a child process of
+/// another user id (`PW_PROBE_ADDR` set): a peer that knows the token is still refused by
+/// the real client, and a dummy refuses to talk to a real client of another user id.
+/// Without the variable it does nothing.
+#[test]
+fn other_user_probe() {
+    let Ok(name) = std::env::var("PW_PROBE_ADDR") else {
+        return;
+    };
+    // By hand, past the dummy's own check: the server refuses before reading the hello.
+    use std::os::linux::net::SocketAddrExt;
+    let a = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes()).unwrap();
+    let mut raw = UnixStream::connect_addr(&a).unwrap();
+    raw.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let _ = send(
+        &mut raw,
+        &IpcRequest::Hello {
+            token: TOKEN.as_bytes().to_vec(),
+        },
+    );
+    match recv(&mut raw) {
+        Ok(Some(IpcResponse::Error {
+            code: Code::Unauthorized,
+            message,
+        })) => assert!(message.contains("user id"), "{message}"),
+        other => panic!("the real client answered another user id with {other:?}"),
+    }
+    // The dummy's side: it will not hand the token to a server of another user id.
+    let mut c = DummyConfig::new(IpcAddr::Abstract(name));
+    c.token = Some(TOKEN.into());
+    match DummyClient::connect(c) {
+        Err(StoreError::Rejected {
+            code: Code::Unauthorized,
+            ..
+        }) => {}
+        other => panic!("a dummy of another user id got {other:?}"),
+    }
+}
+
+/// The dummy endpoint serves its own user id only (`SO_PEERCRED`): a process of another
+/// user that presents the right token is refused. Needs root to start that process
+/// (`setuid` 65534); as another user it says so and checks nothing.
+#[test]
+fn a_peer_of_another_user_is_refused_even_with_the_token() -> Result<()> {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: geteuid cannot fail.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("not root: cannot start a process of another user id; nothing checked");
+        return Ok(());
+    }
+    let s = setup(4)?;
+    let IpcAddr::Abstract(name) = s.real.address().clone() else {
+        unreachable!()
+    };
+    let out = std::process::Command::new(std::env::current_exe()?)
+        .args([
+            "--exact",
+            "other_user_probe",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env("PW_PROBE_ADDR", &name)
+        .uid(65534)
+        .gid(65534)
+        .output()?;
+    ensure!(
+        out.status.success(),
+        "probe: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    ensure!(
+        String::from_utf8_lossy(&out.stdout).contains("1 passed"),
+        "the probe did not run: {}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    // Our own user with the token is served.
+    dummy(&s, Some(TOKEN))?.ping()?;
+    Ok(())
+}
