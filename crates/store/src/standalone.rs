@@ -223,8 +223,10 @@ fn write_frame(s: &UnixStream, bytes: &[u8], deadline: Instant) -> io::Result<()
 pub struct RealClientConfig {
     /// Where to listen.
     pub address: IpcAddr,
-    /// The token a dummy must present (the store client's own; none: any, still only
-    /// from processes of this user id).
+    /// The token a dummy must present. `None`: the store client's own (the one that
+    /// guards its master link and segment), so one secret guards the dummy endpoint too;
+    /// a store client without a token takes any, still only from processes of this user
+    /// id. A token here that differs from the store client's is refused at start.
     pub token: Option<String>,
     /// Most dummies connected at once (more are closed at once).
     pub max_dummies: usize,
@@ -277,7 +279,20 @@ impl fmt::Debug for RealClient {
 
 impl RealClient {
     /// Listens at `cfg.address` for dummies of `store`.
-    pub fn start(store: StoreClient, cfg: RealClientConfig) -> Result<RealClient> {
+    pub fn start(store: StoreClient, mut cfg: RealClientConfig) -> Result<RealClient> {
+        match (cfg.token.as_deref(), store.token()) {
+            (Some(a), Some(b)) if a != b => {
+                return Err(StoreError::Config {
+                    key: "token".into(),
+                    value: "(not shown)".into(),
+                    reason: "the dummy endpoint's token differs from the store client's: \
+                             one token guards the master, the segment and the dummies"
+                        .into(),
+                });
+            }
+            (None, Some(b)) => cfg.token = Some(b.to_string()),
+            _ => {}
+        }
         let listener = cfg
             .address
             .bind()

@@ -46,8 +46,8 @@ fn setup(max_dummies: usize) -> Result<Setup> {
     let mut c = client_cfg(&master.local_addr().to_string(), BackendKind::Tcp, 32 << 20);
     c.token = Some(TOKEN.into());
     let store = StoreClient::connect(c)?;
+    // No token here: the real client takes the store client's.
     let mut rc = RealClientConfig::new(addr());
-    rc.token = Some(TOKEN.into());
     rc.max_dummies = max_dummies;
     Ok(Setup {
         _master: master,
@@ -163,6 +163,13 @@ fn two_dummies_put_and_get_through_shared_memory() -> Result<()> {
 #[test]
 fn a_dummy_without_the_token_is_refused() -> Result<()> {
     let s = setup(8)?;
+    // A dummy endpoint token other than the store client's is refused at start.
+    let mut rc = RealClientConfig::new(addr());
+    rc.token = Some("another".into());
+    ensure!(matches!(
+        RealClient::start(s.real.store().clone(), rc),
+        Err(StoreError::Config { .. })
+    ));
     for token in [None, Some("guess")] {
         match dummy(&s, token) {
             Err(StoreError::Rejected {
