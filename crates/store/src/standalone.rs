@@ -445,7 +445,7 @@ impl Regions<'_> {
         Some(Span::new(m.addr() + s.offset, s.len))
     }
 
-    /// Translates every item; `Err(InvalidParams)` for one with a span outside.
+    /// Translates every item; `None` for one with a span outside its regions.
     fn items(&self, items: &[IpcItem]) -> Vec<Option<Vec<Span>>> {
         items
             .iter()
@@ -468,7 +468,7 @@ impl Drop for Regions<'_> {
 }
 
 /// Runs the call on the translated items only; the others get `InvalidParams`.
-fn on_valid<T: Clone>(
+fn on_valid<T>(
     keys: Vec<Vec<u8>>,
     spans: Vec<Option<Vec<Span>>>,
     ok: impl Fn(T) -> i64,
