@@ -43,6 +43,10 @@ echo "== python: the C ABI library (for the C <-> Python interop test)"
 cargo build --locked -q -p pagewire-capi
 export PAGEWIRE_CAPI_LIB="${CARGO_TARGET_DIR:-$PWD/target}/debug/libtransfer_engine.so"
 
+echo "== python: the pagewire binary (standalone client tests)"
+cargo build --locked -q -p pagewire-cli
+export PAGEWIRE_BIN="${CARGO_TARGET_DIR:-$PWD/target}/debug/pagewire"
+
 echo "== python: pytest"
 # Run from the tests directory so that `import pagewire` finds the installed wheel, not
 # the source tree.

@@ -1,11 +1,13 @@
-//! `pagewire store master|serve`: the KV page store's master and storage nodes
-//! (`pagewire-store`). The benchmark is `pagewire bench store`.
+//! `pagewire store master|serve|client`: the KV page store's master, storage nodes and
+//! standalone clients (`pagewire-store`). The benchmark is `pagewire bench store`.
 use std::net::SocketAddr;
 use std::time::Duration;
 
 use anyhow::Context;
 use clap::{Args, Subcommand, ValueEnum};
-use pagewire_store::{ClientConfig, Master, MasterConfig, StoreClient};
+use pagewire_store::{
+    ClientConfig, IpcAddr, Master, MasterConfig, RealClient, RealClientConfig, StoreClient,
+};
 use pagewire_transport::{BackendKind, EngineConfig};
 
 /// The transport a storage node serves its segment over.
@@ -29,6 +31,24 @@ pub enum StoreCommand {
     ///
     /// Example: pagewire store serve --master 10.0.0.1:50051 --segment 8G
     Serve(ServeArgs),
+    /// Run a standalone client: a storage node that also serves dummy clients of this
+    /// host (Mooncake's `mooncake_client`; `setup_dummy(..., server_address)` connects).
+    ///
+    /// Example: pagewire store client --master 10.0.0.1:50051 --segment 8G --address 127.0.0.1:50052
+    Client(ClientArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct ClientArgs {
+    #[command(flatten)]
+    pub node: ServeArgs,
+    /// Where dummy clients connect: `host:port` (Mooncake's `server_address`; stands for
+    /// the abstract socket `@pagewire_client_<port>.sock`), `@name`, or `unix:/path`.
+    #[arg(long, default_value = "127.0.0.1:50052")]
+    pub address: String,
+    /// Most dummy clients connected at once.
+    #[arg(long, default_value_t = 64)]
+    pub max_dummies: usize,
 }
 
 #[derive(Debug, Args)]
@@ -110,7 +130,12 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
 pub fn run(cmd: StoreCommand) -> anyhow::Result<()> {
     match cmd {
         StoreCommand::Master(a) => master(a),
-        StoreCommand::Serve(a) => serve(a),
+        StoreCommand::Serve(a) => {
+            let node = join(&a)?;
+            println!("pagewire store serve: {}", describe(&a, &node)?);
+            park()
+        }
+        StoreCommand::Client(a) => client(a),
     }
 }
 
@@ -140,7 +165,8 @@ fn master(a: MasterArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn serve(a: ServeArgs) -> anyhow::Result<()> {
+/// Opens the engine, allocates and registers the segment, and joins the store.
+fn join(a: &ServeArgs) -> anyhow::Result<StoreClient> {
     let mut b = EngineConfig::builder()
         .with_env()?
         .backend(match a.transport {
@@ -159,11 +185,13 @@ fn serve(a: ServeArgs) -> anyhow::Result<()> {
     cfg.engine = b.build()?;
     cfg.segment_size = a.segment;
     cfg.token = std::env::var("PAGEWIRE_TOKEN").ok();
-    let node =
-        StoreClient::connect(cfg).with_context(|| format!("joining the store at {}", a.master))?;
+    StoreClient::connect(cfg).with_context(|| format!("joining the store at {}", a.master))
+}
+
+fn describe(a: &ServeArgs, node: &StoreClient) -> anyhow::Result<String> {
     let info = node.engine().backend_info();
-    println!(
-        "pagewire store serve: {} segment at {} ({} {}), mounted on {} as segment {}",
+    Ok(format!(
+        "{} segment at {} ({} {}), mounted on {} as segment {}",
         human(a.segment),
         node.endpoint(),
         info.kind,
@@ -171,13 +199,33 @@ fn serve(a: ServeArgs) -> anyhow::Result<()> {
         a.master,
         node.segment_id()?
             .map_or_else(|| "?".into(), |s| s.to_string())
-    );
-    // The heartbeat thread keeps the segment mounted (and mounts it again after a master
-    // restart); this thread only waits. Stopping the process unmounts it at the master
-    // after the client TTL.
+    ))
+}
+
+/// The heartbeat thread keeps the segment mounted (and mounts it again after a master
+/// restart); this thread only waits. Stopping the process unmounts it at the master after
+/// the client TTL.
+fn park() -> ! {
     loop {
         std::thread::sleep(Duration::from_secs(3600));
     }
+}
+
+fn client(a: ClientArgs) -> anyhow::Result<()> {
+    let address: IpcAddr = a.address.parse()?;
+    let node = join(&a.node)?;
+    let line = describe(&a.node, &node)?;
+    // The store client's one token (PAGEWIRE_TOKEN) guards the dummy endpoint too.
+    let mut cfg = RealClientConfig::new(address);
+    cfg.max_dummies = a.max_dummies;
+    let real = RealClient::start(node, cfg)
+        .with_context(|| format!("listening for dummy clients on {}", a.address))?;
+    println!(
+        "pagewire store client: {line}; dummy clients at {} (server_address {})",
+        real.address(),
+        a.address
+    );
+    park()
 }
 
 fn human(b: u64) -> String {

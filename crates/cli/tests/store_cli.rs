@@ -215,3 +215,104 @@ fn bench_store_in_process_and_flag_errors() {
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
 }
+
+/// `pagewire store client` as a process: a dummy client (this test) with the token puts
+/// from its shared memory and a second dummy reads the bytes back; a dummy without the
+/// token is refused; a bad `--address` is a usage error.
+#[test]
+fn store_client_serves_dummies_with_the_token() {
+    use pagewire_store::{Code, DummyClient, DummyConfig, PutOptions, SharedBuf, Span, StoreError};
+    let with_token = || {
+        let mut c = pagewire();
+        c.env("PAGEWIRE_TOKEN", "sesame");
+        c
+    };
+    let (_m, line) = spawn_cmd(
+        with_token(),
+        &["store", "master", "--listen", "127.0.0.1:0"],
+    );
+    let addr = line
+        .split_whitespace()
+        .find(|w| w.starts_with("127.0.0.1:"))
+        .unwrap_or_else(|| panic!("no address in {line:?}"))
+        .to_string();
+    let dummies = format!("@pagewire-cli-test-{}", std::process::id());
+    let (_c, line) = spawn_cmd(
+        with_token(),
+        &[
+            "store",
+            "client",
+            "--master",
+            &addr,
+            "--segment",
+            "16M",
+            "--listen",
+            "127.0.0.1:0",
+            "--transport",
+            "tcp",
+            "--address",
+            &dummies,
+        ],
+    );
+    assert!(
+        line.starts_with("pagewire store client: 16.0 MiB segment"),
+        "{line}"
+    );
+    assert!(
+        line.contains(&format!("dummy clients at {dummies}")),
+        "{line}"
+    );
+    let cfg = |token: Option<&str>| {
+        let mut c = DummyConfig::new(dummies.parse().unwrap());
+        c.token = token.map(str::to_string);
+        c
+    };
+    match DummyClient::connect(cfg(None)) {
+        Err(StoreError::Rejected {
+            code: Code::Unauthorized,
+            ..
+        }) => {}
+        other => panic!("tokenless dummy: {other:?}"),
+    }
+    let a = DummyClient::connect(cfg(Some("sesame"))).expect("dummy a");
+    let src = SharedBuf::new(1 << 20).unwrap();
+    let data: Vec<u8> = (0..1u32 << 20).map(|i| (i * 7 + 3) as u8).collect();
+    src.write(0, &data).unwrap();
+    a.register_buffer(src.addr(), src.len()).unwrap();
+    let r = a
+        .put(
+            &["k"],
+            &[[Span::new(src.addr(), 1 << 20)]],
+            &PutOptions::default(),
+        )
+        .unwrap();
+    assert_eq!(r, [Ok(())]);
+    let b = DummyClient::connect(cfg(Some("sesame"))).expect("dummy b");
+    let dst = SharedBuf::new(1 << 20).unwrap();
+    b.register_buffer(dst.addr(), dst.len()).unwrap();
+    let r = b.get(&["k"], &[[Span::new(dst.addr(), 1 << 20)]]).unwrap();
+    assert_eq!(r, [Ok(1 << 20)]);
+    let mut got = vec![0u8; 1 << 20];
+    dst.read(0, &mut got).unwrap();
+    assert!(got == data, "bytes differ");
+
+    let out = pagewire()
+        .args([
+            "store",
+            "client",
+            "--master",
+            "127.0.0.1:1",
+            "--segment",
+            "8M",
+            "--address",
+            "nonsense",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("server_address"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

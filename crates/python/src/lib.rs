@@ -15,6 +15,7 @@
 use pyo3::prelude::*;
 
 mod convert;
+mod dummy;
 mod errors;
 mod ffi;
 mod layout;
@@ -34,5 +35,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     transport::register(m)?;
     compat::register(m)?;
     store::register(m)?;
+    dummy::register(m)?;
     Ok(())
 }

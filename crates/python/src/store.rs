@@ -27,7 +27,7 @@ create_exception!(
      arguments); `.code` is the Mooncake-numbered code every key of the call gets."
 );
 
-fn store_err(py: Python<'_>, e: SErr) -> PyErr {
+pub(crate) fn store_err(py: Python<'_>, e: SErr) -> PyErr {
     let err = StoreError::new_err(e.to_string());
     let _ = err.value(py).setattr("code", e.code().as_i32());
     err
@@ -38,7 +38,7 @@ fn closed() -> PyErr {
 }
 
 /// A key: `str` (UTF-8) or `bytes`.
-fn key_of(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u8>> {
+pub(crate) fn key_of(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u8>> {
     if let Ok(s) = obj.cast::<PyString>() {
         return Ok(s.to_cow()?.as_bytes().to_vec());
     }
@@ -51,12 +51,15 @@ fn key_of(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u8>> {
     )))
 }
 
-fn keys_of(obj: &Bound<'_, PyAny>) -> PyResult<Vec<Vec<u8>>> {
+pub(crate) fn keys_of(obj: &Bound<'_, PyAny>) -> PyResult<Vec<Vec<u8>>> {
     obj.try_iter()?.map(|k| key_of(&k?)).collect()
 }
 
 /// `[[(ptr, len), ...], ...]` from parallel lists of pointer lists and size lists.
-fn parts_of(ptrs: &Bound<'_, PyAny>, sizes: &Bound<'_, PyAny>) -> PyResult<Vec<Vec<Span>>> {
+pub(crate) fn parts_of(
+    ptrs: &Bound<'_, PyAny>,
+    sizes: &Bound<'_, PyAny>,
+) -> PyResult<Vec<Vec<Span>>> {
     let ptrs: Vec<Bound<'_, PyAny>> = ptrs.try_iter()?.collect::<PyResult<_>>()?;
     let sizes: Vec<Bound<'_, PyAny>> = sizes.try_iter()?.collect::<PyResult<_>>()?;
     if ptrs.len() != sizes.len() {
@@ -83,7 +86,29 @@ fn parts_of(ptrs: &Bound<'_, PyAny>, sizes: &Bound<'_, PyAny>) -> PyResult<Vec<V
         .collect()
 }
 
-fn codes(r: Vec<Result<(), Code>>) -> Vec<i64> {
+/// `put`'s keyword arguments as options.
+pub(crate) fn put_options(
+    replicas: u8,
+    pin: &str,
+    preferred: Option<String>,
+) -> PyResult<PutOptions> {
+    Ok(PutOptions {
+        replicas: replicas.max(1),
+        pin: match pin {
+            "none" => Pin::None,
+            "soft" => Pin::Soft,
+            "hard" => Pin::Hard,
+            other => {
+                return Err(PyValueError::new_err(format!(
+                    "pin {other:?}: expected none, soft or hard"
+                )));
+            }
+        },
+        preferred: preferred.filter(|p| !p.is_empty()),
+    })
+}
+
+pub(crate) fn codes(r: Vec<Result<(), Code>>) -> Vec<i64> {
     r.into_iter()
         .map(|x| x.map_or_else(|c| c.as_i32() as i64, |()| 0))
         .collect()
@@ -140,7 +165,7 @@ fn backend_of(name: &str) -> PyResult<BackendKind> {
     }
 }
 
-fn secs(v: f64, what: &str) -> PyResult<Duration> {
+pub(crate) fn secs(v: f64, what: &str) -> PyResult<Duration> {
     if !(v.is_finite() && v > 0.0 && v <= 86_400.0) {
         return Err(PyValueError::new_err(format!(
             "{what} = {v} s is out of range"
@@ -328,20 +353,7 @@ impl StoreClient {
         let c = self.client()?.clone();
         let keys = keys_of(keys)?;
         let parts = parts_of(ptrs, sizes)?;
-        let opts = PutOptions {
-            replicas: replicas.max(1),
-            pin: match pin {
-                "none" => Pin::None,
-                "soft" => Pin::Soft,
-                "hard" => Pin::Hard,
-                other => {
-                    return Err(PyValueError::new_err(format!(
-                        "pin {other:?}: expected none, soft or hard"
-                    )));
-                }
-            },
-            preferred: preferred.filter(|p| !p.is_empty()),
-        };
+        let opts = put_options(replicas, pin, preferred)?;
         let r = py
             .detach(move || c.put(&keys, &parts, &opts))
             .map_err(|e| store_err(py, e))?;

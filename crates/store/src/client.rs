@@ -356,6 +356,11 @@ impl StoreClient {
         &self.inner.cfg.master
     }
 
+    /// The one token of this client (master link, engine, segment), if any.
+    pub(crate) fn token(&self) -> Option<&str> {
+        self.inner.cfg.token.as_deref()
+    }
+
     /// `(base, size)` of this client's segment, if it contributes one.
     pub fn segment(&self) -> Option<(u64, u64)> {
         self.inner.segment.as_ref().map(|s| (s.base(), s.size()))

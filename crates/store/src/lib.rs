@@ -58,17 +58,21 @@ pub mod alloc;
 pub mod client;
 pub mod core;
 pub mod error;
+pub mod ipc;
 mod local;
 pub mod master;
 mod net;
 pub mod proto;
 mod rpc;
+mod shm;
+pub mod standalone;
 
 pub use client::{ClientConfig, Located, PutOptions, Reservation, StoreClient, Target};
 pub use error::{Code, Result, StoreError};
 pub use local::Span;
 pub use master::{Master, MasterConfig};
 pub use proto::{Pin, Stats};
+pub use standalone::{DummyClient, DummyConfig, IpcAddr, RealClient, RealClientConfig, SharedBuf};
 
 /// Internals exposed for the `cargo fuzz` target and the corpus test; not a stable API.
 #[doc(hidden)]
@@ -194,6 +198,26 @@ pub mod fuzzing {
             out.push(b);
         }
         out
+    }
+
+    /// Decodes one whole frame of the dummy-client protocol ([`crate::ipc`]) as a request
+    /// and as a response; returns whether either decoded. Must never panic.
+    pub fn decode_ipc_frame(bytes: &[u8]) -> bool {
+        match crate::ipc::split_frame(bytes, crate::ipc::MAX_FRAME) {
+            Ok((h, body)) => {
+                crate::ipc::decode_request(h.kind, body).is_ok()
+                    | crate::ipc::decode_response(h.kind, body).is_ok()
+            }
+            Err(_) => false,
+        }
+    }
+
+    /// Decodes `bytes` as the body of every dummy-protocol frame kind. Must never panic.
+    pub fn decode_ipc_bodies(bytes: &[u8]) {
+        for kind in (1..=11).chain([0x81, 0x82, 0x8f]) {
+            let _ = crate::ipc::decode_request(kind, bytes);
+            let _ = crate::ipc::decode_response(kind, bytes);
+        }
     }
 
     /// Decodes `bytes` as the body of every frame kind, both directions. Must never panic.

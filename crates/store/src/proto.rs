@@ -363,50 +363,50 @@ fn frame(out: &mut Vec<u8>, kind: u8, req_id: u32, body: impl FnOnce(&mut W<'_>)
     out[start + 12..start + 16].copy_from_slice(&len.to_le_bytes());
 }
 
-struct W<'a>(&'a mut Vec<u8>);
+pub(crate) struct W<'a>(pub(crate) &'a mut Vec<u8>);
 
 impl W<'_> {
-    fn u8(&mut self, v: u8) {
+    pub(crate) fn u8(&mut self, v: u8) {
         self.0.push(v);
     }
-    fn u16(&mut self, v: u16) {
+    pub(crate) fn u16(&mut self, v: u16) {
         self.0.extend_from_slice(&v.to_le_bytes());
     }
-    fn u32(&mut self, v: u32) {
+    pub(crate) fn u32(&mut self, v: u32) {
         self.0.extend_from_slice(&v.to_le_bytes());
     }
-    fn u64(&mut self, v: u64) {
+    pub(crate) fn u64(&mut self, v: u64) {
         self.0.extend_from_slice(&v.to_le_bytes());
     }
-    fn i32(&mut self, v: i32) {
+    pub(crate) fn i32(&mut self, v: i32) {
         self.0.extend_from_slice(&v.to_le_bytes());
     }
-    fn bool(&mut self, v: bool) {
+    pub(crate) fn bool(&mut self, v: bool) {
         self.u8(v as u8);
     }
     /// `u16` length + bytes; callers keep lengths under the caps (encoders truncate
     /// nothing: an oversized field is a caller bug the decoder on the other side refuses).
-    fn bytes(&mut self, b: &[u8]) {
+    pub(crate) fn bytes(&mut self, b: &[u8]) {
         self.u16(b.len().min(u16::MAX as usize) as u16);
         self.0
             .extend_from_slice(&b[..b.len().min(u16::MAX as usize)]);
     }
-    fn count(&mut self, n: usize) {
+    pub(crate) fn count(&mut self, n: usize) {
         self.u32(n.min(u32::MAX as usize) as u32);
     }
-    fn keys(&mut self, keys: &[Vec<u8>]) {
+    pub(crate) fn keys(&mut self, keys: &[Vec<u8>]) {
         self.count(keys.len());
         for k in keys {
             self.bytes(k);
         }
     }
-    fn u64s(&mut self, v: &[u64]) {
+    pub(crate) fn u64s(&mut self, v: &[u64]) {
         self.count(v.len());
         for &x in v {
             self.u64(x);
         }
     }
-    fn segments(&mut self, s: &[SegmentRef]) {
+    pub(crate) fn segments(&mut self, s: &[SegmentRef]) {
         self.count(s.len());
         for seg in s {
             self.u64(seg.id);
@@ -415,7 +415,7 @@ impl W<'_> {
             self.u32(seg.rkey);
         }
     }
-    fn replicas(&mut self, r: &[Replica]) {
+    pub(crate) fn replicas(&mut self, r: &[Replica]) {
         self.u8(r.len().min(255) as u8);
         for rep in r {
             self.u64(rep.segment);
@@ -642,11 +642,11 @@ pub fn split_frame(buf: &[u8], max: u32) -> Result<(Header, &[u8]), ProtoError> 
     }
 }
 
-struct R<'a> {
-    buf: &'a [u8],
+pub(crate) struct R<'a> {
+    pub(crate) buf: &'a [u8],
 }
 
-fn bad(field: &'static str, value: impl TryInto<i64>) -> ProtoError {
+pub(crate) fn bad(field: &'static str, value: impl TryInto<i64>) -> ProtoError {
     ProtoError::BadField {
         field,
         value: value.try_into().unwrap_or(i64::MAX),
@@ -654,7 +654,7 @@ fn bad(field: &'static str, value: impl TryInto<i64>) -> ProtoError {
 }
 
 impl<'a> R<'a> {
-    fn take(&mut self, n: usize, field: &'static str) -> Result<&'a [u8], ProtoError> {
+    pub(crate) fn take(&mut self, n: usize, field: &'static str) -> Result<&'a [u8], ProtoError> {
         if self.buf.len() < n {
             return Err(ProtoError::Truncated { field });
         }
@@ -662,80 +662,85 @@ impl<'a> R<'a> {
         self.buf = b;
         Ok(a)
     }
-    fn u8(&mut self, f: &'static str) -> Result<u8, ProtoError> {
+    pub(crate) fn u8(&mut self, f: &'static str) -> Result<u8, ProtoError> {
         Ok(self.take(1, f)?[0])
     }
-    fn u16(&mut self, f: &'static str) -> Result<u16, ProtoError> {
+    pub(crate) fn u16(&mut self, f: &'static str) -> Result<u16, ProtoError> {
         let s = self.take(2, f)?;
         Ok(u16::from_le_bytes([s[0], s[1]]))
     }
-    fn u32(&mut self, f: &'static str) -> Result<u32, ProtoError> {
+    pub(crate) fn u32(&mut self, f: &'static str) -> Result<u32, ProtoError> {
         let s = self.take(4, f)?;
         Ok(u32::from_le_bytes([s[0], s[1], s[2], s[3]]))
     }
-    fn u64(&mut self, f: &'static str) -> Result<u64, ProtoError> {
+    pub(crate) fn u64(&mut self, f: &'static str) -> Result<u64, ProtoError> {
         let s = self.take(8, f)?;
         let mut a = [0u8; 8];
         a.copy_from_slice(s);
         Ok(u64::from_le_bytes(a))
     }
-    fn i32(&mut self, f: &'static str) -> Result<i32, ProtoError> {
+    pub(crate) fn i32(&mut self, f: &'static str) -> Result<i32, ProtoError> {
         Ok(self.u32(f)? as i32)
     }
-    fn bool(&mut self, f: &'static str) -> Result<bool, ProtoError> {
+    pub(crate) fn bool(&mut self, f: &'static str) -> Result<bool, ProtoError> {
         match self.u8(f)? {
             0 => Ok(false),
             1 => Ok(true),
             v => Err(bad(f, v)),
         }
     }
-    fn bytes(&mut self, f: &'static str, max: usize) -> Result<&'a [u8], ProtoError> {
+    pub(crate) fn bytes(&mut self, f: &'static str, max: usize) -> Result<&'a [u8], ProtoError> {
         let n = self.u16(f)? as usize;
         if n > max {
             return Err(bad(f, n));
         }
         self.take(n, f)
     }
-    fn key(&mut self) -> Result<Vec<u8>, ProtoError> {
+    pub(crate) fn key(&mut self) -> Result<Vec<u8>, ProtoError> {
         let k = self.bytes("key", MAX_KEY_LEN)?;
         if k.is_empty() {
             return Err(bad("key length", 0));
         }
         Ok(k.to_vec())
     }
-    fn string(&mut self, f: &'static str, max: usize) -> Result<String, ProtoError> {
+    pub(crate) fn string(&mut self, f: &'static str, max: usize) -> Result<String, ProtoError> {
         let b = self.bytes(f, max)?;
         String::from_utf8(b.to_vec()).map_err(|_| bad(f, -1))
     }
     /// A count of elements of at least `min_size` bytes each, checked against the cap and
     /// against what the rest of the body can hold (so allocation follows the bytes sent).
-    fn count(&mut self, f: &'static str, cap: usize, min_size: usize) -> Result<usize, ProtoError> {
+    pub(crate) fn count(
+        &mut self,
+        f: &'static str,
+        cap: usize,
+        min_size: usize,
+    ) -> Result<usize, ProtoError> {
         let n = self.u32(f)? as usize;
         if n > cap || n.saturating_mul(min_size) > self.buf.len() {
             return Err(bad(f, n));
         }
         Ok(n)
     }
-    fn keys(&mut self) -> Result<Vec<Vec<u8>>, ProtoError> {
+    pub(crate) fn keys(&mut self) -> Result<Vec<Vec<u8>>, ProtoError> {
         let n = self.count("key count", MAX_ITEMS, 3)?;
         (0..n).map(|_| self.key()).collect()
     }
-    fn u64s(&mut self, f: &'static str) -> Result<Vec<u64>, ProtoError> {
+    pub(crate) fn u64s(&mut self, f: &'static str) -> Result<Vec<u64>, ProtoError> {
         let n = self.count(f, MAX_SEGMENTS, 8)?;
         (0..n).map(|_| self.u64(f)).collect()
     }
-    fn code(&mut self) -> Result<Code, ProtoError> {
+    pub(crate) fn code(&mut self) -> Result<Code, ProtoError> {
         let v = self.i32("code")?;
         Code::from_i32(v).ok_or_else(|| bad("code", v))
     }
     /// A per-item status: `Ok(())` for 0, else a (non-zero) code.
-    fn status(&mut self) -> Result<Result<(), Code>, ProtoError> {
+    pub(crate) fn status(&mut self) -> Result<Result<(), Code>, ProtoError> {
         match self.code()? {
             Code::Ok => Ok(Ok(())),
             c => Ok(Err(c)),
         }
     }
-    fn segments(&mut self) -> Result<Vec<SegmentRef>, ProtoError> {
+    pub(crate) fn segments(&mut self) -> Result<Vec<SegmentRef>, ProtoError> {
         let n = self.count("segment count", MAX_SEGMENTS, 22)?;
         let mut v = Vec::with_capacity(n);
         for _ in 0..n {
@@ -758,7 +763,7 @@ impl<'a> R<'a> {
         }
         Ok(v)
     }
-    fn replicas(&mut self, segments: &[SegmentRef]) -> Result<Vec<Replica>, ProtoError> {
+    pub(crate) fn replicas(&mut self, segments: &[SegmentRef]) -> Result<Vec<Replica>, ProtoError> {
         let n = self.u8("replica count")? as usize;
         if n == 0 || n > MAX_REPLICAS {
             return Err(bad("replica count", n));
@@ -777,7 +782,7 @@ impl<'a> R<'a> {
         }
         Ok(v)
     }
-    fn finish<T>(self, v: T) -> Result<T, ProtoError> {
+    pub(crate) fn finish<T>(self, v: T) -> Result<T, ProtoError> {
         if self.buf.is_empty() {
             Ok(v)
         } else {

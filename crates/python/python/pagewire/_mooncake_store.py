@@ -32,10 +32,11 @@ from typing import Any, List, Optional, Sequence
 
 from pagewire._mooncake_store_more import _StoreMore
 from pagewire._mooncake_store_types import parse_size
-from pagewire._native import StoreClient, StoreError
+from pagewire._native import DummyClient, StoreClient, StoreError, shm_alloc, shm_free
 
 __all__ = [
     "MooncakeDistributedStore",
+    "MooncakeHostMemAllocator",
     "ReplicateConfig",
     "SoftPinAction",
     "ObjectDataType",
@@ -228,23 +229,64 @@ def _free_port(ip: str) -> int:
 
 
 class _Staging:
-    """A registered buffer for the copying calls (``put``, ``get``)."""
+    """A registered buffer for the copying calls (``put``, ``get``): private memory for a
+    client of its own, shared memory (:func:`shm_alloc`) for a dummy client, which its
+    standalone client reads and writes directly."""
 
-    def __init__(self, client: StoreClient, size: int) -> None:
+    def __init__(self, client: Any, size: int) -> None:
         self.size = max(int(size), 4096)
-        self.mem = mmap.mmap(-1, self.size)
-        self.view = (ctypes.c_char * self.size).from_buffer(self.mem)
-        self.addr = ctypes.addressof(self.view)
-        client.register_buffer(self.addr, self.size)
         self.client = client
+        self.shm = isinstance(client, DummyClient)
+        if self.shm:
+            self.addr = shm_alloc(self.size)
+            # Another process writes these pages: copied in and out, never kept as views.
+            self.mem = memoryview((ctypes.c_char * self.size).from_address(self.addr)).cast("B")
+        else:
+            self.mem = mmap.mmap(-1, self.size)
+            self.view = (ctypes.c_char * self.size).from_buffer(self.mem)
+            self.addr = ctypes.addressof(self.view)
+        try:
+            client.register_buffer(self.addr, self.size)
+        except BaseException:
+            self._free()
+            raise
+
+    def read(self, n: int) -> bytes:
+        """The first ``n`` bytes, copied."""
+        return bytes(self.mem[:n]) if self.shm else self.mem[:n]
+
+    def _free(self) -> None:
+        if self.shm:
+            self.mem.release()
+            shm_free(self.addr)
+        else:
+            del self.view
+            self.mem.close()
 
     def close(self) -> None:
         try:
             self.client.unregister_buffer(self.addr)
         except Exception:  # closed client: its registrations are gone already
             pass
-        del self.view
-        self.mem.close()
+        self._free()
+
+
+class MooncakeHostMemAllocator:
+    """Mooncake's allocator for host pools that a dummy client
+    (:meth:`MooncakeDistributedStore.setup_dummy`) shares with its standalone client:
+    ``alloc(size)`` returns the address of ``size`` zeroed bytes of shared memory (``0`` on
+    failure), ``free(ptr)`` releases it (``0``, or ``-1`` for an address it did not hand
+    out). SGLang's ``MooncakeHostTensorAllocator`` wraps it for ``standalone_storage``."""
+
+    def alloc(self, arg0: int, /) -> int:
+        try:
+            return shm_alloc(int(arg0))
+        except (StoreError, OverflowError, ValueError) as e:
+            _log.error("MooncakeHostMemAllocator.alloc(%s): %s", arg0, e)
+            return 0
+
+    def free(self, arg0: int, /) -> int:
+        return _OK if shm_free(int(arg0)) else _INTERNAL_ERROR
 
 
 class MooncakeDistributedStore(_StoreMore):
@@ -384,6 +426,42 @@ class MooncakeDistributedStore(_StoreMore):
         self._hostname = f"{host}:{port}" if shared is None and host else client.endpoint
         return _OK
 
+    def setup_dummy(self, mem_pool_size: int, local_buffer_size: int, server_address: str) -> int:
+        """Joins the store through a standalone client of this host (``pagewire store
+        client``, Mooncake's ``mooncake_client``) instead of opening a segment and an engine:
+        ``0``, or ``-1`` (logged) when it cannot be reached or refuses. ``server_address``
+        is Mooncake's ``host:port`` (the standalone client's ``--address``; it stands for
+        the abstract socket ``@pagewire_client_<port>.sock``), or ``@name`` /
+        ``unix:/path``. Buffers given to ``register_buffer`` must come from
+        :class:`MooncakeHostMemAllocator` (or :meth:`alloc_from_mem_pool`): shared memory
+        the standalone client maps, so puts and gets move no byte through the socket;
+        other memory gives ``-600``. ``local_buffer_size`` bytes of shared memory back
+        ``put``/``get``. ``mem_pool_size`` is accepted and not reserved up front: pools are
+        mapped when registered. ``PAGEWIRE_TOKEN`` must be the standalone client's token."""
+        if self._client is not None:
+            _log.error("setup_dummy: already set up")
+            return _INTERNAL_ERROR
+        try:
+            if int(mem_pool_size) < 0 or int(local_buffer_size) < 0:
+                raise ValueError("negative size")
+            client = DummyClient(str(server_address))
+        except (StoreError, ValueError, OverflowError, TypeError) as e:
+            _log.error("setup_dummy: %s", e)
+            return _INTERNAL_ERROR
+        try:
+            staging = _Staging(client, local_buffer_size)
+        except (StoreError, OSError, ValueError) as e:
+            _log.error("setup_dummy: local buffer of %s bytes: %s", local_buffer_size, e)
+            client.close()
+            return _INTERNAL_ERROR
+        self._client, self._staging = client, staging
+        return _OK
+
+    def alloc_from_mem_pool(self, arg0: int, /) -> int:
+        """Shared memory for a dummy client's buffers (as
+        :meth:`MooncakeHostMemAllocator.alloc`): its address, or ``0``."""
+        return MooncakeHostMemAllocator().alloc(arg0)
+
     def get_hostname(self) -> str:
         """The store's name, as Mooncake's: ``local_hostname``'s host and the store's own
         port (one of :data:`PORT_RANGE` when free), e.g. ``localhost:12345``; with
@@ -422,16 +500,22 @@ class MooncakeDistributedStore(_StoreMore):
 
     def register_buffer(self, buffer_ptr: int, size: int) -> int:
         """``0``; ``-600`` for size 0, memory not mapped read-write, or a buffer registered
-        twice."""
+        twice. After :meth:`setup_dummy`: memory from :class:`MooncakeHostMemAllocator`
+        only, else ``-1`` (as Mooncake's dummy)."""
         if self._client is None:
             return _INTERNAL_ERROR
         try:
             self._client.register_buffer(int(buffer_ptr), int(size))
         except (StoreError, OverflowError, ValueError) as e:
             _log.debug("register_buffer: %s", e)
-            return _INVALID_PARAMS
+            return self._refused()
         self._note_registered(buffer_ptr, size)
         return _OK
+
+    def _refused(self) -> int:
+        """A refused (un)registration: ``-1`` on a dummy client (memory that is not shared,
+        as Mooncake's dummy answers), ``-600`` otherwise."""
+        return _INTERNAL_ERROR if isinstance(self._client, DummyClient) else _INVALID_PARAMS
 
     def unregister_buffer(self, buffer_ptr: int) -> int:
         """``0``; ``-600`` for a buffer not registered."""
@@ -440,7 +524,7 @@ class MooncakeDistributedStore(_StoreMore):
         try:
             self._client.unregister_buffer(int(buffer_ptr))
         except (StoreError, OverflowError, ValueError):
-            return _INVALID_PARAMS
+            return self._refused()
         self._note_unregistered(buffer_ptr)
         return _OK
 
@@ -609,7 +693,7 @@ class MooncakeDistributedStore(_StoreMore):
                 st = tmp
             try:
                 r = self._get([key], [[st.addr]], [[size]])[0]
-                return st.mem[:r] if r > 0 else b""
+                return st.read(r) if r > 0 else b""
             finally:
                 if tmp is not None:
                     tmp.close()

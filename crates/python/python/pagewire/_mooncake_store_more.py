@@ -539,18 +539,9 @@ class _StoreMore:
         """No SSD offload: ``0``."""
         return 0
 
-    def alloc_from_mem_pool(self, arg0: int, /) -> int:
-        """The dummy client's memory pool: none outside ``setup_dummy``, ``0``."""
-        return 0
-
     def init_all(self, arg0: str, arg1: str, arg2: int, /) -> int:
         """Mooncake's legacy initialiser, refused by the wheel too: ``-600``."""
         return _INVALID_PARAMS
-
-    def setup_dummy(self, mem_pool_size: int, local_buffer_size: int, server_address: str) -> int:
-        """A dummy client of a standalone client process: ``-1`` when none answers at
-        ``server_address`` (the standalone client is another part of the work)."""
-        return _INTERNAL_ERROR
 
     def create_copy_task(self, key: str, targets: List[str]) -> Tuple[Tuple[int, int], int]:
         """Replica tasks need Mooncake's task manager: ``((0, 0), -600)`` for targets that

@@ -505,35 +505,6 @@ RegisteredBufferLease = BufferLease
 RegisteredBufferLeaseView = BufferLeaseView
 
 
-class MooncakeHostMemAllocator:
-    """Page-aligned host memory: ``alloc(size)`` gives an address (``0`` when it fails),
-    ``free(address)`` gives ``0``, or ``-1`` for an address it did not give."""
-
-    def __init__(self) -> None:
-        self._maps: Dict[int, tuple] = {}
-        self._lock = threading.Lock()
-
-    def alloc(self, arg0: int, /) -> int:
-        try:
-            mem = mmap.mmap(-1, max(int(arg0), 1))
-        except (OSError, ValueError, OverflowError):
-            return 0
-        view = (ctypes.c_char * len(mem)).from_buffer(mem)
-        addr = ctypes.addressof(view)
-        with self._lock:
-            self._maps[addr] = (mem, view)
-        return addr
-
-    def free(self, arg0: int, /) -> int:
-        with self._lock:
-            mem, view = self._maps.pop(int(arg0), (None, None))
-        if mem is None:
-            return -1
-        del view  # the last export of the mapping, so that it can close
-        mem.close()
-        return 0
-
-
 def _libc() -> ctypes.CDLL:
     return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
 

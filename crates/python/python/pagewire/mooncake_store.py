@@ -22,6 +22,7 @@ fails at the import with the name, not later.
 
 from pagewire._mooncake_store import (
     MooncakeDistributedStore,
+    MooncakeHostMemAllocator,
     ObjectDataType,
     ReplicateConfig,
     SoftPinAction,
@@ -37,7 +38,6 @@ from pagewire._mooncake_store_types import (
     EngramStoreConfig,
     MemoryDescriptor,
     MooncakeDistributedNoFRegister,
-    MooncakeHostMemAllocator,
     ParallelAxis,
     QueryTaskResponse,
     ReadTarget,
