@@ -222,6 +222,14 @@ impl DummyClient {
             .map_err(|e| store_err(py, e))
     }
 
+    /// How many complete objects whose key matches `pattern` were removed.
+    #[pyo3(signature = (pattern, force = false))]
+    fn remove_matching(&self, py: Python<'_>, pattern: String, force: bool) -> PyResult<u64> {
+        let c = self.client()?;
+        py.detach(move || c.remove_matching(&pattern, force))
+            .map_err(|e| store_err(py, e))
+    }
+
     /// Whether the standalone client and its master answer.
     #[pyo3(signature = (timeout = 2.0))]
     fn ping(&self, py: Python<'_>, timeout: f64) -> PyResult<bool> {

@@ -93,6 +93,28 @@ def test_dummy_needs_the_token_and_a_live_client(standalone, monkeypatch):
     s.close()
 
 
+def test_dummy_has_the_full_clients_calls(standalone, monkeypatch):
+    """The calls built on the store's native client (copying, upserts, pattern removal)
+    work on a dummy too, through the standalone client."""
+    address, _ = standalone
+    monkeypatch.setenv("PAGEWIRE_TOKEN", TOKEN)
+    s = MooncakeDistributedStore()
+    assert s.setup_dummy(1 << 20, 1 << 20, address) == 0
+    try:
+        keys = [f"full-{i}" for i in range(3)]
+        values = [bytes([i + 1]) * (1000 + i) for i in range(3)]
+        assert s.put_batch(keys, values) == 0
+        assert s.get_batch(keys + ["full-missing"]) == values + [b""]
+        assert s.upsert(keys[0], b"new bytes") == 0
+        assert s.get(keys[0]) == b"new bytes"
+        assert s.remove_by_regex("^full-[12]$") == 2
+        assert s.remove_by_regex("(unclosed") == -600
+        assert s.batch_is_exist(keys) == [1, 0, 0]
+        assert s.remove(keys[0]) == 0
+    finally:
+        s.close()
+
+
 def test_host_mem_allocator():
     a = MooncakeHostMemAllocator()
     p = a.alloc(1 << 20)

@@ -15,7 +15,9 @@
 
 use crate::error::Code;
 use crate::proto::Pin;
-use crate::proto::{MAX_ENDPOINT, MAX_ITEMS, MAX_MESSAGE, MAX_TOKEN, ProtoError, R, W, bad};
+use crate::proto::{
+    MAX_ENDPOINT, MAX_ITEMS, MAX_KEY_LEN, MAX_MESSAGE, MAX_TOKEN, ProtoError, R, W, bad,
+};
 
 /// First four bytes of every frame.
 pub const MAGIC: [u8; 4] = *b"PWDC";
@@ -108,6 +110,13 @@ pub enum IpcRequest {
         /// Remove leased objects too.
         force: bool,
     },
+    /// Remove the complete objects whose key matches a pattern; answered with the count.
+    RemoveMatching {
+        /// Remove leased objects too.
+        force: bool,
+        /// The pattern (the master's syntax), at most `MAX_KEY_LEN` bytes.
+        pattern: String,
+    },
     /// Whether the real client and its master answer.
     Ping,
     /// The real client's transport endpoint, as text.
@@ -178,6 +187,7 @@ impl IpcRequest {
             IpcRequest::RemoveAll { .. } => 9,
             IpcRequest::Ping => 10,
             IpcRequest::Endpoint => 11,
+            IpcRequest::RemoveMatching { .. } => 12,
         }
     }
 
@@ -205,6 +215,10 @@ impl IpcRequest {
                 w.keys(keys);
             }
             IpcRequest::RemoveAll { force } => w.bool(*force),
+            IpcRequest::RemoveMatching { force, pattern } => {
+                w.bool(*force);
+                w.bytes(pattern.as_bytes());
+            }
             IpcRequest::Ping | IpcRequest::Endpoint => {}
         });
     }
@@ -252,7 +266,7 @@ pub struct IpcHeader {
 }
 
 fn known_kind(kind: u8) -> bool {
-    (1..=11).contains(&kind) || matches!(kind, 0x81 | 0x82 | 0x8f)
+    (1..=12).contains(&kind) || matches!(kind, 0x81 | 0x82 | 0x8f)
 }
 
 /// Checks a header against `max` (the body cap) before the body is read.
@@ -353,6 +367,10 @@ pub fn decode_request(kind: u8, body: &[u8]) -> Result<IpcRequest, ProtoError> {
         },
         10 => IpcRequest::Ping,
         11 => IpcRequest::Endpoint,
+        12 => IpcRequest::RemoveMatching {
+            force: r.bool("force")?,
+            pattern: r.string("pattern", MAX_KEY_LEN)?,
+        },
         k => return Err(ProtoError::UnknownKind(k)),
     };
     r.finish(req)
@@ -433,6 +451,10 @@ pub fn sample_frames() -> Vec<Vec<u8>> {
             keys: vec![b"a".to_vec()],
         },
         IpcRequest::RemoveAll { force: false },
+        IpcRequest::RemoveMatching {
+            force: true,
+            pattern: "^a.*".into(),
+        },
         IpcRequest::Ping,
         IpcRequest::Endpoint,
     ];

@@ -563,6 +563,9 @@ fn handle(
             .collect(),
         IpcRequest::Remove { force, keys } => codes(store.remove(&keys, force)?),
         IpcRequest::RemoveAll { force } => vec![store.remove_all(force)? as i64],
+        IpcRequest::RemoveMatching { force, pattern } => {
+            vec![store.remove_matching(&pattern, force)? as i64]
+        }
         IpcRequest::Ping => {
             store.ping(Duration::from_secs(2))?;
             vec![0]
@@ -1139,6 +1142,16 @@ impl DummyClient {
     /// Removes every complete object (not leased unless `force`); how many.
     pub fn remove_all(&self, force: bool) -> Result<u64> {
         Ok(self.codes(IpcRequest::RemoveAll { force }, 1)?[0].max(0) as u64)
+    }
+
+    /// Removes the complete objects whose key matches `pattern` (the master's syntax; not
+    /// leased unless `force`); how many.
+    pub fn remove_matching(&self, pattern: &str, force: bool) -> Result<u64> {
+        let req = IpcRequest::RemoveMatching {
+            force,
+            pattern: pattern.to_owned(),
+        };
+        Ok(self.codes(req, 1)?[0].max(0) as u64)
     }
 
     /// Whether the real client and its master answer.
