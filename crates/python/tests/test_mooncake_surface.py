@@ -143,11 +143,15 @@ def _check_callable(name: str, entry: dict, owner, obj) -> None:
     raw = owner.__dict__.get(name.rsplit(".", 1)[-1]) if isinstance(owner, type) else None
     if kind == "staticmethod":
         assert isinstance(raw, staticmethod) or inspect.isbuiltin(obj), f"{name}: not static"
+    drop_self = kind == "method"
     try:
-        sig = inspect.signature(raw.__func__ if isinstance(raw, staticmethod) else obj)
+        if isinstance(owner, type) and obj is object.__init__:
+            # A native class constructed by `__new__` alone: its signature is the class's.
+            sig, drop_self = inspect.signature(owner), False
+        else:
+            sig = inspect.signature(raw.__func__ if isinstance(raw, staticmethod) else obj)
     except (TypeError, ValueError) as e:
         pytest.fail(f"{name}: pagewire's callable has no signature to compare ({e})")
-    drop_self = kind == "method"
     if isinstance(obj, type):  # a class's __init__ read through the class
         drop_self = False
     got = _params(sig, drop_self)

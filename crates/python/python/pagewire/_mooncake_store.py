@@ -459,7 +459,10 @@ class MooncakeDistributedStore(_StoreMore):
 
     def alloc_from_mem_pool(self, arg0: int, /) -> int:
         """Shared memory for a dummy client's buffers (as
-        :meth:`MooncakeHostMemAllocator.alloc`): its address, or ``0``."""
+        :meth:`MooncakeHostMemAllocator.alloc`): its address, or ``0`` (also on a store
+        that is not a dummy, which has no pool, as Mooncake's)."""
+        if not isinstance(self._client, DummyClient):
+            return 0
         return MooncakeHostMemAllocator().alloc(arg0)
 
     def get_hostname(self) -> str:
