@@ -1,16 +1,24 @@
 #!/usr/bin/env python3
 """Per-call time of Mooncake's TransferEngine API: pagewire.mooncake_compat against the
-real Mooncake wheel, side by side in one run, over TCP on 127.0.0.1.
+real Mooncake wheel and against NIXL's Python agent, side by side in one run, over TCP on
+127.0.0.1.
 
 Each implementation gets two processes of its own, a target (registers a 4 MiB buffer
 and waits) and an initiator (registers its own 4 MiB and runs the calls), so neither
-shares an interpreter or an engine with the other. The driver runs the rounds: in every
-round each implementation runs every case (N calls, each timed), the order of the two
-alternating from round to round, and only one implementation is busy at a time. A
-round gives two ratios, pagewire over Mooncake: of the mean per-call times (what a
-caller waits in all) and of the median ones (the typical call); the table gives each
-ratio's median over the rounds with its min-max spread, and each side's median and p99
-per-call time over all calls.
+shares an interpreter or an engine with another. The driver runs the rounds: in every
+round each implementation runs every case (N calls, each timed), the order of the
+implementations rotating from round to round, and only one implementation is running at
+a time: the processes of the others are stopped (SIGSTOP) until their turn. A round
+gives two ratios per pair: of the mean per-call times (what a caller waits in all) and
+of the median ones (the typical call); the table gives each ratio's median over the
+rounds with its min-max spread, and per implementation the median and p99 over all
+calls and the spread of the rounds' p50 and p99.
+
+NIXL (nixl-cu12's `nixl_agent`, default configuration, UCX backend, in its own
+virtualenv: `--nixl PYTHON`, by default target/nixl-check/venv from scripts/nixl-venv.sh)
+runs with UCX_TLS=tcp and UCX_NET_DEVICES=lo unless those are set: UCX over TCP on
+loopback, not shared memory. It is measured twice: `nixl` makes a request per call (the
+addresses are the call's, as in Mooncake's API) and `nixl-reuse` reposts one request.
 
 Cases: `batch_transfer_sync_write` of 32 x 64 KiB (SGLang's PD send: one call per
 request, one entry per contiguous run of pages) and `transfer_sync_write` of 4 KiB.
@@ -25,6 +33,7 @@ both processes of an implementation (every thread, voluntary and involuntary, fr
     .venv/bin/python benches/python/bench_mooncake_compat.py            # 10 rounds
     .venv/bin/python benches/python/bench_mooncake_compat.py --rounds 20 --json out.json
     .venv/bin/python benches/python/bench_mooncake_compat.py --baseline /tmp/pw-main
+    .venv/bin/python benches/python/bench_mooncake_compat.py --nixl none   # without NIXL
 
 Needs both wheels in the interpreter's environment (scripts/python-test.sh installs
 them into .venv). Bytes are checked on the target once before timing starts.
@@ -37,6 +46,7 @@ import functools
 import hashlib
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -242,6 +252,12 @@ class Proc:
                 pass  # the thread ended
         return n
 
+    def pause(self, stop):
+        """Stops (or continues) every thread of the process: an implementation waiting
+        for its turn must not take CPU from the one measured (a NIXL agent's progress
+        thread polls without pause, even when idle)."""
+        os.kill(self.p.pid, signal.SIGSTOP if stop else signal.SIGCONT)
+
     def cmd(self, *words):
         self.p.stdin.write(" ".join(map(str, words)) + "\n")
         self.p.stdin.flush()
@@ -249,6 +265,7 @@ class Proc:
 
     def close(self):
         try:
+            self.pause(False)
             self.p.stdin.write("quit\n")
             self.p.stdin.flush()
             self.p.wait(timeout=10)
@@ -317,10 +334,17 @@ def main():
         ini = Proc("initiator", impl, pythons[impl], env)
         ini.cmd("target", tgt.hello["sid"], tgt.hello["addr"])
         procs[impl] = (tgt, ini)
+        tgt.pause(True)
+        ini.pause(True)
+
+    def turn(impl, go):
+        for p in procs[impl]:
+            p.pause(not go)
 
     calls = {"batch": a.calls_batch, "single": a.calls_single}
     # correctness once: a batch lands on the target, in the reversed page order
     for impl, (tgt, ini) in procs.items():
+        turn(impl, True)
         ini.cmd("run", "batch", 32, PAGE, 1)
         for i in (0, 5, 31):
             want = ini.cmd("digest", i * PAGE, PAGE)["sha256"]
@@ -329,6 +353,7 @@ def main():
                 raise SystemExit(f"{impl}: page {i} differs on the target")
         for name, (kind, entries, size) in CASES.items():
             ini.cmd("run", kind, entries, size, a.warmup)
+        turn(impl, False)
 
     # (numerator, denominator) of each ratio reported
     pairs = [("pagewire", "mooncake")]
@@ -350,9 +375,11 @@ def main():
             means, medians = {}, {}
             for impl in order:
                 tgt, ini = procs[impl]
+                turn(impl, True)
                 cs = tgt.switches() + ini.switches()
                 ns = ini.cmd("run", kind, entries, size, calls[kind])["ns"]
                 switches[name][impl] += tgt.switches() + ini.switches() - cs
+                turn(impl, False)
                 rows[name][impl].extend(ns)
                 means[impl] = statistics.fmean(ns)
                 medians[impl] = statistics.median(ns)
