@@ -11,19 +11,24 @@
 #                                                                     # two rails against one, in the VM
 #
 # Options:
-#   --report                 run the TCP, TCP pages and Mooncake (TCP) sections here, then
+#   --report                 run the TCP, TCP pages, Mooncake (TCP) and python sections here, then
 #                            the paired, verbs pages and Mooncake (rxe) sections in the
 #                            soft-RoCE VM (scripts/rdma-vm.sh --cpus 2 --mem 2048), and write
 #                            one markdown report of all the tables (report.md in --out). The
 #                            VM part takes about 2.5 min per --pair-rounds round on a 2-core
 #                            TCG host, plus about 4 min per --mc-rounds round, plus a minute.
-#   --section S              rdma | paired | tcp | pages | mooncake | rails | all, or a list
+#   --section S              rdma | paired | tcp | pages | mooncake | python | rails | all, or a list
 #                            such as "rdma pages" (mooncake: scripts/bench-vs-mooncake.sh, over
 #                            verbs when a device is visible, else TCP; not in "all"; rails:
 #                            `bench write` at 1 MiB and 8 MiB over two rails against one, in
 #                            paired rounds alternating the order, between the rail lists of
 #                            RDMA_RAILS and RDMA_PEER_RAILS (rdma-vm.sh --two-rails); not in
-#                            "all")
+#                            "all"; python: on the host, TCP on 127.0.0.1, installs .venv
+#                            (scripts/python-test.sh --install-only) and NIXL's wheel
+#                            (scripts/nixl-venv.sh), then benches/python/bench_mooncake_compat.py
+#                            (one synchronous call, pagewire against Mooncake's wheel and
+#                            NIXL's UCX over TCP) and benches/python/setup_vs_mooncake.py (a
+#                            store client's setup with a 3200 MiB segment); not in "all")
 #                            (default: "rdma pages" if an RDMA device is visible, else
 #                            "tcp pages"). pages: `bench pages` (Llama-3-8B preset, random
 #                            pages) against `bench write` at the same bytes per work request,
@@ -49,6 +54,8 @@
 #                            on verbs, 32 and 20 on TCP)
 #   --mc-rounds N            rounds of the mooncake section (default 5)
 #   --rails-rounds N         rounds of the rails section (default 5)
+#   --py-rounds N            rounds of the python section's call benchmark (default 10)
+#   --setup-rounds N         rounds of the python section's setup benchmark (default 5)
 #   --rails-mib N            MiB each rails measurement moves (default 64; at least 16 WRs)
 #   --runs N                 runs of every test (default 3)
 #   --iters N                iterations per size for the bandwidth sweeps (default 50: with
@@ -73,7 +80,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-report=0 section="" mc_rounds=5 rails_rounds=5 rails_mib=64 pages_n="" page_iters="" runs=3 pair_rounds=5 pair_mib=32 pair_small_iters=5000 iters=50 lat_iters=1000 dev="${RDMA_DEVICE:-rxe0}" tcp_size=1M tcp_secs=5
+report=0 section="" mc_rounds=5 py_rounds=10 setup_rounds=5 rails_rounds=5 rails_mib=64 pages_n="" page_iters="" runs=3 pair_rounds=5 pair_mib=32 pair_small_iters=5000 iters=50 lat_iters=1000 dev="${RDMA_DEVICE:-rxe0}" tcp_size=1M tcp_secs=5
 streams="1 4" out="" pw="target/release/pagewire" raw="target/release/examples/raw_verbs_lat"
 pair_sizes="65536 131072 262144 524288 1048576 2097152 4194304 8388608" pair_small="2 8 64 512"
 pool_dirs=()
@@ -84,6 +91,8 @@ while (($#)); do
         --runs) runs="$2"; shift 2 ;;
         --mc-rounds) mc_rounds="$2"; shift 2 ;;
         --rails-rounds) rails_rounds="$2"; shift 2 ;;
+        --py-rounds) py_rounds="$2"; shift 2 ;;
+        --setup-rounds) setup_rounds="$2"; shift 2 ;;
         --rails-mib) rails_mib="$2"; shift 2 ;;
         --pair-rounds) pair_rounds="$2"; shift 2 ;;
         --pair-mib) pair_mib="$2"; shift 2 ;;
@@ -663,6 +672,27 @@ mooncake_section() {
     cat "$out/mooncake.md"
 }
 
+# Python bindings and store client against Mooncake's wheel and NIXL's (host only: TCP on
+# 127.0.0.1). Each benchmark prints its own tables.
+python_section() {
+    bash scripts/python-test.sh --install-only >"$out/raw/python-install.log" 2>&1 ||
+        { echo "bench-vs-perftest: scripts/python-test.sh --install-only failed: $out/raw/python-install.log" >&2; return 1; }
+    local nixl
+    nixl="$(bash scripts/nixl-venv.sh)" || return 1
+    {
+        echo "## Python: one synchronous call, pagewire against Mooncake and NIXL (TCP on 127.0.0.1)"
+        echo
+        .venv/bin/python benches/python/bench_mooncake_compat.py --rounds "$py_rounds" --nixl "$nixl" \
+            --json "$out/raw/python-calls.json" || return 1
+        echo
+        echo "## Store client setup with a 3200 MiB segment, pagewire against Mooncake"
+        echo
+        .venv/bin/python benches/python/setup_vs_mooncake.py --rounds "$setup_rounds" --pagewire "$pw" \
+            --json "$out/raw/python-setup.json" || return 1
+    } >"$out/python.md"
+    cat "$out/python.md"
+}
+
 # --report: the host's sections here, the RDMA ones in the VM, one report of all tables.
 if ((report)); then
     here_args=(--runs "$runs" --tcp-secs "$tcp_secs" --tcp-size "$tcp_size" --streams "$streams")
@@ -672,7 +702,8 @@ if ((report)); then
     t0=$SECONDS
     here_args+=(--mc-rounds "$mc_rounds")
     echo "report: TCP sections on this host (the Mooncake one installs its wheel once)" >&2
-    bash "$0" --section "tcp pages mooncake" --out "$abs_out/host" --pagewire "$pw" "${here_args[@]}" >/dev/null
+    bash "$0" --section "tcp pages mooncake python" --out "$abs_out/host" --pagewire "$pw" "${here_args[@]}" \
+        --py-rounds "$py_rounds" --setup-rounds "$setup_rounds" >/dev/null
     rc_host=$?
     echo "report: paired, pages and mooncake sections in the soft-RoCE VM ($pair_rounds + $mc_rounds rounds)" >&2
     vm_timeout=$((600 + pair_rounds * 240 + mc_rounds * 360))
@@ -685,7 +716,7 @@ if ((report)); then
     {
         echo "# pagewire benchmark report"
         echo
-        echo "\`scripts/bench-vs-perftest.sh --report --pair-rounds $pair_rounds --mc-rounds $mc_rounds --runs $runs\`, $((SECONDS - t0)) s in all."
+        echo "\`scripts/bench-vs-perftest.sh --report --pair-rounds $pair_rounds --mc-rounds $mc_rounds --py-rounds $py_rounds --setup-rounds $setup_rounds --runs $runs\`, $((SECONDS - t0)) s in all."
         echo
         echo "Host:"
         echo
@@ -693,7 +724,7 @@ if ((report)); then
         echo "Soft-RoCE guest (\`scripts/rdma-vm.sh --cpus 2\`):"
         echo
         sed '1,2d' "$abs_out/vm/machine.md" 2>/dev/null || echo "- (no output: see vm.log)"
-        for f in vm/paired.md vm/pages.md vm/mooncake.md host/tcp.md host/pages.md host/mooncake.md; do
+        for f in vm/paired.md vm/pages.md vm/mooncake.md host/tcp.md host/pages.md host/mooncake.md host/python.md; do
             [[ -f "$abs_out/$f" ]] && { echo; cat "$abs_out/$f"; }
         done
     } >"$abs_out/report.md"
@@ -722,8 +753,9 @@ for s in $section; do
         tcp) tcp_section || rc=1 ;;
         pages) pages_section || rc=1 ;;
         mooncake) mooncake_section || rc=1 ;;
+        python) python_section || rc=1 ;;
         rails) rails_section || rc=1 ;;
-        *) echo "bench-vs-perftest: unknown section $s (rdma, paired, tcp, pages, mooncake, rails, all)" >&2; exit 2 ;;
+        *) echo "bench-vs-perftest: unknown section $s (rdma, paired, tcp, pages, mooncake, python, rails, all)" >&2; exit 2 ;;
     esac
 done
 echo "raw outputs: $out/raw" >&2

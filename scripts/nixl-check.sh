@@ -36,9 +36,8 @@ echo "== pagewire's libtransfer_engine.so"
 cargo build -q -p pagewire-capi
 lib=$repo/target/debug
 
-echo "== nixl-cu12 1.4.0 in $work/venv (no torch: NIXL imports it only when it is there)"
-[[ -x $work/venv/bin/python ]] || python3 -m venv "$work/venv"
-"$work/venv/bin/pip" install -q --no-deps nixl-cu12==1.4.0 numpy
+echo "== nixl-cu12 1.4.0 in $work/venv"
+bash scripts/nixl-venv.sh >/dev/null
 site=$("$work/venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 nixl_libs=$site/.nixl_cu12.mesonpy.libs
 

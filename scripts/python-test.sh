@@ -2,8 +2,11 @@
 # Python part of the test suite: creates (once) the virtualenv .venv, installs the build
 # and test tools into it, builds the pagewire wheel with maturin, installs it, and runs
 # pytest over crates/python/tests. Idempotent: a second run reuses the venv and the
-# cargo build cache. Extra arguments go to pytest.
+# cargo build cache. Extra arguments go to pytest; --install-only (first) stops before it,
+# for the benchmarks that need .venv (scripts/bench-vs-perftest.sh --section python).
 set -euo pipefail
+install_only=0
+[[ "${1:-}" == --install-only ]] && { install_only=1; shift; }
 cd "$(dirname "$0")/.."
 export PATH="$HOME/.cargo/bin:$PATH"
 
@@ -38,6 +41,8 @@ rm -rf target/wheels
     -o ../../target/wheels)
 "$venv/bin/pip" install -q --disable-pip-version-check --no-index --force-reinstall \
     --no-deps target/wheels/pagewire-*.whl
+
+((install_only)) && exit 0
 
 echo "== python: the C ABI library (for the C <-> Python interop test)"
 cargo build --locked -q -p pagewire-capi

@@ -82,6 +82,12 @@ pub(crate) fn wait_readable(fd: &impl AsRawFd, timeout: Duration) -> io::Result<
 
 /// Whether `fd` turns readable within `spin`, asking without sleeping: a short busy wait
 /// before a blocking one, for a reply due in microseconds (see the callers).
+///
+/// Each round yields the CPU to any thread waiting for it: the thread that will write the
+/// reply (the peer's responder, or our caller after our reply) may be queued on this same
+/// CPU, and spinning past it would serialize both sides' spins. On a host with one free
+/// CPU a 4 KiB `transfer_sync_write` took 124.5 us (2 x 50 us of spinning plus the call)
+/// with a plain spin, 21 us with the yield; with two free CPUs both read 16-20 us.
 pub(crate) fn spin_readable(fd: &impl AsRawFd, spin: Duration) -> io::Result<bool> {
     let until = std::time::Instant::now() + spin;
     loop {
@@ -91,7 +97,7 @@ pub(crate) fn spin_readable(fd: &impl AsRawFd, spin: Duration) -> io::Result<boo
         if std::time::Instant::now() >= until {
             return Ok(false);
         }
-        std::hint::spin_loop();
+        std::thread::yield_now();
     }
 }
 
