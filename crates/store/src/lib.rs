@@ -67,8 +67,9 @@ mod rpc;
 pub use client::{ClientConfig, Located, PutOptions, Reservation, StoreClient, Target};
 pub use error::{Code, Result, StoreError};
 pub use local::Span;
-pub use master::{Master, MasterConfig};
+pub use master::{Authority, Master, MasterConfig};
 pub use proto::{Pin, Stats};
+pub use rpc::MasterLocator;
 
 /// Internals exposed for the `cargo fuzz` target and the corpus test; not a stable API.
 #[doc(hidden)]
