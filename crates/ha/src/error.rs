@@ -36,6 +36,9 @@ pub enum HaError {
         #[source]
         source: Option<Arc<etcd_client::Error>>,
     },
+    /// The store master itself could not start (its listener, its settings).
+    #[error("start the store master: {0}")]
+    Master(#[source] pagewire_store::StoreError),
     /// A local resource failed (a thread, the runtime).
     #[error("{what}: {source}")]
     Io {

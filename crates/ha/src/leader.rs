@@ -115,7 +115,7 @@ impl HaMaster {
         let etcd = Etcd::connect(&ha.etcd, Instant::now() + ha.call_timeout * 5)?;
         let authority = Authority::new();
         cfg.authority = Some(authority.clone());
-        let master = Master::start(cfg.clone()).map_err(store_err)?;
+        let master = Master::start(cfg.clone()).map_err(HaError::Master)?;
         let addr = master.local_addr();
         let advertise = match &ha.advertise {
             Some(a) => a.clone(),
@@ -208,12 +208,6 @@ impl HaMaster {
 impl Drop for HaMaster {
     fn drop(&mut self) {
         self.shutdown();
-    }
-}
-
-fn store_err(e: pagewire_store::StoreError) -> HaError {
-    HaError::Misuse {
-        reason: format!("start the master: {e}"),
     }
 }
 

@@ -26,6 +26,14 @@ const ROLE: &str = "PW_HA_ROLE";
 const TTL: Duration = Duration::from_secs(2);
 const PAGE: usize = 64 << 10;
 
+/// The tests measure failovers: one at a time, so that they do not slow one another
+/// down on a small machine.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 fn say(line: impl AsRef<str>) {
     let mut out = std::io::stdout().lock();
     let _ = writeln!(out, "@@ {}", line.as_ref());
@@ -279,6 +287,7 @@ fn until_served(c: &StoreClient, p: &mut Pages, tag: &str, within: Duration) -> 
 
 #[test]
 fn leader_killed_standby_takes_over() -> Result<()> {
+    let _serial = serial();
     let etcd = EtcdCluster::start(1);
     let (mut leader, mut standby, epoch) = two_masters(&etcd)?;
     let node = client(&etcd, 64 << 20)?;
@@ -320,6 +329,7 @@ fn heartbeat_answer(s: &mut TcpStream, within: Duration) -> Option<Response> {
 
 #[test]
 fn stopped_leader_does_not_answer_after_its_lease() -> Result<()> {
+    let _serial = serial();
     let etcd = EtcdCluster::start(1);
     let (mut leader, mut standby, epoch) = two_masters(&etcd)?;
     let node = client(&etcd, 64 << 20)?;
@@ -368,6 +378,7 @@ fn stopped_leader_does_not_answer_after_its_lease() -> Result<()> {
 
 #[test]
 fn one_etcd_member_of_three_killed_leader_keeps_leading() -> Result<()> {
+    let _serial = serial();
     let mut etcd = EtcdCluster::start(3);
     let (leader, _standby, epoch) = two_masters(&etcd)?;
     let node = client(&etcd, 64 << 20)?;
@@ -412,6 +423,7 @@ fn one_etcd_member_of_three_killed_leader_keeps_leading() -> Result<()> {
 /// Without a leader, a client's call fails with a typed error within its deadline.
 #[test]
 fn no_leader_fails_within_the_deadline() -> Result<()> {
+    let _serial = serial();
     let etcd = EtcdCluster::start(1);
     let mut cfg = client_config(&etcd.url(), "none", Instant::now() + Duration::from_secs(5))?;
     cfg.engine = common::engine(BackendKind::Tcp);
