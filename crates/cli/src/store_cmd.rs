@@ -70,8 +70,8 @@ pub struct MasterArgs {
     #[arg(long, default_value = "default")]
     pub cluster_id: String,
     /// With --ha: the leader's etcd lease in seconds (a dead leader is replaced within
-    /// about this time; at least 2).
-    #[arg(long, default_value_t = 3)]
+    /// about this time; at least 2; it must outlast an election among etcd's members).
+    #[arg(long, default_value_t = 5)]
     pub ha_lease_s: u64,
     /// With --ha: the address clients reach this master at, written in etcd when it
     /// leads (default: --listen, which must then not be 0.0.0.0).

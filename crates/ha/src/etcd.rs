@@ -289,3 +289,44 @@ where
         }),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn endpoints_parse_and_refuse() {
+        assert_eq!(
+            parse_endpoints("etcd://10.0.0.1:2379;h2:2380, h3:1").unwrap(),
+            ["10.0.0.1:2379", "h2:2380", "h3:1"]
+        );
+        for bad in [
+            "10.0.0.1:2379",
+            "etcd://",
+            "etcd://;",
+            "etcd://h",
+            "etcd://h:port",
+            "etcd://:2379",
+            "etcd://h:70000",
+        ] {
+            assert!(
+                matches!(parse_endpoints(bad), Err(HaError::Misuse { .. })),
+                "{bad}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_call_past_its_deadline_is_a_timeout_without_io() {
+        // No member listens on port 9 of 127.0.0.1; the deadline has passed already.
+        let e = Etcd::connect(
+            "etcd://127.0.0.1:9",
+            Instant::now() + Duration::from_secs(2),
+        )
+        .expect("connecting is lazy");
+        let r = e.get("k", Instant::now());
+        assert!(matches!(r, Err(HaError::Timeout { .. })), "{r:?}");
+        let r = e.get("k", Instant::now() + Duration::from_secs(2));
+        assert!(matches!(r, Err(HaError::Unavailable { .. })), "{r:?}");
+    }
+}

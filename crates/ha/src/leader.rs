@@ -5,7 +5,7 @@
 //!   itself a lease and creates the key attached to that lease, in one transaction that
 //!   succeeds only if the key is still absent. The key holds the leader's address; the
 //!   revision that created it is the leader's epoch, which grows with every new leader.
-//! * **Leading.** The leader renews its lease every third of its TTL. It may answer until
+//! * **Leading.** The leader renews its lease every fifth of its TTL. It may answer until
 //!   `sent + TTL - margin`, where `sent` is when the renewal that etcd granted was sent:
 //!   etcd received it later, so its expiry is later still, and another master can win
 //!   only after that. The [`Authority`] checked before every reply holds that instant, so
@@ -37,7 +37,9 @@ pub struct HaConfig {
     /// Masters with the same id (on the same etcd) elect one leader among them.
     pub cluster_id: String,
     /// The leader's lease (whole seconds, at least 2: etcd's own floor for its default
-    /// election timeout). A dead leader is replaced within about this time.
+    /// election timeout). A dead leader is replaced within about this time; a leader
+    /// keeps leading through an election among etcd's members (about 1-2 s with etcd's
+    /// default 1 s election timeout) only if the lease outlasts it.
     pub lease_ttl: Duration,
     /// How often a standby looks at the leader key.
     pub poll: Duration,
@@ -49,12 +51,12 @@ pub struct HaConfig {
 }
 
 impl HaConfig {
-    /// Defaults around an etcd address: cluster `default`, a 3 s lease, 100 ms polls.
+    /// Defaults around an etcd address: cluster `default`, a 5 s lease, 100 ms polls.
     pub fn new(etcd: impl Into<String>) -> HaConfig {
         HaConfig {
             etcd: etcd.into(),
             cluster_id: "default".into(),
-            lease_ttl: Duration::from_secs(3),
+            lease_ttl: Duration::from_secs(5),
             poll: Duration::from_millis(100),
             call_timeout: Duration::from_secs(1),
             advertise: None,
@@ -211,6 +213,10 @@ impl Drop for HaMaster {
     }
 }
 
+/// Renewals per lease TTL: frequent, so that a renewal held up (etcd electing a new raft
+/// leader) leaves most of the TTL to retry in.
+const RENEWALS_PER_TTL: u32 = 5;
+
 /// A won election.
 struct Won {
     epoch: u64,
@@ -311,7 +317,7 @@ impl Campaign {
             .grant_until(sent + ttl.saturating_sub(margin));
         self.set_role(Role::Leader(epoch));
         tracing::info!(epoch, addr = %self.advertise, "store master: leading");
-        let period = ttl / 3;
+        let period = ttl / RENEWALS_PER_TTL;
         let mut last = sent;
         let lost = loop {
             if self.stopping() {

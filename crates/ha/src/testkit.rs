@@ -184,6 +184,23 @@ impl EtcdCluster {
         })
     }
 
+    /// Stops member `i` (SIGSTOP): it keeps its sockets and answers nothing.
+    pub fn pause(&self, i: usize) {
+        self.signal(i, libc::SIGSTOP);
+    }
+
+    /// Resumes member `i` after [`EtcdCluster::pause`].
+    pub fn resume(&self, i: usize) {
+        self.signal(i, libc::SIGCONT);
+    }
+
+    fn signal(&self, i: usize, sig: libc::c_int) {
+        if let Some(c) = &self.members[i].child {
+            // SAFETY: kill(2) on a child this cluster spawned and has not reaped.
+            unsafe { libc::kill(c.id() as libc::pid_t, sig) };
+        }
+    }
+
     /// Kills member `i` (SIGKILL) and reaps it.
     pub fn kill(&mut self, i: usize) {
         if let Some(mut c) = self.members[i].child.take() {

@@ -61,7 +61,7 @@ fn run_master() -> Result<()> {
     cfg.core.revoke_grace_ms = 200;
     let mut ha = HaConfig::new(std::env::var("PW_ETCD")?);
     ha.cluster_id = "t".into();
-    ha.lease_ttl = TTL;
+    ha.lease_ttl = Duration::from_secs(std::env::var("PW_TTL_S")?.parse()?);
     ha.poll = Duration::from_millis(50);
     let m = HaMaster::start(cfg, ha)?;
     say(format!("READY {}", m.local_addr()));
@@ -107,11 +107,12 @@ struct MasterProc {
 }
 
 impl MasterProc {
-    fn spawn(etcd: &str) -> Result<MasterProc> {
+    fn spawn(etcd: &str, ttl: Duration) -> Result<MasterProc> {
         let mut cmd = Command::new(std::env::current_exe()?);
         cmd.args(["--exact", "role", "--nocapture", "--test-threads=1"])
             .env(ROLE, "master")
             .env("PW_ETCD", etcd)
+            .env("PW_TTL_S", ttl.as_secs().to_string())
             .env(
                 "PAGEWIRE_LOG",
                 std::env::var("PW_CHILD_LOG").unwrap_or("error".into()),
@@ -188,10 +189,16 @@ impl Drop for MasterProc {
     }
 }
 
-/// Two masters on `etcd`, and which of them leads: `(leader, standby, epoch)`.
+/// Two masters on `etcd` with a lease of [`TTL`], and which of them leads:
+/// `(leader, standby, epoch)`.
 fn two_masters(etcd: &EtcdCluster) -> Result<(MasterProc, MasterProc, u64)> {
-    let a = MasterProc::spawn(&etcd.url())?;
-    let b = MasterProc::spawn(&etcd.url())?;
+    two_masters_with(etcd, TTL)
+}
+
+/// As [`two_masters`], with a lease of `ttl`.
+fn two_masters_with(etcd: &EtcdCluster, ttl: Duration) -> Result<(MasterProc, MasterProc, u64)> {
+    let a = MasterProc::spawn(&etcd.url(), ttl)?;
+    let b = MasterProc::spawn(&etcd.url(), ttl)?;
     let loc = locator(etcd)?;
     let by = Instant::now() + Duration::from_secs(15);
     loop {
@@ -225,10 +232,15 @@ fn locator(etcd: &EtcdCluster) -> Result<EtcdLocator> {
 
 /// A store client that follows the leader; `segment` bytes offered (0: none).
 fn client(etcd: &EtcdCluster, segment: u64) -> Result<StoreClient> {
+    client_within(etcd, segment, Duration::from_secs(8))
+}
+
+/// As [`client`], with `timeout` per call.
+fn client_within(etcd: &EtcdCluster, segment: u64, timeout: Duration) -> Result<StoreClient> {
     let mut c = client_config(&etcd.url(), "t", Instant::now() + Duration::from_secs(5))?;
     c.engine = common::engine(BackendKind::Tcp);
     c.segment_size = segment;
-    c.timeout = Duration::from_secs(8);
+    c.timeout = timeout;
     c.connect_timeout = Duration::from_secs(8);
     Ok(StoreClient::connect(c)?)
 }
@@ -380,7 +392,10 @@ fn stopped_leader_does_not_answer_after_its_lease() -> Result<()> {
 fn one_etcd_member_of_three_killed_leader_keeps_leading() -> Result<()> {
     let _serial = serial();
     let mut etcd = EtcdCluster::start(3);
-    let (leader, _standby, epoch) = two_masters(&etcd)?;
+    // The default lease: it must outlast the election of a new raft leader (etcd's
+    // election timeout is 1 s), during which no renewal succeeds.
+    let ttl = HaConfig::new("etcd://unused:1").lease_ttl;
+    let (leader, _standby, epoch) = two_masters_with(&etcd, ttl)?;
     let node = client(&etcd, 64 << 20)?;
     let c = client(&etcd, 0)?;
     let mut p = Pages::new(&c);
@@ -389,8 +404,8 @@ fn one_etcd_member_of_three_killed_leader_keeps_leading() -> Result<()> {
     let raft_leader = etcd.raft_leader();
     let victim = raft_leader.unwrap_or(0);
     etcd.kill(victim);
-    // Several lease periods: every renewal must reach a live member.
-    let until = Instant::now() + TTL * 4;
+    // Two lease periods: every renewal must reach a live member.
+    let until = Instant::now() + ttl * 2;
     let mut i = 0;
     while Instant::now() < until {
         ensure!(
@@ -414,6 +429,67 @@ fn one_etcd_member_of_three_killed_leader_keeps_leading() -> Result<()> {
     println!(
         "{i} round trips with etcd member {victim} of three (raft leader: {}) down, same leader",
         raft_leader.is_some()
+    );
+    c.close();
+    node.close();
+    Ok(())
+}
+
+/// All of etcd stopped for longer than the lease: the leader falls silent, calls fail
+/// with a typed error within their deadline, and once etcd is back the store serves
+/// again by itself (with a new leader term).
+#[test]
+fn etcd_stopped_calls_fail_typed_then_recover() -> Result<()> {
+    let _serial = serial();
+    let etcd = EtcdCluster::start(1);
+    let (_leader, _standby, epoch) = two_masters(&etcd)?;
+    let node = client(&etcd, 64 << 20)?;
+    let timeout = Duration::from_secs(2);
+    let c = client_within(&etcd, 0, timeout)?;
+    let mut p = Pages::new(&c);
+    ensure!(p.round_trip(&c, "before")? == (true, true));
+
+    etcd.pause(0);
+    let paused = Instant::now();
+    std::thread::sleep(TTL + Duration::from_millis(500));
+    fill("during", 7, &mut p.src.mem);
+    let t = Instant::now();
+    let r = c.put(
+        &["during"],
+        &[[p.src.span(0, PAGE)]],
+        &PutOptions::default(),
+    );
+    let took = t.elapsed();
+    let code = match &r {
+        Err(e) => e.code(),
+        Ok(v) => match v.as_slice() {
+            [Err(c)] => *c,
+            other => bail!("a put succeeded with etcd stopped past the lease: {other:?}"),
+        },
+    };
+    ensure!(
+        matches!(code, Code::Timeout | Code::MasterUnavailable),
+        "put with etcd stopped: {r:?}"
+    );
+    ensure!(
+        took < timeout + Duration::from_millis(1500),
+        "the put took {took:?} (deadline {timeout:?})"
+    );
+    std::thread::sleep(Duration::from_secs(5).saturating_sub(paused.elapsed()));
+    etcd.resume(0);
+    let resumed = Instant::now();
+    until_served(&c, &mut p, "after", Duration::from_secs(20))?;
+    let loc = locator(&etcd)?;
+    let (_, now) = loc
+        .leader(Instant::now() + Duration::from_secs(2))?
+        .context("no leader after etcd came back")?;
+    ensure!(now > epoch, "epoch {now} after {epoch}");
+    println!(
+        "etcd stopped {:.1} s: a put failed with {code:?} after {:.2} s; served again {:.2} s \
+         after etcd resumed",
+        resumed.duration_since(paused).as_secs_f64(),
+        took.as_secs_f64(),
+        resumed.elapsed().as_secs_f64()
     );
     c.close();
     node.close();

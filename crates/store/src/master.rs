@@ -861,6 +861,23 @@ fn handle(shared: &Shared, client: u64, req: Request) -> Response {
 mod tests {
     use super::*;
 
+    /// An authority is valid until its instant, not after, and not once revoked.
+    #[test]
+    fn authority_lapses_by_itself_and_on_revoke() {
+        let a = Authority::new();
+        assert!(!a.is_valid());
+        a.grant_until(Instant::now() + Duration::from_secs(60));
+        assert!(a.is_valid() && a.clone().is_valid());
+        a.revoke();
+        assert!(!a.is_valid());
+        a.grant_until(Instant::now() + Duration::from_millis(30));
+        assert!(a.is_valid());
+        std::thread::sleep(Duration::from_millis(40));
+        assert!(!a.is_valid());
+        a.grant_until(Instant::now() - Duration::from_millis(1));
+        assert!(!a.is_valid());
+    }
+
     /// A flood of events gives one line per interval, the first at once; the counts add
     /// up, and nothing is logged for an interval without events.
     #[test]
