@@ -143,15 +143,14 @@ impl HaMaster {
             .spawn(move || {
                 let mut c = Campaign {
                     etcd,
+                    key: leader_key(&ha.cluster_id),
                     ha,
                     cfg,
-                    key: String::new(),
                     advertise,
                     authority,
                     master,
                     shared: s,
                 };
-                c.key = leader_key(&c.ha.cluster_id);
                 c.run();
             })
             .map_err(|e| HaError::Io {

@@ -13,7 +13,6 @@ use crate::leader::leader_key;
 #[derive(Debug)]
 pub struct EtcdLocator {
     etcd: Etcd,
-    url: String,
     key: String,
     poll: Duration,
 }
@@ -24,7 +23,6 @@ impl EtcdLocator {
     pub fn connect(url: &str, cluster_id: &str, deadline: Instant) -> Result<EtcdLocator> {
         Ok(EtcdLocator {
             etcd: Etcd::connect(url, deadline)?,
-            url: url.to_string(),
             key: leader_key(cluster_id),
             poll: Duration::from_millis(50),
         })
@@ -64,10 +62,6 @@ impl MasterLocator for EtcdLocator {
             }
             std::thread::sleep(self.poll);
         }
-    }
-
-    fn describe(&self) -> String {
-        format!("{} ({})", self.url, self.key)
     }
 }
 

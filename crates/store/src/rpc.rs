@@ -47,9 +47,6 @@ pub trait MasterLocator: Send + Sync + std::fmt::Debug {
     /// The leader's `host:port` and its epoch, looked up by `deadline`; waits within the
     /// deadline while there is no leader.
     fn locate(&self, deadline: Instant) -> Result<(String, u64)>;
-
-    /// What the locator reads, for messages (`etcd://...`).
-    fn describe(&self) -> String;
 }
 
 /// How long one attempt to say `Hello` to a located leader may take before the link
