@@ -58,8 +58,24 @@ fn free_port() -> u16 {
 
 impl EtcdCluster {
     /// Starts `n` members and waits until the cluster answers `/health` with a leader.
+    /// A member that exits at start (another process took one of its ports between our
+    /// pick and its bind) makes a fresh try with other ports, twice at most.
     pub fn start(n: usize) -> EtcdCluster {
         assert!(n >= 1, "a cluster has at least one member");
+        let mut tries = 0;
+        loop {
+            match Self::try_start(n) {
+                Ok(c) => return c,
+                Err(why) if tries < 2 => {
+                    tries += 1;
+                    eprintln!("etcd did not start, trying other ports: {why}");
+                }
+                Err(why) => panic!("{why}"),
+            }
+        }
+    }
+
+    fn try_start(n: usize) -> Result<EtcdCluster, String> {
         static SEQ: AtomicUsize = AtomicUsize::new(0);
         let dir = std::env::temp_dir().join(format!(
             "pagewire-etcd-{}-{}",
@@ -80,8 +96,8 @@ impl EtcdCluster {
         for i in 0..n {
             c.spawn(i);
         }
-        c.wait_ready();
-        c
+        c.wait_ready()?;
+        Ok(c)
     }
 
     fn initial_cluster(&self) -> String {
@@ -122,11 +138,11 @@ impl EtcdCluster {
     }
 
     /// Polls every member's `/health` until one says the cluster is healthy.
-    fn wait_ready(&mut self) {
+    fn wait_ready(&mut self) -> Result<(), String> {
         let by = Instant::now() + READY_WITHIN;
         loop {
             if self.members.iter().any(|m| health(m.client)) {
-                return;
+                return Ok(());
             }
             let exited =
                 self.members
@@ -136,10 +152,10 @@ impl EtcdCluster {
                         _ => None,
                     });
             if let Some((name, st)) = exited {
-                panic!(
+                return Err(format!(
                     "etcd member {name} exited ({st}):\n{}",
                     self.log_tail(&name)
-                );
+                ));
             }
             if Instant::now() > by {
                 let names: Vec<_> = self.members.iter().map(|m| m.name.clone()).collect();
@@ -167,11 +183,6 @@ impl EtcdCluster {
             .map(|m| format!("127.0.0.1:{}", m.client))
             .collect();
         format!("etcd://{}", hosts.join(";"))
-    }
-
-    /// Member `i`'s client address.
-    pub fn client_addr(&self, i: usize) -> SocketAddr {
-        SocketAddr::from((Ipv4Addr::LOCALHOST, self.members[i].client))
     }
 
     /// The member that is raft leader now, if one says so (its `/metrics`).
