@@ -138,10 +138,14 @@ impl Etcd {
         let mut last = None;
         for k in 0..n {
             let i = (first + k) % n;
+            // Each member left gets an equal share of the time left (at most
+            // PER_MEMBER), so that a silent one cannot take the whole deadline.
+            let left = deadline.saturating_duration_since(Instant::now());
+            let share = (left / (n - k) as u32).min(PER_MEMBER);
             let by = if k + 1 == n {
                 deadline
             } else {
-                deadline.min(Instant::now() + PER_MEMBER)
+                Instant::now() + share
             };
             match block(&self.rt, by, what, f(self.clients[i].clone())) {
                 Ok(v) => {
@@ -149,7 +153,11 @@ impl Etcd {
                     return Ok(v);
                 }
                 Err(e @ HaError::Misuse { .. }) => return Err(e),
-                Err(e) => last = Some(e),
+                Err(e) => {
+                    // The next call starts with the next member.
+                    self.current.store((i + 1) % n, Ordering::Relaxed);
+                    last = Some(e);
+                }
             }
             if Instant::now() >= deadline {
                 break;

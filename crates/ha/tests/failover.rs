@@ -388,51 +388,75 @@ fn stopped_leader_does_not_answer_after_its_lease() -> Result<()> {
     Ok(())
 }
 
-#[test]
-fn one_etcd_member_of_three_killed_leader_keeps_leading() -> Result<()> {
+/// Two masters with a lease of `ttl` on a three-member etcd; `disrupt` takes one member
+/// out (and says how); the leader must keep leading and serving for two lease periods.
+fn keeps_leading_through(
+    ttl: Duration,
+    disrupt: impl FnOnce(&mut EtcdCluster) -> String,
+) -> Result<()> {
     let _serial = serial();
     let mut etcd = EtcdCluster::start(3);
-    // The default lease: it must outlast the election of a new raft leader (etcd's
-    // election timeout is 1 s), during which no renewal succeeds.
-    let ttl = HaConfig::new("etcd://unused:1").lease_ttl;
     let (leader, _standby, epoch) = two_masters_with(&etcd, ttl)?;
     let node = client(&etcd, 64 << 20)?;
     let c = client(&etcd, 0)?;
     let mut p = Pages::new(&c);
     ensure!(p.round_trip(&c, "before")? == (true, true));
-    // The raft leader: the harder case (etcd elects another one meanwhile).
-    let raft_leader = etcd.raft_leader();
-    let victim = raft_leader.unwrap_or(0);
-    etcd.kill(victim);
+    let what = disrupt(&mut etcd);
     // Two lease periods: every renewal must reach a live member.
     let until = Instant::now() + ttl * 2;
     let mut i = 0;
     while Instant::now() < until {
         ensure!(
             p.round_trip(&c, &format!("during_{i}"))? == (true, true),
-            "round trip {i} failed with one etcd member down"
+            "round trip {i} failed with {what}"
         );
         i += 1;
         std::thread::sleep(Duration::from_millis(50));
     }
     ensure!(
         leader.lines.try_iter().all(|l| !l.starts_with("STANDBY")),
-        "the leader stepped down"
+        "the leader stepped down with {what}"
     );
     let loc = locator(&etcd)?;
     let now = loc.leader(Instant::now() + Duration::from_secs(3))?;
     ensure!(
         now == Some((leader.addr.to_string(), epoch)),
-        "leader after the member died: {now:?}, was {} epoch {epoch}",
+        "leader with {what}: {now:?}, was {} epoch {epoch}",
         leader.addr
     );
-    println!(
-        "{i} round trips with etcd member {victim} of three (raft leader: {}) down, same leader",
-        raft_leader.is_some()
-    );
+    println!("{i} round trips with {what} (lease {ttl:?}), same leader");
     c.close();
     node.close();
     Ok(())
+}
+
+#[test]
+fn one_etcd_member_of_three_killed_leader_keeps_leading() -> Result<()> {
+    // The default lease: it must outlast the election of a new raft leader (etcd's
+    // election timeout is 1 s), during which no renewal succeeds.
+    let ttl = HaConfig::new("etcd://unused:1").lease_ttl;
+    keeps_leading_through(ttl, |etcd| {
+        // The raft leader: the harder case (etcd elects another one meanwhile).
+        let raft_leader = etcd.raft_leader();
+        let victim = raft_leader.unwrap_or(0);
+        etcd.kill(victim);
+        format!(
+            "etcd member {victim} of three killed (raft leader: {})",
+            raft_leader.is_some()
+        )
+    })
+}
+
+#[test]
+fn one_etcd_follower_of_three_frozen_leader_keeps_leading() -> Result<()> {
+    // A frozen member accepts connections and answers nothing: renewals that try it
+    // first must leave time for another member, even under the shortest lease.
+    keeps_leading_through(TTL, |etcd| {
+        // Member 0 is where every client starts, unless it is the raft leader.
+        let victim = if etcd.raft_leader() == Some(0) { 1 } else { 0 };
+        etcd.pause(victim);
+        format!("etcd follower {victim} of three stopped (SIGSTOP)")
+    })
 }
 
 /// All of etcd stopped for longer than the lease: the leader falls silent, calls fail
