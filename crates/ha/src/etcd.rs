@@ -186,6 +186,15 @@ impl Etcd {
         }))
     }
 
+    /// Deletes `key`; whether it existed.
+    pub fn delete(&self, key: &str, deadline: Instant) -> Result<bool> {
+        let r = self.call("etcd delete", deadline, |mut c| {
+            let key = key.to_string();
+            async move { c.delete(key, None).await }
+        })?;
+        Ok(r.deleted() > 0)
+    }
+
     /// Grants a lease of `ttl` (whole seconds, at least 1): its id and the TTL etcd gave
     /// it (etcd may raise it to its floor).
     pub fn grant(&self, ttl: Duration, deadline: Instant) -> Result<(i64, Duration)> {

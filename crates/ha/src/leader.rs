@@ -317,7 +317,7 @@ impl Campaign {
         self.set_role(Role::Leader(epoch));
         tracing::info!(epoch, addr = %self.advertise, "store master: leading");
         let period = ttl / RENEWALS_PER_TTL;
-        let mut last = sent;
+        let mut next = sent + period;
         let lost = loop {
             if self.stopping() {
                 // Resign: the key goes with the lease, so a standby need not wait it out.
@@ -325,7 +325,6 @@ impl Campaign {
                 let _ = self.etcd.revoke(lease, self.by());
                 break None;
             }
-            let next = last + period;
             let now = Instant::now();
             if now < next {
                 std::thread::sleep((next - now).min(Duration::from_millis(50)));
@@ -333,33 +332,53 @@ impl Campaign {
             }
             let sent = Instant::now();
             let by = (sent + period).min(sent + self.ha.call_timeout);
-            match self.etcd.keep_alive(lease, by) {
-                Ok(true) => {
+            match self.renew(lease, epoch, by) {
+                Ok(Ok(())) => {
                     // etcd restarts the lease's full TTL when it receives the renewal,
                     // which is after `sent`.
                     self.authority
                         .grant_until(sent + ttl.saturating_sub(margin));
-                    last = sent;
+                    next = sent + period;
                 }
-                Ok(false) => break Some("etcd says the lease expired"),
+                Ok(Err(why)) => break Some(why),
                 Err(e) => {
                     if !self.authority.is_valid() {
                         tracing::warn!("store master: lease renewal failed: {e}");
                         break Some("lease renewals failed until the lease may have expired");
                     }
                     // Retried soon: the authority lapses by itself if none succeeds.
-                    last = Instant::now() - period + Duration::from_millis(100);
+                    next = Instant::now() + Duration::from_millis(100);
                 }
             }
         };
         self.authority.revoke();
         self.set_role(Role::Standby);
         if let Some(lost) = lost {
+            // Best effort: the lease may be gone already, or etcd out of reach.
+            let _ = self.etcd.revoke(lease, self.by());
             tracing::warn!(
                 epoch,
                 "store master: no longer leading ({lost}); standing by"
             );
             self.restart_empty();
+        }
+    }
+
+    /// Renews the lease and checks that the leader key is still this leader's (created
+    /// at `epoch`): a key deleted by hand would otherwise let a standby lead beside it.
+    /// `Ok(Err(why))`: leadership is lost.
+    fn renew(
+        &self,
+        lease: i64,
+        epoch: u64,
+        by: Instant,
+    ) -> Result<std::result::Result<(), &'static str>> {
+        if !self.etcd.keep_alive(lease, by)? {
+            return Ok(Err("etcd says the lease expired"));
+        }
+        match self.etcd.get(&self.key, by)? {
+            Some(e) if e.create_revision as u64 == epoch => Ok(Ok(())),
+            _ => Ok(Err("the leader key is gone or another master's")),
         }
     }
 
