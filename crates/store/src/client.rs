@@ -325,6 +325,7 @@ impl StoreClient {
         let token = cfg.token.clone().unwrap_or_default().into_bytes();
         let link = MasterLink::new(&cfg.master, cfg.locator.clone(), token, spec);
         link.set_endpoint(endpoint.clone());
+        link.watch().map_err(fail)?;
         if let Err(e) = link.session(set_up_by) {
             if let Some(r) = segment.as_ref().and_then(|s| s.region()) {
                 let _ = engine.deregister(r);

@@ -53,6 +53,9 @@ pub trait MasterLocator: Send + Sync + std::fmt::Debug {
 /// looks again: a leader that was stopped accepts connections in its kernel but never
 /// answers.
 const HELLO_ATTEMPT: Duration = Duration::from_secs(1);
+/// How often the watcher looks at a call in flight, and how long a call must have waited
+/// before it asks the locator whether the leader changed meanwhile.
+const WATCH_PERIOD: Duration = Duration::from_millis(250);
 /// Leader changes one call follows before it gives up.
 const MAX_LEADER_CHANGES: u32 = 3;
 /// Pause between looks at the leader while none answers.
@@ -86,6 +89,9 @@ pub(crate) struct MasterLink {
     max_frame: u32,
     frame_timeout: Duration,
     locator: Option<Arc<dyn MasterLocator>>,
+    /// The call waiting for the master now: a clone of its stream, the session's epoch
+    /// and when it was sent (for the watcher).
+    inflight: Mutex<Option<(TcpStream, u64, Instant)>>,
     state: Mutex<State>,
 }
 
@@ -98,6 +104,7 @@ impl MasterLink {
     ) -> Arc<Self> {
         Arc::new(MasterLink {
             locator,
+            inflight: Mutex::new(None),
             addr: addr.to_string(),
             token,
             endpoint: Mutex::new(String::new()),
@@ -114,6 +121,55 @@ impl MasterLink {
 
     fn state(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// With a locator: starts the thread that ends a call waiting on a master that is no
+    /// longer the leader (a stopped one never answers), so that the call goes on with the
+    /// new leader within its deadline. It asks the locator only while a call has been
+    /// waiting for a while, and ends with the link.
+    pub fn watch(self: &Arc<Self>) -> Result<()> {
+        if self.locator.is_none() {
+            return Ok(());
+        }
+        let weak = Arc::downgrade(self);
+        std::thread::Builder::new()
+            .name("pagewire-store-watch".into())
+            .spawn(move || {
+                loop {
+                    std::thread::sleep(WATCH_PERIOD);
+                    let Some(link) = weak.upgrade() else { return };
+                    link.check_inflight();
+                }
+            })
+            .map_err(|e| StoreError::io("spawn the leader watch thread", e))?;
+        Ok(())
+    }
+
+    /// Closes the stream of a call that has waited for longer than [`WATCH_PERIOD`] when
+    /// the locator names a leader of another epoch.
+    fn check_inflight(&self) {
+        let Some(loc) = &self.locator else { return };
+        let waiting = {
+            let g = self.inflight.lock().unwrap_or_else(|p| p.into_inner());
+            match &*g {
+                Some((_, epoch, since)) if since.elapsed() >= WATCH_PERIOD => Some(*epoch),
+                _ => None,
+            }
+        };
+        let Some(epoch) = waiting else { return };
+        let Ok((_, leader)) = loc.locate(Instant::now() + WATCH_PERIOD * 2) else {
+            return;
+        };
+        if leader == epoch {
+            return;
+        }
+        let g = self.inflight.lock().unwrap_or_else(|p| p.into_inner());
+        // Still the same call's session: its reply cannot come from the leader.
+        if let Some((s, e, _)) = &*g
+            && *e == epoch
+        {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
     }
 
     /// Sets the endpoint announced in `Hello` (before the first call).
@@ -344,7 +400,16 @@ impl MasterLink {
         loop {
             self.ensure(&mut st, deadline)?;
             let mut s = st.stream.take().expect("ensured");
-            match self.exchange(&mut s, &mut st, req, deadline) {
+            if self.locator.is_some() {
+                let epoch = st.welcome.map_or(0, |w| w.epoch);
+                *self.inflight.lock().unwrap_or_else(|p| p.into_inner()) =
+                    s.try_clone().ok().map(|c| (c, epoch, Instant::now()));
+            }
+            let r = self.exchange(&mut s, &mut st, req, deadline);
+            if self.locator.is_some() {
+                *self.inflight.lock().unwrap_or_else(|p| p.into_inner()) = None;
+            }
+            match r {
                 Ok(Response::Error {
                     code: Code::UnknownClient,
                     ..
