@@ -82,6 +82,14 @@ pub enum Role {
 struct Shared {
     stop: AtomicBool,
     role: Mutex<Role>,
+    /// The master this one runs now (replaced by an empty one when it is deposed).
+    master: Mutex<Option<Master>>,
+}
+
+impl Shared {
+    fn master(&self) -> std::sync::MutexGuard<'_, Option<Master>> {
+        self.master.lock().unwrap_or_else(|p| p.into_inner())
+    }
 }
 
 /// A master that takes part in an election through etcd.
@@ -136,6 +144,7 @@ impl HaMaster {
         let shared = Arc::new(Shared {
             stop: AtomicBool::new(false),
             role: Mutex::new(Role::Standby),
+            master: Mutex::new(Some(master)),
         });
         let s = shared.clone();
         let thread = std::thread::Builder::new()
@@ -148,7 +157,6 @@ impl HaMaster {
                     cfg,
                     advertise,
                     authority,
-                    master,
                     shared: s,
                 };
                 c.run();
@@ -172,6 +180,12 @@ impl HaMaster {
     /// Leading or standing by, now.
     pub fn role(&self) -> Role {
         *self.shared.role.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The counts of the master this one runs now (none once it stopped). A standby's
+    /// are those of an empty master.
+    pub fn stats(&self) -> Option<pagewire_store::Stats> {
+        self.shared.master().as_ref().map(Master::stats)
     }
 
     /// Waits up to `timeout` for this master to lead; its epoch.
@@ -234,7 +248,6 @@ struct Campaign {
     key: String,
     advertise: String,
     authority: Authority,
-    master: Master,
     shared: Arc<Shared>,
 }
 
@@ -271,7 +284,10 @@ impl Campaign {
             }
         }
         self.authority.revoke();
-        self.master.shutdown();
+        let old = self.shared.master().take();
+        if let Some(m) = old {
+            m.shutdown();
+        }
     }
 
     /// One look at the leader key, and a bid when it is free.
@@ -311,7 +327,9 @@ impl Campaign {
             sent,
         } = won;
         let margin = self.ha.margin();
-        self.master.set_epoch(epoch);
+        if let Some(m) = &*self.shared.master() {
+            m.set_epoch(epoch);
+        }
         self.authority
             .grant_until(sent + ttl.saturating_sub(margin));
         self.set_role(Role::Leader(epoch));
@@ -385,11 +403,15 @@ impl Campaign {
     /// Drops the deposed leader's state: a new, empty master on the same address, that
     /// answers nothing until it wins again.
     fn restart_empty(&mut self) {
-        self.master.shutdown();
+        // The old one goes first: the new one binds its address.
+        let old = self.shared.master().take();
+        if let Some(m) = old {
+            m.shutdown();
+        }
         loop {
             match Master::start(self.cfg.clone()) {
                 Ok(m) => {
-                    self.master = m;
+                    *self.shared.master() = Some(m);
                     return;
                 }
                 Err(e) => {
