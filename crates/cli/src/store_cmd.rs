@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::{Args, Subcommand, ValueEnum};
+use pagewire_ha::{HaConfig, HaMaster};
 use pagewire_store::{
     ClientConfig, IpcAddr, Master, MasterConfig, RealClient, RealClientConfig, StoreClient,
 };
@@ -26,10 +27,14 @@ pub enum StoreCommand {
     /// Run the master: membership, object metadata, allocation, leases, eviction.
     ///
     /// Example: pagewire store master --listen 0.0.0.0:50051
+    ///
+    /// With --ha etcd://h1:2379;h2:2379 several masters elect a leader through etcd; the
+    /// others stand by (they accept no client) until it fails.
     Master(MasterArgs),
     /// Run a storage node: allocate and register a segment, offer it to the master.
     ///
     /// Example: pagewire store serve --master 10.0.0.1:50051 --segment 8G
+    /// (--master etcd://h1:2379;h2:2379 follows the leader elected through etcd)
     Serve(ServeArgs),
     /// Run a standalone client: a storage node that also serves dummy clients of this
     /// host (Mooncake's `mooncake_client`; `setup_dummy(..., server_address)` connects).
@@ -77,13 +82,32 @@ pub struct MasterArgs {
     /// Space of such a put is reused this long after the put started (ms).
     #[arg(long, default_value_t = 600_000)]
     pub put_release_ms: u64,
+    /// Elect the master through etcd: `etcd://HOST:PORT[;HOST:PORT...]`. Masters with the
+    /// same etcd and --cluster-id elect one leader; the others stand by.
+    #[arg(long)]
+    pub ha: Option<String>,
+    /// With --ha: the masters' group in etcd.
+    #[arg(long, default_value = "default")]
+    pub cluster_id: String,
+    /// With --ha: the leader's etcd lease in seconds (a dead leader is replaced within
+    /// about this time; at least 2; it must outlast an election among etcd's members).
+    #[arg(long, default_value_t = 5)]
+    pub ha_lease_s: u64,
+    /// With --ha: the address clients reach this master at, written in etcd when it
+    /// leads (default: --listen, which must then not be 0.0.0.0).
+    #[arg(long)]
+    pub advertise: Option<String>,
 }
 
 #[derive(Debug, Args)]
 pub struct ServeArgs {
-    /// The master's host:port.
+    /// The master's host:port, or `etcd://HOST:PORT[;HOST:PORT...]` to follow the leader
+    /// of masters elected through etcd.
     #[arg(long)]
     pub master: String,
+    /// With an etcd:// master: the masters' group in etcd.
+    #[arg(long, default_value = "default")]
+    pub cluster_id: String,
     /// Bytes of memory to offer (suffixes K, M, G, T = powers of 1024).
     #[arg(long, value_parser = parse_bytes)]
     pub segment: u64,
@@ -153,6 +177,23 @@ fn master(a: MasterArgs) -> anyhow::Result<()> {
     c.evict_ratio = a.evict_ratio;
     c.put_discard_ms = a.put_discard_ms;
     c.put_release_ms = a.put_release_ms;
+    if let Some(etcd) = &a.ha {
+        let mut ha = HaConfig::new(etcd.clone());
+        ha.cluster_id.clone_from(&a.cluster_id);
+        ha.lease_ttl = Duration::from_secs(a.ha_lease_s);
+        ha.advertise.clone_from(&a.advertise);
+        let m = HaMaster::start(cfg, ha).context("starting the store master on etcd")?;
+        println!(
+            "pagewire store master: listening on {} (lease {} ms, client TTL {} ms), \
+             campaigning through {etcd} as cluster {:?}",
+            m.local_addr(),
+            a.lease_ttl_ms,
+            a.client_ttl_ms,
+            a.cluster_id
+        );
+        m.wait();
+        return Ok(());
+    }
     let m = Master::start(cfg).context("starting the store master")?;
     println!(
         "pagewire store master: listening on {} (lease {} ms, client TTL {} ms, eviction at {:.0} %)",
@@ -181,7 +222,7 @@ fn join(a: &ServeArgs) -> anyhow::Result<StoreClient> {
     if let Some(x) = a.gid_index {
         b = b.gid_index(x);
     }
-    let mut cfg = ClientConfig::new(a.master.clone());
+    let mut cfg = store_client_config(&a.master, &a.cluster_id)?;
     cfg.engine = b.build()?;
     cfg.segment_size = a.segment;
     cfg.token = std::env::var("PAGEWIRE_TOKEN").ok();
@@ -226,6 +267,14 @@ fn client(a: ClientArgs) -> anyhow::Result<()> {
         a.address
     );
     park()
+}
+
+/// Client settings for `--master`: a `host:port`, or an `etcd://` address whose leader
+/// the client follows.
+pub fn store_client_config(master: &str, cluster_id: &str) -> anyhow::Result<ClientConfig> {
+    let by = std::time::Instant::now() + Duration::from_secs(10);
+    pagewire_ha::client_config(master, cluster_id, by)
+        .with_context(|| format!("connecting to {master}"))
 }
 
 fn human(b: u64) -> String {

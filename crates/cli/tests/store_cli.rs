@@ -315,4 +315,114 @@ fn store_client_serves_dummies_with_the_token() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+
+/// `store master --ha etcd://...` twice on a real etcd (started here), `store serve` and
+/// `bench store` given the etcd address: the benchmark runs against the leader, and
+/// again after the leader is killed (the other one leads; the node remounts).
+#[test]
+fn masters_on_etcd_serve_and_bench_store_through_etcd() {
+    let etcd = pagewire_ha::testkit::EtcdCluster::start(1);
+    let url = etcd.url();
+    let master = |_: u8| {
+        spawn(&[
+            "store",
+            "master",
+            "--listen",
+            "127.0.0.1:0",
+            "--ha",
+            &url,
+            "--cluster-id",
+            "cli",
+            "--ha-lease-s",
+            "2",
+            "--heartbeat-ms",
+            "200",
+        ])
+    };
+    let addr_of = |line: &str| {
+        line.split_whitespace()
+            .find(|w| w.starts_with("127.0.0.1:"))
+            .unwrap_or_else(|| panic!("no address in {line:?}"))
+            .trim_end_matches(',')
+            .to_string()
+    };
+    let (a, line) = master(0);
+    assert!(line.contains("campaigning through etcd://"), "{line}");
+    let a_addr = addr_of(&line);
+    let (b, line) = master(1);
+    let b_addr = addr_of(&line);
+    let (_n, line) = spawn(&[
+        "store",
+        "serve",
+        "--master",
+        &url,
+        "--cluster-id",
+        "cli",
+        "--segment",
+        "64M",
+        "--listen",
+        "127.0.0.1:0",
+        "--transport",
+        "tcp",
+    ]);
+    assert!(line.contains("64.0 MiB segment"), "{line}");
+    let bench = || {
+        pagewire()
+            .args([
+                "bench",
+                "store",
+                "--master",
+                &url,
+                "--cluster-id",
+                "cli",
+                "--transport",
+                "tcp",
+                "--model",
+                "mimo-v2",
+                "--layers",
+                "2",
+                "--pages",
+                "8",
+                "-n",
+                "3",
+                "--warmup",
+                "1",
+                "--verify",
+                "--json",
+            ])
+            .output()
+            .expect("spawn pagewire")
+    };
+    let out = bench();
+    assert!(
+        out.status.success(),
+        "bench store: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let r: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    assert_eq!(r["verified"], true);
+
+    let by = std::time::Instant::now() + Duration::from_secs(5);
+    let loc = pagewire_ha::EtcdLocator::connect(&url, "cli", by).expect("etcd");
+    let (leader, _) = loc.leader(by).expect("etcd").expect("a leader");
+    let (mut leading, _standing_by) = if leader == a_addr {
+        (a, b)
+    } else {
+        assert_eq!(leader, b_addr, "the leader key names neither master");
+        (b, a)
+    };
+    let _ = leading.0.kill();
+    let _ = leading.0.wait();
+    let mut last = String::new();
+    for _ in 0..10 {
+        let out = bench();
+        if out.status.success() {
+            let r: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+            assert_eq!(r["verified"], true);
+            return;
+        }
+        last = String::from_utf8_lossy(&out.stderr).into_owned();
+        std::thread::sleep(Duration::from_secs(1));
+    }
+    panic!("bench store after the master was killed: {last}");
 }

@@ -33,6 +33,16 @@ pub(crate) fn store_err(py: Python<'_>, e: SErr) -> PyErr {
     err
 }
 
+/// Client settings for `master`: `host:port`, or `etcd://h:p;h:p` to follow the leader of
+/// masters elected through etcd (their group: `PAGEWIRE_STORE_CLUSTER_ID`, default
+/// `default`), looked up within `connect_timeout`.
+fn client_config(py: Python<'_>, master: &str, connect_timeout: f64) -> PyResult<ClientConfig> {
+    let by = std::time::Instant::now() + secs(connect_timeout, "connect_timeout")?;
+    let cluster =
+        std::env::var("PAGEWIRE_STORE_CLUSTER_ID").unwrap_or_else(|_| "default".to_string());
+    pagewire_ha::client_config(master, &cluster, by).map_err(|e| store_err(py, e.into()))
+}
+
 fn closed() -> PyErr {
     PyRuntimeError::new_err("the store client is closed")
 }
@@ -225,7 +235,7 @@ impl StoreClient {
         if let Some(d) = device.filter(|d| !d.is_empty()) {
             b = b.rdma_device(d);
         }
-        let mut cfg = ClientConfig::new(master);
+        let mut cfg = client_config(py, master, connect_timeout)?;
         cfg.engine = b.build().map_err(|e| store_err(py, e.into()))?;
         cfg.segment_size = segment_size;
         cfg.timeout = secs(timeout, "timeout")?;
@@ -264,7 +274,7 @@ impl StoreClient {
                 "the engine is not initialized: call initialize() first",
             ));
         };
-        let mut cfg = ClientConfig::new(master);
+        let mut cfg = client_config(py, master, connect_timeout)?;
         cfg.engine = transport.config().clone();
         cfg.segment_size = segment_size;
         cfg.timeout = secs(timeout, "timeout")?;
@@ -515,18 +525,28 @@ impl StoreClient {
 /// A store master running in this process (threads; the GIL is not held).
 ///
 /// ``StoreMaster(listen="127.0.0.1:50051", *, lease_ttl=10.0, client_ttl=10.0,
-/// heartbeat=1.0, high_watermark=0.9, evict_ratio=0.05, token=None)``; port 0 picks a
-/// free one (see :attr:`address`). :meth:`shutdown` stops it.
+/// heartbeat=1.0, high_watermark=0.9, evict_ratio=0.05, token=None, ha=None,
+/// cluster_id="default", ha_lease=5.0)``; port 0 picks a free one (see :attr:`address`).
+/// With ``ha="etcd://h:p;h:p"`` the master campaigns through etcd with the others of
+/// ``cluster_id`` and answers only while it leads (:attr:`leading`); clients given the
+/// same ``etcd://`` address follow the leader. :meth:`shutdown` stops it.
 #[pyclass(frozen, module = "pagewire._native", name = "StoreMaster")]
 pub(crate) struct StoreMaster {
-    inner: pagewire_store::Master,
+    inner: MasterKind,
+}
+
+/// A master on its own, or one elected through etcd.
+enum MasterKind {
+    One(pagewire_store::Master),
+    Elected(pagewire_ha::HaMaster),
 }
 
 #[pymethods]
 impl StoreMaster {
     #[new]
     #[pyo3(signature = (listen = "127.0.0.1:50051", *, lease_ttl = 10.0, client_ttl = 10.0,
-        heartbeat = 1.0, high_watermark = 0.9, evict_ratio = 0.05, token = None))]
+        heartbeat = 1.0, high_watermark = 0.9, evict_ratio = 0.05, token = None, ha = None,
+        cluster_id = "default", ha_lease = 5.0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -537,6 +557,9 @@ impl StoreMaster {
         high_watermark: f64,
         evict_ratio: f64,
         token: Option<String>,
+        ha: Option<String>,
+        cluster_id: &str,
+        ha_lease: f64,
     ) -> PyResult<Self> {
         let mut cfg = pagewire_store::MasterConfig {
             listen: listen
@@ -551,21 +574,49 @@ impl StoreMaster {
         cfg.core.heartbeat_ms = ms(heartbeat, "heartbeat")?;
         cfg.core.high_watermark = high_watermark;
         cfg.core.evict_ratio = evict_ratio;
-        let inner = py
-            .detach(move || pagewire_store::Master::start(cfg))
-            .map_err(|e| store_err(py, e))?;
+        let inner = match ha {
+            None => MasterKind::One(
+                py.detach(move || pagewire_store::Master::start(cfg))
+                    .map_err(|e| store_err(py, e))?,
+            ),
+            Some(etcd) => {
+                let mut h = pagewire_ha::HaConfig::new(etcd);
+                h.cluster_id = cluster_id.to_string();
+                h.lease_ttl = secs(ha_lease, "ha_lease")?;
+                MasterKind::Elected(
+                    py.detach(move || pagewire_ha::HaMaster::start(cfg, h))
+                        .map_err(|e| store_err(py, e.into()))?,
+                )
+            }
+        };
         Ok(StoreMaster { inner })
     }
 
     /// ``host:port`` clients connect to.
     #[getter]
     fn address(&self) -> String {
-        self.inner.local_addr().to_string()
+        match &self.inner {
+            MasterKind::One(m) => m.local_addr().to_string(),
+            MasterKind::Elected(m) => m.local_addr().to_string(),
+        }
     }
 
-    /// Counts, as :meth:`StoreClient.stats`.
+    /// Whether this master answers clients: always on its own; with ``ha``, while it
+    /// leads.
+    #[getter]
+    fn leading(&self) -> bool {
+        match &self.inner {
+            MasterKind::One(_) => true,
+            MasterKind::Elected(m) => matches!(m.role(), pagewire_ha::Role::Leader(_)),
+        }
+    }
+
+    /// Counts, as :meth:`StoreClient.stats` (a standby's are those of an empty master).
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let s = self.inner.stats();
+        let s = match &self.inner {
+            MasterKind::One(m) => m.stats(),
+            MasterKind::Elected(m) => m.stats().unwrap_or_default(),
+        };
         let d = PyDict::new(py);
         for (k, v) in [
             ("clients", s.clients),
@@ -584,7 +635,10 @@ impl StoreMaster {
 
     /// Stops the master and closes its connections. Idempotent.
     fn shutdown(&self, py: Python<'_>) {
-        py.detach(|| self.inner.shutdown());
+        py.detach(|| match &self.inner {
+            MasterKind::One(m) => m.shutdown(),
+            MasterKind::Elected(m) => m.shutdown(),
+        });
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {

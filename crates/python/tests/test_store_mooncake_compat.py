@@ -140,7 +140,7 @@ def test_setup_forms_and_refusals(master):
     s.close()
     t = MooncakeDistributedStore()
     assert t.setup({**cfg, "bogus": 1}) == -1
-    assert t.setup({**cfg, "master_server_addr": "etcd://127.0.0.1:2379"}) == -1
+    assert t.setup({**cfg, "master_server_addr": "redis://127.0.0.1:6379"}) == -1
     assert t.setup({**cfg, "protocol": "carrier-pigeon"}) == -1
     assert t.setup({**cfg, "enable_ssd_offload": True}) == -1
     with pytest.raises(TypeError):

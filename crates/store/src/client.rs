@@ -41,8 +41,12 @@ use crate::rpc::{MasterLink, SegmentSpec};
 /// Client settings.
 #[derive(Debug, Clone)]
 pub struct ClientConfig {
-    /// The master's `host:port`.
+    /// The master's `host:port`; with [`ClientConfig::locator`], what the locator reads
+    /// (`etcd://h:p;h:p`), for messages.
     pub master: String,
+    /// Finds the leader among elected masters (`pagewire_ha::EtcdLocator` for
+    /// `etcd://` addresses); none: `master` is the one master.
+    pub locator: Option<Arc<dyn crate::rpc::MasterLocator>>,
     /// The transport engine's settings (backend, listen address, device). Its listen
     /// address is what storage nodes and other clients connect to; with an unspecified IP
     /// (`0.0.0.0`) the client announces the IP it reaches the master from.
@@ -88,6 +92,7 @@ impl ClientConfig {
     pub fn new(master: impl Into<String>) -> Self {
         ClientConfig {
             master: master.into(),
+            locator: None,
             engine: EngineConfig::default(),
             segment_size: 0,
             token: None,
@@ -288,9 +293,16 @@ impl StoreClient {
             }
             e
         };
+        if cfg.locator.is_none() && cfg.master.starts_with("etcd://") {
+            return Err(fail(StoreError::Config {
+                key: "master".into(),
+                value: cfg.master.clone(),
+                reason: "an etcd:// address needs a locator (pagewire_ha::EtcdLocator)".into(),
+            }));
+        }
         let set_up_by = deadline_of(cfg.connect_timeout.min(cfg.timeout));
         let mut endpoint_addr = engine.local_addr();
-        let probe = MasterLink::new(&cfg.master, Vec::new(), None);
+        let probe = MasterLink::new(&cfg.master, cfg.locator.clone(), Vec::new(), None);
         if endpoint_addr.ip().is_unspecified() {
             // Announce the address this host reaches the master from.
             let s = probe.dial(set_up_by).map_err(fail)?;
@@ -311,8 +323,9 @@ impl StoreClient {
             engine: engine.clone(),
         });
         let token = cfg.token.clone().unwrap_or_default().into_bytes();
-        let link = MasterLink::new(&cfg.master, token, spec);
+        let link = MasterLink::new(&cfg.master, cfg.locator.clone(), token, spec);
         link.set_endpoint(endpoint.clone());
+        link.watch().map_err(fail)?;
         if let Err(e) = link.session(set_up_by) {
             if let Some(r) = segment.as_ref().and_then(|s| s.region()) {
                 let _ = engine.deregister(r);

@@ -328,6 +328,11 @@ impl MasterCore {
         self.epoch
     }
 
+    /// Sets the epoch announced to clients (a leader's term given by its election).
+    pub fn set_epoch(&mut self, epoch: u64) {
+        self.epoch = epoch;
+    }
+
     // ---------------------------------------------------------------- clients
 
     /// A client says hello: resumes `requested` if it is known under the same endpoint,

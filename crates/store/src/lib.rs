@@ -70,8 +70,9 @@ pub mod standalone;
 pub use client::{ClientConfig, Located, PutOptions, Reservation, StoreClient, Target};
 pub use error::{Code, Result, StoreError};
 pub use local::Span;
-pub use master::{Master, MasterConfig};
+pub use master::{Authority, Master, MasterConfig};
 pub use proto::{Pin, Stats};
+pub use rpc::MasterLocator;
 pub use standalone::{DummyClient, DummyConfig, IpcAddr, RealClient, RealClientConfig, SharedBuf};
 
 /// Internals exposed for the `cargo fuzz` target and the corpus test; not a stable API.

@@ -51,6 +51,58 @@ pub struct MasterConfig {
     pub frame_timeout: Duration,
     /// Period of the core's housekeeping.
     pub tick: Duration,
+    /// The epoch announced in `Welcome` (none: a random one). A leader elected through
+    /// a coordination service gives its term here, so that clients can tell it from a
+    /// deposed one.
+    pub epoch: Option<u64>,
+    /// The right to answer, when it is granted from outside (a leader's lease): no reply
+    /// is written and no connection accepted while it is not valid.
+    pub authority: Option<Authority>,
+}
+
+/// A leader's right to answer, valid until an instant that its lease keeper moves
+/// forward. Checked before every reply is written: a master whose lease may have expired
+/// (its process was stopped, etcd is out of reach) falls silent by itself, without
+/// waiting for the thread that renews the lease to notice.
+#[derive(Debug, Clone)]
+pub struct Authority {
+    origin: Instant,
+    /// Nanoseconds after `origin` until which replies may go out (0: none).
+    until_ns: Arc<AtomicU64>,
+}
+
+impl Default for Authority {
+    fn default() -> Self {
+        Authority::new()
+    }
+}
+
+impl Authority {
+    /// No right to answer yet.
+    pub fn new() -> Authority {
+        Authority {
+            origin: Instant::now(),
+            until_ns: Arc::new(AtomicU64::new(0)),
+        }
+    }
+
+    /// Valid until `until`.
+    pub fn grant_until(&self, until: Instant) {
+        let ns = until.saturating_duration_since(self.origin).as_nanos();
+        self.until_ns
+            .store(u64::try_from(ns).unwrap_or(u64::MAX), Ordering::Release);
+    }
+
+    /// Not valid any more (until granted again).
+    pub fn revoke(&self) {
+        self.until_ns.store(0, Ordering::Release);
+    }
+
+    /// Whether replies may go out now.
+    pub fn is_valid(&self) -> bool {
+        let now = self.origin.elapsed().as_nanos();
+        now < u128::from(self.until_ns.load(Ordering::Acquire))
+    }
 }
 
 impl Default for MasterConfig {
@@ -66,6 +118,8 @@ impl Default for MasterConfig {
             max_buffered: 256 << 20,
             frame_timeout: Duration::from_secs(5),
             tick: Duration::from_millis(100),
+            epoch: None,
+            authority: None,
         }
     }
 }
@@ -85,6 +139,10 @@ struct Shared {
 }
 
 impl Shared {
+    /// Whether this master may answer now (always, unless an [`Authority`] says no).
+    fn may_answer(&self) -> bool {
+        self.cfg.authority.as_ref().is_none_or(Authority::is_valid)
+    }
     fn now(&self) -> Millis {
         self.origin.elapsed().as_millis() as Millis
     }
@@ -155,8 +213,12 @@ impl Master {
         let addr = listener
             .local_addr()
             .map_err(|e| StoreError::io("master listener address", e))?;
+        let mut core = MasterCore::new(cfg.core.clone(), random_seed());
+        if let Some(e) = cfg.epoch {
+            core.set_epoch(e);
+        }
         let shared = Arc::new(Shared {
-            core: Mutex::new(MasterCore::new(cfg.core.clone(), random_seed())),
+            core: Mutex::new(core),
             origin: Instant::now(),
             shutdown: AtomicBool::new(false),
             conns: Mutex::new(HashMap::new()),
@@ -197,9 +259,15 @@ impl Master {
         self.addr
     }
 
-    /// This instance's random id (changes on restart).
+    /// This instance's epoch: [`MasterConfig::epoch`], or a random id (changes on restart).
     pub fn epoch(&self) -> u64 {
         self.shared.core().epoch()
+    }
+
+    /// Sets the epoch announced in later `Welcome`s: a leader's term, known once it won
+    /// its election (the master may listen, without the right to answer, before that).
+    pub fn set_epoch(&self, epoch: u64) {
+        self.shared.core().set_epoch(epoch);
     }
 
     /// Current counts.
@@ -292,6 +360,10 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
         };
         if shared.shutdown.load(Ordering::Acquire) {
             return;
+        }
+        if !shared.may_answer() {
+            // Not (or no longer) the leader: the connection closes unanswered.
+            continue;
         }
         if shared.open.load(Ordering::Acquire) >= shared.cfg.max_connections {
             shared.noise.note(|t| t.refused += 1);
@@ -530,6 +602,10 @@ fn over_budget(s: &mut TcpStream, shared: &Shared, req_id: u32, left: usize, by:
 fn send(s: &mut TcpStream, shared: &Shared, req_id: u32, resp: &Response) -> bool {
     let mut buf = Vec::new();
     resp.encode(req_id, &mut buf);
+    // Checked last, right before the bytes go out: a deposed leader writes nothing.
+    if !shared.may_answer() {
+        return false;
+    }
     net::write_all_by(s, &buf, Instant::now() + shared.cfg.frame_timeout).is_ok()
 }
 
@@ -801,6 +877,23 @@ fn handle(shared: &Shared, client: u64, req: Request) -> Response {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An authority is valid until its instant, not after, and not once revoked.
+    #[test]
+    fn authority_lapses_by_itself_and_on_revoke() {
+        let a = Authority::new();
+        assert!(!a.is_valid());
+        a.grant_until(Instant::now() + Duration::from_secs(60));
+        assert!(a.is_valid() && a.clone().is_valid());
+        a.revoke();
+        assert!(!a.is_valid());
+        a.grant_until(Instant::now() + Duration::from_millis(30));
+        assert!(a.is_valid());
+        std::thread::sleep(Duration::from_millis(40));
+        assert!(!a.is_valid());
+        a.grant_until(Instant::now() - Duration::from_millis(1));
+        assert!(!a.is_valid());
+    }
 
     /// A flood of events gives one line per interval, the first at once; the counts add
     /// up, and nothing is logged for an interval without events.

@@ -8,6 +8,11 @@
 //! and mounts it under that key before the call goes on. A request that reached
 //! the master is never sent twice; one refused as `UnknownClient` (so not executed) is
 //! sent once more on a fresh session.
+//!
+//! With a [`MasterLocator`] (masters elected through etcd) the link asks it for the
+//! leader before every connection, refuses a `Welcome` whose epoch is not the leader's,
+//! and when a call finds its master gone it looks again until the call's deadline: a
+//! request is sent again only to a new leader (another epoch), which never saw it.
 
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -36,6 +41,26 @@ impl std::fmt::Debug for SegmentSpec {
     }
 }
 
+/// Finds the master to talk to when masters are elected (`pagewire-ha` implements it on
+/// etcd). Asked before every connection and again when a call finds its master gone.
+pub trait MasterLocator: Send + Sync + std::fmt::Debug {
+    /// The leader's `host:port` and its epoch, looked up by `deadline`; waits within the
+    /// deadline while there is no leader.
+    fn locate(&self, deadline: Instant) -> Result<(String, u64)>;
+}
+
+/// How long one attempt to say `Hello` to a located leader may take before the link
+/// looks again: a leader that was stopped accepts connections in its kernel but never
+/// answers.
+const HELLO_ATTEMPT: Duration = Duration::from_secs(1);
+/// How often the watcher looks at a call in flight, and how long a call must have waited
+/// before it asks the locator whether the leader changed meanwhile.
+const WATCH_PERIOD: Duration = Duration::from_millis(250);
+/// Leader changes one call follows before it gives up.
+const MAX_LEADER_CHANGES: u32 = 3;
+/// Pause between looks at the leader while none answers.
+const LOCATE_PAUSE: Duration = Duration::from_millis(50);
+
 #[derive(Debug, Default)]
 struct State {
     stream: Option<TcpStream>,
@@ -63,12 +88,23 @@ pub(crate) struct MasterLink {
     segment: Option<SegmentSpec>,
     max_frame: u32,
     frame_timeout: Duration,
+    locator: Option<Arc<dyn MasterLocator>>,
+    /// The call waiting for the master now: a clone of its stream, the session's epoch
+    /// and when it was sent (for the watcher).
+    inflight: Mutex<Option<(TcpStream, u64, Instant)>>,
     state: Mutex<State>,
 }
 
 impl MasterLink {
-    pub fn new(addr: &str, token: Vec<u8>, segment: Option<SegmentSpec>) -> Arc<Self> {
+    pub fn new(
+        addr: &str,
+        locator: Option<Arc<dyn MasterLocator>>,
+        token: Vec<u8>,
+        segment: Option<SegmentSpec>,
+    ) -> Arc<Self> {
         Arc::new(MasterLink {
+            locator,
+            inflight: Mutex::new(None),
             addr: addr.to_string(),
             token,
             endpoint: Mutex::new(String::new()),
@@ -87,35 +123,80 @@ impl MasterLink {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// With a locator: starts the thread that ends a call waiting on a master that is no
+    /// longer the leader (a stopped one never answers), so that the call goes on with the
+    /// new leader within its deadline. It asks the locator only while a call has been
+    /// waiting for a while, and ends with the link.
+    pub fn watch(self: &Arc<Self>) -> Result<()> {
+        if self.locator.is_none() {
+            return Ok(());
+        }
+        let weak = Arc::downgrade(self);
+        std::thread::Builder::new()
+            .name("pagewire-store-watch".into())
+            .spawn(move || {
+                loop {
+                    std::thread::sleep(WATCH_PERIOD);
+                    let Some(link) = weak.upgrade() else { return };
+                    link.check_inflight();
+                }
+            })
+            .map_err(|e| StoreError::io("spawn the leader watch thread", e))?;
+        Ok(())
+    }
+
+    /// Closes the stream of a call that has waited for longer than [`WATCH_PERIOD`] when
+    /// the locator names a leader of another epoch.
+    fn check_inflight(&self) {
+        let Some(loc) = &self.locator else { return };
+        let waiting = {
+            let g = self.inflight.lock().unwrap_or_else(|p| p.into_inner());
+            match &*g {
+                Some((_, epoch, since)) if since.elapsed() >= WATCH_PERIOD => Some(*epoch),
+                _ => None,
+            }
+        };
+        let Some(epoch) = waiting else { return };
+        let Ok((_, leader)) = loc.locate(Instant::now() + WATCH_PERIOD * 2) else {
+            return;
+        };
+        if leader == epoch {
+            return;
+        }
+        let g = self.inflight.lock().unwrap_or_else(|p| p.into_inner());
+        // Still the same call's session: its reply cannot come from the leader.
+        if let Some((s, e, _)) = &*g
+            && *e == epoch
+        {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+    }
+
     /// Sets the endpoint announced in `Hello` (before the first call).
     pub fn set_endpoint(&self, ep: String) {
         *self.endpoint.lock().unwrap_or_else(|p| p.into_inner()) = ep;
     }
 
-    /// Opens a TCP connection to the master by `deadline` (without saying Hello).
+    /// Opens a TCP connection to the master by `deadline` (without saying Hello); with a
+    /// locator, to the leader it names, looking again while none accepts.
     pub fn dial(&self, deadline: Instant) -> Result<TcpStream> {
-        let unreachable = |e: std::io::Error| StoreError::MasterUnreachable {
-            addr: self.addr.clone(),
-            source: Arc::new(e),
+        Ok(self.dial_leader(deadline)?.0)
+    }
+
+    /// [`MasterLink::dial`], and the epoch the locator gave (none without a locator).
+    fn dial_leader(&self, deadline: Instant) -> Result<(TcpStream, Option<u64>)> {
+        let Some(loc) = &self.locator else {
+            return Ok((dial_addr(&self.addr, deadline)?, None));
         };
-        let addrs: Vec<SocketAddr> = self.addr.to_socket_addrs().map_err(unreachable)?.collect();
-        let mut last = None;
-        for a in addrs {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left < Duration::from_millis(1) {
-                break;
-            }
-            match TcpStream::connect_timeout(&a, left) {
-                Ok(s) => {
-                    let _ = s.set_nodelay(true);
-                    return Ok(s);
-                }
-                Err(e) => last = Some(e),
+        loop {
+            let (addr, epoch) = loc.locate(deadline)?;
+            match dial_addr(&addr, deadline) {
+                Ok(s) => return Ok((s, Some(epoch))),
+                // The leader key names a master that is gone until its lease expires.
+                Err(e) if Instant::now() + LOCATE_PAUSE >= deadline => return Err(e),
+                Err(_) => std::thread::sleep(LOCATE_PAUSE),
             }
         }
-        Err(unreachable(last.unwrap_or_else(|| {
-            std::io::Error::new(std::io::ErrorKind::TimedOut, "no address reached in time")
-        })))
     }
 
     /// The session the link has now (connecting first if it has none).
@@ -141,11 +222,43 @@ impl MasterLink {
         self.state().welcome
     }
 
-    fn ensure(&self, st: &mut State, deadline: Instant) -> Result<()> {
-        if st.stream.is_some() {
-            return Ok(());
+    /// Connects and says `Hello`. With a locator, to a leader that answers with the
+    /// epoch the locator gave, looking again until `deadline` while none does.
+    fn greet(&self, st: &mut State, deadline: Instant) -> Result<(TcpStream, Welcome)> {
+        loop {
+            let (mut s, expect) = self.dial_leader(deadline)?;
+            let by = match expect {
+                Some(_) => deadline.min(Instant::now() + HELLO_ATTEMPT),
+                None => deadline,
+            };
+            let r = self.hello(&mut s, st, by);
+            let Some(epoch) = expect else {
+                return r.map(|w| (s, w));
+            };
+            let err = match r {
+                Ok(w) if w.epoch == epoch => return Ok((s, w)),
+                // A refusal is the master's word (token, capacity), not a leader change.
+                Err(e @ StoreError::Rejected { .. }) => return Err(e),
+                Ok(w) => StoreError::MasterGone {
+                    addr: self.addr.clone(),
+                    reason: format!(
+                        "a master answered with epoch {} where the leader's is {epoch} \
+                         (deposed, or not yet serving)",
+                        w.epoch
+                    ),
+                },
+                Err(e) => e,
+            };
+            let _ = s.shutdown(std::net::Shutdown::Both);
+            if Instant::now() + LOCATE_PAUSE >= deadline {
+                return Err(err);
+            }
+            std::thread::sleep(LOCATE_PAUSE);
         }
-        let mut s = self.dial(deadline)?;
+    }
+
+    /// `Hello` on a fresh stream; the master's `Welcome`.
+    fn hello(&self, s: &mut TcpStream, st: &mut State, deadline: Instant) -> Result<Welcome> {
         let hello = Request::Hello(Hello {
             token: self.token.clone(),
             client_id: st.client_id,
@@ -155,13 +268,18 @@ impl MasterLink {
                 .unwrap_or_else(|p| p.into_inner())
                 .clone(),
         });
-        let w = match self.exchange(&mut s, st, &hello, deadline)? {
-            Response::Welcome(w) => w,
-            Response::Error { code, message } => {
-                return Err(StoreError::Rejected { code, message });
-            }
-            other => return Err(self.unexpected(&other)),
-        };
+        match self.exchange(s, st, &hello, deadline)? {
+            Response::Welcome(w) => Ok(w),
+            Response::Error { code, message } => Err(StoreError::Rejected { code, message }),
+            other => Err(self.unexpected(&other)),
+        }
+    }
+
+    fn ensure(&self, st: &mut State, deadline: Instant) -> Result<()> {
+        if st.stream.is_some() {
+            return Ok(());
+        }
+        let (mut s, w) = self.greet(st, deadline)?;
         if w.client_id != st.client_id && st.client_id != 0 {
             tracing::info!(
                 master = %self.addr,
@@ -277,18 +395,30 @@ impl MasterLink {
     /// `UnknownClient` come back as they are, for the caller to map.
     pub fn call(&self, req: &Request, deadline: Instant) -> Result<Response> {
         let mut st = self.state();
-        for attempt in 0..2 {
+        let mut forgotten = false;
+        let mut leader_changes = 0;
+        loop {
             self.ensure(&mut st, deadline)?;
             let mut s = st.stream.take().expect("ensured");
-            match self.exchange(&mut s, &mut st, req, deadline) {
+            if self.locator.is_some() {
+                let epoch = st.welcome.map_or(0, |w| w.epoch);
+                *self.inflight.lock().unwrap_or_else(|p| p.into_inner()) =
+                    s.try_clone().ok().map(|c| (c, epoch, Instant::now()));
+            }
+            let r = self.exchange(&mut s, &mut st, req, deadline);
+            if self.locator.is_some() {
+                *self.inflight.lock().unwrap_or_else(|p| p.into_inner()) = None;
+            }
+            match r {
                 Ok(Response::Error {
                     code: Code::UnknownClient,
                     ..
-                }) if attempt == 0 => {
+                }) if !forgotten => {
                     // Not executed: start a new session and send it once more.
                     let _ = s.shutdown(std::net::Shutdown::Both);
                     st.client_id = 0;
                     st.segment_id = None;
+                    forgotten = true;
                 }
                 Ok(r) => {
                     st.stream = Some(s);
@@ -297,14 +427,31 @@ impl MasterLink {
                 Err(e) => {
                     // The stream's state is unknown after a failure: drop it.
                     let _ = s.shutdown(std::net::Shutdown::Both);
-                    return Err(e);
+                    let gone = matches!(
+                        e,
+                        StoreError::MasterGone { .. } | StoreError::MasterUnreachable { .. }
+                    );
+                    if self.locator.is_none() || !gone || leader_changes >= MAX_LEADER_CHANGES {
+                        return Err(e);
+                    }
+                    // The master that failed may have executed the request: it goes
+                    // again only to a new leader, which never saw it.
+                    let before = st.welcome.map(|w| w.epoch);
+                    self.ensure(&mut st, deadline)?;
+                    let after = st.welcome.map(|w| w.epoch);
+                    if after == before {
+                        return Err(e);
+                    }
+                    tracing::info!(
+                        master = %self.addr,
+                        old = ?before,
+                        new = ?after,
+                        "store: the master leader changed; the request goes to the new one"
+                    );
+                    leader_changes += 1;
                 }
             }
         }
-        Err(StoreError::Rejected {
-            code: Code::UnknownClient,
-            message: "the master forgot this client twice in a row".into(),
-        })
     }
 
     /// Says goodbye (best effort, short deadline) and closes the connection.
@@ -316,4 +463,30 @@ impl MasterLink {
             let _ = s.shutdown(std::net::Shutdown::Both);
         }
     }
+}
+
+/// Opens a TCP connection to `addr` (`host:port`) by `deadline`.
+fn dial_addr(addr: &str, deadline: Instant) -> Result<TcpStream> {
+    let unreachable = |e: std::io::Error| StoreError::MasterUnreachable {
+        addr: addr.to_string(),
+        source: Arc::new(e),
+    };
+    let addrs: Vec<SocketAddr> = addr.to_socket_addrs().map_err(unreachable)?.collect();
+    let mut last = None;
+    for a in addrs {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left < Duration::from_millis(1) {
+            break;
+        }
+        match TcpStream::connect_timeout(&a, left) {
+            Ok(s) => {
+                let _ = s.set_nodelay(true);
+                return Ok(s);
+            }
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(unreachable(last.unwrap_or_else(|| {
+        std::io::Error::new(std::io::ErrorKind::TimedOut, "no address reached in time")
+    })))
 }

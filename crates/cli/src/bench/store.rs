@@ -26,10 +26,15 @@ use super::stats::percentile;
 
 #[derive(Debug, Clone, Args)]
 pub struct StoreBenchArgs {
-    /// The store master's host:port. Without it a master and one storage node run in
-    /// this process.
+    /// The store master's host:port, or `etcd://HOST:PORT[;HOST:PORT...]` to follow the
+    /// leader of masters elected through etcd. Without it a master and one storage node
+    /// run in this process.
     #[arg(long)]
     pub master: Option<String>,
+
+    /// With an etcd:// master: the masters' group in etcd.
+    #[arg(long, default_value = "default")]
+    pub cluster_id: String,
 
     /// Model preset (KV geometry).
     #[arg(long, value_enum, default_value_t = Preset::Llama3_8b)]
@@ -212,7 +217,7 @@ pub fn run(a: StoreBenchArgs) -> anyhow::Result<()> {
             addr
         }
     };
-    let mut cc = ClientConfig::new(master_addr.clone());
+    let mut cc = crate::store_cmd::store_client_config(&master_addr, &a.cluster_id)?;
     cc.engine = engine_cfg(
         &a,
         if a.master.is_some() {

@@ -368,9 +368,9 @@ class MooncakeDistributedStore(_StoreMore):
         if enable_ssd_offload:
             _log.error("setup: SSD offload is not supported by pagewire's store")
             return _INTERNAL_ERROR
-        if "://" in str(master_server_addr):
+        if "://" in str(master_server_addr) and not str(master_server_addr).startswith("etcd://"):
             _log.error(
-                "setup: master %r: pagewire's store takes host:port (no HA discovery)",
+                "setup: master %r: pagewire's store takes host:port or etcd://h:p;h:p",
                 master_server_addr,
             )
             return _INTERNAL_ERROR

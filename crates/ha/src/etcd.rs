@@ -1,0 +1,349 @@
+//! A synchronous facade over the async `etcd-client`: its futures run on one private
+//! runtime worker thread, and each call blocks its caller until the answer or the call's
+//! deadline, whichever comes first. The store is thread-based; this keeps tokio inside
+//! this module.
+//!
+//! One client per member, used one at a time: a call goes to the member that answered
+//! last and moves on to the next when that one fails (refused, no raft leader, silent for
+//! its share of the deadline). The crate's own balancing over all members kept sending
+//! calls to a dead member.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use etcd_client::{Compare, CompareOp, ConnectOptions, GetOptions, PutOptions, Txn, TxnOp};
+
+use crate::error::{HaError, Result};
+
+/// `etcd://h:p;h:p` (or `,`-separated) -> `["h:p", "h:p"]`.
+pub fn parse_endpoints(url: &str) -> Result<Vec<String>> {
+    let misuse = |reason: &str| HaError::Misuse {
+        reason: format!("etcd address {url:?}: {reason}"),
+    };
+    let rest = url
+        .strip_prefix("etcd://")
+        .ok_or_else(|| misuse("must start with etcd://"))?;
+    let hosts: Vec<String> = rest
+        .split([';', ','])
+        .map(str::trim)
+        .filter(|h| !h.is_empty())
+        .map(str::to_string)
+        .collect();
+    if hosts.is_empty() {
+        return Err(misuse("names no host:port"));
+    }
+    for h in &hosts {
+        let port_ok = h
+            .rsplit_once(':')
+            .is_some_and(|(host, p)| !host.is_empty() && p.parse::<u16>().is_ok());
+        if !port_ok {
+            return Err(misuse(&format!("{h:?} is not host:port")));
+        }
+    }
+    Ok(hosts)
+}
+
+/// One key's value and the revision that created it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Entry {
+    /// The value's bytes.
+    pub value: Vec<u8>,
+    /// The revision of the transaction that created the key (grows with every creation).
+    pub create_revision: i64,
+}
+
+/// What a [`Etcd::create_with_lease`] found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Created {
+    /// The key was absent and now holds the value, created at this revision.
+    Won(i64),
+    /// The key exists already (its current entry).
+    Held(Entry),
+}
+
+/// A connection to an etcd cluster (cheap to clone: one runtime, one client per member).
+#[derive(Clone)]
+pub struct Etcd {
+    rt: Arc<tokio::runtime::Runtime>,
+    clients: Arc<[etcd_client::Client]>,
+    /// The member that answered last.
+    current: Arc<AtomicUsize>,
+    endpoints: Arc<[String]>,
+}
+
+/// Longest a call waits for one member before it tries the next (a stopped member
+/// accepts connections and never answers).
+const PER_MEMBER: Duration = Duration::from_millis(700);
+
+impl std::fmt::Debug for Etcd {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Etcd")
+            .field("endpoints", &self.endpoints)
+            .finish()
+    }
+}
+
+impl Etcd {
+    /// Connects to the members of `url` (`etcd://h:p;h:p`) by `deadline`.
+    pub fn connect(url: &str, deadline: Instant) -> Result<Etcd> {
+        let endpoints = parse_endpoints(url)?;
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("pagewire-etcd")
+            .enable_all()
+            .build()
+            .map_err(|e| HaError::Io {
+                what: "start the etcd client's runtime",
+                source: Arc::new(e),
+            })?;
+        let rt = Arc::new(rt);
+        // A member that lost its raft leader refuses instead of answering from a stale
+        // view; gRPC keep-alives notice a dead member between calls.
+        let opts = ConnectOptions::new()
+            .with_require_leader(true)
+            .with_connect_timeout(Duration::from_secs(2))
+            .with_keep_alive(Duration::from_secs(1), Duration::from_secs(2))
+            .with_keep_alive_while_idle(true);
+        // Connecting is lazy (no I/O until the first call), so a member down now is no
+        // reason to fail.
+        let mut clients = Vec::with_capacity(endpoints.len());
+        for h in &endpoints {
+            let url = format!("http://{h}");
+            let opts = opts.clone();
+            clients.push(block(&rt, deadline, "connect to etcd", async move {
+                etcd_client::Client::connect([url], Some(opts)).await
+            })?);
+        }
+        Ok(Etcd {
+            rt,
+            clients: clients.into(),
+            current: Arc::new(AtomicUsize::new(0)),
+            endpoints: endpoints.into(),
+        })
+    }
+
+    /// Runs `f` on the current member's client, and on the next members in turn while it
+    /// fails with time left.
+    fn call<T, F, Fut>(&self, what: &'static str, deadline: Instant, f: F) -> Result<T>
+    where
+        T: Send + 'static,
+        F: Fn(etcd_client::Client) -> Fut,
+        Fut: std::future::Future<Output = std::result::Result<T, etcd_client::Error>>
+            + Send
+            + 'static,
+    {
+        let n = self.clients.len();
+        let first = self.current.load(Ordering::Relaxed) % n;
+        let mut last = None;
+        for k in 0..n {
+            let i = (first + k) % n;
+            // Each member left gets an equal share of the time left (at most
+            // PER_MEMBER), so that a silent one cannot take the whole deadline.
+            let left = deadline.saturating_duration_since(Instant::now());
+            let share = (left / (n - k) as u32).min(PER_MEMBER);
+            let by = if k + 1 == n {
+                deadline
+            } else {
+                Instant::now() + share
+            };
+            match block(&self.rt, by, what, f(self.clients[i].clone())) {
+                Ok(v) => {
+                    self.current.store(i, Ordering::Relaxed);
+                    return Ok(v);
+                }
+                Err(e @ HaError::Misuse { .. }) => return Err(e),
+                Err(e) => {
+                    // The next call starts with the next member.
+                    self.current.store((i + 1) % n, Ordering::Relaxed);
+                    last = Some(e);
+                }
+            }
+            if Instant::now() >= deadline {
+                break;
+            }
+        }
+        Err(last.unwrap_or(HaError::Timeout {
+            what,
+            after: Duration::ZERO,
+        }))
+    }
+
+    /// The members' `host:port`s.
+    pub fn endpoints(&self) -> &[String] {
+        &self.endpoints
+    }
+
+    /// The key's entry, if it exists (a linearizable read).
+    pub fn get(&self, key: &str, deadline: Instant) -> Result<Option<Entry>> {
+        let r = self.call("etcd get", deadline, |mut c| {
+            let key = key.to_string();
+            async move { c.get(key, None::<GetOptions>).await }
+        })?;
+        Ok(r.kvs().first().map(|kv| Entry {
+            value: kv.value().to_vec(),
+            create_revision: kv.create_revision(),
+        }))
+    }
+
+    /// Deletes `key`; whether it existed.
+    pub fn delete(&self, key: &str, deadline: Instant) -> Result<bool> {
+        let r = self.call("etcd delete", deadline, |mut c| {
+            let key = key.to_string();
+            async move { c.delete(key, None).await }
+        })?;
+        Ok(r.deleted() > 0)
+    }
+
+    /// Grants a lease of `ttl` (whole seconds, at least 1): its id and the TTL etcd gave
+    /// it (etcd may raise it to its floor).
+    pub fn grant(&self, ttl: Duration, deadline: Instant) -> Result<(i64, Duration)> {
+        let secs = ttl.as_secs().max(1) as i64;
+        let r = self.call("etcd lease grant", deadline, |mut c| async move {
+            c.lease_grant(secs, None).await
+        })?;
+        Ok((r.id(), Duration::from_secs(r.ttl().max(0) as u64)))
+    }
+
+    /// Renews lease `id` once, to its full TTL from when etcd receives this; `false`
+    /// when the lease is gone.
+    pub fn keep_alive(&self, id: i64, deadline: Instant) -> Result<bool> {
+        self.call("etcd lease keep-alive", deadline, |mut c| async move {
+            // Opening the stream sends one renewal and reads its answer; one stream per
+            // renewal goes to the member in use now, not to the one of the last renewal.
+            match c.lease_keep_alive(id).await {
+                Ok(_) => Ok(true),
+                Err(etcd_client::Error::LeaseKeepAliveError(m)) if m == "lease not found" => {
+                    Ok(false)
+                }
+                Err(e) => Err(e),
+            }
+        })
+    }
+
+    /// Revokes lease `id` (the keys attached to it go with it).
+    pub fn revoke(&self, id: i64, deadline: Instant) -> Result<()> {
+        self.call("etcd lease revoke", deadline, |mut c| async move {
+            c.lease_revoke(id).await
+        })?;
+        Ok(())
+    }
+
+    /// Creates `key = value` attached to lease `lease` if the key does not exist, in one
+    /// transaction; otherwise returns what it holds.
+    pub fn create_with_lease(
+        &self,
+        key: &str,
+        value: &[u8],
+        lease: i64,
+        deadline: Instant,
+    ) -> Result<Created> {
+        let txn = Txn::new()
+            .when([Compare::create_revision(key, CompareOp::Equal, 0)])
+            .and_then([TxnOp::put(
+                key,
+                value,
+                Some(PutOptions::new().with_lease(lease)),
+            )])
+            .or_else([TxnOp::get(key, None)]);
+        let r = self.call("etcd txn", deadline, |mut c| {
+            let txn = txn.clone();
+            async move { c.txn(txn).await }
+        })?;
+        if r.succeeded() {
+            let rev = r.header().map_or(0, |h| h.revision());
+            return Ok(Created::Won(rev));
+        }
+        let held = r.op_responses().into_iter().find_map(|op| match op {
+            etcd_client::TxnOpResponse::Get(g) => g.kvs().first().map(|kv| Entry {
+                value: kv.value().to_vec(),
+                create_revision: kv.create_revision(),
+            }),
+            _ => None,
+        });
+        // The key vanished between the compare and the get of the same transaction cannot
+        // happen (one revision); an empty answer is etcd misbehaving.
+        held.map(Created::Held).ok_or(HaError::Unavailable {
+            what: "etcd txn",
+            reason: "a failed create-if-absent returned no entry".into(),
+            source: None,
+        })
+    }
+}
+
+/// Runs `fut` on `rt` and waits for it until `deadline`.
+fn block<T>(
+    rt: &tokio::runtime::Runtime,
+    deadline: Instant,
+    what: &'static str,
+    fut: impl std::future::Future<Output = std::result::Result<T, etcd_client::Error>> + Send + 'static,
+) -> Result<T>
+where
+    T: Send + 'static,
+{
+    let start = Instant::now();
+    let left = deadline.saturating_duration_since(start);
+    if left.is_zero() {
+        return Err(HaError::Timeout {
+            what,
+            after: Duration::ZERO,
+        });
+    }
+    // Spawned rather than driven by this thread, so that the caller may be any thread,
+    // the runtime's own excepted, and a call abandoned at its deadline is dropped there.
+    let task = rt.spawn(async move { tokio::time::timeout(left, fut).await });
+    match rt.block_on(task) {
+        Ok(Ok(Ok(v))) => Ok(v),
+        Ok(Ok(Err(e))) => Err(HaError::from_etcd(what, e)),
+        Ok(Err(_elapsed)) => Err(HaError::Timeout {
+            what,
+            after: start.elapsed(),
+        }),
+        Err(join) => Err(HaError::Unavailable {
+            what,
+            reason: format!("the etcd client's task failed: {join}"),
+            source: None,
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn endpoints_parse_and_refuse() {
+        assert_eq!(
+            parse_endpoints("etcd://10.0.0.1:2379;h2:2380, h3:1").unwrap(),
+            ["10.0.0.1:2379", "h2:2380", "h3:1"]
+        );
+        for bad in [
+            "10.0.0.1:2379",
+            "etcd://",
+            "etcd://;",
+            "etcd://h",
+            "etcd://h:port",
+            "etcd://:2379",
+            "etcd://h:70000",
+        ] {
+            assert!(
+                matches!(parse_endpoints(bad), Err(HaError::Misuse { .. })),
+                "{bad}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_call_past_its_deadline_is_a_timeout_without_io() {
+        // No member listens on port 9 of 127.0.0.1; the deadline has passed already.
+        let e = Etcd::connect(
+            "etcd://127.0.0.1:9",
+            Instant::now() + Duration::from_secs(2),
+        )
+        .expect("connecting is lazy");
+        let r = e.get("k", Instant::now());
+        assert!(matches!(r, Err(HaError::Timeout { .. })), "{r:?}");
+        let r = e.get("k", Instant::now() + Duration::from_secs(2));
+        assert!(matches!(r, Err(HaError::Unavailable { .. })), "{r:?}");
+    }
+}

@@ -1,0 +1,427 @@
+//! Masters elected through etcd: every master campaigns for one leader key; the winner
+//! answers clients, the others listen without answering until the key is free again.
+//!
+//! * **Campaign.** A standby polls the leader key. When it is absent, the standby grants
+//!   itself a lease and creates the key attached to that lease, in one transaction that
+//!   succeeds only if the key is still absent. The key holds the leader's address; the
+//!   revision that created it is the leader's epoch, which grows with every new leader.
+//! * **Leading.** The leader renews its lease every fifth of its TTL. It may answer until
+//!   `sent + TTL - margin`, where `sent` is when the renewal that etcd granted was sent:
+//!   etcd received it later, so its expiry is later still, and another master can win
+//!   only after that. The [`Authority`] checked before every reply holds that instant, so
+//!   a leader whose process was stopped past it writes nothing when it resumes.
+//! * **Losing the lease** (etcd says it is gone, or renewals fail until the authority
+//!   lapsed): the master's connections close, its metadata is dropped, and it stands by
+//!   again on the same address with an empty master.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use pagewire_store::{Authority, Master, MasterConfig};
+
+use crate::error::{HaError, Result};
+use crate::etcd::{Created, Etcd};
+
+/// The leader key of a cluster's masters.
+pub fn leader_key(cluster_id: &str) -> String {
+    format!("pagewire-store/{cluster_id}/leader")
+}
+
+/// How masters coordinate through etcd.
+#[derive(Debug, Clone)]
+pub struct HaConfig {
+    /// etcd's members: `etcd://h:p;h:p`.
+    pub etcd: String,
+    /// Masters with the same id (on the same etcd) elect one leader among them.
+    pub cluster_id: String,
+    /// The leader's lease (whole seconds, at least 2: etcd's own floor for its default
+    /// election timeout). A dead leader is replaced within about this time; a leader
+    /// keeps leading through an election among etcd's members (about 1-2 s with etcd's
+    /// default 1 s election timeout) only if the lease outlasts it.
+    pub lease_ttl: Duration,
+    /// How often a standby looks at the leader key.
+    pub poll: Duration,
+    /// Deadline of one etcd call.
+    pub call_timeout: Duration,
+    /// The address written in the leader key, for clients (default: the listener's,
+    /// which must then name an interface, not `0.0.0.0`).
+    pub advertise: Option<String>,
+}
+
+impl HaConfig {
+    /// Defaults around an etcd address: cluster `default`, a 5 s lease, 100 ms polls.
+    pub fn new(etcd: impl Into<String>) -> HaConfig {
+        HaConfig {
+            etcd: etcd.into(),
+            cluster_id: "default".into(),
+            lease_ttl: Duration::from_secs(5),
+            poll: Duration::from_millis(100),
+            call_timeout: Duration::from_secs(1),
+            advertise: None,
+        }
+    }
+
+    /// Room kept between the local end of a leader's authority and etcd's expiry of its
+    /// lease (clock rates, scheduling): a tenth of the TTL, at least 200 ms.
+    fn margin(&self) -> Duration {
+        (self.lease_ttl / 10).max(Duration::from_millis(200))
+    }
+}
+
+/// Where a master stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    /// Not leading: connections are closed unanswered.
+    Standby,
+    /// Leading under this epoch.
+    Leader(u64),
+}
+
+struct Shared {
+    stop: AtomicBool,
+    role: Mutex<Role>,
+    /// The master this one runs now (replaced by an empty one when it is deposed).
+    master: Mutex<Option<Master>>,
+}
+
+impl Shared {
+    fn master(&self) -> std::sync::MutexGuard<'_, Option<Master>> {
+        self.master.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// A master that takes part in an election through etcd.
+pub struct HaMaster {
+    shared: Arc<Shared>,
+    addr: std::net::SocketAddr,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl std::fmt::Debug for HaMaster {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HaMaster")
+            .field("addr", &self.addr)
+            .field("role", &self.role())
+            .finish()
+    }
+}
+
+impl HaMaster {
+    /// Binds the master's listener (answering nothing yet), connects to etcd and starts
+    /// campaigning.
+    pub fn start(mut cfg: MasterConfig, ha: HaConfig) -> Result<HaMaster> {
+        if ha.lease_ttl < Duration::from_secs(2) || ha.lease_ttl.subsec_nanos() != 0 {
+            return Err(HaError::Misuse {
+                reason: format!("lease TTL {:?}: whole seconds, at least 2 s", ha.lease_ttl),
+            });
+        }
+        if ha.cluster_id.is_empty() || ha.cluster_id.contains('/') {
+            return Err(HaError::Misuse {
+                reason: format!("cluster id {:?}: non-empty, without '/'", ha.cluster_id),
+            });
+        }
+        let etcd = Etcd::connect(&ha.etcd, Instant::now() + ha.call_timeout * 5)?;
+        let authority = Authority::new();
+        cfg.authority = Some(authority.clone());
+        let master = Master::start(cfg.clone()).map_err(HaError::Master)?;
+        let addr = master.local_addr();
+        let advertise = match &ha.advertise {
+            Some(a) => a.clone(),
+            None if addr.ip().is_unspecified() => {
+                return Err(HaError::Misuse {
+                    reason: format!(
+                        "the master listens on {addr}: give the address clients reach it at \
+                         (--advertise)"
+                    ),
+                });
+            }
+            None => addr.to_string(),
+        };
+        // Later masters bind the port this one got.
+        cfg.listen = addr;
+        let shared = Arc::new(Shared {
+            stop: AtomicBool::new(false),
+            role: Mutex::new(Role::Standby),
+            master: Mutex::new(Some(master)),
+        });
+        let s = shared.clone();
+        let thread = std::thread::Builder::new()
+            .name("pagewire-ha-campaign".into())
+            .spawn(move || {
+                let mut c = Campaign {
+                    etcd,
+                    key: leader_key(&ha.cluster_id),
+                    ha,
+                    cfg,
+                    advertise,
+                    authority,
+                    shared: s,
+                };
+                c.run();
+            })
+            .map_err(|e| HaError::Io {
+                what: "spawn the campaign thread",
+                source: Arc::new(e),
+            })?;
+        Ok(HaMaster {
+            shared,
+            addr,
+            thread: Mutex::new(Some(thread)),
+        })
+    }
+
+    /// The listener's address.
+    pub fn local_addr(&self) -> std::net::SocketAddr {
+        self.addr
+    }
+
+    /// Leading or standing by, now.
+    pub fn role(&self) -> Role {
+        *self.shared.role.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The counts of the master this one runs now (none once it stopped). A standby's
+    /// are those of an empty master.
+    pub fn stats(&self) -> Option<pagewire_store::Stats> {
+        self.shared.master().as_ref().map(Master::stats)
+    }
+
+    /// Waits up to `timeout` for this master to lead; its epoch.
+    pub fn wait_leader(&self, timeout: Duration) -> Option<u64> {
+        let by = Instant::now() + timeout;
+        loop {
+            if let Role::Leader(e) = self.role() {
+                return Some(e);
+            }
+            if Instant::now() > by {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Stops: gives up leadership (the key goes at once, so a standby takes over without
+    /// waiting for the lease), closes every connection. Idempotent.
+    pub fn shutdown(&self) {
+        self.shared.stop.store(true, Ordering::Release);
+        let t = self.thread.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(t) = t {
+            let _ = t.join();
+        }
+    }
+
+    /// Blocks until [`HaMaster::shutdown`] is called from another thread.
+    pub fn wait(&self) {
+        while !self.shared.stop.load(Ordering::Acquire) {
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+}
+
+impl Drop for HaMaster {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+/// Renewals per lease TTL: frequent, so that a renewal held up (etcd electing a new raft
+/// leader) leaves most of the TTL to retry in.
+const RENEWALS_PER_TTL: u32 = 5;
+
+/// A won election.
+struct Won {
+    epoch: u64,
+    lease: i64,
+    /// The lease's TTL as etcd granted it.
+    ttl: Duration,
+    /// When the lease was asked for.
+    sent: Instant,
+}
+
+/// The campaign thread's state.
+struct Campaign {
+    etcd: Etcd,
+    ha: HaConfig,
+    cfg: MasterConfig,
+    key: String,
+    advertise: String,
+    authority: Authority,
+    shared: Arc<Shared>,
+}
+
+impl Campaign {
+    fn stopping(&self) -> bool {
+        self.shared.stop.load(Ordering::Acquire)
+    }
+
+    fn set_role(&self, r: Role) {
+        *self.shared.role.lock().unwrap_or_else(|p| p.into_inner()) = r;
+    }
+
+    fn by(&self) -> Instant {
+        Instant::now() + self.ha.call_timeout
+    }
+
+    fn run(&mut self) {
+        let mut complained = false;
+        while !self.stopping() {
+            match self.try_win() {
+                Ok(Some(won)) => {
+                    complained = false;
+                    self.lead(won);
+                }
+                Ok(None) => complained = false,
+                Err(e) if !complained => {
+                    tracing::warn!(etcd = %self.ha.etcd, "store master (standby): {e}");
+                    complained = true;
+                }
+                Err(_) => {}
+            }
+            if !self.stopping() {
+                std::thread::sleep(self.ha.poll);
+            }
+        }
+        self.authority.revoke();
+        let old = self.shared.master().take();
+        if let Some(m) = old {
+            m.shutdown();
+        }
+    }
+
+    /// One look at the leader key, and a bid when it is free.
+    fn try_win(&mut self) -> Result<Option<Won>> {
+        if self.etcd.get(&self.key, self.by())?.is_some() {
+            return Ok(None);
+        }
+        let sent = Instant::now();
+        let (lease, ttl) = self.etcd.grant(self.ha.lease_ttl, self.by())?;
+        let r = self
+            .etcd
+            .create_with_lease(&self.key, self.advertise.as_bytes(), lease, self.by());
+        match r {
+            Ok(Created::Won(rev)) => Ok(Some(Won {
+                epoch: rev as u64,
+                lease,
+                ttl,
+                sent,
+            })),
+            Ok(Created::Held(_)) => {
+                let _ = self.etcd.revoke(lease, self.by());
+                Ok(None)
+            }
+            Err(e) => {
+                let _ = self.etcd.revoke(lease, self.by());
+                Err(e)
+            }
+        }
+    }
+
+    /// Leads until the lease is lost or the master stops.
+    fn lead(&mut self, won: Won) {
+        let Won {
+            epoch,
+            lease,
+            ttl,
+            sent,
+        } = won;
+        let margin = self.ha.margin();
+        if let Some(m) = &*self.shared.master() {
+            m.set_epoch(epoch);
+        }
+        self.authority
+            .grant_until(sent + ttl.saturating_sub(margin));
+        self.set_role(Role::Leader(epoch));
+        tracing::info!(epoch, addr = %self.advertise, "store master: leading");
+        let period = ttl / RENEWALS_PER_TTL;
+        let mut next = sent + period;
+        let lost = loop {
+            if self.stopping() {
+                // Resign: the key goes with the lease, so a standby need not wait it out.
+                self.authority.revoke();
+                let _ = self.etcd.revoke(lease, self.by());
+                break None;
+            }
+            let now = Instant::now();
+            if now < next {
+                std::thread::sleep((next - now).min(Duration::from_millis(50)));
+                continue;
+            }
+            let sent = Instant::now();
+            let by = (sent + period).min(sent + self.ha.call_timeout);
+            match self.renew(lease, epoch, by) {
+                Ok(Ok(())) => {
+                    // etcd restarts the lease's full TTL when it receives the renewal,
+                    // which is after `sent`.
+                    self.authority
+                        .grant_until(sent + ttl.saturating_sub(margin));
+                    next = sent + period;
+                }
+                Ok(Err(why)) => break Some(why),
+                Err(e) => {
+                    if !self.authority.is_valid() {
+                        tracing::warn!("store master: lease renewal failed: {e}");
+                        break Some("lease renewals failed until the lease may have expired");
+                    }
+                    // Retried soon: the authority lapses by itself if none succeeds.
+                    next = Instant::now() + Duration::from_millis(100);
+                }
+            }
+        };
+        self.authority.revoke();
+        self.set_role(Role::Standby);
+        if let Some(lost) = lost {
+            // Best effort: the lease may be gone already, or etcd out of reach.
+            let _ = self.etcd.revoke(lease, self.by());
+            tracing::warn!(
+                epoch,
+                "store master: no longer leading ({lost}); standing by"
+            );
+            self.restart_empty();
+        }
+    }
+
+    /// Renews the lease and checks that the leader key is still this leader's (created
+    /// at `epoch`): a key deleted by hand would otherwise let a standby lead beside it.
+    /// `Ok(Err(why))`: leadership is lost.
+    fn renew(
+        &self,
+        lease: i64,
+        epoch: u64,
+        by: Instant,
+    ) -> Result<std::result::Result<(), &'static str>> {
+        if !self.etcd.keep_alive(lease, by)? {
+            return Ok(Err("etcd says the lease expired"));
+        }
+        match self.etcd.get(&self.key, by)? {
+            Some(e) if e.create_revision as u64 == epoch => Ok(Ok(())),
+            _ => Ok(Err("the leader key is gone or another master's")),
+        }
+    }
+
+    /// Drops the deposed leader's state: a new, empty master on the same address, that
+    /// answers nothing until it wins again.
+    fn restart_empty(&mut self) {
+        // The old one goes first: the new one binds its address.
+        let old = self.shared.master().take();
+        if let Some(m) = old {
+            m.shutdown();
+        }
+        loop {
+            match Master::start(self.cfg.clone()) {
+                Ok(m) => {
+                    *self.shared.master() = Some(m);
+                    return;
+                }
+                Err(e) => {
+                    tracing::warn!("store master: rebinding {} failed: {e}", self.cfg.listen);
+                    if self.stopping() {
+                        return;
+                    }
+                    std::thread::sleep(Duration::from_millis(500));
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,26 @@
+//! Coordination on etcd for the pagewire store: masters elect a leader through an etcd
+//! lease and key, and clients and storage nodes given an `etcd://h:p;h:p` address follow
+//! that leader.
+//!
+//! * [`HaMaster`]: a store master that campaigns; one leads and answers, the others
+//!   stand by. A leader that cannot renew its lease stops answering before etcd could
+//!   elect another one ([`leader`] says how).
+//! * [`EtcdLocator`]: the store client's [`pagewire_store::MasterLocator`] on etcd.
+//!   [`client_config`] builds client settings for either kind of address.
+//! * [`Etcd`]: the small synchronous etcd client both use (one private runtime thread).
+//!
+//! The store itself stays free of tokio: only this crate depends on the async etcd
+//! client. `docs/store.md` ("Masters on etcd") describes the design and its limits.
+#![warn(missing_docs)]
+
+pub mod error;
+pub mod etcd;
+pub mod leader;
+pub mod locate;
+#[doc(hidden)]
+pub mod testkit;
+
+pub use error::{HaError, Result};
+pub use etcd::{Etcd, parse_endpoints};
+pub use leader::{HaConfig, HaMaster, Role, leader_key};
+pub use locate::{EtcdLocator, client_config};

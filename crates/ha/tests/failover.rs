@@ -1,0 +1,580 @@
+//! Masters elected through a real etcd (started by the test on 127.0.0.1), in processes of
+//! their own: the leader killed with SIGKILL while a client puts and gets (bytes checked),
+//! the leader stopped past its lease and resumed (it must not answer), and one etcd member
+//! of three killed (the leader keeps leading). Needs the `etcd` binary (scripts/setup.sh).
+
+#[path = "../../store/tests/common/mod.rs"]
+mod common;
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::mpsc::{Receiver, channel};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail, ensure};
+use pagewire_ha::testkit::EtcdCluster;
+use pagewire_ha::{EtcdLocator, HaConfig, HaMaster, Role, client_config};
+use pagewire_store::proto::{Request, Response};
+use pagewire_store::{Code, MasterConfig, PutOptions, StoreClient};
+use pagewire_transport::BackendKind;
+
+use common::{Buf, fill, frame, reply};
+
+const ROLE: &str = "PW_HA_ROLE";
+/// The leader's lease in these tests: etcd's floor, so failovers stay short.
+const TTL: Duration = Duration::from_secs(2);
+const PAGE: usize = 64 << 10;
+
+/// The tests measure failovers: one at a time, so that they do not slow one another
+/// down on a small machine.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn say(line: impl AsRef<str>) {
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "@@ {}", line.as_ref());
+    let _ = out.flush();
+}
+
+/// The child master: campaigns, says `READY addr`, then `LEADER epoch` / `STANDBY` on
+/// every change, until its stdin closes.
+fn run_master() -> Result<()> {
+    let level = match std::env::var("PAGEWIRE_LOG").as_deref() {
+        Ok("info") => tracing::Level::INFO,
+        Ok("warn") => tracing::Level::WARN,
+        Ok("debug") => tracing::Level::DEBUG,
+        _ => tracing::Level::ERROR,
+    };
+    tracing_subscriber::fmt()
+        .with_max_level(level)
+        .with_writer(std::io::stderr)
+        .init();
+    let mut cfg = MasterConfig {
+        listen: "127.0.0.1:0".parse()?,
+        ..MasterConfig::default()
+    };
+    cfg.core.heartbeat_ms = 200;
+    cfg.core.revoke_grace_ms = 200;
+    let mut ha = HaConfig::new(std::env::var("PW_ETCD")?);
+    ha.cluster_id = "t".into();
+    ha.lease_ttl = Duration::from_secs(std::env::var("PW_TTL_S")?.parse()?);
+    ha.poll = Duration::from_millis(50);
+    let m = HaMaster::start(cfg, ha)?;
+    say(format!("READY {}", m.local_addr()));
+    std::thread::spawn(|| {
+        let mut s = String::new();
+        while std::io::stdin().read_line(&mut s).is_ok_and(|n| n > 0) {
+            s.clear();
+        }
+        std::process::exit(0);
+    });
+    let mut last = None;
+    loop {
+        let r = m.role();
+        if Some(r) != last {
+            match r {
+                Role::Leader(e) => say(format!("LEADER {e}")),
+                Role::Standby => say("STANDBY"),
+            }
+            last = Some(r);
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Entry point of the child master; a no-op in the normal test run.
+#[test]
+fn role() {
+    if std::env::var(ROLE).as_deref() != Ok("master") {
+        return;
+    }
+    if let Err(e) = run_master() {
+        say(format!("FATAL {e:#}"));
+        std::process::exit(3);
+    }
+}
+
+/// A master in a process of its own.
+struct MasterProc {
+    child: Child,
+    _stdin: Option<ChildStdin>,
+    lines: Receiver<String>,
+    addr: SocketAddr,
+}
+
+impl MasterProc {
+    fn spawn(etcd: &str, ttl: Duration) -> Result<MasterProc> {
+        let mut cmd = Command::new(std::env::current_exe()?);
+        cmd.args(["--exact", "role", "--nocapture", "--test-threads=1"])
+            .env(ROLE, "master")
+            .env("PW_ETCD", etcd)
+            .env("PW_TTL_S", ttl.as_secs().to_string())
+            .env(
+                "PAGEWIRE_LOG",
+                std::env::var("PW_CHILD_LOG").unwrap_or("error".into()),
+            )
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
+        let mut child = cmd.spawn()?;
+        let stdout = child.stdout.take().context("stdout")?;
+        let (tx, rx) = channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                if let Some(at) = line.find("@@ ")
+                    && tx.send(line[at + 3..].to_string()).is_err()
+                {
+                    break;
+                }
+            }
+        });
+        let stdin = child.stdin.take();
+        let mut m = MasterProc {
+            child,
+            _stdin: stdin,
+            lines: rx,
+            addr: "0.0.0.0:0".parse()?,
+        };
+        let l = m.line(Duration::from_secs(15))?;
+        m.addr = l
+            .strip_prefix("READY ")
+            .with_context(|| format!("master said {l:?}"))?
+            .parse()?;
+        Ok(m)
+    }
+
+    fn line(&mut self, timeout: Duration) -> Result<String> {
+        let l = self
+            .lines
+            .recv_timeout(timeout)
+            .with_context(|| format!("master {}: no line within {timeout:?}", self.addr))?;
+        if l.starts_with("FATAL") {
+            bail!("master {}: {l}", self.addr);
+        }
+        Ok(l)
+    }
+
+    /// Waits for the role line `want` ("LEADER" or "STANDBY").
+    fn wait_role(&mut self, want: &str, timeout: Duration) -> Result<String> {
+        let by = Instant::now() + timeout;
+        loop {
+            let left = by.saturating_duration_since(Instant::now());
+            let l = self.line(left)?;
+            if l.starts_with(want) {
+                return Ok(l);
+            }
+        }
+    }
+
+    fn signal(&self, sig: libc::c_int) {
+        // SAFETY: kill(2) on a child this test spawned and has not reaped.
+        unsafe { libc::kill(self.child.id() as libc::pid_t, sig) };
+    }
+
+    /// SIGSTOP, and waits until the kernel shows every thread stopped (the signal is
+    /// delivered asynchronously: a request sent right after `kill` could still be
+    /// served).
+    fn freeze(&self) -> Result<()> {
+        self.signal(libc::SIGSTOP);
+        let tasks = format!("/proc/{}/task", self.child.id());
+        let by = Instant::now() + Duration::from_secs(5);
+        // "pid (comm) S ...": the state follows the command's closing parenthesis.
+        let stopped = |stat: &str| {
+            stat.rsplit_once(')')
+                .and_then(|(_, r)| r.trim_start().chars().next())
+                == Some('T')
+        };
+        loop {
+            let mut all = true;
+            for t in std::fs::read_dir(&tasks)? {
+                let stat = std::fs::read_to_string(t?.path().join("stat")).unwrap_or_default();
+                all &= stopped(&stat);
+            }
+            if all {
+                return Ok(());
+            }
+            ensure!(Instant::now() < by, "master {} not stopped", self.addr);
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    fn kill9(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for MasterProc {
+    fn drop(&mut self) {
+        self.signal(libc::SIGCONT);
+        self.kill9();
+    }
+}
+
+/// Two masters on `etcd` with a lease of [`TTL`], and which of them leads:
+/// `(leader, standby, epoch)`.
+fn two_masters(etcd: &EtcdCluster) -> Result<(MasterProc, MasterProc, u64)> {
+    two_masters_with(etcd, TTL)
+}
+
+/// As [`two_masters`], with a lease of `ttl`.
+fn two_masters_with(etcd: &EtcdCluster, ttl: Duration) -> Result<(MasterProc, MasterProc, u64)> {
+    let a = MasterProc::spawn(&etcd.url(), ttl)?;
+    let b = MasterProc::spawn(&etcd.url(), ttl)?;
+    let loc = locator(etcd)?;
+    let by = Instant::now() + Duration::from_secs(15);
+    loop {
+        if let Some((addr, epoch)) = loc.leader(Instant::now() + Duration::from_secs(2))? {
+            let (mut l, s) = if addr == a.addr.to_string() {
+                (a, b)
+            } else if addr == b.addr.to_string() {
+                (b, a)
+            } else {
+                bail!(
+                    "the leader key names {addr}, neither {} nor {}",
+                    a.addr,
+                    b.addr
+                );
+            };
+            l.wait_role("LEADER", Duration::from_secs(5))?;
+            return Ok((l, s, epoch));
+        }
+        ensure!(Instant::now() < by, "no leader within 15 s");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn locator(etcd: &EtcdCluster) -> Result<EtcdLocator> {
+    Ok(EtcdLocator::connect(
+        &etcd.url(),
+        "t",
+        Instant::now() + Duration::from_secs(5),
+    )?)
+}
+
+/// A store client that follows the leader; `segment` bytes offered (0: none).
+fn client(etcd: &EtcdCluster, segment: u64) -> Result<StoreClient> {
+    client_within(etcd, segment, Duration::from_secs(8))
+}
+
+/// As [`client`], with `timeout` per call.
+fn client_within(etcd: &EtcdCluster, segment: u64, timeout: Duration) -> Result<StoreClient> {
+    let mut c = client_config(&etcd.url(), "t", Instant::now() + Duration::from_secs(5))?;
+    c.engine = common::engine(BackendKind::Tcp);
+    c.segment_size = segment;
+    c.timeout = timeout;
+    c.connect_timeout = Duration::from_secs(8);
+    Ok(StoreClient::connect(c)?)
+}
+
+/// A client's source and destination pages.
+struct Pages {
+    src: Buf,
+    dst: Buf,
+}
+
+impl Pages {
+    fn new(c: &StoreClient) -> Pages {
+        Pages {
+            src: Buf::new(c, PAGE),
+            dst: Buf::new(c, PAGE),
+        }
+    }
+
+    /// Puts `key` (its pattern) and reads it back: whether both succeeded, and an error if
+    /// a get returned bytes that are not the key's.
+    fn round_trip(&mut self, c: &StoreClient, key: &str) -> Result<(bool, bool)> {
+        fill(key, 7, &mut self.src.mem);
+        let put = c.put(&[key], &[[self.src.span(0, PAGE)]], &PutOptions::default());
+        let put_ok = matches!(put.as_deref(), Ok([Ok(())]));
+        if !put_ok {
+            return Ok((false, false));
+        }
+        self.dst.mem.fill(0);
+        let got = c.get(&[key], &[[self.dst.span(0, PAGE)]]);
+        let get_ok = matches!(got.as_deref(), Ok([Ok(n)]) if *n == PAGE as u64);
+        if get_ok {
+            ensure!(
+                self.dst.mem == self.src.mem,
+                "get of {key} returned wrong bytes"
+            );
+        }
+        Ok((true, get_ok))
+    }
+}
+
+/// Puts and gets until both succeed once: how long that took.
+fn until_served(c: &StoreClient, p: &mut Pages, tag: &str, within: Duration) -> Result<Duration> {
+    let start = Instant::now();
+    for i in 0.. {
+        if p.round_trip(c, &format!("{tag}_{i}"))? == (true, true) {
+            return Ok(start.elapsed());
+        }
+        ensure!(
+            start.elapsed() < within,
+            "{tag}: not served within {within:?}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    unreachable!()
+}
+
+#[test]
+fn leader_killed_standby_takes_over() -> Result<()> {
+    let _serial = serial();
+    let etcd = EtcdCluster::start(1);
+    let (mut leader, mut standby, epoch) = two_masters(&etcd)?;
+    let node = client(&etcd, 64 << 20)?;
+    let c = client(&etcd, 0)?;
+    let mut p = Pages::new(&c);
+    for i in 0..16 {
+        ensure!(p.round_trip(&c, &format!("before_{i}"))? == (true, true));
+    }
+
+    let killed = Instant::now();
+    leader.kill9();
+    until_served(&c, &mut p, "after", Duration::from_secs(20))?;
+    let took = killed.elapsed();
+    let l = standby.wait_role("LEADER", Duration::from_secs(1))?;
+    let new_epoch: u64 = l["LEADER ".len()..].parse()?;
+    ensure!(new_epoch > epoch, "epoch {new_epoch} after {epoch}");
+    println!(
+        "failover: first put and get served {:.2} s after SIGKILL of the leader (lease {TTL:?}), \
+         epoch {epoch} -> {new_epoch}",
+        took.as_secs_f64()
+    );
+    // This step keeps no metadata across a leader change: the new leader starts empty.
+    let r = c.get(&["before_0"], &[[p.dst.span(0, PAGE)]])?;
+    ensure!(r == [Err(Code::NotFound)], "before_0 after failover: {r:?}");
+    for i in 0..16 {
+        ensure!(p.round_trip(&c, &format!("later_{i}"))? == (true, true));
+    }
+    c.close();
+    node.close();
+    Ok(())
+}
+
+/// Sends a heartbeat on `s` and waits for an answer: `Some` if one came.
+fn heartbeat_answer(s: &mut TcpStream, within: Duration) -> Option<Response> {
+    s.set_read_timeout(Some(within)).ok()?;
+    s.write_all(&frame(&Request::Heartbeat, 99)).ok()?;
+    reply(s).ok()
+}
+
+#[test]
+fn stopped_leader_does_not_answer_after_its_lease() -> Result<()> {
+    let _serial = serial();
+    let etcd = EtcdCluster::start(1);
+    let (mut leader, mut standby, epoch) = two_masters(&etcd)?;
+    let node = client(&etcd, 64 << 20)?;
+    let c = client(&etcd, 0)?;
+    let mut p = Pages::new(&c);
+    ensure!(p.round_trip(&c, "before")? == (true, true));
+    // A session of its own on the leader, to send it a request while it is stopped.
+    let mut raw = common::authenticated(leader.addr)?;
+    ensure!(matches!(
+        heartbeat_answer(&mut raw, Duration::from_secs(2)),
+        Some(Response::Ack)
+    ));
+
+    leader.freeze()?;
+    let stopped = Instant::now();
+    // A call sent to the stopped leader: it goes on with the new one within its deadline.
+    let r = c.exist(&["before"])?;
+    let exist_took = stopped.elapsed();
+    ensure!(r == [Ok(false)], "exist on the new (empty) leader: {r:?}");
+    let l = standby.wait_role("LEADER", TTL * 4)?;
+    let new_epoch: u64 = l["LEADER ".len()..].parse()?;
+    ensure!(new_epoch > epoch);
+    println!(
+        "stopped leader: a call sent after SIGSTOP answered by the new leader {:.2} s after \
+         the stop",
+        exist_took.as_secs_f64()
+    );
+    // The request waits in the stopped leader's socket buffer.
+    raw.write_all(&frame(&Request::Heartbeat, 7))?;
+    std::thread::sleep(Duration::from_millis(300));
+    leader.signal(libc::SIGCONT);
+    raw.set_read_timeout(Some(Duration::from_secs(3)))?;
+    let late = reply(&mut raw);
+    ensure!(
+        late.is_err(),
+        "the deposed leader answered after its lease: {late:?}"
+    );
+    leader.wait_role("STANDBY", Duration::from_secs(5))?;
+    // A new connection to it gets no Welcome either.
+    let fresh = common::authenticated(leader.addr);
+    ensure!(
+        fresh.is_err(),
+        "the deposed leader welcomed a new connection"
+    );
+    // The client follows the new leader.
+    until_served(&c, &mut p, "after", Duration::from_secs(15))?;
+    c.close();
+    node.close();
+    Ok(())
+}
+
+/// Two masters with a lease of `ttl` on a three-member etcd; `disrupt` takes one member
+/// out (and says how); the leader must keep leading and serving for two lease periods.
+fn keeps_leading_through(
+    ttl: Duration,
+    disrupt: impl FnOnce(&mut EtcdCluster) -> String,
+) -> Result<()> {
+    let _serial = serial();
+    let mut etcd = EtcdCluster::start(3);
+    let (leader, _standby, epoch) = two_masters_with(&etcd, ttl)?;
+    let node = client(&etcd, 64 << 20)?;
+    let c = client(&etcd, 0)?;
+    let mut p = Pages::new(&c);
+    ensure!(p.round_trip(&c, "before")? == (true, true));
+    let what = disrupt(&mut etcd);
+    // Two lease periods: every renewal must reach a live member.
+    let until = Instant::now() + ttl * 2;
+    let mut i = 0;
+    while Instant::now() < until {
+        ensure!(
+            p.round_trip(&c, &format!("during_{i}"))? == (true, true),
+            "round trip {i} failed with {what}"
+        );
+        i += 1;
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    ensure!(
+        leader.lines.try_iter().all(|l| !l.starts_with("STANDBY")),
+        "the leader stepped down with {what}"
+    );
+    let loc = locator(&etcd)?;
+    let now = loc.leader(Instant::now() + Duration::from_secs(3))?;
+    ensure!(
+        now == Some((leader.addr.to_string(), epoch)),
+        "leader with {what}: {now:?}, was {} epoch {epoch}",
+        leader.addr
+    );
+    println!("{i} round trips with {what} (lease {ttl:?}), same leader");
+    c.close();
+    node.close();
+    Ok(())
+}
+
+#[test]
+fn one_etcd_member_of_three_killed_leader_keeps_leading() -> Result<()> {
+    // The default lease: it must outlast the election of a new raft leader (etcd's
+    // election timeout is 1 s), during which no renewal succeeds.
+    let ttl = HaConfig::new("etcd://unused:1").lease_ttl;
+    keeps_leading_through(ttl, |etcd| {
+        // The raft leader: the harder case (etcd elects another one meanwhile).
+        let raft_leader = etcd.raft_leader();
+        let victim = raft_leader.unwrap_or(0);
+        etcd.kill(victim);
+        format!(
+            "etcd member {victim} of three killed (raft leader: {})",
+            raft_leader.is_some()
+        )
+    })
+}
+
+#[test]
+fn one_etcd_follower_of_three_frozen_leader_keeps_leading() -> Result<()> {
+    // A frozen member accepts connections and answers nothing: renewals that try it
+    // first must leave time for another member, even under the shortest lease.
+    keeps_leading_through(TTL, |etcd| {
+        // Member 0 is where every client starts, unless it is the raft leader.
+        let victim = if etcd.raft_leader() == Some(0) { 1 } else { 0 };
+        etcd.pause(victim);
+        format!("etcd follower {victim} of three stopped (SIGSTOP)")
+    })
+}
+
+/// All of etcd stopped for longer than the lease: the leader falls silent, calls fail
+/// with a typed error within their deadline, and once etcd is back the store serves
+/// again by itself (with a new leader term).
+#[test]
+fn etcd_stopped_calls_fail_typed_then_recover() -> Result<()> {
+    let _serial = serial();
+    let etcd = EtcdCluster::start(1);
+    let (_leader, _standby, epoch) = two_masters(&etcd)?;
+    let node = client(&etcd, 64 << 20)?;
+    let timeout = Duration::from_secs(2);
+    let c = client_within(&etcd, 0, timeout)?;
+    let mut p = Pages::new(&c);
+    ensure!(p.round_trip(&c, "before")? == (true, true));
+
+    etcd.pause(0);
+    let paused = Instant::now();
+    std::thread::sleep(TTL + Duration::from_millis(500));
+    fill("during", 7, &mut p.src.mem);
+    let t = Instant::now();
+    let r = c.put(
+        &["during"],
+        &[[p.src.span(0, PAGE)]],
+        &PutOptions::default(),
+    );
+    let took = t.elapsed();
+    let code = match &r {
+        Err(e) => e.code(),
+        Ok(v) => match v.as_slice() {
+            [Err(c)] => *c,
+            other => bail!("a put succeeded with etcd stopped past the lease: {other:?}"),
+        },
+    };
+    ensure!(
+        matches!(code, Code::Timeout | Code::MasterUnavailable),
+        "put with etcd stopped: {r:?}"
+    );
+    ensure!(
+        took < timeout + Duration::from_millis(1500),
+        "the put took {took:?} (deadline {timeout:?})"
+    );
+    std::thread::sleep(Duration::from_secs(5).saturating_sub(paused.elapsed()));
+    etcd.resume(0);
+    let resumed = Instant::now();
+    until_served(&c, &mut p, "after", Duration::from_secs(20))?;
+    let loc = locator(&etcd)?;
+    let (_, now) = loc
+        .leader(Instant::now() + Duration::from_secs(2))?
+        .context("no leader after etcd came back")?;
+    ensure!(now > epoch, "epoch {now} after {epoch}");
+    println!(
+        "etcd stopped {:.1} s: a put failed with {code:?} after {:.2} s; served again {:.2} s \
+         after etcd resumed",
+        resumed.duration_since(paused).as_secs_f64(),
+        took.as_secs_f64(),
+        resumed.elapsed().as_secs_f64()
+    );
+    c.close();
+    node.close();
+    Ok(())
+}
+
+/// Without a leader, a client's call fails with a typed error within its deadline.
+#[test]
+fn no_leader_fails_within_the_deadline() -> Result<()> {
+    let _serial = serial();
+    let etcd = EtcdCluster::start(1);
+    let mut cfg = client_config(&etcd.url(), "none", Instant::now() + Duration::from_secs(5))?;
+    cfg.engine = common::engine(BackendKind::Tcp);
+    cfg.connect_timeout = Duration::from_millis(800);
+    let start = Instant::now();
+    let r = StoreClient::connect(cfg);
+    let took = start.elapsed();
+    let Err(e) = r else {
+        bail!("connected without a leader")
+    };
+    ensure!(e.code() == Code::Timeout, "error {e}");
+    ensure!(took < Duration::from_secs(3), "took {took:?}");
+    // An etcd:// address without a locator is refused, not dialed.
+    let mut bare = pagewire_store::ClientConfig::new(etcd.url());
+    bare.engine = common::engine(BackendKind::Tcp);
+    let r = StoreClient::connect(bare);
+    ensure!(
+        matches!(r, Err(pagewire_store::StoreError::Config { .. })),
+        "{r:?}"
+    );
+    Ok(())
+}
