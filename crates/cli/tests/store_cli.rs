@@ -315,6 +315,7 @@ fn store_client_serves_dummies_with_the_token() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+}
 
 /// `store master --ha etcd://...` twice on a real etcd (started here), `store serve` and
 /// `bench store` given the etcd address: the benchmark runs against the leader, and
