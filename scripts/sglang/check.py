@@ -377,8 +377,11 @@ class Side:
             self.log.append(line)
 
     def go(self) -> None:
-        self.proc.stdin.write("go\n")
-        self.proc.stdin.flush()
+        try:
+            self.proc.stdin.write("go\n")
+            self.proc.stdin.flush()
+        except OSError:  # it exited already: finish() reports how
+            pass
 
     def finish(self) -> bool:
         if self.proc.returncode is not None and self.lines.empty() and self.drained:
@@ -414,8 +417,9 @@ def env_for(**extra) -> dict:
 
 
 def run_pair(first: str, second: str, env: dict, env2: dict, info: dict, steps: int) -> list:
-    """``first`` prints READY and waits; ``second`` starts with READY's JSON; then the two
-    alternate ``steps`` STEP handshakes (first, second, first, ...)."""
+    """``first`` prints READY and waits; ``second`` starts with READY's JSON; then
+    ``steps`` STEP handshakes, alternating (second, first, second, ...): the side that
+    printed STEP waits while the other goes on. Finally ``first`` is let go."""
     a = Side(first, info, env)
     try:
         ready = a.until("READY")
@@ -450,8 +454,12 @@ def run_sglang_test(env: dict) -> list:
     path = os.path.join(os.path.dirname(spec.origin), "srt", "mem_cache", "storage",
                         "mooncake_store", "test_mooncake_store.py")
     t0 = time.monotonic()
-    p = subprocess.run([sys.executable, path], env=env, capture_output=True, text=True,
-                       timeout=STEP_TIMEOUT * 2)
+    try:
+        p = subprocess.run([sys.executable, path], env=env, capture_output=True, text=True,
+                           timeout=STEP_TIMEOUT * 2)
+    except subprocess.TimeoutExpired as e:
+        result(False, "sglang test_mooncake_store.py", f"no exit within {e.timeout:.0f} s", "")
+        return ["RESULT FAIL test_mooncake_store"]
     out = p.stdout + p.stderr
     passed = out.count("Single operation passed") + out.count("Batch operation passed")
     ok = p.returncode == 0 and "All tests passed" in out and passed == 5
