@@ -57,7 +57,8 @@ def result(ok: bool, name: str, why: str = "", prefix: str = "RESULT ") -> bool:
 
 
 def one_line(text: str) -> str:
-    return text.strip().replace("\n", " | ")
+    """A traceback's last lines (where it failed and why) on one line."""
+    return " | ".join(line.strip() for line in text.strip().splitlines()[-4:])
 
 
 def wait_line() -> str:
