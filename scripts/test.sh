@@ -24,6 +24,12 @@ cargo test --workspace --locked
 echo "== python suite: wheel + pytest in .venv"
 bash scripts/python-test.sh
 
+# SGLang 0.5.23's own code (PD transfer engine, HiCache MooncakeStore, its
+# test_mooncake_store.py) on the wheel just built, in ~/.cache/pagewire/venv-sglang (about 5.7 GB; a rerun
+# installs nothing, about 1.5 minutes of checks).
+echo "== sglang: SGLang's own code on pagewire"
+bash scripts/sglang-check.sh
+
 # Fuzzing for a bounded time (PAGEWIRE_FUZZ_SECONDS per target, 60 by default) when a nightly
 # toolchain is installed; scripts/fuzz.sh says SKIPPED and why otherwise (the host suite's
 # corpus replay, tests/fuzz_corpus.rs, ran either way). It writes what it finds back into
