@@ -5,13 +5,14 @@
 set -euo pipefail
 
 # python3-venv/python3-dev: the Python bindings' virtualenv and libpython for `cargo test`.
-# etcd-server: the real etcd that the store's HA tests start on 127.0.0.1 (crates/ha);
 # protobuf-compiler + libprotobuf-dev: protoc and its well-known types, which the
 # etcd-client crate's build script compiles etcd's API with.
+# With --vm (the test suite's set): etcd-server, the real etcd that the store's HA tests
+# start on 127.0.0.1 ports of their own (crates/ha); the main job does not need it.
 want=(cmake libclang1-14 libclang-common-14-dev pkg-config python3-venv python3-dev
-      etcd-server protobuf-compiler libprotobuf-dev)
+      protobuf-compiler libprotobuf-dev)
 if [[ "${1:-}" == "--vm" ]]; then
-    want+=(qemu-system-x86 busybox-static rdma-core ibverbs-providers ibverbs-utils
+    want+=(etcd-server qemu-system-x86 busybox-static rdma-core ibverbs-providers ibverbs-utils
            libibverbs-dev perftest rdmacm-utils iperf3 python3 iproute2 kmod xz-utils)
 fi
 
