@@ -45,6 +45,22 @@ fn spawn_cmd(mut cmd: Command, args: &[&str]) -> (Kill, String) {
     (Kill(c), line)
 }
 
+/// `pagewire` with `PAGEWIRE_TOKEN` set.
+fn with_token(token: &str) -> Command {
+    let mut c = pagewire();
+    c.env("PAGEWIRE_TOKEN", token);
+    c
+}
+
+/// The first `127.0.0.1:port` in a process's first line (its listening address).
+fn addr_in(line: &str) -> String {
+    line.split_whitespace()
+        .find(|w| w.starts_with("127.0.0.1:"))
+        .unwrap_or_else(|| panic!("no address in {line:?}"))
+        .trim_end_matches(',')
+        .to_string()
+}
+
 fn json(args: &[&str]) -> serde_json::Value {
     let out = pagewire().args(args).output().expect("spawn pagewire");
     assert!(
@@ -58,11 +74,7 @@ fn json(args: &[&str]) -> serde_json::Value {
 #[test]
 fn master_serve_and_bench_store_as_processes() {
     let (_m, line) = spawn(&["store", "master", "--listen", "127.0.0.1:0"]);
-    let addr = line
-        .split_whitespace()
-        .find(|w| w.starts_with("127.0.0.1:"))
-        .unwrap_or_else(|| panic!("no address in {line:?}"))
-        .to_string();
+    let addr = addr_in(&line);
     let (_n, line) = spawn(&[
         "store",
         "serve",
@@ -111,22 +123,13 @@ fn master_serve_and_bench_store_as_processes() {
 #[test]
 fn serve_guards_its_segment_with_pagewire_token() {
     use pagewire_transport::{BackendKind, Engine, EngineConfig, Error, HandshakeError};
-    let with_token = || {
-        let mut c = pagewire();
-        c.env("PAGEWIRE_TOKEN", "sesame");
-        c
-    };
     let (_m, line) = spawn_cmd(
-        with_token(),
+        with_token("sesame"),
         &["store", "master", "--listen", "127.0.0.1:0"],
     );
-    let addr = line
-        .split_whitespace()
-        .find(|w| w.starts_with("127.0.0.1:"))
-        .unwrap_or_else(|| panic!("no address in {line:?}"))
-        .to_string();
+    let addr = addr_in(&line);
     let (_n, line) = spawn_cmd(
-        with_token(),
+        with_token("sesame"),
         &[
             "store",
             "serve",
@@ -222,23 +225,14 @@ fn bench_store_in_process_and_flag_errors() {
 #[test]
 fn store_client_serves_dummies_with_the_token() {
     use pagewire_store::{Code, DummyClient, DummyConfig, PutOptions, SharedBuf, Span, StoreError};
-    let with_token = || {
-        let mut c = pagewire();
-        c.env("PAGEWIRE_TOKEN", "sesame");
-        c
-    };
     let (_m, line) = spawn_cmd(
-        with_token(),
+        with_token("sesame"),
         &["store", "master", "--listen", "127.0.0.1:0"],
     );
-    let addr = line
-        .split_whitespace()
-        .find(|w| w.starts_with("127.0.0.1:"))
-        .unwrap_or_else(|| panic!("no address in {line:?}"))
-        .to_string();
+    let addr = addr_in(&line);
     let dummies = format!("@pagewire-cli-test-{}", std::process::id());
     let (_c, line) = spawn_cmd(
-        with_token(),
+        with_token("sesame"),
         &[
             "store",
             "client",
@@ -340,18 +334,11 @@ fn masters_on_etcd_serve_and_bench_store_through_etcd() {
             "200",
         ])
     };
-    let addr_of = |line: &str| {
-        line.split_whitespace()
-            .find(|w| w.starts_with("127.0.0.1:"))
-            .unwrap_or_else(|| panic!("no address in {line:?}"))
-            .trim_end_matches(',')
-            .to_string()
-    };
     let (a, line) = master(0);
     assert!(line.contains("campaigning through etcd://"), "{line}");
-    let a_addr = addr_of(&line);
+    let a_addr = addr_in(&line);
     let (b, line) = master(1);
-    let b_addr = addr_of(&line);
+    let b_addr = addr_in(&line);
     let (_n, line) = spawn(&[
         "store",
         "serve",

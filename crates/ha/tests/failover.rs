@@ -6,10 +6,10 @@
 #[path = "../../store/tests/common/mod.rs"]
 mod common;
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::Write;
 use std::net::{SocketAddr, TcpStream};
 use std::process::{Child, ChildStdin, Command, Stdio};
-use std::sync::mpsc::{Receiver, channel};
+use std::sync::mpsc::Receiver;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
@@ -121,18 +121,7 @@ impl MasterProc {
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit());
         let mut child = cmd.spawn()?;
-        let stdout = child.stdout.take().context("stdout")?;
-        let (tx, rx) = channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines() {
-                let Ok(line) = line else { break };
-                if let Some(at) = line.find("@@ ")
-                    && tx.send(line[at + 3..].to_string()).is_err()
-                {
-                    break;
-                }
-            }
-        });
+        let rx = common::tagged_lines(child.stdout.take().context("stdout")?);
         let stdin = child.stdin.take();
         let mut m = MasterProc {
             child,

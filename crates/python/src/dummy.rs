@@ -15,7 +15,7 @@ use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::types::PyList;
 
-use crate::store::{codes, keys_of, parts_of, put_options, secs, store_err};
+use crate::store::{codes, keys_of, parts_of, per_key, put_options, secs, store_err};
 
 /// Shared buffers handed to Python by address (they live until `shm_free`).
 fn handed_out() -> &'static Mutex<HashMap<u64, SharedBuf>> {
@@ -166,9 +166,7 @@ impl DummyClient {
         let r = py
             .detach(move || c.get(&keys, &parts))
             .map_err(|e| store_err(py, e))?;
-        Ok(r.into_iter()
-            .map(|x| x.map_or_else(|c| c.as_i32() as i64, |n| n as i64))
-            .collect())
+        Ok(per_key(r, |n| n as i64))
     }
 
     /// Per key ``1``, ``0`` or a negative code.
@@ -178,9 +176,7 @@ impl DummyClient {
         let r = py
             .detach(move || c.exist(&keys))
             .map_err(|e| store_err(py, e))?;
-        Ok(r.into_iter()
-            .map(|x| x.map_or_else(|c| c.as_i32() as i64, |b| b as i64))
-            .collect())
+        Ok(per_key(r, |b| b as i64))
     }
 
     /// Per key ``(size, [])`` (replicas are the standalone client's business) or a

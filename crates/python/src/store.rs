@@ -118,10 +118,16 @@ pub(crate) fn put_options(
     })
 }
 
-pub(crate) fn codes(r: Vec<Result<(), Code>>) -> Vec<i64> {
+/// Per key: `ok` of its value, or its failure's code.
+pub(crate) fn per_key<T>(r: Vec<Result<T, Code>>, ok: impl Fn(T) -> i64) -> Vec<i64> {
     r.into_iter()
-        .map(|x| x.map_or_else(|c| c.as_i32() as i64, |()| 0))
+        .map(|x| x.map_or_else(|c| c.as_i32() as i64, &ok))
         .collect()
+}
+
+/// Per key: `0`, or its failure's code.
+pub(crate) fn codes(r: Vec<Result<(), Code>>) -> Vec<i64> {
+    per_key(r, |()| 0)
 }
 
 /// Whether `[ptr, ptr+len)` lies in mappings of this process that are readable and
@@ -386,9 +392,7 @@ impl StoreClient {
         let r = py
             .detach(move || c.get(&keys, &parts))
             .map_err(|e| store_err(py, e))?;
-        Ok(r.into_iter()
-            .map(|x| x.map_or_else(|c| c.as_i32() as i64, |n| n as i64))
-            .collect())
+        Ok(per_key(r, |n| n as i64))
     }
 
     /// Per key: ``1`` exists, ``0`` not, negative on error. Leases what it finds (as
@@ -399,9 +403,7 @@ impl StoreClient {
         let r = py
             .detach(move || c.exist(&keys))
             .map_err(|e| store_err(py, e))?;
-        Ok(r.into_iter()
-            .map(|x| x.map_or_else(|c| c.as_i32() as i64, |b| b as i64))
-            .collect())
+        Ok(per_key(r, |b| b as i64))
     }
 
     /// Per key: ``(size, [(segment, endpoint, address), ...])`` or a negative code.

@@ -12,10 +12,10 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, Write};
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::Mutex;
-use std::sync::mpsc::{Receiver, channel};
+use std::sync::mpsc::Receiver;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
@@ -315,19 +315,7 @@ impl Proc {
             cmd.env(k, v);
         }
         let mut child = cmd.spawn()?;
-        let stdout = child.stdout.take().context("stdout")?;
-        let (tx, rx) = channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines() {
-                let Ok(line) = line else { break };
-                // libtest may have printed "test role ... " on the same line first.
-                if let Some(at) = line.find("@@ ")
-                    && tx.send(line[at + 3..].to_string()).is_err()
-                {
-                    break;
-                }
-            }
-        });
+        let rx = common::tagged_lines(child.stdout.take().context("stdout")?);
         let stdin = child.stdin.take();
         Ok(Proc {
             name: name.to_string(),

@@ -10,6 +10,24 @@ use pagewire_store::proto::{self, Hello, Request, Response};
 use pagewire_store::{ClientConfig, Span, StoreClient};
 use pagewire_transport::{BackendKind, EngineConfig};
 
+/// The lines a child process (a test re-run as a role) tags with `@@ `, with what comes
+/// before the tag dropped (libtest may have printed "test role ... " on the same line).
+pub fn tagged_lines(out: std::process::ChildStdout) -> std::sync::mpsc::Receiver<String> {
+    use std::io::BufRead;
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(out).lines() {
+            let Ok(line) = line else { break };
+            if let Some(at) = line.find("@@ ")
+                && tx.send(line[at + 3..].to_string()).is_err()
+            {
+                break;
+            }
+        }
+    });
+    rx
+}
+
 /// An engine config for `kind` on localhost (verbs takes `RDMA_DEVICE`).
 pub fn engine(kind: BackendKind) -> EngineConfig {
     let mut b = EngineConfig::builder()
