@@ -76,6 +76,36 @@ impl Allocator {
         Some(off)
     }
 
+    /// Reserves exactly `[off, off + len)` (`len` rounded up to [`ALIGN`]) if it is free:
+    /// a standby rebuilds the allocations of the objects the leader logged. `false` when
+    /// the range is not aligned, not inside the segment or not free.
+    pub fn take(&mut self, off: u64, len: u64) -> bool {
+        let Some(need) = aligned(len.max(1)) else {
+            return false;
+        };
+        let Some(end) = off.checked_add(need) else {
+            return false;
+        };
+        if !off.is_multiple_of(ALIGN) || end > self.size {
+            return false;
+        }
+        let Some((&fo, &fl)) = self.by_off.range(..=off).next_back() else {
+            return false;
+        };
+        if fo + fl < end {
+            return false;
+        }
+        self.remove(fo, fl);
+        if fo < off {
+            self.insert(fo, off - fo);
+        }
+        if end < fo + fl {
+            self.insert(end, fo + fl - end);
+        }
+        self.used += need;
+        true
+    }
+
     /// Returns a block that [`alloc`](Self::alloc) gave out with this `len`.
     ///
     /// # Panics
@@ -158,6 +188,33 @@ mod tests {
             ],
             1..200,
         )
+    }
+
+    /// A standby's rebuild: taking the blocks another allocator gave out reproduces its
+    /// usage, a taken block cannot be taken again, and later blocks never overlap them.
+    #[test]
+    fn take_rebuilds_another_allocators_blocks() {
+        let mut a = Allocator::new(1 << 16);
+        let blocks: Vec<(u64, u64)> = [100u64, 64, 4000, 1, 640, 129]
+            .iter()
+            .map(|&l| (a.alloc(l).unwrap(), l))
+            .collect();
+        a.free(blocks[1].0, blocks[1].1);
+        let live: Vec<(u64, u64)> = blocks.iter().copied().filter(|b| *b != blocks[1]).collect();
+        let mut b = Allocator::new(1 << 16);
+        for &(off, len) in &live {
+            assert!(b.take(off, len), "{off} {len}");
+            assert!(!b.take(off, len), "taken twice");
+        }
+        assert_eq!(b.used(), a.used());
+        assert!(!b.take(3, 64), "unaligned");
+        assert!(!b.take(1 << 16, 64), "outside");
+        while let Some(off) = b.alloc(256) {
+            assert!(
+                live.iter()
+                    .all(|&(o, l)| off + 256 <= o || o + aligned(l).unwrap() <= off)
+            );
+        }
     }
 
     proptest! {

@@ -40,6 +40,7 @@ use std::sync::Arc;
 
 use crate::alloc::{Allocator, aligned};
 use crate::error::Code;
+use crate::oplog::Record;
 use crate::proto::{self, Found, ObjectInfo, Pin, Placement, Replica, SegmentRef, Stats};
 
 /// Milliseconds on the caller's monotonic clock.
@@ -202,6 +203,10 @@ struct Segment {
     /// `(reporter's origin, when)` of counted reports of failed transfers, distinct
     /// origins, at most [`MAX_REPORTS`] (the newest).
     reports: Vec<(u128, Millis)>,
+    /// Known from the op-log, not mounted by a client of this master yet: until when its
+    /// owner may remount it (`Millis::MAX` on a standby). Its replicas are not named and
+    /// it takes none meanwhile.
+    awaiting: Option<Millis>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -264,6 +269,8 @@ pub struct MasterCore {
     reclaimed: u64,
     /// When [`MasterCore::prune_evidence`] last ran.
     pruned_at: Millis,
+    /// The op-log outbox (`None`: not logging).
+    log: Option<Vec<Record>>,
 }
 
 /// How often the tick forgets evidence that can no longer count.
@@ -315,6 +322,7 @@ impl MasterCore {
             evicted: 0,
             reclaimed: 0,
             pruned_at: 0,
+            log: None,
         }
     }
 
@@ -457,6 +465,10 @@ impl MasterCore {
         if alloc.size() == 0 {
             return Err(Code::InvalidParams);
         }
+        let endpoint = self.clients[&client].endpoint.clone();
+        if let Some(id) = self.remount(now, client, &endpoint, base, alloc.size(), rkey) {
+            return Ok(id);
+        }
         let c = &self.clients[&client];
         if c.segments.len() >= self.cfg.max_segments_per_client
             || self.segments.len() >= self.cfg.max_segments
@@ -464,7 +476,6 @@ impl MasterCore {
             return Err(Code::NoSpace);
         }
         // One endpoint is one address space: its segments must not overlap.
-        let endpoint = c.endpoint.clone();
         if self
             .segments
             .values()
@@ -474,17 +485,19 @@ impl MasterCore {
         }
         let id = self.next_segment;
         self.next_segment += 1;
-        self.capacity += alloc.size();
+        let alloc_size = alloc.size();
+        self.capacity += alloc_size;
         self.segments.insert(
             id,
             Segment {
-                endpoint,
+                endpoint: endpoint.clone(),
                 base,
                 alloc,
                 rkey,
                 owner: client,
                 closed: false,
                 reports: Vec::new(),
+                awaiting: None,
             },
         );
         self.clients
@@ -492,7 +505,58 @@ impl MasterCore {
             .expect("touched")
             .segments
             .push(id);
+        self.emit(|| Record::Mount {
+            segment: id,
+            endpoint: endpoint.to_string(),
+            base,
+            size: alloc_size,
+            rkey,
+        });
         Ok(id)
+    }
+
+    /// A mount of a segment known from the op-log (same endpoint, base and size) and
+    /// awaiting its owner: the owner takes it back with its id and contents, under its new
+    /// registration. An awaiting segment of that endpoint overlapping it otherwise is
+    /// unmounted (its memory was registered anew with other bounds).
+    fn remount(
+        &mut self,
+        now: Millis,
+        client: u64,
+        endpoint: &Arc<str>,
+        base: u64,
+        size: u64,
+        rkey: u32,
+    ) -> Option<u64> {
+        let end = base.saturating_add(size);
+        let mut same = None;
+        let mut stale = Vec::new();
+        for (&id, s) in &self.segments {
+            if s.awaiting.is_none() || s.endpoint != *endpoint {
+                continue;
+            }
+            if s.base == base && s.alloc.size() == size {
+                same = Some(id);
+            } else if base < s.base + s.alloc.size() && s.base < end {
+                stale.push(id);
+            }
+        }
+        for id in stale {
+            self.unmount_segment(now, id);
+        }
+        let id = same?;
+        let s = self.segments.get_mut(&id).expect("found above");
+        s.awaiting = None;
+        s.owner = client;
+        s.rkey = rkey;
+        s.closed = false;
+        self.clients
+            .get_mut(&client)
+            .expect("touched")
+            .segments
+            .push(id);
+        self.emit(|| Record::Remount { segment: id, rkey });
+        Some(id)
     }
 
     /// Unmounts one of the client's segments.
@@ -511,6 +575,7 @@ impl MasterCore {
         let Some(seg) = self.segments.remove(&segment) else {
             return;
         };
+        self.emit(|| Record::Unmount { segment });
         self.capacity -= seg.alloc.size();
         self.used -= seg.alloc.used();
         // Objects with a replica there lose it (an O(objects) scan: unmounts are rare).
@@ -637,7 +702,7 @@ impl MasterCore {
     }
 
     fn placeable(&self, now: Millis, s: &Segment, need: u64) -> bool {
-        !self.suspect(now, s) && s.alloc.largest_free() >= need
+        s.awaiting.is_none() && !self.suspect(now, s) && s.alloc.largest_free() >= need
     }
 
     /// Whether the master confirms that `s` is failing: its owner's connection closed,
@@ -760,6 +825,14 @@ impl MasterCore {
                         o.state = State::Complete;
                         o.last_access = self.uses.next();
                         self.pending.remove(&(started, seq));
+                        if let Some(log) = &mut self.log {
+                            log.push(Record::Publish {
+                                key: k.to_vec(),
+                                size: o.size,
+                                pin: o.pin,
+                                replicas: o.replicas.clone(),
+                            });
+                        }
                         Code::Ok
                     }
                     _ => Code::NotFound,
@@ -866,6 +939,13 @@ impl MasterCore {
                 items.push(Err(Code::NotReady));
                 continue;
             }
+            let segments = &self.segments;
+            let live = |s: &u64| segments[s].awaiting.is_none();
+            if !o.replicas.iter().any(|(s, _)| live(s)) {
+                // Its segments are awaiting their owners after a failover.
+                items.push(Err(Code::NotReady));
+                continue;
+            }
             o.last_access = self.uses.next();
             if lease {
                 o.lease_until = o.lease_until.max(now.saturating_add(ttl));
@@ -873,6 +953,7 @@ impl MasterCore {
             let replicas: Vec<Replica> = o
                 .replicas
                 .iter()
+                .filter(|(s, _)| live(s))
                 .map(|&(s, off)| Replica {
                     segment: s,
                     addr: self.segments[&s].base + off,
@@ -955,6 +1036,7 @@ impl MasterCore {
             Some(o) if o.lease_until > now && !force => Code::HasLease,
             Some(_) => {
                 let o = self.remove_object(k).expect("present");
+                self.emit(|| Record::Remove { key: k.to_vec() });
                 // A forced removal must not hand out bytes a lease holder may be reading.
                 self.hold(now, &o, o.lease_until);
                 Code::Ok
@@ -1070,6 +1152,19 @@ impl MasterCore {
             self.take_away(now, &k);
         }
         rep.puts_reclaimed = (self.reclaimed - before) as usize;
+        let lapsed: Vec<u64> = self
+            .segments
+            .iter()
+            .filter(|(_, s)| s.awaiting.is_some_and(|until| until <= now))
+            .map(|(&id, _)| id)
+            .collect();
+        for id in lapsed {
+            tracing::warn!(
+                segment = id,
+                "store segment not remounted within the client TTL after a failover: unmounted"
+            );
+            self.unmount_segment(now, id);
+        }
         if now.saturating_sub(self.pruned_at) >= PRUNE_EVERY_MS {
             self.prune_evidence(now);
         }
@@ -1109,6 +1204,11 @@ impl MasterCore {
     /// used objects until a placement would succeed, at least `evict_ratio` of capacity.
     fn evict_until_fits(&mut self, now: Millis, size: u64, wanted: usize) {
         let need = aligned(size).expect("checked");
+        if self.segments.values().all(|s| s.awaiting.is_some()) {
+            // Only segments awaiting their owners after a failover: no eviction can make
+            // room that a put may use.
+            return;
+        }
         let target = ((self.cfg.evict_ratio * self.capacity as f64) as u64)
             .max(need.saturating_mul(wanted as u64));
         self.evict(now, target, |core| {
@@ -1138,6 +1238,7 @@ impl MasterCore {
                 break;
             }
             let o = self.remove_object(&k).expect("candidate");
+            self.emit(|| Record::Remove { key: k.to_vec() });
             for &(s, off) in &o.replicas {
                 self.free_block(s, off, o.size);
                 freed += aligned(o.size).expect("allocated");
@@ -1149,6 +1250,191 @@ impl MasterCore {
             tracing::debug!(evicted = n, freed, "store eviction");
         }
         n
+    }
+
+    // ---------------------------------------------------------------- op-log
+
+    /// Starts or stops recording changes in the op-log outbox ([`MasterCore::take_log`]).
+    pub fn set_logging(&mut self, on: bool) {
+        self.log = on.then(Vec::new);
+    }
+
+    /// The records of the changes since the last call (none when not logging).
+    pub fn take_log(&mut self) -> Vec<Record> {
+        self.log.as_mut().map(std::mem::take).unwrap_or_default()
+    }
+
+    fn emit(&mut self, r: impl FnOnce() -> Record) {
+        if let Some(log) = &mut self.log {
+            log.push(r());
+        }
+    }
+
+    /// The whole metadata others must know, as records: a `Mount` per segment, then a
+    /// `Publish` per complete object. Applied to an empty core, it rebuilds this one.
+    pub fn snapshot(&self) -> Vec<Record> {
+        let mut out = Vec::with_capacity(self.segments.len() + self.objects.len());
+        for (&id, s) in &self.segments {
+            out.push(Record::Mount {
+                segment: id,
+                endpoint: s.endpoint.to_string(),
+                base: s.base,
+                size: s.alloc.size(),
+                rkey: s.rkey,
+            });
+        }
+        for (k, o) in &self.objects {
+            if o.state == State::Complete {
+                out.push(Record::Publish {
+                    key: k.to_vec(),
+                    size: o.size,
+                    pin: o.pin,
+                    replicas: o.replicas.clone(),
+                });
+            }
+        }
+        out
+    }
+
+    /// A standby applies the leader's records, in order. Segments it learns of await
+    /// their owners ([`MasterCore::promote`]); each published replica takes exactly its
+    /// block of its segment. Returns how many records did not fit the state (a replica
+    /// on an unknown segment or on space taken, a mount of a known id): skipped, and
+    /// counted so that the caller can say so.
+    pub fn apply(&mut self, now: Millis, records: &[Record]) -> usize {
+        let mut misfits = 0;
+        for r in records {
+            if !self.apply_one(now, r) {
+                misfits += 1;
+            }
+        }
+        misfits
+    }
+
+    fn apply_one(&mut self, now: Millis, r: &Record) -> bool {
+        match r {
+            Record::Mount {
+                segment,
+                endpoint,
+                base,
+                size,
+                rkey,
+            } => {
+                let alloc = Allocator::new(*size);
+                if self.segments.contains_key(segment)
+                    || *segment == 0
+                    || alloc.size() == 0
+                    || base.checked_add(alloc.size()).is_none()
+                {
+                    return false;
+                }
+                self.capacity += alloc.size();
+                self.next_segment = self.next_segment.max(segment.saturating_add(1));
+                self.segments.insert(
+                    *segment,
+                    Segment {
+                        endpoint: endpoint.as_str().into(),
+                        base: *base,
+                        alloc,
+                        rkey: *rkey,
+                        owner: 0,
+                        closed: false,
+                        reports: Vec::new(),
+                        awaiting: Some(Millis::MAX),
+                    },
+                );
+                true
+            }
+            Record::Remount { segment, rkey } => match self.segments.get_mut(segment) {
+                Some(s) => {
+                    s.rkey = *rkey;
+                    true
+                }
+                None => false,
+            },
+            Record::Unmount { segment } => {
+                let known = self.segments.contains_key(segment);
+                self.unmount_segment(now, *segment);
+                known
+            }
+            Record::Publish {
+                key,
+                size,
+                pin,
+                replicas,
+            } => {
+                if key.is_empty() || *size == 0 || aligned(*size).is_none() {
+                    return false;
+                }
+                let mut fits = true;
+                if self.objects.contains_key(&**key) {
+                    fits = false;
+                    self.drop_now(key);
+                }
+                let mut placed = Vec::with_capacity(replicas.len());
+                for &(s, off) in replicas {
+                    let taken = !placed.iter().any(|&(p, _)| p == s)
+                        && self
+                            .segments
+                            .get_mut(&s)
+                            .is_some_and(|seg| seg.alloc.take(off, *size));
+                    if taken {
+                        self.used += aligned(*size).expect("checked");
+                        placed.push((s, off));
+                    } else {
+                        fits = false;
+                    }
+                }
+                if placed.is_empty() {
+                    return false;
+                }
+                self.objects.insert(
+                    key.as_slice().into(),
+                    Object {
+                        size: *size,
+                        replicas: placed,
+                        state: State::Complete,
+                        lease_until: 0,
+                        last_access: self.uses.next(),
+                        pin: *pin,
+                        soft_until: if *pin == Pin::Soft {
+                            now.saturating_add(self.cfg.soft_pin_ttl_ms)
+                        } else {
+                            0
+                        },
+                    },
+                );
+                fits
+            }
+            Record::Remove { key } => self.drop_now(key),
+        }
+    }
+
+    /// Removes an object and frees its blocks at once (a standby: nobody reads through
+    /// it, and after a failover the old leader's readers are fenced by the new rkeys).
+    fn drop_now(&mut self, key: &[u8]) -> bool {
+        match self.remove_object(key) {
+            Some(o) => {
+                for &(s, off) in &o.replicas {
+                    self.free_block(s, off, o.size);
+                }
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// A standby becomes the leader: segments known from the op-log await their owners
+    /// for one client TTL from `now` (then they are unmounted, and objects without a
+    /// replica elsewhere go), and changes are logged from now on.
+    pub fn promote(&mut self, now: Millis) {
+        let until = now.saturating_add(self.cfg.client_ttl_ms);
+        for s in self.segments.values_mut() {
+            if s.awaiting.is_some() {
+                s.awaiting = Some(until);
+            }
+        }
+        self.set_logging(true);
     }
 
     // ---------------------------------------------------------------- stats

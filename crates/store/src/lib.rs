@@ -62,6 +62,7 @@ pub mod ipc;
 mod local;
 pub mod master;
 mod net;
+pub mod oplog;
 pub mod proto;
 mod rpc;
 mod shm;
@@ -71,6 +72,7 @@ pub use client::{ClientConfig, Located, PutOptions, Reservation, StoreClient, Ta
 pub use error::{Code, Result, StoreError};
 pub use local::Span;
 pub use master::{Authority, Master, MasterConfig};
+pub use oplog::{Journal, JournalError, Record};
 pub use proto::{Pin, Stats};
 pub use rpc::MasterLocator;
 pub use standalone::{DummyClient, DummyConfig, IpcAddr, RealClient, RealClientConfig, SharedBuf};
@@ -79,6 +81,20 @@ pub use standalone::{DummyClient, DummyConfig, IpcAddr, RealClient, RealClientCo
 #[doc(hidden)]
 pub mod fuzzing {
     use crate::proto;
+
+    /// Decodes an op-log batch; whether it decoded. Must never panic. A batch that
+    /// decodes also encodes back to the same bytes, and applies to a fresh core.
+    pub fn decode_oplog(bytes: &[u8]) -> bool {
+        match crate::oplog::decode(bytes) {
+            Ok(recs) => {
+                assert_eq!(crate::oplog::encode(&recs), bytes, "re-encoding differs");
+                let mut core = crate::core::MasterCore::new(Default::default(), 1);
+                core.apply(0, &recs);
+                true
+            }
+            Err(_) => false,
+        }
+    }
 
     /// Decodes one whole frame (header + body) as a request and as a response, with the
     /// default cap; returns whether either decoded. Must never panic.

@@ -660,6 +660,144 @@ fn a_remount_takes_replicas_at_once_under_its_new_key() {
     assert_eq!(w.get(&["b"], false).items.len(), 1);
 }
 
+/// What a standby must agree on with its leader: segments `(id, endpoint, base, size,
+/// rkey)` and complete objects `(key, size, pin, replicas)`, sorted.
+type Meta = (
+    Vec<(u64, String, u64, u64, u32)>,
+    Vec<(Vec<u8>, u64, Pin, Vec<(u64, u64)>)>,
+);
+
+fn metadata(c: &MasterCore) -> Meta {
+    let mut segs = Vec::new();
+    let mut objs = Vec::new();
+    for r in c.snapshot() {
+        match r {
+            Record::Mount {
+                segment,
+                endpoint,
+                base,
+                size,
+                rkey,
+            } => segs.push((segment, endpoint, base, size, rkey)),
+            Record::Publish {
+                key,
+                size,
+                pin,
+                replicas,
+            } => objs.push((key, size, pin, replicas)),
+            other => panic!("{other:?} in a snapshot"),
+        }
+    }
+    segs.sort();
+    objs.sort_by(|a, b| a.0.cmp(&b.0));
+    (segs, objs)
+}
+
+/// The op-log end to end in the core: a leader's records, encoded and decoded, rebuild
+/// its metadata on a standby (as does its snapshot); once promoted, the standby serves
+/// nothing from a segment until its owner remounts it (same endpoint, base and size:
+/// same id, new rkey), and drops objects whose segments are not back within the client
+/// TTL.
+#[test]
+fn a_promoted_standby_serves_the_leaders_objects_once_their_nodes_remount() {
+    let mut w = World::new(cfg());
+    w.core.set_logging(true);
+    let (_, s1) = w.node("n1:1", 0, MIB);
+    let (_, s2) = w.node("n2:1", 1 << 30, MIB);
+    let cl = w.client("c:1");
+    let p = w.start(cl, &[("a", 100), ("b", 4096), ("c", 64), ("d", 64)], 2);
+    assert_eq!(w.finish(cl, &["a", "b", "c"], &["d"]), [Code::Ok; 4]);
+    assert_eq!(w.remove("c", false), Code::Ok);
+    w.start(cl, &[("pending", 64)], 1);
+    let log = w.core.take_log();
+    let kinds: Vec<&str> = log
+        .iter()
+        .map(|r| match r {
+            Record::Mount { .. } => "mount",
+            Record::Publish { .. } => "publish",
+            Record::Remove { .. } => "remove",
+            _ => "other",
+        })
+        .collect();
+    assert_eq!(
+        kinds,
+        ["mount", "mount", "publish", "publish", "publish", "remove"]
+    );
+    let wire = crate::oplog::encode(&log);
+    let mut standby = World::new(cfg());
+    assert_eq!(
+        standby
+            .core
+            .apply(w.now, &crate::oplog::decode(&wire).unwrap()),
+        0
+    );
+    standby.core.check();
+    assert_eq!(metadata(&standby.core), metadata(&w.core));
+    let mut from_snapshot = MasterCore::new(cfg(), 11);
+    assert_eq!(from_snapshot.apply(0, &w.core.snapshot()), 0);
+    assert_eq!(metadata(&from_snapshot), metadata(&w.core));
+    assert_eq!(standby.core.stats().objects, 2);
+
+    // Promotion: nothing is served until a node remounts.
+    standby.core.promote(standby.now);
+    assert_eq!(
+        standby.get(&["a", "b"], false).items,
+        [Err(Code::NotReady), Err(Code::NotReady)]
+    );
+    let c2 = standby.client("c:1");
+    let none = standby.start(c2, &[("e", 64)], 1);
+    assert_eq!(
+        none.items,
+        [Err(Code::NoSpace)],
+        "no placement on awaiting segments"
+    );
+    let n1 = standby.client("n1:1");
+    assert_eq!(
+        standby.core.mount(standby.now, n1, 0, MIB, RKEY + 1),
+        Ok(s1)
+    );
+    assert_eq!(
+        standby.core.take_log(),
+        [Record::Remount {
+            segment: s1,
+            rkey: RKEY + 1
+        }]
+    );
+    let f = standby.get(&["a"], false);
+    let a = f.items[0].clone().unwrap();
+    assert_eq!(a.replicas.len(), 1, "only the remounted replica");
+    assert_eq!(a.replicas[0].segment, s1);
+    let before = &p.items[0].as_ref().unwrap();
+    assert!(before.contains(&a.replicas[0]), "same address as before");
+    assert_eq!(f.segments[0].rkey, RKEY + 1);
+    // New space never overlaps the published objects' blocks.
+    let e = standby.start(c2, &[("e", 64)], 1);
+    let e = e.items[0].clone().unwrap()[0];
+    for r in p.items.iter().take(2).flat_map(|i| i.as_ref().unwrap()) {
+        assert!(r.segment != e.segment || r.addr.abs_diff(e.addr) >= 128);
+    }
+    // n2 never comes back: after the client TTL its segment goes, with its replicas.
+    standby.now += cfg().client_ttl_ms + 1;
+    standby.core.touch(standby.now, n1).unwrap();
+    standby.core.touch(standby.now, c2).unwrap();
+    standby.advance(0);
+    assert_eq!(standby.core.stats().segments, 1);
+    assert!(
+        standby
+            .core
+            .take_log()
+            .contains(&Record::Unmount { segment: s2 })
+    );
+    assert_eq!(standby.get(&["a", "b"], false).items.len(), 2);
+    assert!(
+        standby
+            .get(&["a", "b"], false)
+            .items
+            .iter()
+            .all(|i| i.is_ok())
+    );
+}
+
 #[test]
 fn hello_resumes_only_the_same_endpoint_and_bye_unmounts() {
     let mut w = World::new(cfg());
@@ -740,9 +878,13 @@ proptest! {
     /// * a visible object disappears only by removal, eviction or losing its segments, and
     ///   never while a lease it was given is running (unless removed with force);
     /// * a key's size never changes while it stays visible (first write wins).
+    /// A standby applying the leader's op-log (drained after every step) holds the same
+    /// segments and complete objects, with every record fitting its state.
     #[test]
     fn random_traffic_keeps_the_rules(ops in ops()) {
         let mut w = World::new(cfg());
+        w.core.set_logging(true);
+        let mut standby = MasterCore::new(cfg(), 9);
         let (nodes, segs): (Vec<u64>, Vec<u64>) = (0..3)
             .map(|i| w.node(&format!("n{i}:1"), 0, 1 << 20))
             .unzip();
@@ -855,6 +997,10 @@ proptest! {
                     let _ = w.core.report(w.now, clients[c], &[segs[n]]);
                 }
             }
+            let recs = w.core.take_log();
+            prop_assert_eq!(standby.apply(w.now, &recs), 0, "records that do not fit: {:?}", recs);
+            standby.check();
+            prop_assert_eq!(metadata(&standby), metadata(&w.core));
             // Every object the model holds under a running lease is still there.
             for (key, (_, until)) in &visible {
                 if *until > w.now && !lost_segments {
