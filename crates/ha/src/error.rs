@@ -39,6 +39,15 @@ pub enum HaError {
     /// The store master itself could not start (its listener, its settings).
     #[error("start the store master: {0}")]
     Master(#[source] pagewire_store::StoreError),
+    /// What etcd holds under the op-log's keys is not a valid entry or snapshot (written
+    /// by something else than a pagewire master, or by another version).
+    #[error("op-log {what}: {reason}")]
+    Log {
+        /// The key or part read.
+        what: String,
+        /// Why it is refused.
+        reason: String,
+    },
     /// A local resource failed (a thread, the runtime).
     #[error("{what}: {source}")]
     Io {

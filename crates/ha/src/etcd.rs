@@ -271,6 +271,112 @@ impl Etcd {
     }
 }
 
+/// What a guarded write found (see [`Etcd::put_guarded`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Guarded {
+    /// Written, at this revision.
+    Done(i64),
+    /// The guard key's create revision is not the one given (another leader's term, or
+    /// none).
+    NotOwner,
+    /// The key exists already (with `absent` asked).
+    Exists,
+}
+
+impl Etcd {
+    /// Puts `key = value` in one transaction only if `guard`'s create revision is still
+    /// `guard_rev` (a leader's term) and, with `absent`, `key` does not exist.
+    pub fn put_guarded(
+        &self,
+        guard: &str,
+        guard_rev: i64,
+        key: &str,
+        value: Vec<u8>,
+        absent: bool,
+        deadline: Instant,
+    ) -> Result<Guarded> {
+        let mut when = vec![Compare::create_revision(
+            guard,
+            CompareOp::Equal,
+            guard_rev,
+        )];
+        if absent {
+            when.push(Compare::create_revision(key, CompareOp::Equal, 0));
+        }
+        // On failure, the guard's entry tells which condition failed.
+        let txn = Txn::new()
+            .when(when)
+            .and_then([TxnOp::put(key, value, None)])
+            .or_else([TxnOp::get(guard, None)]);
+        let r = self.call("etcd guarded put", deadline, |mut c| {
+            let txn = txn.clone();
+            async move { c.txn(txn).await }
+        })?;
+        if r.succeeded() {
+            return Ok(Guarded::Done(r.header().map_or(0, |h| h.revision())));
+        }
+        let owner = r.op_responses().into_iter().any(|op| match op {
+            etcd_client::TxnOpResponse::Get(g) => g
+                .kvs()
+                .first()
+                .is_some_and(|kv| kv.create_revision() == guard_rev),
+            _ => false,
+        });
+        Ok(if owner {
+            Guarded::Exists
+        } else {
+            Guarded::NotOwner
+        })
+    }
+
+    /// Keys and values in `[from, end)`, in key order, at most `limit` (a linearizable
+    /// read).
+    pub fn range(
+        &self,
+        from: &str,
+        end: &str,
+        limit: i64,
+        deadline: Instant,
+    ) -> Result<Vec<(String, Vec<u8>)>> {
+        let r = self.call("etcd range", deadline, |mut c| {
+            let (from, end) = (from.to_string(), end.to_string());
+            async move {
+                c.get(from, Some(GetOptions::new().with_range(end).with_limit(limit)))
+                    .await
+            }
+        })?;
+        Ok(r.kvs()
+            .iter()
+            .map(|kv| {
+                (
+                    String::from_utf8_lossy(kv.key()).into_owned(),
+                    kv.value().to_vec(),
+                )
+            })
+            .collect())
+    }
+
+    /// Deletes the keys in `[from, end)`; how many there were.
+    pub fn delete_range(&self, from: &str, end: &str, deadline: Instant) -> Result<i64> {
+        let r = self.call("etcd delete range", deadline, |mut c| {
+            let (from, end) = (from.to_string(), end.to_string());
+            async move {
+                c.delete(from, Some(etcd_client::DeleteOptions::new().with_range(end)))
+                    .await
+            }
+        })?;
+        Ok(r.deleted())
+    }
+
+    /// Compacts etcd's history up to `revision` (older versions of every key go).
+    pub fn compact(&self, revision: i64, deadline: Instant) -> Result<()> {
+        self.call("etcd compact", deadline, |mut c| async move {
+            c.compact(revision, None).await
+        })?;
+        Ok(())
+    }
+}
+
 /// Runs `fut` on `rt` and waits for it until `deadline`.
 fn block<T>(
     rt: &tokio::runtime::Runtime,

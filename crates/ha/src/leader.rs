@@ -23,11 +23,15 @@ use pagewire_store::{Authority, Master, MasterConfig};
 
 use crate::error::{HaError, Result};
 use crate::etcd::{Created, Etcd};
+use crate::oplog::{EtcdJournal, Follower, JournalConfig, Keys};
 
 /// The leader key of a cluster's masters.
 pub fn leader_key(cluster_id: &str) -> String {
     format!("pagewire-store/{cluster_id}/leader")
 }
+
+/// Op-log entries between two snapshots, by default.
+pub const DEFAULT_SNAPSHOT_EVERY: u64 = 4096;
 
 /// How masters coordinate through etcd.
 #[derive(Debug, Clone)]
@@ -48,6 +52,8 @@ pub struct HaConfig {
     /// The address written in the leader key, for clients (default: the listener's,
     /// which must then name an interface, not `0.0.0.0`).
     pub advertise: Option<String>,
+    /// Op-log entries between two snapshots (at least 1).
+    pub snapshot_every: u64,
 }
 
 impl HaConfig {
@@ -60,6 +66,7 @@ impl HaConfig {
             poll: Duration::from_millis(100),
             call_timeout: Duration::from_secs(1),
             advertise: None,
+            snapshot_every: DEFAULT_SNAPSHOT_EVERY,
         }
     }
 
@@ -117,6 +124,11 @@ impl HaMaster {
                 reason: format!("lease TTL {:?}: whole seconds, at least 2 s", ha.lease_ttl),
             });
         }
+        if ha.snapshot_every == 0 {
+            return Err(HaError::Misuse {
+                reason: "snapshot_every: at least 1 entry".into(),
+            });
+        }
         if ha.cluster_id.is_empty() || ha.cluster_id.contains('/') {
             return Err(HaError::Misuse {
                 reason: format!("cluster id {:?}: non-empty, without '/'", ha.cluster_id),
@@ -153,6 +165,7 @@ impl HaMaster {
                 let mut c = Campaign {
                     etcd,
                     key: leader_key(&ha.cluster_id),
+                    follower: Follower::new(Keys::new(&ha.cluster_id)),
                     ha,
                     cfg,
                     advertise,
@@ -246,6 +259,8 @@ struct Campaign {
     ha: HaConfig,
     cfg: MasterConfig,
     key: String,
+    /// This master's place in the op-log (while standing by, and when it wins).
+    follower: Follower,
     advertise: String,
     authority: Authority,
     shared: Arc<Shared>,
@@ -266,7 +281,17 @@ impl Campaign {
 
     fn run(&mut self) {
         let mut complained = false;
+        let mut behind = false;
         while !self.stopping() {
+            // A standby keeps its metadata current, so that winning costs little.
+            match self.follow() {
+                Ok(_) => behind = false,
+                Err(e) if !behind => {
+                    tracing::warn!(etcd = %self.ha.etcd, "store master (standby): reading the op-log: {e}");
+                    behind = true;
+                }
+                Err(_) => {}
+            }
             match self.try_win() {
                 Ok(Some(won)) => {
                     complained = false;
@@ -288,6 +313,16 @@ impl Campaign {
         if let Some(m) = old {
             m.shutdown();
         }
+    }
+
+    /// Applies the op-log's new entries to this master's metadata.
+    fn follow(&mut self) -> Result<u64> {
+        let guard = self.shared.master();
+        let Some(m) = guard.as_ref() else {
+            return Ok(0);
+        };
+        self.follower
+            .catch_up(&self.etcd, m, self.ha.call_timeout)
     }
 
     /// One look at the leader key, and a bid when it is free.
@@ -327,16 +362,34 @@ impl Campaign {
             sent,
         } = won;
         let margin = self.ha.margin();
-        if let Some(m) = &*self.shared.master() {
-            m.set_epoch(epoch);
-        }
+        // The whole log first: no entry can be added any more by the previous leader (its
+        // writes are conditioned on its epoch, and the leader key is ours now).
+        let caught_up = Instant::now();
+        let journal = match self.take_over(epoch) {
+            Ok(j) => j,
+            Err(e) => {
+                tracing::warn!(epoch, "store master: won, but cannot take over the op-log: {e}; resigning");
+                // Nothing was promoted: the master stands by as it was.
+                let _ = self.etcd.revoke(lease, self.by());
+                return;
+            }
+        };
         self.authority
             .grant_until(sent + ttl.saturating_sub(margin));
         self.set_role(Role::Leader(epoch));
-        tracing::info!(epoch, addr = %self.advertise, "store master: leading");
+        tracing::info!(
+            epoch,
+            addr = %self.advertise,
+            log = self.follower.applied(),
+            catch_up_ms = caught_up.elapsed().as_millis() as u64,
+            "store master: leading"
+        );
         let period = ttl / RENEWALS_PER_TTL;
         let mut next = sent + period;
         let lost = loop {
+            if journal.failure().is_some() {
+                break Some("an op-log write failed");
+            }
             if self.stopping() {
                 // Resign: the key goes with the lease, so a standby need not wait it out.
                 self.authority.revoke();
@@ -370,6 +423,7 @@ impl Campaign {
             }
         };
         self.authority.revoke();
+        journal.close();
         self.set_role(Role::Standby);
         if let Some(lost) = lost {
             // Best effort: the lease may be gone already, or etcd out of reach.
@@ -400,9 +454,32 @@ impl Campaign {
         }
     }
 
+    /// Reads the op-log to its end, promotes the master and starts its journal.
+    fn take_over(&mut self, epoch: u64) -> Result<Arc<EtcdJournal>> {
+        self.follow()?;
+        let journal = EtcdJournal::start(
+            self.etcd.clone(),
+            Keys::new(&self.ha.cluster_id),
+            epoch,
+            self.follower.applied() + 1,
+            self.authority.clone(),
+            JournalConfig {
+                snapshot_every: self.ha.snapshot_every,
+                call_timeout: self.ha.call_timeout,
+            },
+        )?;
+        if let Some(m) = &*self.shared.master() {
+            m.set_epoch(epoch);
+            m.promote();
+            m.set_journal(Some(journal.clone()));
+        }
+        Ok(journal)
+    }
+
     /// Drops the deposed leader's state: a new, empty master on the same address, that
-    /// answers nothing until it wins again.
+    /// answers nothing until it wins again (and reads the op-log from its start).
     fn restart_empty(&mut self) {
+        self.follower.reset();
         // The old one goes first: the new one binds its address.
         let old = self.shared.master().take();
         if let Some(m) = old {

@@ -17,10 +17,11 @@ pub mod error;
 pub mod etcd;
 pub mod leader;
 pub mod locate;
+pub mod oplog;
 #[doc(hidden)]
 pub mod testkit;
 
 pub use error::{HaError, Result};
 pub use etcd::{Etcd, parse_endpoints};
-pub use leader::{HaConfig, HaMaster, Role, leader_key};
+pub use leader::{DEFAULT_SNAPSHOT_EVERY, HaConfig, HaMaster, Role, leader_key};
 pub use locate::{EtcdLocator, client_config};

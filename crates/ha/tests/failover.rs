@@ -337,9 +337,15 @@ fn leader_killed_standby_takes_over() -> Result<()> {
          epoch {epoch} -> {new_epoch}",
         took.as_secs_f64()
     );
-    // This step keeps no metadata across a leader change: the new leader starts empty.
-    let r = c.get(&["before_0"], &[[p.dst.span(0, PAGE)]])?;
-    ensure!(r == [Err(Code::NotFound)], "before_0 after failover: {r:?}");
+    // The op-log kept what the old leader published: the same bytes.
+    for i in 0..16 {
+        let key = format!("before_{i}");
+        fill(&key, 7, &mut p.src.mem);
+        p.dst.mem.fill(0);
+        let r = c.get(&[&key], &[[p.dst.span(0, PAGE)]])?;
+        ensure!(r == [Ok(PAGE as u64)], "{key} after failover: {r:?}");
+        ensure!(p.dst.mem == p.src.mem, "{key}: other bytes after failover");
+    }
     for i in 0..16 {
         ensure!(p.round_trip(&c, &format!("later_{i}"))? == (true, true));
     }

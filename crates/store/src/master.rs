@@ -22,6 +22,7 @@ use crate::admission::{Admission, Pending};
 use crate::core::{CoreConfig, MasterCore, Millis};
 use crate::error::{Code, Result, StoreError};
 use crate::net::{self, ReadError};
+use crate::oplog::{Journal, Record};
 use crate::proto::{self, Header, Request, Response, Stats, Welcome};
 
 /// Master settings.
@@ -136,6 +137,8 @@ struct Shared {
     admission: Arc<Admission>,
     budget: Budget,
     noise: Noise,
+    /// Where a leader's changes go before it answers (none: not logging).
+    journal: Mutex<Option<Arc<dyn Journal>>>,
 }
 
 impl Shared {
@@ -148,6 +151,23 @@ impl Shared {
     }
     fn core(&self) -> MutexGuard<'_, MasterCore> {
         self.core.lock().unwrap_or_else(|p| p.into_inner())
+    }
+    fn journal(&self) -> Option<Arc<dyn Journal>> {
+        self.journal
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+    /// Hands the changes the core recorded to the journal, under the core's lock (so
+    /// that the log's order is the changes' order); the ticket to wait for before
+    /// answering.
+    fn journal_append(&self, core: &mut MasterCore) -> Option<(Arc<dyn Journal>, u64)> {
+        let j = self.journal()?;
+        let ticket = j.append(core.take_log());
+        if j.snapshot_due() {
+            j.append_snapshot(core.snapshot());
+        }
+        Some((j, ticket))
     }
 }
 
@@ -227,6 +247,7 @@ impl Master {
             admission: Admission::new(cfg.max_unauthenticated, cfg.max_unauthenticated_per_addr),
             budget: Budget::new(cfg.max_buffered),
             noise: Noise::new(NOISE_INTERVAL),
+            journal: Mutex::new(None),
             cfg,
         });
         let s = shared.clone();
@@ -241,7 +262,12 @@ impl Master {
                 while !s.shutdown.load(Ordering::Acquire) {
                     std::thread::sleep(s.cfg.tick);
                     let now = s.now();
-                    s.core().tick(now);
+                    let mut core = s.core();
+                    core.tick(now);
+                    // Evictions and lapsed segments are logged like a request's changes
+                    // (nobody waits for them).
+                    s.journal_append(&mut core);
+                    drop(core);
                     s.noise.flush();
                 }
             })
@@ -273,6 +299,37 @@ impl Master {
     /// Current counts.
     pub fn stats(&self) -> Stats {
         self.shared.core().stats()
+    }
+
+    /// Sends this master's changes to `journal` from now on, each request's committed
+    /// before its reply goes out (a leader's op-log); `None` stops logging.
+    pub fn set_journal(&self, journal: Option<Arc<dyn Journal>>) {
+        let mut core = self.shared.core();
+        core.set_logging(journal.is_some());
+        *self.shared.journal.lock().unwrap_or_else(|p| p.into_inner()) = journal;
+    }
+
+    /// A standby applies records of the leader's op-log (see
+    /// [`MasterCore::apply`](crate::core::MasterCore::apply)); how many did not fit.
+    pub fn apply_log(&self, records: &[Record]) -> usize {
+        let now = self.shared.now();
+        self.shared.core().apply(now, records)
+    }
+
+    /// Forgets all metadata (a standby about to load a snapshot); the epoch stays.
+    pub fn reset_metadata(&self) {
+        let mut core = self.shared.core();
+        let epoch = core.epoch();
+        *core = MasterCore::new(self.shared.cfg.core.clone(), random_seed());
+        core.set_epoch(epoch);
+    }
+
+    /// A standby that won the election, once it applied the whole log: segments await
+    /// their owners for one client TTL, and changes are logged (see
+    /// [`MasterCore::promote`](crate::core::MasterCore::promote)).
+    pub fn promote(&self) {
+        let now = self.shared.now();
+        self.shared.core().promote(now);
     }
 
     /// Stops accepting, closes every connection and waits for the master's threads.
@@ -787,7 +844,20 @@ fn serve(mut s: TcpStream, mut slot: Slot) {
             }
         };
         let bye = matches!(req, Request::Bye);
-        let resp = handle(&shared, client, req);
+        let (mut resp, ticket) = {
+            let mut core = shared.core();
+            let resp = handle(&shared, &mut core, client, req);
+            (resp, shared.journal_append(&mut core))
+        };
+        if let Some((journal, ticket)) = ticket
+            && let Err(e) = journal.wait(ticket, Instant::now() + cfg.frame_timeout)
+        {
+            // The change is not known to be in the log: a success must not go out.
+            resp = Response::Error {
+                code: Code::MasterUnavailable,
+                message: e.to_string(),
+            };
+        }
         let sent = send(&mut s, &shared, h.req_id, &resp);
         // The frame is done: its bytes go back to the budget, and a large buffer is not
         // kept while the connection idles.
@@ -823,9 +893,8 @@ fn err(code: Code) -> Response {
 }
 
 /// One request, under the core's lock.
-fn handle(shared: &Shared, client: u64, req: Request) -> Response {
+fn handle(shared: &Shared, core: &mut MasterCore, client: u64, req: Request) -> Response {
     let now = shared.now();
-    let mut core = shared.core();
     if let Err(c) = core.touch(now, client) {
         return err(c);
     }
