@@ -21,6 +21,9 @@ pub const VERSION: u8 = 1;
 /// Most records in one encoded batch.
 pub const MAX_RECORDS: usize = 1 << 20;
 
+/// The shortest record: a removal of a one-byte key (tag, length, key).
+const MIN_RECORD: usize = 4;
+
 /// One change of the master's metadata.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Record {
@@ -266,8 +269,9 @@ pub fn decode(bytes: &[u8]) -> Result<Vec<Record>, DecodeError> {
         return Err(DecodeError::Version(v));
     }
     let count = r.u32()? as usize;
-    // Every record takes at least 9 bytes: a count the input cannot hold allocates nothing.
-    if count > MAX_RECORDS || count > (bytes.len() - r.at) / 9 {
+    // Every record takes at least MIN_RECORD bytes: a count the input cannot hold
+    // allocates nothing.
+    if count > MAX_RECORDS || count > (bytes.len() - r.at) / MIN_RECORD {
         return Err(DecodeError::Bound {
             what: "record count",
             value: count as u64,
@@ -432,6 +436,8 @@ mod tests {
         }
         assert_eq!(decode(&encode(&recs)).unwrap(), recs);
         assert_eq!(decode(&encode(&[])).unwrap(), []);
+        let short = vec![Record::Remove { key: b"k".to_vec() }; 3];
+        assert_eq!(decode(&encode(&short)).unwrap(), short, "the shortest records");
         let chunks = encode_chunks(&recs, 40);
         assert!(chunks.len() > 1);
         let back: Vec<Record> = chunks.iter().flat_map(|c| decode(c).unwrap()).collect();
