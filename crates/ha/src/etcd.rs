@@ -295,11 +295,7 @@ impl Etcd {
         absent: bool,
         deadline: Instant,
     ) -> Result<Guarded> {
-        let mut when = vec![Compare::create_revision(
-            guard,
-            CompareOp::Equal,
-            guard_rev,
-        )];
+        let mut when = vec![Compare::create_revision(guard, CompareOp::Equal, guard_rev)];
         if absent {
             when.push(Compare::create_revision(key, CompareOp::Equal, 0));
         }
@@ -341,8 +337,11 @@ impl Etcd {
         let r = self.call("etcd range", deadline, |mut c| {
             let (from, end) = (from.to_string(), end.to_string());
             async move {
-                c.get(from, Some(GetOptions::new().with_range(end).with_limit(limit)))
-                    .await
+                c.get(
+                    from,
+                    Some(GetOptions::new().with_range(end).with_limit(limit)),
+                )
+                .await
             }
         })?;
         Ok(r.kvs()
@@ -361,8 +360,11 @@ impl Etcd {
         let r = self.call("etcd delete range", deadline, |mut c| {
             let (from, end) = (from.to_string(), end.to_string());
             async move {
-                c.delete(from, Some(etcd_client::DeleteOptions::new().with_range(end)))
-                    .await
+                c.delete(
+                    from,
+                    Some(etcd_client::DeleteOptions::new().with_range(end)),
+                )
+                .await
             }
         })?;
         Ok(r.deleted())

@@ -321,8 +321,7 @@ impl Campaign {
         let Some(m) = guard.as_ref() else {
             return Ok(0);
         };
-        self.follower
-            .catch_up(&self.etcd, m, self.ha.call_timeout)
+        self.follower.catch_up(&self.etcd, m, self.ha.call_timeout)
     }
 
     /// One look at the leader key, and a bid when it is free.
@@ -368,7 +367,10 @@ impl Campaign {
         let journal = match self.take_over(epoch) {
             Ok(j) => j,
             Err(e) => {
-                tracing::warn!(epoch, "store master: won, but cannot take over the op-log: {e}; resigning");
+                tracing::warn!(
+                    epoch,
+                    "store master: won, but cannot take over the op-log: {e}; resigning"
+                );
                 // Nothing was promoted: the master stands by as it was.
                 let _ = self.etcd.revoke(lease, self.by());
                 return;

@@ -318,30 +318,42 @@ impl Writer {
     }
 
     /// Writes one guarded key; `false` (and the journal failed) when it did not land.
+    /// A failed call is tried again while this master may still answer (etcd electing
+    /// a new raft leader takes a second or two).
     fn put(&mut self, key: String, value: Vec<u8>, absent: bool) -> bool {
-        let by = Instant::now() + self.inner.cfg.call_timeout;
-        let r = self
-            .etcd
-            .put_guarded(&self.keys.leader, self.epoch, &key, value, absent, by);
-        match r {
-            Ok(Guarded::Done(rev)) => {
-                self.last_rev = rev;
-                true
-            }
-            Ok(Guarded::NotOwner) => {
-                self.fail(JournalError::Deposed);
-                false
-            }
-            Ok(Guarded::Exists) => {
-                self.fail(JournalError::Failed(format!(
-                    "{key} exists already: another writer"
-                )));
-                false
-            }
-            Err(e) => {
-                self.fail(JournalError::Failed(e.to_string()));
-                false
-            }
+        loop {
+            let by = Instant::now() + self.inner.cfg.call_timeout;
+            let r = self.etcd.put_guarded(
+                &self.keys.leader,
+                self.epoch,
+                &key,
+                value.clone(),
+                absent,
+                by,
+            );
+            let e = match r {
+                Ok(Guarded::Done(rev)) => {
+                    self.last_rev = rev;
+                    return true;
+                }
+                Ok(Guarded::NotOwner) => JournalError::Deposed,
+                // Written by an earlier try that seemed to fail (here, or inside the etcd
+                // client, which goes on with the next member when one is slow): only this
+                // term writes entries from its first one on.
+                Ok(Guarded::Exists) => match self.etcd.get(&key, by) {
+                    Ok(Some(e)) if e.value == value => return true,
+                    Ok(_) => JournalError::Failed(format!("{key} holds another entry")),
+                    Err(e) => JournalError::Failed(e.to_string()),
+                },
+                Err(e) if self.authority.is_valid() && !self.inner.state().stop => {
+                    tracing::debug!("store master: op-log write of {key} failed, retrying: {e}");
+                    std::thread::sleep(Duration::from_millis(50));
+                    continue;
+                }
+                Err(e) => JournalError::Failed(e.to_string()),
+            };
+            self.fail(e);
+            return false;
         }
     }
 
@@ -451,7 +463,9 @@ impl Follower {
             let got = etcd.range(&from, &end, READ_BATCH, by)?;
             let gap = match got.first() {
                 Some((k, _)) => self.keys.seq_of(k)? != self.applied + 1,
-                None => self.snapshot_seq(etcd, by)?.is_some_and(|s| s > self.applied),
+                None => self
+                    .snapshot_seq(etcd, by)?
+                    .is_some_and(|s| s > self.applied),
             };
             if gap {
                 // Twice at most: a snapshot replaced under the first load; more is a log
@@ -500,7 +514,10 @@ impl Follower {
         };
         let bad = || HaError::Log {
             what: self.keys.latest(),
-            reason: format!("{:?} is not \"<seq> <chunks>\"", String::from_utf8_lossy(&e.value)),
+            reason: format!(
+                "{:?} is not \"<seq> <chunks>\"",
+                String::from_utf8_lossy(&e.value)
+            ),
         };
         let s = std::str::from_utf8(&e.value).map_err(|_| bad())?;
         let (seq, n) = s.split_once(' ').ok_or_else(bad)?;
@@ -516,7 +533,10 @@ impl Follower {
         let Some((seq, n)) = self.latest(etcd, by)? else {
             return Err(HaError::Log {
                 what: self.keys.latest(),
-                reason: format!("entries after {} are missing and no snapshot exists", self.applied),
+                reason: format!(
+                    "entries after {} are missing and no snapshot exists",
+                    self.applied
+                ),
             });
         };
         let mut records = Vec::new();
@@ -536,9 +556,17 @@ impl Follower {
         master.reset_metadata();
         let misfits = master.apply_log(&records);
         if misfits > 0 {
-            tracing::warn!(seq, misfits, "store standby: snapshot records that do not fit");
+            tracing::warn!(
+                seq,
+                misfits,
+                "store standby: snapshot records that do not fit"
+            );
         }
-        tracing::info!(seq, records = records.len(), "store standby: op-log snapshot loaded");
+        tracing::info!(
+            seq,
+            records = records.len(),
+            "store standby: op-log snapshot loaded"
+        );
         self.applied = seq;
         Ok(())
     }

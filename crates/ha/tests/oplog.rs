@@ -70,7 +70,10 @@ fn a_deposed_leaders_log_write_is_refused_by_etcd() -> Result<()> {
     let t = old.append(vec![rec("b")]);
     let r = old.wait(t, soon());
     ensure!(r == Err(JournalError::Deposed), "{r:?}");
-    ensure!(!authority.is_valid(), "a deposed journal leaves its master answering");
+    ensure!(
+        !authority.is_valid(),
+        "a deposed journal leaves its master answering"
+    );
     ensure!(
         etcd.get(&keys.entry(2), soon())?.is_none(),
         "the deposed write landed"
@@ -79,14 +82,7 @@ fn a_deposed_leaders_log_write_is_refused_by_etcd() -> Result<()> {
     let r = old.wait(old.append(vec![rec("c")]), soon());
     ensure!(r == Err(JournalError::Deposed), "{r:?}");
 
-    let new = EtcdJournal::start(
-        etcd.clone(),
-        keys.clone(),
-        epoch2,
-        2,
-        Authority::new(),
-        cfg,
-    )?;
+    let new = EtcdJournal::start(etcd.clone(), keys.clone(), epoch2, 2, Authority::new(), cfg)?;
     new.wait(new.append(vec![rec("d")]), soon())?;
     let e2 = etcd.get(&keys.entry(2), soon())?.context("entry 2")?;
     ensure!(oplog::decode(&e2.value)? == [rec("d")]);

@@ -306,7 +306,11 @@ impl Master {
     pub fn set_journal(&self, journal: Option<Arc<dyn Journal>>) {
         let mut core = self.shared.core();
         core.set_logging(journal.is_some());
-        *self.shared.journal.lock().unwrap_or_else(|p| p.into_inner()) = journal;
+        *self
+            .shared
+            .journal
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = journal;
     }
 
     /// A standby applies records of the leader's op-log (see
@@ -844,10 +848,14 @@ fn serve(mut s: TcpStream, mut slot: Slot) {
             }
         };
         let bye = matches!(req, Request::Bye);
+        // A heartbeat's answer shows nothing of the metadata: it need not wait for the
+        // log (and must not, or a slow etcd would make nodes time out).
+        let shows_state = !matches!(req, Request::Heartbeat);
         let (mut resp, ticket) = {
             let mut core = shared.core();
             let resp = handle(&shared, &mut core, client, req);
-            (resp, shared.journal_append(&mut core))
+            let ticket = shared.journal_append(&mut core);
+            (resp, ticket.filter(|_| shows_state))
         };
         if let Some((journal, ticket)) = ticket
             && let Err(e) = journal.wait(ticket, Instant::now() + cfg.frame_timeout)

@@ -437,7 +437,11 @@ mod tests {
         assert_eq!(decode(&encode(&recs)).unwrap(), recs);
         assert_eq!(decode(&encode(&[])).unwrap(), []);
         let short = vec![Record::Remove { key: b"k".to_vec() }; 3];
-        assert_eq!(decode(&encode(&short)).unwrap(), short, "the shortest records");
+        assert_eq!(
+            decode(&encode(&short)).unwrap(),
+            short,
+            "the shortest records"
+        );
         let chunks = encode_chunks(&recs, 40);
         assert!(chunks.len() > 1);
         let back: Vec<Record> = chunks.iter().flat_map(|c| decode(c).unwrap()).collect();
