@@ -93,6 +93,10 @@ pub struct MasterArgs {
     /// about this time; at least 2; it must outlast an election among etcd's members).
     #[arg(long, default_value_t = 5)]
     pub ha_lease_s: u64,
+    /// With --ha: op-log entries between two snapshots of the metadata in etcd (the
+    /// entries a snapshot covers are then deleted and etcd's history compacted).
+    #[arg(long, default_value_t = pagewire_ha::DEFAULT_SNAPSHOT_EVERY)]
+    pub snapshot_every: u64,
     /// With --ha: the address clients reach this master at, written in etcd when it
     /// leads (default: --listen, which must then not be 0.0.0.0).
     #[arg(long)]
@@ -181,6 +185,7 @@ fn master(a: MasterArgs) -> anyhow::Result<()> {
         let mut ha = HaConfig::new(etcd.clone());
         ha.cluster_id.clone_from(&a.cluster_id);
         ha.lease_ttl = Duration::from_secs(a.ha_lease_s);
+        ha.snapshot_every = a.snapshot_every;
         ha.advertise.clone_from(&a.advertise);
         let m = HaMaster::start(cfg, ha).context("starting the store master on etcd")?;
         println!(

@@ -330,6 +330,8 @@ fn masters_on_etcd_serve_and_bench_store_through_etcd() {
             "cli",
             "--ha-lease-s",
             "2",
+            "--snapshot-every",
+            "16",
             "--heartbeat-ms",
             "200",
         ])

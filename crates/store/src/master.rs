@@ -261,6 +261,12 @@ impl Master {
             .spawn(move || {
                 while !s.shutdown.load(Ordering::Acquire) {
                     std::thread::sleep(s.cfg.tick);
+                    if !s.may_answer() {
+                        // A standby's metadata follows the leader's log: evicting or
+                        // dropping anything on its own would make it differ.
+                        s.noise.flush();
+                        continue;
+                    }
                     let now = s.now();
                     let mut core = s.core();
                     core.tick(now);
