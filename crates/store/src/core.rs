@@ -1321,14 +1321,16 @@ impl MasterCore {
                 rkey,
             } => {
                 let alloc = Allocator::new(*size);
+                let capacity = self.capacity.checked_add(alloc.size());
                 if self.segments.contains_key(segment)
                     || *segment == 0
                     || alloc.size() == 0
                     || base.checked_add(alloc.size()).is_none()
+                    || capacity.is_none()
                 {
                     return false;
                 }
-                self.capacity += alloc.size();
+                self.capacity = capacity.expect("checked");
                 self.next_segment = self.next_segment.max(segment.saturating_add(1));
                 self.segments.insert(
                     *segment,
