@@ -11,8 +11,12 @@
 //!   only after that. The [`Authority`] checked before every reply holds that instant, so
 //!   a leader whose process was stopped past it writes nothing when it resumes.
 //! * **Losing the lease** (etcd says it is gone, or renewals fail until the authority
-//!   lapsed): the master's connections close, its metadata is dropped, and it stands by
-//!   again on the same address with an empty master.
+//!   lapsed, or an op-log write failed): the master's connections close, its metadata is
+//!   dropped, and it stands by again on the same address with an empty master, which
+//!   reads the op-log from its start.
+//! * **The op-log** ([`crate::oplog`]): a standby applies the leader's log at every poll;
+//!   the winner reads it to its end, promotes its metadata and starts its journal before
+//!   it answers.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};

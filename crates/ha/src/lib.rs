@@ -7,6 +7,8 @@
 //!   elect another one ([`leader`] says how).
 //! * [`EtcdLocator`]: the store client's [`pagewire_store::MasterLocator`] on etcd.
 //!   [`client_config`] builds client settings for either kind of address.
+//! * [`oplog`]: the leader's op-log on etcd ([`oplog::EtcdJournal`]) and the standbys'
+//!   reader ([`oplog::Follower`]), so that a new leader keeps the old one's objects.
 //! * [`Etcd`]: the small synchronous etcd client both use (one private runtime thread).
 //!
 //! The store itself stays free of tokio: only this crate depends on the async etcd

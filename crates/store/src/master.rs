@@ -9,7 +9,8 @@
 //! capped across all connections, and a connection quiet for longer than the client TTL
 //! is closed. What remote peers can cause at will (refused, evicted or unauthorized
 //! connections, bad frames) is logged as counts, at most one line per second. The master
-//! never touches the data path: requests are metadata only.
+//! never touches the data path: requests are metadata only. A leader with a [`Journal`]
+//! (its op-log) writes a reply only once the changes it shows are committed there.
 
 use std::collections::HashMap;
 use std::net::{SocketAddr, TcpListener, TcpStream};
