@@ -113,7 +113,8 @@ fn client(etcd: &EtcdCluster, segment: u64) -> Result<StoreClient> {
 
 const PAGE: usize = 16 << 10;
 
-/// A standby started after the leader wrote several snapshots (one every 8 entries) and
+/// A put of 64 keys is one log entry. A standby started after the leader wrote several
+/// snapshots (one every 8 entries) and
 /// deleted the entries they cover loads the latest snapshot and the entries after it:
 /// its metadata holds every object before it leads. The leader then shuts down, and the
 /// late standby serves every object byte-exact once the node remounted.
@@ -127,6 +128,38 @@ fn a_late_standby_catches_up_from_a_snapshot() -> Result<()> {
     let c = client(&cluster, 0)?;
     let src = Buf::new(&c, PAGE);
     let mut dst = Buf::new(&c, PAGE);
+    let etcd = Etcd::connect(&cluster.url(), soon())?;
+    // Group commit: a put of 64 keys is one entry (one etcd transaction).
+    let last_entry = || -> Result<u64> {
+        let all = etcd.range(
+            &Keys::new("o").entry(0),
+            "pagewire-store/o/oplog0",
+            1 << 20,
+            soon(),
+        )?;
+        let (k, _) = all.last().context("no entry")?;
+        Ok(k.rsplit('/').next().unwrap_or("").parse()?)
+    };
+    let before = last_entry()?;
+    let mut batch = Buf::new(&c, 64 * PAGE);
+    let names: Vec<String> = (0..64).map(|i| format!("batch_{i}")).collect();
+    for (i, k) in names.iter().enumerate() {
+        fill(k, 3, &mut batch.mem[i * PAGE..(i + 1) * PAGE]);
+    }
+    let spans: Vec<[pagewire_store::Span; 1]> =
+        (0..64).map(|i| [batch.span(i * PAGE, PAGE)]).collect();
+    let r = c.put(&names, &spans, &PutOptions::default())?;
+    ensure!(r.iter().all(|x| x.is_ok()), "{r:?}");
+    let after = last_entry()?;
+    ensure!(
+        after == before + 1,
+        "a 64-key put took entries {before} -> {after}"
+    );
+    ensure!(
+        c.remove(&names, false)?
+            .iter()
+            .all(|c| *c == pagewire_store::Code::Ok)
+    );
     let keys: Vec<String> = (0..40).map(|i| format!("snap_{i}")).collect();
     let mut src = src;
     for k in &keys {
@@ -136,7 +169,6 @@ fn a_late_standby_catches_up_from_a_snapshot() -> Result<()> {
     }
     let removed = &keys[0];
     ensure!(c.remove(&[removed], false)? == [pagewire_store::Code::Ok]);
-    let etcd = Etcd::connect(&cluster.url(), soon())?;
     let latest = etcd
         .get("pagewire-store/o/snapshot/latest", soon())?
         .context("no snapshot written")?;
