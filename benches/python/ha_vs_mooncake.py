@@ -211,11 +211,15 @@ def role_client(a) -> None:
     wrong = 0
     calls = []  # (op, start, end, ok)
 
+    codes: dict[str, int] = {}  # return codes of puts that failed after the kill
+
     def put(key: str, gen: int) -> bool:
         t0 = time.monotonic()
-        ok = s.put(key, value(key, gen, a.size)) == 0
-        calls.append(("put", t0, time.monotonic(), ok))
-        return ok
+        rc = s.put(key, value(key, gen, a.size))
+        calls.append(("put", t0, time.monotonic(), rc == 0))
+        if rc != 0 and kill_at:
+            codes[str(rc)] = codes.get(str(rc), 0) + 1
+        return rc == 0
 
     def get(key: str, gen: int) -> bool:
         nonlocal wrong
@@ -275,6 +279,8 @@ def role_client(a) -> None:
         "published": len(published),
         "kept": len(published) - len(lost),
         "lost_put_before_kill_s": sorted(lost)[:64],
+        "lost_max_s": max(lost, default=None),
+        "put_codes_after": codes,
         "wrong": wrong,
         "calls_before": len(before),
         "failed_before": sum(1 for c in before if not c[3]),
@@ -437,6 +443,9 @@ def failover_round(system: str, etcd: Etcd, a, r: int, logdir: Path) -> dict:
             "kept": total("kept"),
             "wrong": total("wrong"),
             "lost_put_before_kill_s": sorted(sum((x["lost_put_before_kill_s"] for x in recs), []))[:64],
+            "lost_max_s": max((x["lost_max_s"] for x in recs if x["lost_max_s"] is not None), default=None),
+            "put_codes_after": {k: sum(x["put_codes_after"].get(k, 0) for x in recs)
+                                for k in sorted({k for x in recs for k in x["put_codes_after"]})},
             "longest_call_s": max(x["longest_call_s"] for x in recs),
             "clients": recs,
         }
@@ -535,7 +544,7 @@ def main() -> None:
             print(f"# failover round {r + 1} {s}: leader {x['leader_s']:.2f} s, first put "
                   f"{x['first_put_s']}, first get {x['first_get_s']}, failed {x['failed_gap']}+{x['failed_late']}"
                   f"/{x['calls_after']}, kept {x['kept']}/{x['published']}, wrong {x['wrong']}, "
-                  f"lost put {[round(t, 3) for t in x['lost_put_before_kill_s'][:8]]} s before the kill",
+                  f"lost: put {x['lost_max_s']} s before the kill at most; failed put codes {x['put_codes_after']}",
                   file=sys.stderr, flush=True)  # fmt: skip
         loads.append(os.getloadavg()[0])
     oplog: dict[str, list] = {"single": [], "etcd": []}
@@ -577,6 +586,18 @@ def main() -> None:
             print(f"Mooncake's promoted master (its log): leader_warmup from "
                   f"{cell([x['warmup_s'] for x in mc])} s to serving at {cell([x['serving_s'] for x in mc])} s "
                   "after the kill.")  # fmt: skip
+        for s in systems:
+            xs = fail[s]
+            lossy = [x for x in xs if x["kept"] < x["published"]]
+            codes: dict[str, int] = {}
+            for x in xs:
+                for k, v in x["put_codes_after"].items():
+                    codes[k] = codes.get(k, 0) + v
+            print()
+            print(f"{s}: objects lost in {len(lossy)} of {len(xs)} rounds"
+                  + (f", put at most {max(x['lost_max_s'] for x in lossy) * 1e3:.0f} ms before the kill"
+                     if lossy else "")
+                  + f"; failed puts after the kill by return code, all rounds: {codes or 'none'}.")  # fmt: skip
         print()
         print(f"pagewire / Mooncake, time to the first OK put per round: {cell(ratio)}; checked gets "
               f"before the kill: {sum(x['calls_before'] for s in systems for x in fail[s])}, failed "
