@@ -31,8 +31,8 @@ masters on etcd through ``--master etcd://...``, each with fresh processes and o
         --pagewire target/release/pagewire --json target/ha.json
 
 Every process started here dies with it (SIGKILL at exit, and each child's parent-death
-signal), and nothing listens beyond 127.0.0.1 except the clients' own engines where a
-tool binds 0.0.0.0 (noted in docs/benchmarks.md).
+signal). All traffic is on 127.0.0.1; Mooncake's client library still binds its own
+listeners on the wildcard address (its handshake and TCP transport ports).
 """
 
 from __future__ import annotations
@@ -481,7 +481,7 @@ def oplog_round(mode: str, etcd: Etcd, a, r: int, logdir: Path) -> dict:
         r = subprocess.run([a.pagewire, "bench", "store", "--master", master, *extra,
                             "--model", "llama3-8b", "--layers", "2", "--pages", "32",
                             "-n", str(a.oplog_iters), "--warmup", str(a.oplog_warmup),
-                            "--transport", "tcp", "--json"],
+                            "--transport", "tcp", "--listen", "127.0.0.1:0", "--json"],
                            capture_output=True, text=True, timeout=600, env=ENV)  # fmt: skip
         lines = [x for x in r.stdout.splitlines() if x.startswith("{")]
         if r.returncode != 0 or not lines:
