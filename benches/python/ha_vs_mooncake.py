@@ -119,7 +119,8 @@ class Etcd:
         if not exe:
             raise SystemExit("no `etcd` on PATH: install Debian's etcd-server or set PAGEWIRE_ETCD")
         self.dir = tempfile.mkdtemp(prefix="pagewire-ha-bench-etcd-")
-        atexit.register(shutil.rmtree, self.dir, True)
+        # atexit runs this before ALL.kill_all (registered first): stop etcd, then remove.
+        atexit.register(lambda: (ALL.kill_all(), shutil.rmtree(self.dir, True)))
         self.clients = [free_port() for _ in range(n)]
         peers = [free_port() for _ in range(n)]
         initial = ",".join(f"m{i}=http://127.0.0.1:{p}" for i, p in enumerate(peers))
