@@ -7,17 +7,18 @@
 #   scripts/bench-vs-perftest.sh --report                             # everything: the tables of docs/benchmarks.md
 #   scripts/rdma-vm.sh run -- scripts/bench-vs-perftest.sh            # RDMA part only, in the soft-RoCE VM
 #   scripts/bench-vs-perftest.sh --section tcp                        # TCP part only, on the host
+#   scripts/bench-vs-perftest.sh --section ha                         # masters on etcd against Mooncake HA, on the host
 #   scripts/rdma-vm.sh --two-rails --cpus 2 --mem 2048 run -- scripts/bench-vs-perftest.sh --section rails
 #                                                                     # two rails against one, in the VM
 #
 # Options:
-#   --report                 run the TCP, TCP pages, Mooncake (TCP) and python sections here, then
+#   --report                 run the TCP, TCP pages, Mooncake (TCP), python and ha sections here, then
 #                            the paired, verbs pages and Mooncake (rxe) sections in the
 #                            soft-RoCE VM (scripts/rdma-vm.sh --cpus 2 --mem 2048), and write
 #                            one markdown report of all the tables (report.md in --out). The
 #                            VM part takes about 2.5 min per --pair-rounds round on a 2-core
 #                            TCG host, plus about 4 min per --mc-rounds round, plus a minute.
-#   --section S              rdma | paired | tcp | pages | mooncake | python | rails | all, or a list
+#   --section S              rdma | paired | tcp | pages | mooncake | python | ha | rails | all, or a list
 #                            such as "rdma pages" (mooncake: scripts/bench-vs-mooncake.sh, over
 #                            verbs when a device is visible, else TCP; not in "all"; rails:
 #                            `bench write` at 1 MiB and 8 MiB over two rails against one, in
@@ -28,7 +29,14 @@
 #                            (scripts/nixl-venv.sh), then benches/python/bench_mooncake_compat.py
 #                            (one synchronous call, pagewire against Mooncake's wheel and
 #                            NIXL's UCX over TCP) and benches/python/setup_vs_mooncake.py (a
-#                            store client's setup with a 3200 MiB segment); not in "all")
+#                            store client's setup with a 3200 MiB segment); not in "all";
+#                            ha: on the host, installs .venv like python, starts a 3-member
+#                            etcd (Debian's etcd-server) on 127.0.0.1 and runs
+#                            benches/python/ha_vs_mooncake.py: kill -9 of the leading master
+#                            while two clients put and get, pagewire's masters on etcd
+#                            against mooncake_master --enable_ha --enable_oplog, then `bench
+#                            store` against one master and against --master etcd://; not in
+#                            "all")
 #                            (default: "rdma pages" if an RDMA device is visible, else
 #                            "tcp pages"). pages: `bench pages` (Llama-3-8B preset, random
 #                            pages) against `bench write` at the same bytes per work request,
@@ -56,6 +64,8 @@
 #   --rails-rounds N         rounds of the rails section (default 5)
 #   --py-rounds N            rounds of the python section's call benchmark (default 10)
 #   --setup-rounds N         rounds of the python section's setup benchmark (default 5)
+#   --ha-rounds N            failover rounds of the ha section, per system (default 5)
+#   --oplog-rounds N         `bench store` rounds of the ha section, per master set-up (default 10)
 #   --rails-mib N            MiB each rails measurement moves (default 64; at least 16 WRs)
 #   --runs N                 runs of every test (default 3)
 #   --iters N                iterations per size for the bandwidth sweeps (default 50: with
@@ -80,7 +90,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-report=0 section="" mc_rounds=5 py_rounds=10 setup_rounds=5 rails_rounds=5 rails_mib=64 pages_n="" page_iters="" runs=3 pair_rounds=5 pair_mib=32 pair_small_iters=5000 iters=50 lat_iters=1000 dev="${RDMA_DEVICE:-rxe0}" tcp_size=1M tcp_secs=5
+report=0 section="" mc_rounds=5 py_rounds=10 setup_rounds=5 ha_rounds=5 oplog_rounds=10 rails_rounds=5 rails_mib=64 pages_n="" page_iters="" runs=3 pair_rounds=5 pair_mib=32 pair_small_iters=5000 iters=50 lat_iters=1000 dev="${RDMA_DEVICE:-rxe0}" tcp_size=1M tcp_secs=5
 streams="1 4" out="" pw="target/release/pagewire" raw="target/release/examples/raw_verbs_lat"
 pair_sizes="65536 131072 262144 524288 1048576 2097152 4194304 8388608" pair_small="2 8 64 512"
 pool_dirs=()
@@ -93,6 +103,8 @@ while (($#)); do
         --rails-rounds) rails_rounds="$2"; shift 2 ;;
         --py-rounds) py_rounds="$2"; shift 2 ;;
         --setup-rounds) setup_rounds="$2"; shift 2 ;;
+        --ha-rounds) ha_rounds="$2"; shift 2 ;;
+        --oplog-rounds) oplog_rounds="$2"; shift 2 ;;
         --rails-mib) rails_mib="$2"; shift 2 ;;
         --pair-rounds) pair_rounds="$2"; shift 2 ;;
         --pair-mib) pair_mib="$2"; shift 2 ;;
@@ -693,6 +705,28 @@ python_section() {
     cat "$out/python.md"
 }
 
+# Masters on etcd against Mooncake's HA mode (host only: etcd and TCP on 127.0.0.1). The
+# benchmark kills every process it started when it ends; it gets SIGTERM if this shell
+# dies first (setpriv --pdeathsig) or is interrupted.
+ha_section() {
+    command -v etcd >/dev/null || [[ -n "${PAGEWIRE_ETCD:-}" ]] ||
+        { echo "bench-vs-perftest: the ha section needs etcd (Debian's etcd-server, or PAGEWIRE_ETCD)" >&2; return 1; }
+    bash scripts/python-test.sh --install-only >"$out/raw/python-install.log" 2>&1 ||
+        { echo "bench-vs-perftest: scripts/python-test.sh --install-only failed: $out/raw/python-install.log" >&2; return 1; }
+    echo "## Masters on etcd: failover against Mooncake's HA mode, and the op-log's cost" >"$out/ha.md"
+    echo >>"$out/ha.md"
+    setpriv --pdeathsig TERM .venv/bin/python benches/python/ha_vs_mooncake.py --rounds "$ha_rounds" \
+        --oplog-rounds "$oplog_rounds" --pagewire "$pw" --logs "$out/raw/ha-logs" \
+        --json "$out/raw/ha.json" >>"$out/ha.md" &
+    local py=$! rc
+    trap 'kill -TERM $py 2>/dev/null' INT TERM
+    wait "$py"
+    rc=$?
+    trap - INT TERM
+    cat "$out/ha.md"
+    return $rc
+}
+
 # --report: the host's sections here, the RDMA ones in the VM, one report of all tables.
 if ((report)); then
     here_args=(--runs "$runs" --tcp-secs "$tcp_secs" --tcp-size "$tcp_size" --streams "$streams")
@@ -702,8 +736,9 @@ if ((report)); then
     t0=$SECONDS
     here_args+=(--mc-rounds "$mc_rounds")
     echo "report: TCP sections on this host (the Mooncake one installs its wheel once)" >&2
-    bash "$0" --section "tcp pages mooncake python" --out "$abs_out/host" --pagewire "$pw" "${here_args[@]}" \
-        --py-rounds "$py_rounds" --setup-rounds "$setup_rounds" >/dev/null
+    bash "$0" --section "tcp pages mooncake python ha" --out "$abs_out/host" --pagewire "$pw" "${here_args[@]}" \
+        --py-rounds "$py_rounds" --setup-rounds "$setup_rounds" --ha-rounds "$ha_rounds" \
+        --oplog-rounds "$oplog_rounds" >/dev/null
     rc_host=$?
     echo "report: paired, pages and mooncake sections in the soft-RoCE VM ($pair_rounds + $mc_rounds rounds)" >&2
     vm_timeout=$((600 + pair_rounds * 240 + mc_rounds * 360))
@@ -716,7 +751,7 @@ if ((report)); then
     {
         echo "# pagewire benchmark report"
         echo
-        echo "\`scripts/bench-vs-perftest.sh --report --pair-rounds $pair_rounds --mc-rounds $mc_rounds --py-rounds $py_rounds --setup-rounds $setup_rounds --runs $runs\`, $((SECONDS - t0)) s in all."
+        echo "\`scripts/bench-vs-perftest.sh --report --pair-rounds $pair_rounds --mc-rounds $mc_rounds --py-rounds $py_rounds --setup-rounds $setup_rounds --ha-rounds $ha_rounds --oplog-rounds $oplog_rounds --runs $runs\`, $((SECONDS - t0)) s in all."
         echo
         echo "Host:"
         echo
@@ -724,7 +759,7 @@ if ((report)); then
         echo "Soft-RoCE guest (\`scripts/rdma-vm.sh --cpus 2\`):"
         echo
         sed '1,2d' "$abs_out/vm/machine.md" 2>/dev/null || echo "- (no output: see vm.log)"
-        for f in vm/paired.md vm/pages.md vm/mooncake.md host/tcp.md host/pages.md host/mooncake.md host/python.md; do
+        for f in vm/paired.md vm/pages.md vm/mooncake.md host/tcp.md host/pages.md host/mooncake.md host/python.md host/ha.md; do
             [[ -f "$abs_out/$f" ]] && { echo; cat "$abs_out/$f"; }
         done
     } >"$abs_out/report.md"
@@ -754,8 +789,9 @@ for s in $section; do
         pages) pages_section || rc=1 ;;
         mooncake) mooncake_section || rc=1 ;;
         python) python_section || rc=1 ;;
+        ha) ha_section || rc=1 ;;
         rails) rails_section || rc=1 ;;
-        *) echo "bench-vs-perftest: unknown section $s (rdma, paired, tcp, pages, mooncake, python, rails, all)" >&2; exit 2 ;;
+        *) echo "bench-vs-perftest: unknown section $s (rdma, paired, tcp, pages, mooncake, python, ha, rails, all)" >&2; exit 2 ;;
     esac
 done
 echo "raw outputs: $out/raw" >&2

@@ -85,6 +85,11 @@ pub struct StoreBenchArgs {
     #[arg(long, value_parser = crate::store_cmd::parse_bytes)]
     pub segment: Option<u64>,
 
+    /// The client engine's listen address (default: 0.0.0.0:0 with --master, where storage
+    /// nodes may be elsewhere; 127.0.0.1:0 without).
+    #[arg(long)]
+    pub listen: Option<std::net::SocketAddr>,
+
     /// Check every byte read back against what was put.
     #[arg(long)]
     pub verify: bool,
@@ -218,14 +223,12 @@ pub fn run(a: StoreBenchArgs) -> anyhow::Result<()> {
         }
     };
     let mut cc = crate::store_cmd::store_client_config(&master_addr, &a.cluster_id)?;
-    cc.engine = engine_cfg(
-        &a,
-        if a.master.is_some() {
-            "0.0.0.0:0"
-        } else {
-            "127.0.0.1:0"
-        },
-    )?;
+    let listen = match (a.listen, &a.master) {
+        (Some(l), _) => l.to_string(),
+        (None, Some(_)) => "0.0.0.0:0".into(),
+        (None, None) => "127.0.0.1:0".into(),
+    };
+    cc.engine = engine_cfg(&a, &listen)?;
     cc.local_copy = false;
     let client =
         StoreClient::connect(cc).with_context(|| format!("joining the store at {master_addr}"))?;
