@@ -64,6 +64,12 @@ pub struct StoreBenchArgs {
     #[arg(long, default_value_t = 2)]
     pub warmup: u64,
 
+    /// Clients putting and getting at the same time, each with its own engine, pools and
+    /// keys (one thread each). MiB/s is then the sum of the clients' rates; latencies are
+    /// pooled over all of them.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=64))]
+    pub clients: u64,
+
     /// Replicas per object.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..=16))]
     pub replicas: u8,
@@ -214,6 +220,7 @@ pub fn run(a: StoreBenchArgs) -> anyhow::Result<()> {
             nc.engine = engine_cfg(&a, "127.0.0.1:0")?;
             let all = per_batch
                 .saturating_mul(a.replicas as u64)
+                .saturating_mul(a.clients)
                 .saturating_mul(a.warmup + a.iters);
             nc.segment_size = a.segment.unwrap_or(all + all / 8);
             let node = StoreClient::connect(nc).context("in-process storage node")?;
@@ -230,10 +237,14 @@ pub fn run(a: StoreBenchArgs) -> anyhow::Result<()> {
     };
     cc.engine = engine_cfg(&a, &listen)?;
     cc.local_copy = false;
-    let client =
-        StoreClient::connect(cc).with_context(|| format!("joining the store at {master_addr}"))?;
-    let r = bench(&a, &g, &client, local.is_some());
-    client.close();
+    let mut clients = Vec::new();
+    for _ in 0..a.clients {
+        let c = StoreClient::connect(cc.clone())
+            .with_context(|| format!("joining the store at {master_addr}"))?;
+        clients.push(c);
+    }
+    let r = bench(&a, &g, &clients, local.is_some());
+    clients.iter().for_each(StoreClient::close);
     if let Some((m, node)) = local {
         node.close();
         m.shutdown();
@@ -241,25 +252,81 @@ pub fn run(a: StoreBenchArgs) -> anyhow::Result<()> {
     r
 }
 
+/// What one client measured.
+struct Measured {
+    put_lat: Vec<f64>,
+    get_lat: Vec<f64>,
+    batch_bytes: u64,
+    objects: usize,
+    object_bytes: u64,
+}
+
 fn bench(
     a: &StoreBenchArgs,
     g: &PoolGeometry,
-    client: &StoreClient,
+    clients: &[StoreClient],
     local: bool,
 ) -> anyhow::Result<()> {
+    // Every client warms up, then all start their measured batches together.
+    let start = std::sync::Barrier::new(clients.len());
+    let runs: Vec<anyhow::Result<Measured>> = std::thread::scope(|s| {
+        let hs: Vec<_> = clients
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                let start = &start;
+                s.spawn(move || client_loop(a, g, c, i as u64, start))
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(anyhow::anyhow!("a client panicked")))
+            })
+            .collect()
+    });
+    let runs = runs.into_iter().collect::<anyhow::Result<Vec<_>>>()?;
+    let batch_bytes = runs[0].batch_bytes;
+    let (mut put_lat, mut get_lat) = (Vec::new(), Vec::new());
+    let (mut put_rate, mut get_rate) = (0.0, 0.0);
+    for r in &runs {
+        put_rate += rate(&r.put_lat, batch_bytes);
+        get_rate += rate(&r.get_lat, batch_bytes);
+        put_lat.extend_from_slice(&r.put_lat);
+        get_lat.extend_from_slice(&r.get_lat);
+    }
+    let mut put = op_stats(&mut put_lat, batch_bytes);
+    let mut get = op_stats(&mut get_lat, batch_bytes);
+    for (st, bps) in [(&mut put, put_rate), (&mut get, get_rate)] {
+        st.mib_s = bps / (1 << 20) as f64;
+        st.gbit_s = bps * 8.0 / 1e9;
+    }
+    report(a, &clients[0], local, &runs[0], &put, &get)
+}
+
+/// Bytes per second of one client's batches of `bytes`, one after another.
+fn rate(lat: &[f64], bytes: u64) -> f64 {
+    bytes as f64 * lat.len() as f64 / lat.iter().sum::<f64>()
+}
+
+fn client_loop(
+    a: &StoreBenchArgs,
+    g: &PoolGeometry,
+    client: &StoreClient,
+    index: u64,
+    start: &std::sync::Barrier,
+) -> anyhow::Result<Measured> {
     let mut src = HostPool::new(*g, client)?;
     let mut dst = HostPool::new(*g, client)?;
     let src_objs = src.objects(a.pages)?;
     let dst_objs = dst.objects(a.pages)?;
-    let per_page = src_objs.len() / a.pages as usize;
     let batch_bytes: u64 = src_objs.iter().map(|s| s.len).sum();
     let run_id = std::process::id() as u64 ^ (Instant::now().elapsed().as_nanos() as u64) ^ 0x5eed;
-    let info = client.engine().backend_info();
     let opts = PutOptions {
         replicas: a.replicas,
         ..PutOptions::default()
     };
-    let bar = (!a.json && std::io::stderr().is_terminal()).then(|| {
+    let bar = (index == 0 && !a.json && std::io::stderr().is_terminal()).then(|| {
         let b = indicatif::ProgressBar::new(a.warmup + a.iters);
         b.set_style(
             indicatif::ProgressStyle::with_template(
@@ -273,9 +340,12 @@ fn bench(
     });
     let (mut put_lat, mut get_lat) = (Vec::new(), Vec::new());
     for it in 0..a.warmup + a.iters {
+        if it == a.warmup {
+            start.wait();
+        }
         let keys: Vec<String> = (0..a.pages)
             .flat_map(|p| {
-                let hash = format!("{run_id:016x}{it:016x}{p:016x}{:016x}", 0u64);
+                let hash = format!("{run_id:016x}{it:016x}{p:016x}{index:016x}");
                 page_keys(g.kind(), &hash)
             })
             .collect();
@@ -337,9 +407,26 @@ fn bench(
     if let Some(b) = bar {
         b.finish_and_clear();
     }
-    let put = op_stats(&mut put_lat, batch_bytes);
-    let get = op_stats(&mut get_lat, batch_bytes);
-    let obj = src_objs[0].len;
+    Ok(Measured {
+        put_lat,
+        get_lat,
+        batch_bytes,
+        objects: src_objs.len(),
+        object_bytes: src_objs[0].len,
+    })
+}
+
+fn report(
+    a: &StoreBenchArgs,
+    client: &StoreClient,
+    local: bool,
+    m: &Measured,
+    put: &OpStats,
+    get: &OpStats,
+) -> anyhow::Result<()> {
+    let info = client.engine().backend_info();
+    let (obj, batch_bytes) = (m.object_bytes, m.batch_bytes);
+    let per_page = m.objects / a.pages as usize;
     if a.json {
         let rec = serde_json::json!({
             "test": "store",
@@ -348,7 +435,8 @@ fn bench(
             "layout": "page_first",
             "page_size": a.page_size,
             "pages_per_batch": a.pages,
-            "objects_per_batch": src_objs.len(),
+            "objects_per_batch": m.objects,
+            "clients": a.clients,
             "object_bytes": obj,
             "batch_bytes": batch_bytes,
             "replicas": a.replicas,
@@ -369,7 +457,7 @@ fn bench(
         a.dtype.name(),
         a.pages,
         a.page_size,
-        src_objs.len(),
+        m.objects,
         per_page,
         obj as f64 / (1 << 20) as f64,
         batch_bytes as f64 / (1 << 20) as f64,
@@ -399,7 +487,10 @@ fn bench(
         " {:<4} {:>8} {:>10} {:>8} {:>9} {:>9} {:>9} {:>9}",
         "op", "batches", "MiB/s", "Gbit/s", "p50 ms", "p99 ms", "min ms", "max ms"
     );
-    for (name, s) in [("put", &put), ("get", &get)] {
+    if a.clients > 1 {
+        println!(" {} clients at once: MiB/s is their sum", a.clients);
+    }
+    for (name, s) in [("put", put), ("get", get)] {
         println!(
             " {:<4} {:>8} {:>10.1} {:>8.2} {:>9.3} {:>9.3} {:>9.3} {:>9.3}",
             name, s.batches, s.mib_s, s.gbit_s, s.p50_ms, s.p99_ms, s.min_ms, s.max_ms
