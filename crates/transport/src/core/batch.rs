@@ -11,8 +11,10 @@
 //! own deadline passes first it returns `Timeout` and the batch carries on.
 //!
 //! Cancellation is best effort: slices not yet handed to the wire are skipped, slices in
-//! flight may still land. Either way the local regions stay pinned until the backend has
-//! let go of the batch, so deregistration can never race a transfer.
+//! flight may still land in the peer. The local regions stay pinned until nothing of the
+//! batch can touch them any more, so deregistration can never race a transfer: when the
+//! backend lets go of the batch, or, as for a failure, when the cancellation is reported
+//! (see below).
 //!
 //! A backend whose own threads write a batch's local memory (a TCP READ, loopback) does
 //! so under [`BatchState::landing`]: failing or cancelling the batch waits for that guard,
@@ -24,9 +26,10 @@
 //! when the backend lets go of it, so the caller may deregister at once (a TCP READ whose
 //! peer stalled would otherwise hold its target until the connection's `io_timeout`).
 //! A backend whose hardware touches the memory on its own (verbs) gives the batch a
-//! [`Settle`] instead: a failure first has it stop that hardware (QPs to ERR, their WRs
-//! flushed), within a short bound, and when it did, the pins go before the failure is
-//! reported, as for a guarded batch.
+//! [`Settle`] instead: a failure or cancellation first has it stop that hardware (its
+//! WRs completed, or QPs to ERR and their WRs flushed), within a short bound, and when it
+//! did, the pins go before the outcome is reported, as for a guarded batch. A prepared
+//! batch's run keeps the prepared batch's pins (its run cell) the same way.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};

@@ -8,9 +8,11 @@
 //! does (it builds its work request once and re-posts it) and what MPI's persistent
 //! requests (`MPI_Send_init`, `MPI_Start`) do.
 //!
-//! One run at a time: `start` refuses while the previous run is in flight. The local
-//! regions stay pinned (deregistering them fails with `RegionBusy`) until the prepared
-//! batch is dropped and its last run has let go of them.
+//! One run at a time: `start` refuses while the previous run is in flight. Each run has
+//! the batch's timeout as its deadline. The local regions stay pinned (deregistering them
+//! fails with `RegionBusy`) until the prepared batch is dropped and its last run has let
+//! go of them; a run that failed or was cancelled lets go as an ordinary batch does, once
+//! nothing of it can touch them any more (verbs: its work requests flushed).
 //!
 //! On verbs, a prepared batch whose work requests fit one chain on one QP (at most one
 //! doorbell's worth, window space the QP can lend it for its lifetime, and no READ before

@@ -25,6 +25,11 @@ use crate::error::{Error, PeerFault};
 use crate::types::PeerId;
 use crate::util::lock;
 
+/// Between two reaps of a thread waiting for a batch's WRs to flush or drain (a failure
+/// path): short, but leaving the CPU to the NIC's own work (rxe flushes in the kernel, on
+/// the same CPUs).
+const FLUSH_POLL: Duration = Duration::from_micros(100);
+
 /// Marks the WRs of a lane's run before its last (in the wr_id's sequence field, above
 /// any lane index): a run has ended only when its last WR completes.
 const LANE_NOT_LAST: u64 = 1 << 53;
@@ -720,7 +725,7 @@ impl VerbsConn {
             }
             round = round.wrapping_add(1);
             if self.reap_waiting(round, true) == 0 {
-                std::thread::yield_now();
+                std::thread::sleep(FLUSH_POLL);
             }
         }
         true
@@ -1098,15 +1103,15 @@ impl VerbsConn {
     }
 
     /// A broken connection whose WRs did not all flush within
-    /// [`FLUSH_WAIT`](health::FLUSH_WAIT) of the break (a QP that could not be moved to
-    /// ERR, a provider that does not flush): their batches' failures are reported now,
-    /// and the batches (with the regions they pin) wait in the graveyard for the QPs to
-    /// be destroyed.
+    /// [`FLUSH_GIVE_UP`](health::FLUSH_GIVE_UP) of the break (a QP that could not be
+    /// moved to ERR, a provider that does not flush): their batches' failures are
+    /// reported now, and the batches (with the regions they pin) wait in the graveyard for
+    /// the QPs to be destroyed.
     fn give_up_flushes(&self) {
         if self
             .broken_at
             .get()
-            .is_none_or(|t| t.elapsed() < health::FLUSH_WAIT)
+            .is_none_or(|t| t.elapsed() < health::FLUSH_GIVE_UP)
         {
             return;
         }
@@ -1138,7 +1143,7 @@ impl VerbsConn {
         if self
             .broken_at
             .get()
-            .is_some_and(|t| t.elapsed() >= health::FLUSH_WAIT)
+            .is_some_and(|t| t.elapsed() >= health::FLUSH_GIVE_UP)
         {
             return ctl.on_nic.load(Ordering::Acquire) == 0;
         }
@@ -1189,7 +1194,7 @@ impl VerbsConn {
             }
             round = round.wrapping_add(1);
             if self.reap_waiting(round, false) == 0 {
-                std::thread::yield_now();
+                std::thread::sleep(FLUSH_POLL);
             }
         }
     }

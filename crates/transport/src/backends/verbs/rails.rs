@@ -15,6 +15,10 @@
 //! delivered already ([`SeqWindow`]), so the tag surfaces exactly once even when the
 //! first copy arrived and only its acknowledgement was lost.
 //!
+//! A striped batch that fails or is cancelled in the engine core stops every rail that
+//! carries a part of it (each part's connection batch settles: see [`Settle`]) and posts
+//! nothing more, before the outcome is reported: its pins go then, as on one rail.
+//!
 //! A rail taken out comes back on the side that initiated the connection: a prober thread
 //! (one per connection, while a rail is out) waits for the rail's port to be ACTIVE, then
 //! exchanges new QPs for it with the peer through the engine's control channel
@@ -708,13 +712,33 @@ impl Settle for Stripe {
             nic.closed = true;
             std::mem::take(&mut nic.ctls)
         };
-        // Every rail is stopped, even after one that did not flush in time (no `all`:
-        // it would stop at the first).
-        let mut stopped = true;
-        for c in ctls.iter().filter_map(Weak::upgrade) {
-            stopped &= c.settle(why);
-        }
-        stopped
+        let ctls: SmallVec<[Arc<dyn Settle>; MAX_RAILS]> =
+            ctls.iter().filter_map(Weak::upgrade).collect();
+        let Some((first, others)) = ctls.split_first() else {
+            return true;
+        };
+        // Every rail at once, each waiting its own bound: the rails flush (or drain) in
+        // parallel, so the failure waits for the slowest rail, not for their sum. A rail
+        // whose thread cannot be started is settled on this one.
+        std::thread::scope(|sc| {
+            let helpers: SmallVec<[_; MAX_RAILS]> = others
+                .iter()
+                .map(|c| {
+                    std::thread::Builder::new()
+                        .name("pagewire-settle".into())
+                        .spawn_scoped(sc, move || c.settle(why))
+                        .map_err(|_| c)
+                })
+                .collect();
+            let mut stopped = first.settle(why);
+            for h in helpers {
+                stopped &= match h {
+                    Ok(h) => h.join().unwrap_or(false),
+                    Err(c) => c.settle(why),
+                };
+            }
+            stopped
+        })
     }
 }
 
