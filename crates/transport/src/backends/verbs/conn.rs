@@ -645,47 +645,27 @@ impl VerbsConn {
         Ok(())
     }
 
-    /// The completion of lane `index`'s run.
-    fn lane_done(&self, index: usize) {
-        let mut lanes = lock(&self.lanes);
-        let Some(Some(l)) = lanes.slots.get(index) else {
-            return;
-        };
-        if !l.posted.swap(false, Ordering::AcqRel) {
-            return;
-        }
-        let slot = &self.qps[0];
-        let n = l.wrs.len() as u32;
-        // The space comes back before the run stops counting as outstanding, so whoever
-        // sees nothing in flight also sees the space.
-        if l.dropped.load(Ordering::Acquire) {
-            lanes.remove(index);
-            drop(lanes);
-            lock(&slot.track).give_back(n);
-            slot.lane_wrs.fetch_sub(n, Ordering::AcqRel);
-            slot.record_activity();
-        } else {
-            slot.lane_wrs.fetch_sub(n, Ordering::AcqRel);
-            slot.record_activity();
-            l.cell.succeed();
-        }
-    }
-
-    /// Lane `index`'s run failed: its last WR completed in error (the connection broke,
-    /// so it and every WR before it have left the send queue). The run fails now, with
-    /// nothing of it left on the NIC.
-    fn lane_flushed(&self, index: usize) {
+    /// Lane `index`'s run has left the send queue: its last WR completed (`ok`), or
+    /// completed in error (the connection broke, so every WR before it has left too). The
+    /// run succeeds, unless the connection broke meanwhile (the break cut it, as it cuts
+    /// ordinary batches); else it fails now, with nothing of it left on the NIC. A lane
+    /// whose prepared batch is gone leaves the table instead, and reports nothing.
+    fn lane_ended(&self, index: usize, ok: bool) {
         let mut lanes = lock(&self.lanes);
         let Some(Some(l)) = lanes.slots.get(index) else {
             return;
         };
         let l = Arc::clone(l);
+        // Cleared before the outcome is reported, so the next run sees it clear.
         if !l.posted.swap(false, Ordering::AcqRel) {
             return;
         }
         let slot = &self.qps[0];
         let n = l.wrs.len() as u32;
-        if l.dropped.load(Ordering::Acquire) {
+        let dropped = l.dropped.load(Ordering::Acquire);
+        // The space comes back before the run stops counting as outstanding, so whoever
+        // sees nothing in flight also sees the space.
+        if dropped {
             lanes.remove(index);
             drop(lanes);
             lock(&slot.track).give_back(n);
@@ -694,7 +674,14 @@ impl VerbsConn {
         }
         slot.lane_wrs.fetch_sub(n, Ordering::AcqRel);
         slot.record_activity();
-        l.cell.fail(self.broken_err());
+        if dropped {
+            return;
+        }
+        if ok && !self.is_broken() {
+            l.cell.succeed();
+        } else {
+            l.cell.fail(self.broken_err());
+        }
     }
 
     /// Lane `c`'s run passed its deadline: if it is on the send queue, the connection
@@ -1083,7 +1070,7 @@ impl VerbsConn {
             cut += 1;
             ctl.fail(err.clone());
         }
-        // A lane's run fails when its last WR flushes (`lane_flushed`), or when the
+        // A lane's run fails when its last WR flushes (`lane_ended`), or when the
         // flushes are given up on; until then it pins its regions.
         for l in lock(&self.lanes).slots.iter().flatten() {
             if l.posted.load(Ordering::Acquire) {
@@ -1335,10 +1322,8 @@ impl VerbsConn {
         if kind == WrKind::Lane {
             if seq & LANE_NOT_LAST != 0 {
                 // An earlier WR of a run, flushed or failed: its last WR completes after it.
-            } else if ok {
-                self.lane_done(seq as usize);
             } else {
-                self.lane_flushed(seq as usize);
+                self.lane_ended(seq as usize, ok);
             }
             return;
         }
