@@ -701,21 +701,11 @@ impl VerbsConn {
             ),
         ));
         let until = Instant::now() + health::FLUSH_WAIT;
-        let mut round = 0u32;
-        while l.posted.load(Ordering::Acquire) {
-            if Instant::now() >= until {
-                tracing::warn!(conn = %self.label, "a prepared batch's run did not flush in time: its memory stays pinned until the connection is gone");
-                return false;
-            }
-            if !self.qps.iter().all(|s| s.errored.load(Ordering::Acquire)) {
-                self.stop_qps();
-            }
-            round = round.wrapping_add(1);
-            if self.reap_waiting(round, true) == 0 {
-                std::thread::sleep(FLUSH_POLL);
-            }
+        if self.reap_until(until, true, || !l.posted.load(Ordering::Acquire)) {
+            return true;
         }
-        true
+        tracing::warn!(conn = %self.label, "a prepared batch's run did not flush in time: its memory stays pinned until it does");
+        false
     }
 
     /// The prepared batch of lane `c` is gone. Its window space comes back now, or when its
@@ -1141,14 +1131,14 @@ impl VerbsConn {
         if !self.qps.iter().all(|s| s.wait_free(until)) {
             return false;
         }
-        let n = ctl.on_nic.load(Ordering::Acquire);
-        if n == 0 {
+        let off_nic = || ctl.on_nic.load(Ordering::Acquire) == 0;
+        if off_nic() {
             return true;
         }
         let (until, what) = match why {
             Stop::Failed => (until, "failed"),
             // Done on their own: the connection carries on.
-            _ if self.reap_until(ctl, until, false) => return true,
+            _ if self.reap_until(until, false, off_nic) => return true,
             Stop::Cancelled => (Instant::now() + health::FLUSH_WAIT, "was cancelled"),
         };
         let n = ctl.on_nic.load(Ordering::Acquire);
@@ -1157,19 +1147,20 @@ impl VerbsConn {
             PeerFault::Unresponsive,
             format!("a batch {what} with {n} work requests in flight: its QPs were moved to ERR to flush them"),
         ));
-        if self.reap_until(ctl, until, true) {
+        if self.reap_until(until, true, off_nic) {
             return true;
         }
-        tracing::warn!(conn = %self.label, left = ctl.on_nic.load(Ordering::Acquire), "a failed batch's work requests did not flush in time: its memory stays pinned until the connection is gone");
+        tracing::warn!(conn = %self.label, left = ctl.on_nic.load(Ordering::Acquire), "a failed batch's work requests did not flush in time: its memory stays pinned until they do (or the connection is gone)");
         false
     }
 
-    /// Reaps until none of `ctl`'s WRs is on a send queue (`true`) or `until` passes;
-    /// `flushing`: the connection broke, and every QP is moved to ERR meanwhile.
-    fn reap_until(&self, ctl: &BatchCtl, until: Instant, flushing: bool) -> bool {
+    /// Reaps until `gone()` (what was waited for has left the send queues: `true`) or
+    /// `until` passes; `flushing`: the connection broke, and every QP is moved to ERR
+    /// meanwhile.
+    fn reap_until(&self, until: Instant, flushing: bool, gone: impl Fn() -> bool) -> bool {
         let mut round = 0u32;
         loop {
-            if ctl.on_nic.load(Ordering::Acquire) == 0 {
+            if gone() {
                 return true;
             }
             if Instant::now() >= until {
