@@ -10,14 +10,14 @@
 //! vocabulary, errors, config and the core.
 
 use std::fmt;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
 use std::time::Instant;
 
 use crossbeam_channel::Sender;
 
 use crate::config::EngineConfig;
-pub(crate) use crate::core::batch::BatchState;
+pub(crate) use crate::core::batch::{BatchState, Settle};
 use crate::core::registry::{Registry, RemoteTable};
 pub(crate) use crate::core::resolve::{ResolvedOp, ResolvedOps};
 pub(crate) use crate::core::run::RunCell;
@@ -319,6 +319,10 @@ pub(crate) trait FastPath: Send + Sync {
     /// One reaping round of a thread waiting for the run (verbs: its connection's send
     /// CQ, and now and then every connection of the engine).
     fn poll(&self) -> usize;
+    /// The run passed its deadline: stop what the hardware was given for it (verbs: its
+    /// connection breaks and the run's WRs flush), waiting a short bound at most. `true`
+    /// when nothing of it can touch the local memory any more.
+    fn abort(&self) -> bool;
 }
 
 /// What [`Engine::prepare`](crate::Engine::prepare) hands a backend to build a lane from.
@@ -354,6 +358,10 @@ pub(crate) trait BatchSink: Send + Sync {
     fn is_user_work(&self) -> bool {
         true
     }
+    /// The connection carrying (part of) this batch offers `settle`, which stops its WRs
+    /// on the NIC (see [`Settle`]); a sink that reports into the engine core's batch
+    /// hands it on, so that a failure there stops the NIC before it is reported.
+    fn settled_by(&self, _settle: Weak<dyn Settle>) {}
 }
 
 impl BatchSink for BatchState {
@@ -371,6 +379,9 @@ impl BatchSink for BatchState {
     }
     fn is_stopped(&self) -> bool {
         BatchState::is_stopped(self)
+    }
+    fn settled_by(&self, settle: Weak<dyn Settle>) {
+        BatchState::settled_by(self, settle);
     }
 }
 

@@ -5,7 +5,8 @@
 //! * after `Engine::shutdown` returns, nothing touches memory that was registered, even
 //!   while a peer keeps writing (the application may free it at once);
 //! * a TCP READ that misses its batch deadline lands nothing after the batch failed, lets
-//!   go of its target within the I/O timeout, and breaks its connection;
+//!   go of its target at once, and breaks its connection within the I/O timeout; so does
+//!   a prepared READ's run, and a cancelled READ lets go of its target at once too;
 //! * a TCP WRITE to a peer that stops reading fails with `Timeout` at its deadline and lets
 //!   go of its source then, not after the I/O timeout;
 //! * deadlines surface as `Error::Timeout`, not as an I/O error of kind `WouldBlock`;
@@ -611,42 +612,129 @@ fn control_relay(b: &Engine, data_port: u16) -> Result<(SocketAddr, TcpListener,
     Ok((ctrl_addr, data, stop))
 }
 
+/// A READ whose peer trickles its payload: engine B's source reached by engine A through
+/// relays on 127.0.0.2, which pass B's bytes towards A freely for the first 64 KiB of a
+/// data connection and then one every 20 ms. A's target (`n` bytes at offset 4096 of
+/// `mem`, guard bytes around it) is registered as `region`.
+struct Trickled {
+    a: Engine,
+    b: Engine,
+    src: HostBuffer,
+    mem: RawMem,
+    region: pagewire_transport::RegionId,
+    ab: pagewire_transport::PeerId,
+    stop: Arc<AtomicBool>,
+    ctrl_addr: SocketAddr,
+    data_port: u16,
+    io: Duration,
+    n: usize,
+}
+
+impl Trickled {
+    fn new() -> Result<Trickled> {
+        let io = Duration::from_millis(1000);
+        let n = 1 << 20;
+        let b = engine(BackendKind::Tcp)?;
+        let src = HostBuffer::new(n)?;
+        // SAFETY: `src` is ours and not registered yet.
+        unsafe { std::ptr::write_bytes(src.as_mut_ptr(), 0x11, n) };
+        b.register(&src, Access::ALL)?;
+        // B's data port, as any peer learns it.
+        let data_port = tcp_data_port(&b)?;
+        // Relays on 127.0.0.2: the control port as is, and B's data port (A dials the data
+        // port on the address it reached the control port at), trickled towards A after
+        // the first 64 KiB.
+        let (ctrl_addr, data, stop) = control_relay(&b, data_port)?;
+        let b_data = SocketAddr::new(b.local_addr().ip(), data_port);
+        relay(
+            data,
+            b_data,
+            64 << 10,
+            Duration::from_millis(20),
+            stop.clone(),
+        );
+        let a = engine_with(config(BackendKind::Tcp).tcp_streams(1).io_timeout(io))?;
+        let mem = RawMem::new(n + 8192);
+        mem.fill(GUARD);
+        // SAFETY: `mem` outlives `a` (leaked if the test fails).
+        let region = unsafe { a.register_raw(mem.ptr, n + 8192, Access::LOCAL_WRITE)? };
+        let ab = a.connect(ctrl_addr)?;
+        Ok(Trickled {
+            a,
+            b,
+            src,
+            mem,
+            region,
+            ab,
+            stop,
+            ctrl_addr,
+            data_port,
+            io,
+            n,
+        })
+    }
+
+    /// The READ of the whole source into the target, with a 300 ms deadline.
+    fn read(&self) -> Batch {
+        Batch::new()
+            .read(self.mem.addr() + 4096, self.src.addr(), self.n as u64)
+            .timeout(Duration::from_millis(300))
+    }
+
+    /// The READ ended early (failed or cancelled) at `ended`: its target is deregistered
+    /// right away, well before the I/O timeout; it had started landing, nothing landed
+    /// outside it, and nothing more lands while the peer goes on trickling. Returns how
+    /// long the deregistration waited.
+    fn lets_go(&self, ended: Instant, what: &str) -> Result<Duration> {
+        self.a
+            .deregister_wait(self.region, ended + self.io + Duration::from_millis(500))
+            .with_context(|| {
+                format!("the {what} READ's target is still pinned after the I/O timeout")
+            })?;
+        let waited = ended.elapsed();
+        eprintln!(
+            "{what} READ: target deregistered {waited:?} after (io_timeout {:?})",
+            self.io
+        );
+        ensure!(
+            waited < Duration::from_millis(100),
+            "the {what} READ's target stayed pinned for {waited:?}"
+        );
+        let n = self.n;
+        let snap = self.mem.snapshot();
+        ensure!(snap[4096] == 0x11, "the READ never started landing");
+        ensure!(
+            all_eq(&snap[..4096], GUARD) && all_eq(&snap[4096 + n..], GUARD),
+            "bytes outside the target"
+        );
+        // The peer goes on trickling: nothing of it may land now, deregistered or not.
+        std::thread::sleep(Duration::from_millis(400));
+        let later = self.mem.snapshot();
+        let landed = snap.iter().zip(&later).filter(|(x, y)| x != y).count();
+        ensure!(
+            landed == 0,
+            "{landed} bytes landed after the {what} READ ended"
+        );
+        Ok(waited)
+    }
+
+    fn finish(self) {
+        self.stop.store(true, Ordering::Release);
+        self.a.shutdown();
+        self.b.shutdown();
+        // Wake the relays' accept loops so they see `stop`.
+        let _ = TcpStream::connect(self.ctrl_addr);
+        let _ = TcpStream::connect((RELAY_IP, self.data_port));
+        // SAFETY: `a` shut down; the region was deregistered before.
+        unsafe { self.mem.free() };
+    }
+}
+
 fn read_past_deadline() -> Result<()> {
     let _serial = serial();
-    let io = Duration::from_millis(1000);
-    let n = 1 << 20;
-    let b = engine(BackendKind::Tcp)?;
-    let src = HostBuffer::new(n)?;
-    // SAFETY: `src` is ours and not registered yet.
-    unsafe { std::ptr::write_bytes(src.as_mut_ptr(), 0x11, n) };
-    b.register(&src, Access::ALL)?;
-    // B's data port, as any peer learns it.
-    let data_port = tcp_data_port(&b)?;
-    // Relays on 127.0.0.2: the control port as is, and B's data port (A dials the data
-    // port on the address it reached the control port at), trickled towards A after the
-    // first 64 KiB.
-    let (ctrl_addr, data, stop) = control_relay(&b, data_port)?;
-    let b_data = SocketAddr::new(b.local_addr().ip(), data_port);
-    relay(
-        data,
-        b_data,
-        64 << 10,
-        Duration::from_millis(20),
-        stop.clone(),
-    );
-
-    let a = engine_with(config(BackendKind::Tcp).tcp_streams(1).io_timeout(io))?;
-    let mem = RawMem::new(n + 8192);
-    mem.fill(GUARD);
-    // SAFETY: `mem` outlives `a` (leaked if the test fails).
-    let region = unsafe { a.register_raw(mem.ptr, n + 8192, Access::LOCAL_WRITE)? };
-    let ab = a.connect(ctrl_addr)?;
-    let h = a.submit(
-        ab,
-        Batch::new()
-            .read(mem.addr() + 4096, src.addr(), n as u64)
-            .timeout(Duration::from_millis(300)),
-    )?;
+    let t = Trickled::new()?;
+    let (a, ab, io) = (&t.a, t.ab, t.io);
+    let h = a.submit(ab, t.read())?;
     let got = h.wait(secs(20));
     let failed_at = Instant::now();
     ensure!(
@@ -655,25 +743,7 @@ fn read_past_deadline() -> Result<()> {
     );
     // Deregistered right away: the failure let go of the target (no byte of the batch
     // can land any more), so this does not wait for the connection's I/O timeout.
-    a.deregister_wait(region, failed_at + io + Duration::from_millis(500))
-        .context("the failed READ's target is still pinned after the I/O timeout")?;
-    let waited = failed_at.elapsed();
-    eprintln!("deregistered {waited:?} after the READ failed (io_timeout {io:?})");
-    ensure!(
-        waited < Duration::from_millis(100),
-        "the failed READ's target stayed pinned for {waited:?}"
-    );
-    let snap = mem.snapshot();
-    ensure!(snap[4096] == 0x11, "the READ never started landing");
-    ensure!(
-        all_eq(&snap[..4096], GUARD) && all_eq(&snap[4096 + n..], GUARD),
-        "bytes outside the target"
-    );
-    // The peer goes on trickling: nothing of it may land now, deregistered or not.
-    std::thread::sleep(Duration::from_millis(400));
-    let later = mem.snapshot();
-    let landed = snap.iter().zip(&later).filter(|(x, y)| x != y).count();
-    ensure!(landed == 0, "{landed} bytes landed after the batch failed");
+    t.lets_go(failed_at, "failed")?;
     let end = failed_at + io + Duration::from_millis(500);
     while a.peer_alive(ab)? && Instant::now() < end {
         std::thread::sleep(Duration::from_millis(20));
@@ -682,14 +752,61 @@ fn read_past_deadline() -> Result<()> {
         !a.peer_alive(ab)?,
         "a connection that missed a deadline by the I/O timeout is still reported alive"
     );
-    stop.store(true, Ordering::Release);
-    a.shutdown();
-    b.shutdown();
-    // Wake the relays' accept loops so they see `stop`.
-    let _ = TcpStream::connect(ctrl_addr);
-    let _ = TcpStream::connect((RELAY_IP, data_port));
-    // SAFETY: `a` shut down; the region was deregistered before.
-    unsafe { mem.free() };
+    t.finish();
+    Ok(())
+}
+
+/// Issue 31: the trickled READ as a prepared batch. Its run fails with `Timeout` at its
+/// deadline; once the prepared batch is dropped, its target is the caller's again at
+/// once, and nothing more lands there.
+#[test]
+fn tcp_prepared_read_past_its_deadline_lets_go() {
+    prepared_read_past_deadline().unwrap();
+}
+
+fn prepared_read_past_deadline() -> Result<()> {
+    let _serial = serial();
+    let t = Trickled::new()?;
+    let mut p = t.a.prepare(t.ab, t.read())?;
+    p.start()?;
+    let got = p.wait(secs(20));
+    let failed_at = Instant::now();
+    ensure!(
+        matches!(got, Err(Error::Timeout { .. })),
+        "trickled prepared READ: {got:?}"
+    );
+    ensure!(
+        p.try_wait().is_some_and(|r| r.is_ok()),
+        "the failed run still counts as running"
+    );
+    drop(p);
+    t.lets_go(failed_at, "prepared")?;
+    t.finish();
+    Ok(())
+}
+
+/// Issue 31: the trickled READ, cancelled 100 ms into it. The cancellation lets go of its
+/// target at once, and nothing more lands there.
+#[test]
+fn tcp_cancelled_read_lets_go() {
+    cancelled_read().unwrap();
+}
+
+fn cancelled_read() -> Result<()> {
+    let _serial = serial();
+    let t = Trickled::new()?;
+    let h =
+        t.a.submit(t.ab, t.read().timeout(Duration::from_secs(10)))?;
+    std::thread::sleep(Duration::from_millis(100));
+    ensure!(h.cancel(), "the READ finished before it was cancelled");
+    let cancelled_at = Instant::now();
+    ensure!(
+        matches!(h.status(), pagewire_transport::BatchStatus::Cancelled),
+        "{:?}",
+        h.status()
+    );
+    t.lets_go(cancelled_at, "cancelled")?;
+    t.finish();
     Ok(())
 }
 

@@ -938,12 +938,222 @@ fn rail_back(
     }
 }
 
+/// The READ of issue 31's checks: 16 MiB, so that it is still moving when the peer's links
+/// go down 50 ms into it.
+const STALLED: usize = 16 << 20;
+/// What the READ's target holds before it.
+const GUARD: u8 = 0xa5;
+
+/// One round of issue 31's check: `run` starts a [`STALLED`]-byte READ of `src` (on `b`)
+/// into `dst` (registered on `a` as `region` here) over a fresh connection, waits for it to
+/// end and returns the error it ended with; 50 ms after `run` starts, the peer's netdevs
+/// `ndevs` go down (from another thread: on rxe the submitting thread itself moves much of
+/// the data, inside the post), so the READ stalls. Its target must be the caller's again
+/// at once: deregistering it right after the READ ended must not wait (the failure, or
+/// the cancellation, is reported only once nothing of the READ can land any more). With
+/// the links back up, not one more byte of it may land. Returns how long the
+/// deregistration waited.
+fn stalled_read_lets_go(
+    (a, b): (&Engine, &Engine),
+    (src, dst): (&HostBuffer, &mut HostBuffer),
+    ndevs: &[String],
+    what: &str,
+    run: impl FnOnce(pagewire_transport::PeerId, Batch) -> Result<Error>,
+) -> Result<Duration> {
+    // Reads again first: a connection made right after links came back may not reach
+    // the peer yet (its GIDs return a moment later).
+    dst.fill(0);
+    let region = a.register(dst, Access::LOCAL_WRITE)?;
+    let peer = reads_again(a, b, src, dst)?;
+    dst.fill(GUARD);
+    let read = Batch::new()
+        .read(dst.addr(), src.addr(), STALLED as u64)
+        .timeout(Duration::from_millis(500));
+    let t0 = Instant::now();
+    let (got, down) = std::thread::scope(|s| {
+        let downer = s.spawn(|| {
+            std::thread::sleep(Duration::from_millis(50));
+            ndevs
+                .iter()
+                .map(|d| LinkDown::new(d))
+                .collect::<Result<Vec<_>>>()
+        });
+        let got = run(peer, read);
+        (got, downer.join().expect("the link-down thread panicked"))
+    });
+    let ended = Instant::now();
+    let down = down?;
+    let err = got?;
+    // Deregistered right away: the READ ended once nothing of it could land any more.
+    a.deregister_wait(region, ended + Duration::from_secs(3))
+        .with_context(|| format!("the {what} READ's target is still pinned 3 s after it ended"))?;
+    let waited = ended.elapsed();
+    eprintln!(
+        "{what} READ ended {:?} after it started ({err}); its target deregistered {waited:?} after that",
+        ended - t0
+    );
+    ensure!(
+        matches!(
+            err,
+            Error::Timeout { .. }
+                | Error::Completion { .. }
+                | Error::PeerGone { .. }
+                | Error::Cancelled
+        ),
+        "{what} READ: unexpected error {err:?}"
+    );
+    ensure!(
+        waited < Duration::from_millis(100),
+        "the {what} READ's target stayed pinned for {waited:?}"
+    );
+    let snap = dst.to_vec();
+    let landed = snap.iter().filter(|&&x| x != GUARD).count();
+    // The links back, and time for a retransmission: nothing of the READ may land now.
+    for d in down {
+        d.up()?;
+    }
+    std::thread::sleep(Duration::from_secs(1));
+    let later = dst.to_vec();
+    let late = if later == snap {
+        0
+    } else {
+        snap.iter().zip(&later).filter(|(x, y)| x != y).count()
+    };
+    eprintln!("{what} READ: {landed} bytes had landed when it ended, {late} after");
+    ensure!(late == 0, "{late} bytes landed after the {what} READ ended");
+    // The connection broke (its QPs were moved to ERR to flush the READ).
+    a.disconnect(peer)?;
+    Ok(waited)
+}
+
+/// Connects `a` to `b` until a 1 MiB READ of `src` into `dst` (registered) goes through,
+/// for 30 s at most (after a link came back, its GID returns a moment later).
+fn reads_again(
+    a: &Engine,
+    b: &Engine,
+    src: &HostBuffer,
+    dst: &HostBuffer,
+) -> Result<pagewire_transport::PeerId> {
+    let small = 1 << 20;
+    let until = Instant::now() + Duration::from_secs(30);
+    loop {
+        let again = a.connect(b.local_addr()).and_then(|p| {
+            a.submit(p, Batch::new().read(dst.addr(), src.addr(), small as u64))?
+                .wait(secs(30))?;
+            Ok(p)
+        });
+        match again {
+            Ok(p) => {
+                ensure!(same_bytes(src, dst, small), "bytes differ after connecting");
+                return Ok(p);
+            }
+            Err(e) if Instant::now() < until => {
+                eprintln!("not back yet: {e}");
+                std::thread::sleep(Duration::from_millis(500));
+            }
+            Err(e) => return Err(e).context("no READ after the links came back"),
+        }
+    }
+}
+
+/// A READ of a submitted batch: its error (it must not succeed).
+fn submitted(a: &Engine, peer: pagewire_transport::PeerId, read: Batch) -> Result<Error> {
+    match a.submit(peer, read).and_then(|h| h.wait(secs(30))) {
+        Ok(_) => bail!("the READ finished before the links went down"),
+        Err(e) => Ok(e),
+    }
+}
+
+/// A READ of a prepared batch, one run: its error; the prepared batch is dropped before
+/// this returns (its regions stay pinned while it lives). `fast`: whether it must take
+/// the verbs fast path.
+fn prepared(
+    a: &Engine,
+    peer: pagewire_transport::PeerId,
+    read: Batch,
+    fast: bool,
+) -> Result<Error> {
+    let mut p = a.prepare(peer, read)?;
+    ensure!(p.is_fast_path() == fast, "fast path: {}", p.is_fast_path());
+    p.start()?;
+    let got = p.wait(secs(30));
+    ensure!(
+        p.try_wait().is_some_and(|r| r.is_ok()),
+        "the run that ended still counts as running"
+    );
+    match got {
+        Ok(()) => bail!("the prepared READ finished before the links went down"),
+        Err(e) => Ok(e),
+    }
+}
+
+/// A READ cancelled 150 ms after it was submitted (its own deadline far off): `Cancelled`.
+fn cancelled(a: &Engine, peer: pagewire_transport::PeerId, read: Batch) -> Result<Error> {
+    let h = a.submit(peer, read.timeout(Duration::from_secs(30)))?;
+    std::thread::sleep(Duration::from_millis(150));
+    ensure!(h.cancel(), "the READ finished before it was cancelled");
+    ensure!(
+        matches!(h.status(), BatchStatus::Cancelled),
+        "{:?}",
+        h.status()
+    );
+    Ok(Error::Cancelled)
+}
+
+/// [`stalled_read_lets_go`] for a submitted, a prepared (`fast`: on the verbs fast path)
+/// and a cancelled READ in turn, between `a` and `b`, the peer's netdevs `ndevs` going
+/// down in each. Returns the deregistration waits; a new connection carries a READ again
+/// at the end.
+fn stalled_reads_let_go(
+    a: &Engine,
+    b: &Engine,
+    ndevs: &[String],
+    fast: bool,
+) -> Result<Vec<Duration>> {
+    // Plain fills: a pattern costs seconds under the guest's emulated CPU.
+    let mut src = HostBuffer::new(STALLED)?;
+    src.fill(0x5a);
+    let mut dst = HostBuffer::new(STALLED)?;
+    b.register(&src, Access::ALL)?;
+    let mut waits = Vec::new();
+    for what in ["failed", "prepared", "cancelled"] {
+        let run = |p, r| {
+            let before = a.rail_stats();
+            let got = match what {
+                "failed" => submitted(a, p, r),
+                "prepared" => prepared(a, p, r, fast),
+                _ => cancelled(a, p, r),
+            };
+            let moved: Vec<u64> = a
+                .rail_stats()
+                .iter()
+                .zip(&before)
+                .map(|(x, y)| x.bytes - y.bytes)
+                .collect();
+            eprintln!("{what} READ: bytes per rail {moved:?}");
+            got
+        };
+        waits.push(stalled_read_lets_go(
+            (a, b),
+            (&src, &mut dst),
+            ndevs,
+            what,
+            run,
+        )?);
+    }
+    a.register(&dst, Access::LOCAL_WRITE)?;
+    reads_again(a, b, &src, &dst)?;
+    Ok(waits)
+}
+
 /// Issue 31: a READ whose peer stops answering (the peer's link goes down 50 ms into a
 /// 16 MiB READ) fails at its 500 ms deadline, and its target is the caller's again at
 /// once: the failure is reported only after the READ's QPs were moved to ERR and its WRs
 /// flushed, so deregistering right after it does not wait (it waited until the broken
-/// connection was dropped). With the link back up, not one more byte of the READ lands,
-/// and a new connection moves data again.
+/// connection was dropped). The same for a prepared READ on the fast path (at its run's
+/// deadline), and for a READ cancelled while stalled (its WRs do not complete within the
+/// bound, so they are flushed too). With the link back up, not one more byte of any of
+/// them lands, and a new connection moves data again.
 #[test]
 #[ignore = "needs two RDMA devices: runs in scripts/rdma-vm.sh --two-devices"]
 fn verbs_failed_read_lets_go_of_its_target() -> Result<()> {
@@ -957,104 +1167,34 @@ fn verbs_failed_read_lets_go_of_its_target() -> Result<()> {
     let (dev2, ndev2) = (var("RDMA_DEVICE2")?, var("SOFTROCE_NDEV2")?);
     // A link goes down: no other device test runs meanwhile.
     let _links = rail_links();
-    const GUARD: u8 = 0xa5;
-    let n = 16 << 20;
     // Every 1 MiB WR signalled, as in the failover tests.
     let cfg = |b: EngineConfigBuilder| b.max_wr_bytes(1 << 20).signal_every(1);
     let a = engine(&dev, cfg)?;
     let b = engine(&dev2, cfg)?;
-    // Plain fills: a pattern costs seconds under the guest's emulated CPU.
-    let mut src = HostBuffer::new(n)?;
-    src.fill(0x5a);
-    let mut dst = HostBuffer::new(n)?;
-    dst.fill(GUARD);
-    b.register(&src, Access::ALL)?;
-    let region = a.register(&dst, Access::LOCAL_WRITE)?;
-    let peer = a.connect(b.local_addr())?;
+    let waits = stalled_reads_let_go(&a, &b, &[ndev2], true)?;
+    eprintln!("deregistration waits (failed, prepared, cancelled): {waits:?}");
+    Ok(())
+}
 
-    let t0 = Instant::now();
-    let read = Batch::new()
-        .read(dst.addr(), src.addr(), n as u64)
-        .timeout(Duration::from_millis(500));
-    // The link goes down from another thread: on rxe the submitting thread itself moves
-    // much of the data, inside the post.
-    let (got, down) = std::thread::scope(|s| {
-        let downer = s.spawn(|| {
-            std::thread::sleep(Duration::from_millis(50));
-            LinkDown::new(&ndev2)
-        });
-        let got = a.submit(peer, read).and_then(|h| {
-            eprintln!("submit returned after {:?}", t0.elapsed());
-            h.wait(secs(30))
-        });
-        (got, downer.join().expect("the link-down thread panicked"))
-    });
-    let failed_at = Instant::now();
-    let down = down?;
-    let Err(err) = got else {
-        bail!(
-            "the READ finished in {:?}, before the link went down",
-            t0.elapsed()
-        );
-    };
-    // Deregistered right away: the failure was reported once nothing of the READ could
-    // land any more.
-    a.deregister_wait(region, failed_at + Duration::from_secs(3))
-        .context("the failed READ's target is still pinned 3 s after the failure")?;
-    let waited = failed_at.elapsed();
-    eprintln!(
-        "READ failed {:?} after submit ({err}); its target deregistered {waited:?} after the failure",
-        failed_at - t0
-    );
-    ensure!(
-        matches!(
-            err,
-            Error::Timeout { .. } | Error::Completion { .. } | Error::PeerGone { .. }
-        ),
-        "unexpected error {err:?}"
-    );
-    ensure!(
-        waited < Duration::from_millis(100),
-        "the failed READ's target stayed pinned for {waited:?}"
-    );
-    let snap = dst.to_vec();
-    let landed = snap.iter().filter(|&&x| x != GUARD).count();
-    // The link back, and time for a retransmission: nothing of the READ may land now.
-    down.up()?;
-    std::thread::sleep(Duration::from_secs(1));
-    let later = dst.to_vec();
-    let late = if later == snap {
-        0
-    } else {
-        snap.iter().zip(&later).filter(|(x, y)| x != y).count()
-    };
-    eprintln!("{landed} bytes had landed at the failure, {late} after it");
-    ensure!(late == 0, "{late} bytes landed after the READ failed");
-
-    // The connection broke; a new one carries a READ again (once the link's GID is back).
-    a.disconnect(peer)?;
-    let small = 1 << 20;
-    a.register(&dst, Access::LOCAL_WRITE)?;
-    let until = Instant::now() + Duration::from_secs(30);
-    loop {
-        let again = a.connect(b.local_addr()).and_then(|p| {
-            a.submit(p, Batch::new().read(dst.addr(), src.addr(), small as u64))?
-                .wait(secs(30))?;
-            Ok(p)
-        });
-        match again {
-            Ok(_) => break,
-            Err(e) if Instant::now() < until => {
-                eprintln!("not back yet: {e}");
-                std::thread::sleep(Duration::from_millis(500));
-            }
-            Err(e) => return Err(e).context("no READ after the link came back"),
-        }
-    }
-    ensure!(
-        same_bytes(&src, &dst, small),
-        "bytes differ after reconnecting"
-    );
+/// Issue 31 on two rails: a READ striped over both rails whose peer stops answering on
+/// both (the peer's two links go down 50 ms into it) fails at its 500 ms deadline once
+/// every rail's part was stopped (each rail's QPs moved to ERR and its WRs flushed), so
+/// its target is the caller's again at once. The same for a prepared READ (on two rails
+/// each run is an ordinary striped batch) and for a striped READ cancelled while stalled.
+/// With the links back up, not one more byte lands.
+#[test]
+#[ignore = "needs an RDMA device: runs in scripts/rdma-vm.sh"]
+fn verbs_failed_two_rail_read_lets_go_of_its_target() -> Result<()> {
+    let (mine, theirs, ndevs) = rail_pairs("verbs_failed_two_rail_read_lets_go_of_its_target")?;
+    let _links = rail_links();
+    // The peer's end of each rail's veth pair: the harness names it after this side's,
+    // with a `p` (docs/testing.md).
+    let peer_ndevs: Vec<String> = ndevs.iter().map(|d| format!("{d}p")).collect();
+    let cfg = |b: EngineConfigBuilder| b.max_wr_bytes(1 << 20).signal_every(1);
+    let a = engine(&mine, cfg)?;
+    let b = engine(&theirs, cfg)?;
+    let waits = stalled_reads_let_go(&a, &b, &peer_ndevs, false)?;
+    eprintln!("deregistration waits (failed, prepared, cancelled; two rails): {waits:?}");
     Ok(())
 }
 

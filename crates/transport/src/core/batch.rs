@@ -11,8 +11,10 @@
 //! own deadline passes first it returns `Timeout` and the batch carries on.
 //!
 //! Cancellation is best effort: slices not yet handed to the wire are skipped, slices in
-//! flight may still land. Either way the local regions stay pinned until the backend has
-//! let go of the batch, so deregistration can never race a transfer.
+//! flight may still land in the peer. The local regions stay pinned until nothing of the
+//! batch can touch them any more, so deregistration can never race a transfer: when the
+//! backend lets go of the batch, or, as for a failure, when the cancellation is reported
+//! (see below).
 //!
 //! A backend whose own threads write a batch's local memory (a TCP READ, loopback) does
 //! so under [`BatchState::landing`]: failing or cancelling the batch waits for that guard,
@@ -24,9 +26,10 @@
 //! when the backend lets go of it, so the caller may deregister at once (a TCP READ whose
 //! peer stalled would otherwise hold its target until the connection's `io_timeout`).
 //! A backend whose hardware touches the memory on its own (verbs) gives the batch a
-//! [`Settle`] instead: a failure first has it stop that hardware (QPs to ERR, their WRs
-//! flushed), within a short bound, and when it did, the pins go before the failure is
-//! reported, as for a guarded batch.
+//! [`Settle`] instead: a failure or cancellation first has it stop that hardware (its
+//! WRs completed, or QPs to ERR and their WRs flushed), within a short bound, and when it
+//! did, the pins go before the outcome is reported, as for a guarded batch. A prepared
+//! batch's run keeps the prepared batch's pins (its run cell) the same way.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
@@ -243,9 +246,10 @@ pub(crate) struct BatchShared {
     /// a batch sent directly on one stream); weak, so a batch never keeps its
     /// connection's state alive.
     pub(crate) reader: OnceLock<Weak<dyn Reader>>,
-    /// The pins of the local regions; taken when the backend lets go of the batch, or
-    /// on failure when `guarded` (see the module doc).
-    pins: Mutex<Option<Pins>>,
+    /// The pins of the local regions (a prepared batch's run: its run cell, which holds
+    /// them); taken when the backend lets go of the batch, or on failure or cancellation
+    /// when `guarded` (see the module doc).
+    pins: Mutex<Held>,
     /// Every access of the backend to the local memory is under `landing` (or, once
     /// `settle` said so, there is none any more).
     guarded: AtomicBool,
@@ -254,15 +258,34 @@ pub(crate) struct BatchShared {
     settle: Mutex<Option<Weak<dyn Settle>>>,
 }
 
+/// What keeps a batch's local regions registered (held for its `Drop`).
+#[derive(Debug, Default)]
+struct Held {
+    _pins: Option<Pins>,
+    /// A prepared batch's pins, shared by its runs.
+    _run: Option<Arc<RunCell>>,
+}
+
+/// Why a batch ends early, for [`Settle`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Stop {
+    /// It failed: what it has in flight is of no use.
+    Failed,
+    /// The caller cancelled it: what it has in flight may still complete normally, which
+    /// spares the connection that carries it.
+    Cancelled,
+}
+
 /// A backend whose hardware reads and writes a batch's local memory on its own (verbs:
 /// what was posted lands or flushes whatever the engine does) and can stop it.
 pub(crate) trait Settle: Send + Sync {
-    /// The batch is failing: make sure that nothing the hardware was given for it can
-    /// touch its local memory any more (verbs: the QPs carrying its WRs moved to ERR and
-    /// those WRs flushed), waiting a short bound at most. `true` when that holds; the
-    /// batch's pins then go before the failure is reported. Runs on the thread that
-    /// fails the batch, before the outcome is published, at most once per batch.
-    fn settle(&self) -> bool;
+    /// The batch fails or is cancelled (`why`): make sure that nothing the hardware was
+    /// given for it can touch its local memory any more (verbs: its WRs completed, or
+    /// the QPs carrying them moved to ERR and those WRs flushed), waiting a short bound
+    /// at most. `true` when that holds; the batch's pins then go before the outcome is
+    /// reported. Runs on the thread that ends the batch, before the outcome is
+    /// published, at most once per batch.
+    fn settle(&self, why: Stop) -> bool;
 }
 
 /// Where a waiting caller can read a batch's completion itself, blocking in the kernel
@@ -281,8 +304,15 @@ impl BatchShared {
 
     /// Moves Pending to `next`; later transitions are ignored (first outcome wins).
     pub(crate) fn finish(&self, next: Phase) -> bool {
-        if matches!(next, Phase::Failed(_)) && !self.finished.load(Ordering::Acquire) {
-            self.settle_hardware();
+        let why = match next {
+            Phase::Failed(_) => Some(Stop::Failed),
+            Phase::Cancelled => Some(Stop::Cancelled),
+            _ => None,
+        };
+        if let Some(why) = why
+            && !self.finished.load(Ordering::Acquire)
+        {
+            self.settle_hardware(why);
         }
         // A failure or cancellation waits for bytes being landed, so none land after it
         // is reported. Success needs no wait: every byte is in.
@@ -297,7 +327,7 @@ impl BatchShared {
         // the outcome is published.
         let freed = match landing {
             Some(_) if self.guarded.load(Ordering::Acquire) => self.take_pins(),
-            _ => None,
+            _ => Held::default(),
         };
         *p = next;
         self.finished.store(true, Ordering::Release);
@@ -312,19 +342,20 @@ impl BatchShared {
         true
     }
 
-    /// Runs the backend's [`Settle`], if it gave one; a concurrent failure waits for it,
-    /// so none is published while the hardware may still touch the memory.
-    fn settle_hardware(&self) {
+    /// Runs the backend's [`Settle`], if it gave one; a concurrent failure or
+    /// cancellation waits for it, so none is published while the hardware may still touch
+    /// the memory.
+    fn settle_hardware(&self, why: Stop) {
         let mut slot = self.settle.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(s) = slot.take().and_then(|w| w.upgrade())
-            && s.settle()
+            && s.settle(why)
         {
             self.guarded.store(true, Ordering::Release);
         }
     }
 
-    fn take_pins(&self) -> Option<Pins> {
-        self.pins.lock().unwrap_or_else(|p| p.into_inner()).take()
+    fn take_pins(&self) -> Held {
+        std::mem::take(&mut *self.pins.lock().unwrap_or_else(|p| p.into_inner()))
     }
 
     pub(crate) fn expire_if_due(&self, now: Instant) {
@@ -395,8 +426,6 @@ impl NotifyGate {
 #[derive(Debug)]
 pub(crate) struct BatchState {
     shared: Arc<BatchShared>,
-    /// A prepared batch's pins, shared by its runs (kept until the backend lets go).
-    _keep: Option<Arc<RunCell>>,
 }
 
 impl Drop for BatchState {
@@ -437,11 +466,13 @@ impl BatchState {
                 sleepers: AtomicUsize::new(0),
                 driver,
                 reader: OnceLock::new(),
-                pins: Mutex::new(Some(pins)),
+                pins: Mutex::new(Held {
+                    _pins: Some(pins),
+                    _run: None,
+                }),
                 guarded: AtomicBool::new(false),
                 settle: Mutex::new(None),
             }),
-            _keep: None,
         }
     }
 
@@ -474,9 +505,15 @@ impl BatchState {
         drop(self.shared.take_pins());
     }
 
-    /// Also keeps `cell` (a prepared batch's pins) alive until the backend lets go.
-    pub(crate) fn keeping(mut self, cell: Arc<RunCell>) -> Self {
-        self._keep = Some(cell);
+    /// Also keeps `cell` (a prepared batch's pins) alive until the backend lets go, or
+    /// (like the batch's own pins) until it failed or was cancelled once nothing of it
+    /// can touch the memory any more.
+    pub(crate) fn keeping(self, cell: Arc<RunCell>) -> Self {
+        self.shared
+            .pins
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            ._run = Some(cell);
         self
     }
 
@@ -594,20 +631,31 @@ mod tests {
         assert!(g.landed(1), "pieces may land in groups");
     }
 
-    /// A backend's [`Settle`] that records whether the failure was already published when
-    /// it ran, and answers `stopped`.
+    /// A backend's [`Settle`] that records why it ran and whether the outcome was already
+    /// published then, and answers `stopped`.
     struct Stopper {
         batch: Arc<BatchShared>,
         stopped: bool,
-        ran: Mutex<Vec<bool>>,
+        ran: Mutex<Vec<(Stop, bool)>>,
     }
 
     impl Settle for Stopper {
-        fn settle(&self) -> bool {
+        fn settle(&self, why: Stop) -> bool {
             let published = self.batch.finished.load(Ordering::Acquire);
-            self.ran.lock().unwrap().push(published);
+            self.ran.lock().unwrap().push((why, published));
             self.stopped
         }
+    }
+
+    fn stopper(b: &BatchState, stopped: bool) -> Arc<Stopper> {
+        let s = Arc::new(Stopper {
+            batch: b.shared(),
+            stopped,
+            ran: Mutex::new(Vec::new()),
+        });
+        let w: Weak<dyn Settle> = Arc::downgrade(&s) as Weak<Stopper>;
+        b.settled_by(w);
+        s
     }
 
     /// One region of 4 KiB in a fresh registry, and a batch (one hour to its deadline)
@@ -664,20 +712,14 @@ mod tests {
     fn a_failure_settles_the_hardware_first_and_lets_go_once_it_stopped() {
         for stopped in [true, false] {
             let (reg, id, b) = pinned_batch();
-            let s = Arc::new(Stopper {
-                batch: b.shared(),
-                stopped,
-                ran: Mutex::new(Vec::new()),
-            });
-            let w: Weak<dyn Settle> = Arc::downgrade(&s) as Weak<Stopper>;
-            b.settled_by(w);
+            let s = stopper(&b, stopped);
             b.fail(Error::Timeout {
                 after: Duration::ZERO,
             });
             b.fail(Error::Shutdown);
             assert_eq!(
                 *s.ran.lock().unwrap(),
-                [false],
+                [(Stop::Failed, false)],
                 "settled once, before the failure was published"
             );
             assert!(matches!(
@@ -695,17 +737,34 @@ mod tests {
     }
 
     #[test]
-    fn success_and_cancellation_do_not_settle() {
-        let (_reg, _id, b) = pinned_batch();
-        let s = Arc::new(Stopper {
-            batch: b.shared(),
-            stopped: true,
-            ran: Mutex::new(Vec::new()),
-        });
-        let w: Weak<dyn Settle> = Arc::downgrade(&s) as Weak<Stopper>;
-        b.settled_by(w);
+    fn a_cancellation_settles_and_lets_go_but_success_does_not_settle() {
+        let (reg, id, b) = pinned_batch();
+        let s = stopper(&b, true);
         assert!(b.shared().cancel());
+        b.fail(Error::Shutdown);
+        assert_eq!(*s.ran.lock().unwrap(), [(Stop::Cancelled, false)]);
+        assert!(
+            reg.remove(id).is_ok(),
+            "the cancelled batch's region is free"
+        );
+        drop(b);
+        let (_reg, _id, b) = pinned_batch();
+        let s = stopper(&b, true);
         b.succeed(Instant::now());
+        assert!(!b.shared().cancel());
         assert!(s.ran.lock().unwrap().is_empty());
+    }
+
+    /// A prepared batch's run holds its run cell (with the pins) like its own pins: gone
+    /// at a failure once the backend stopped, not when it lets go.
+    #[test]
+    fn a_settled_run_lets_go_of_its_run_cell() {
+        let (reg, id, b) = pinned_batch();
+        let pins = b.shared().take_pins()._pins.expect("pinned");
+        let b = b.keeping(Arc::new(RunCell::new(pins)));
+        let _s = stopper(&b, true);
+        assert!(reg.remove(id).is_err(), "the run cell pins the region");
+        b.fail(Error::Shutdown);
+        assert!(reg.remove(id).is_ok(), "the failed run's cell let go");
     }
 }

@@ -13,10 +13,18 @@ use std::time::Duration;
 pub(crate) const STALL_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// How long a failing batch waits for its WRs to flush once the connection moved its QPs
-/// to ERR, before its failure is reported anyway (its memory then stays pinned until the
-/// QPs are destroyed). Flushing is local to the NIC (rxe: one pass of its completer), so
-/// this is far more than it takes.
+/// to ERR, before its failure is reported anyway (its memory then stays pinned until they
+/// have flushed). Flushing is local to the NIC (rxe: one pass of its completer), so this
+/// is far more than it takes on real hardware; rxe under an emulated CPU on a loaded
+/// host has taken a little longer.
 pub(crate) const FLUSH_WAIT: Duration = Duration::from_millis(50);
+
+/// How long after a break the health check waits for the WRs on the connection to flush
+/// before it gives up on them (a QP that could not be moved to ERR, a provider that does
+/// not flush): their batches' failures are reported then, and those batches keep their
+/// pins until the QPs are destroyed with the connection. Well above [`FLUSH_WAIT`], so a
+/// flush that comes after its failing batch stopped waiting still lets go of the memory.
+pub(crate) const FLUSH_GIVE_UP: Duration = Duration::from_millis(500);
 
 /// QP 0 of a connection idle this long gets a heartbeat (a zero-length WRITE): RC has no
 /// keepalive, so without one a side that only receives never learns that its peer died.

@@ -126,6 +126,12 @@ impl TransferHandle {
 
     /// Requests cancellation. Returns `true` if the batch was still pending (it is now
     /// `Cancelled`), `false` if it had already finished.
+    ///
+    /// Returns once nothing of the batch can touch its local memory any more, within a
+    /// short bound: on TCP and loopback at once; on verbs once its work requests have
+    /// completed (up to 50 ms), or else flushed after its connection was broken for them
+    /// (up to 50 ms more; the connection is set up again as after any break). Its regions
+    /// may be deregistered right after, unless the backend could not stop it in time.
     pub fn cancel(&self) -> bool {
         self.shared.cancel()
     }

@@ -8,9 +8,11 @@
 //! does (it builds its work request once and re-posts it) and what MPI's persistent
 //! requests (`MPI_Send_init`, `MPI_Start`) do.
 //!
-//! One run at a time: `start` refuses while the previous run is in flight. The local
-//! regions stay pinned (deregistering them fails with `RegionBusy`) until the prepared
-//! batch is dropped and its last run has let go of them.
+//! One run at a time: `start` refuses while the previous run is in flight. Each run has
+//! the batch's timeout as its deadline. The local regions stay pinned (deregistering them
+//! fails with `RegionBusy`) until the prepared batch is dropped and its last run has let
+//! go of them; a run that failed or was cancelled lets go as an ordinary batch does, once
+//! nothing of it can touch them any more (verbs: its work requests flushed).
 //!
 //! On verbs, a prepared batch whose work requests fit one chain on one QP (at most one
 //! doorbell's worth, window space the QP can lend it for its lifetime, and no READ before
@@ -118,6 +120,9 @@ pub struct PreparedBatch {
     timeout: Duration,
     path: Path,
     running: bool,
+    /// The current run's deadline (the fast path's: a re-submitted run is a batch with
+    /// its own).
+    run_until: Instant,
 }
 
 impl std::fmt::Debug for PreparedBatch {
@@ -176,6 +181,7 @@ impl PreparedBatch {
             timeout,
             path,
             running: false,
+            run_until: Instant::now(),
         }
     }
 
@@ -234,6 +240,7 @@ impl PreparedBatch {
         match &mut self.path {
             Path::Fast { fast, cell, .. } => {
                 cell.begin();
+                self.run_until = Instant::now() + self.timeout;
                 if let Err(e) = fast.start(tag) {
                     cell.fail(e.clone());
                     return Err(e);
@@ -270,8 +277,12 @@ impl PreparedBatch {
     }
 
     /// Waits for the current run until `deadline`. `Ok` at once if no run is in flight.
-    /// On `Err(Timeout)` the run carries on and may be waited for again; any other error
-    /// ends the run.
+    /// On `Err(Timeout)` before the run's own deadline (the batch's timeout after
+    /// `start`) the run carries on and may be waited for again; at that deadline the run
+    /// fails with `Timeout`, and any error ends the run. A run that fails lets go of what
+    /// the hardware was given first (verbs: its connection breaks, its work requests
+    /// flush), for a short bound at most, so that once the prepared batch is dropped its
+    /// regions may be deregistered at once.
     ///
     /// On verbs the calling thread busy-polls the completion queues itself (for up to the
     /// engine's `poll_spin` without any completion), then polls them every 50 us to 1 ms.
@@ -280,16 +291,53 @@ impl PreparedBatch {
             return Ok(());
         }
         let r = match &self.path {
-            Path::Fast { fast, cell, reaper } => wait_fast_path(&**fast, cell, &**reaper, deadline),
+            Path::Fast { fast, cell, reaper } => {
+                match wait_fast_path(&**fast, cell, &**reaper, deadline.min(self.run_until)) {
+                    Err(e @ Error::Timeout { .. }) => {
+                        self.expire_fast(Instant::now()).unwrap_or(Err(e))
+                    }
+                    r => r,
+                }
+            }
             Path::Resubmit { handle, .. } => match handle {
                 Some(h) => h.wait(deadline).map(|_| ()),
                 None => Ok(()),
             },
         };
-        if !matches!(r, Err(Error::Timeout { .. })) {
+        if self.run_ended() {
             self.running = false;
         }
         r
+    }
+
+    /// A fast-path run past its deadline (at `now`) fails with `Timeout`, once the backend
+    /// stopped it (or gave up doing so); `None` while it may still run.
+    fn expire_fast(&self, now: Instant) -> Option<Result<()>> {
+        let Path::Fast { fast, cell, .. } = &self.path else {
+            return None;
+        };
+        if let Some(r) = cell.outcome() {
+            return Some(r);
+        }
+        if now < self.run_until {
+            return None;
+        }
+        cell.fail(Error::Timeout {
+            after: self.timeout,
+        });
+        // Reported (by returning) only once the hardware let go of the run.
+        fast.abort();
+        cell.outcome()
+    }
+
+    /// Whether the current run has an outcome.
+    fn run_ended(&self) -> bool {
+        match &self.path {
+            Path::Fast { cell, .. } => cell.outcome().is_some(),
+            Path::Resubmit { handle, .. } => {
+                handle.as_ref().is_none_or(|h| h.status().is_finished())
+            }
+        }
     }
 
     /// The current run's outcome without blocking (reaping once on verbs): `None` while
@@ -303,7 +351,7 @@ impl PreparedBatch {
             // aside, so this round must also reap what nobody else waits for.
             Path::Fast { cell, reaper, .. } => cell.outcome().or_else(|| {
                 reaper.poll_once();
-                cell.outcome()
+                self.expire_fast(Instant::now())
             }),
             Path::Resubmit { handle, .. } => match handle.as_ref().map(TransferHandle::status) {
                 Some(BatchStatus::Pending) => None,
@@ -384,6 +432,9 @@ mod tests {
         }
         fn poll(&self) -> usize {
             0
+        }
+        fn abort(&self) -> bool {
+            true
         }
     }
 

@@ -14,7 +14,7 @@ use super::qp::{
     POLL_BATCH, RcQp, WC_RECV_RDMA_WITH_IMM, WC_SUCCESS, Wc, WrSpec, poll_cq, wc_status_name,
 };
 use crate::contract::{BatchSink, BatchState, Reaper, RunCell, TagSink};
-use crate::core::batch::{NotifyGate, Settle};
+use crate::core::batch::{NotifyGate, Settle, Stop};
 use crate::core::health::{self, FirstCause, Verdict};
 use crate::core::slice::{Dir, PlanOp, PlannedWr, WrQueue, Wrs, plan_wrs, stripe};
 use crate::core::wait::ENGINE_REAP_EVERY;
@@ -24,6 +24,15 @@ use crate::core::window::{
 use crate::error::{Error, PeerFault};
 use crate::types::PeerId;
 use crate::util::lock;
+
+/// Between two reaps of a thread waiting for a batch's WRs to flush or drain (a failure
+/// path): short, but leaving the CPU to the NIC's own work (rxe flushes in the kernel, on
+/// the same CPUs).
+const FLUSH_POLL: Duration = Duration::from_micros(100);
+
+/// Marks the WRs of a lane's run before its last (in the wr_id's sequence field, above
+/// any lane index): a run has ended only when its last WR completes.
+const LANE_NOT_LAST: u64 = 1 << 53;
 
 /// A prepared batch's lane: its WRs, planned once and posted as one chain on QP 0 per
 /// run, in window space lent to it for its lifetime (see [`VerbsConn::prepare_lane`]).
@@ -226,13 +235,16 @@ impl Drop for BatchCtl {
 /// most, until the batch's WRs have left the send queues. Without this, a READ's target
 /// stayed pinned (and could still be written) until the connection's stall watchdog
 /// broke it and the broken connection was dropped.
+///
+/// A cancelled batch first waits, as long again at most, for its WRs to complete on their
+/// own: a connection that still moves data is not broken for it.
 impl Settle for BatchCtl {
-    fn settle(&self) -> bool {
-        // The core reports this failure, with its own cause.
+    fn settle(&self, why: Stop) -> bool {
+        // The core reports this outcome, with its own cause.
         self.done.store(true, Ordering::Release);
-        self.stopping.store(true, Ordering::Release);
+        self.stopping.store(true, Ordering::SeqCst);
         match self.conn.upgrade() {
-            Some(c) => c.settle(self),
+            Some(c) => c.settle(self, why),
             None => self.on_nic.load(Ordering::Acquire) == 0,
         }
     }
@@ -522,10 +534,8 @@ impl VerbsConn {
             notify,
             self.me.clone(),
         );
-        if let CtlSink::Core(b) = &ctl.sink {
-            let settle: Weak<dyn Settle> = Arc::downgrade(&ctl) as Weak<BatchCtl>;
-            b.settled_by(settle);
-        }
+        let settle: Weak<dyn Settle> = Arc::downgrade(&ctl) as Weak<BatchCtl>;
+        ctl.sink.settled_by(settle);
         // A lone WRITE with a notification leaves nothing before the held WR. A single WR
         // goes to QP 0, as striping would put it, without building a queue per QP.
         let posted = match wrs.len() {
@@ -599,8 +609,23 @@ impl VerbsConn {
         self.poller.kick();
         l.posted.store(true, Ordering::Release);
         slot.lane_wrs.fetch_add(n as u32, Ordering::AcqRel);
-        let wr_id = encode_wr_id(WrKind::Lane, 0, c.index as u64);
-        let specs = chain_specs(&l.wrs, move |_| wr_id, imm);
+        let (index, last) = (c.index as u64, n - 1);
+        // Only the last WR's completion (success, or the flush that ends the run) counts.
+        let specs = chain_specs(
+            &l.wrs,
+            move |k| {
+                encode_wr_id(
+                    WrKind::Lane,
+                    0,
+                    if k == last {
+                        index
+                    } else {
+                        index | LANE_NOT_LAST
+                    },
+                )
+            },
+            imm,
+        );
         let mut qp = lock(&slot.qp);
         // SAFETY: the SGEs come from ops the engine core validated against live
         // registrations when the batch was prepared; the lane's run cell holds those
@@ -620,42 +645,79 @@ impl VerbsConn {
         Ok(())
     }
 
-    /// The completion of lane `index`'s run.
-    fn lane_done(&self, index: usize) {
+    /// Lane `index`'s run has left the send queue: its last WR completed (`ok`), or
+    /// completed in error (the connection broke, so every WR before it has left too). The
+    /// run succeeds, unless the connection broke meanwhile (the break cut it, as it cuts
+    /// ordinary batches); else it fails now, with nothing of it left on the NIC. A lane
+    /// whose prepared batch is gone leaves the table instead, and reports nothing.
+    fn lane_ended(&self, index: usize, ok: bool) {
         let mut lanes = lock(&self.lanes);
         let Some(Some(l)) = lanes.slots.get(index) else {
             return;
         };
+        let l = Arc::clone(l);
+        // Cleared before the outcome is reported, so the next run sees it clear.
         if !l.posted.swap(false, Ordering::AcqRel) {
             return;
         }
         let slot = &self.qps[0];
         let n = l.wrs.len() as u32;
+        let dropped = l.dropped.load(Ordering::Acquire);
         // The space comes back before the run stops counting as outstanding, so whoever
         // sees nothing in flight also sees the space.
-        if l.dropped.load(Ordering::Acquire) {
+        if dropped {
             lanes.remove(index);
             drop(lanes);
             lock(&slot.track).give_back(n);
-            slot.lane_wrs.fetch_sub(n, Ordering::AcqRel);
-            slot.record_activity();
         } else {
-            slot.lane_wrs.fetch_sub(n, Ordering::AcqRel);
-            slot.record_activity();
+            drop(lanes);
+        }
+        slot.lane_wrs.fetch_sub(n, Ordering::AcqRel);
+        slot.record_activity();
+        if dropped {
+            return;
+        }
+        if ok && !self.is_broken() {
             l.cell.succeed();
+        } else {
+            l.cell.fail(self.broken_err());
         }
     }
 
+    /// Lane `c`'s run passed its deadline: if it is on the send queue, the connection
+    /// breaks (its QPs go to ERR) and this thread reaps until the run has flushed, for
+    /// [`FLUSH_WAIT`](health::FLUSH_WAIT) at most. `true` when the run is off the NIC.
+    pub fn abort_lane(&self, c: &LaneChain) -> bool {
+        let l = &*c.lane;
+        if !l.posted.load(Ordering::Acquire) {
+            return true;
+        }
+        self.break_conn(Error::peer_gone(
+            self.peer,
+            PeerFault::Unresponsive,
+            format!(
+                "a prepared batch's run passed its deadline with {} work requests in flight: its QPs were moved to ERR to flush them",
+                l.wrs.len()
+            ),
+        ));
+        let until = Instant::now() + health::FLUSH_WAIT;
+        if self.reap_until(until, true, || !l.posted.load(Ordering::Acquire)) {
+            return true;
+        }
+        tracing::warn!(conn = %self.label, "a prepared batch's run did not flush in time: its memory stays pinned until it does");
+        false
+    }
+
     /// The prepared batch of lane `c` is gone. Its window space comes back now, or when its
-    /// last run completes; on a broken connection the lane (and its pins) stays until the
-    /// QPs are destroyed, since a run of it may still sit in a send queue.
+    /// last run completes or flushes; until then the lane (and its pins) stays, and on a
+    /// broken connection whose run never flushed, until the QPs are destroyed.
     pub fn drop_lane(&self, c: &LaneChain) {
         let mut lanes = lock(&self.lanes);
         match lanes.slots.get(c.index) {
             Some(Some(l)) if Arc::ptr_eq(l, &c.lane) => {}
             _ => return,
         }
-        if c.lane.posted.load(Ordering::Acquire) || self.is_broken() {
+        if c.lane.posted.load(Ordering::Acquire) {
             c.lane.dropped.store(true, Ordering::Release);
             return;
         }
@@ -998,11 +1060,11 @@ impl VerbsConn {
             cut += 1;
             ctl.fail(err.clone());
         }
-        // A lane's run stays in the table (pinning its regions) until the QPs are gone.
+        // A lane's run fails when its last WR flushes (`lane_ended`), or when the
+        // flushes are given up on; until then it pins its regions.
         for l in lock(&self.lanes).slots.iter().flatten() {
             if l.posted.load(Ordering::Acquire) {
                 cut += l.wrs.len() as u64;
-                l.cell.fail(err.clone());
             }
         }
         if first {
@@ -1018,15 +1080,15 @@ impl VerbsConn {
     }
 
     /// A broken connection whose WRs did not all flush within
-    /// [`FLUSH_WAIT`](health::FLUSH_WAIT) of the break (a QP that could not be moved to
-    /// ERR, a provider that does not flush): their batches' failures are reported now,
-    /// and the batches (with the regions they pin) wait in the graveyard for the QPs to
-    /// be destroyed.
+    /// [`FLUSH_GIVE_UP`](health::FLUSH_GIVE_UP) of the break (a QP that could not be
+    /// moved to ERR, a provider that does not flush): their batches' failures are
+    /// reported now, and the batches (with the regions they pin) wait in the graveyard for
+    /// the QPs to be destroyed.
     fn give_up_flushes(&self) {
         if self
             .broken_at
             .get()
-            .is_none_or(|t| t.elapsed() < health::FLUSH_WAIT)
+            .is_none_or(|t| t.elapsed() < health::FLUSH_GIVE_UP)
         {
             return;
         }
@@ -1037,19 +1099,28 @@ impl VerbsConn {
                 lock(&self.graveyard).push(g.owner);
             }
         }
+        // A lane's run that never flushed stays in the table until the QPs are gone.
+        let err = self.broken_err();
+        for l in lock(&self.lanes).slots.iter().flatten() {
+            if l.posted.load(Ordering::Acquire) {
+                l.cell.fail(err.clone());
+            }
+        }
     }
 
-    /// [`Settle`] for `ctl`, one of this connection's batches, failing in the engine
-    /// core: once no post of it is under way, if WRs of it are on a send queue, breaks
-    /// the connection (its QPs go to ERR) and reaps until they have flushed, for
-    /// [`FLUSH_WAIT`](health::FLUSH_WAIT) at most. `true` when none is left.
-    fn settle(&self, ctl: &BatchCtl) -> bool {
+    /// [`Settle`] for `ctl`, one of this connection's batches, failing (or cancelled) in
+    /// the engine core: once no post of it is under way, if WRs of it are on a send
+    /// queue, breaks the connection (its QPs go to ERR) and reaps until they have
+    /// flushed, for [`FLUSH_WAIT`](health::FLUSH_WAIT) at most. A cancelled batch first
+    /// reaps, as long at most, for its WRs to complete on their own. `true` when none is
+    /// left.
+    fn settle(&self, ctl: &BatchCtl, why: Stop) -> bool {
         // Broken for longer than the flushes may take: what has not flushed never will
         // (the health check gives up on it), so waiting again is no use.
         if self
             .broken_at
             .get()
-            .is_some_and(|t| t.elapsed() >= health::FLUSH_WAIT)
+            .is_some_and(|t| t.elapsed() >= health::FLUSH_GIVE_UP)
         {
             return ctl.on_nic.load(Ordering::Acquire) == 0;
         }
@@ -1060,31 +1131,48 @@ impl VerbsConn {
         if !self.qps.iter().all(|s| s.wait_free(until)) {
             return false;
         }
-        let n = ctl.on_nic.load(Ordering::Acquire);
-        if n == 0 {
+        let off_nic = || ctl.on_nic.load(Ordering::Acquire) == 0;
+        if off_nic() {
             return true;
         }
+        let (until, what) = match why {
+            Stop::Failed => (until, "failed"),
+            // Done on their own: the connection carries on.
+            _ if self.reap_until(until, false, off_nic) => return true,
+            Stop::Cancelled => (Instant::now() + health::FLUSH_WAIT, "was cancelled"),
+        };
+        let n = ctl.on_nic.load(Ordering::Acquire);
         self.break_conn(Error::peer_gone(
             self.peer,
             PeerFault::Unresponsive,
-            format!("a batch failed with {n} work requests in flight: its QPs were moved to ERR to flush them"),
+            format!("a batch {what} with {n} work requests in flight: its QPs were moved to ERR to flush them"),
         ));
+        if self.reap_until(until, true, off_nic) {
+            return true;
+        }
+        tracing::warn!(conn = %self.label, left = ctl.on_nic.load(Ordering::Acquire), "a failed batch's work requests did not flush in time: its memory stays pinned until they do (or the connection is gone)");
+        false
+    }
+
+    /// Reaps until `gone()` (what was waited for has left the send queues: `true`) or
+    /// `until` passes; `flushing`: the connection broke, and every QP is moved to ERR
+    /// meanwhile.
+    fn reap_until(&self, until: Instant, flushing: bool, gone: impl Fn() -> bool) -> bool {
         let mut round = 0u32;
         loop {
-            if ctl.on_nic.load(Ordering::Acquire) == 0 {
+            if gone() {
                 return true;
             }
             if Instant::now() >= until {
-                tracing::warn!(conn = %self.label, left = ctl.on_nic.load(Ordering::Acquire), "a failed batch's work requests did not flush in time: its memory stays pinned until the connection is gone");
                 return false;
             }
             // `stop_qps` skips a QP busy posting; it must stop too.
-            if !self.qps.iter().all(|s| s.errored.load(Ordering::Acquire)) {
+            if flushing && !self.qps.iter().all(|s| s.errored.load(Ordering::Acquire)) {
                 self.stop_qps();
             }
             round = round.wrapping_add(1);
             if self.reap_waiting(round, false) == 0 {
-                std::thread::yield_now();
+                std::thread::sleep(FLUSH_POLL);
             }
         }
     }
@@ -1223,8 +1311,10 @@ impl VerbsConn {
             self.break_conn(self.completion_error(wc, qi));
         }
         if kind == WrKind::Lane {
-            if ok {
-                self.lane_done(seq as usize);
+            if seq & LANE_NOT_LAST != 0 {
+                // An earlier WR of a run, flushed or failed: its last WR completes after it.
+            } else {
+                self.lane_ended(seq as usize, ok);
             }
             return;
         }

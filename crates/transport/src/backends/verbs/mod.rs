@@ -513,6 +513,10 @@ impl FastPath for VerbsLane {
         let round = self.polls.fetch_add(1, Ordering::Relaxed);
         self.conn.reap_waiting(round, true)
     }
+
+    fn abort(&self) -> bool {
+        self.conn.abort_lane(&self.chain)
+    }
 }
 
 impl Drop for VerbsLane {

@@ -15,6 +15,10 @@
 //! delivered already ([`SeqWindow`]), so the tag surfaces exactly once even when the
 //! first copy arrived and only its acknowledgement was lost.
 //!
+//! A striped batch that fails or is cancelled in the engine core stops every rail that
+//! carries a part of it (each part's connection batch settles: see [`Settle`]) and posts
+//! nothing more, before the outcome is reported: its pins go then, as on one rail.
+//!
 //! A rail taken out comes back on the side that initiated the connection: a prober thread
 //! (one per connection, while a rail is out) waits for the rail's port to be ACTIVE, then
 //! exchanges new QPs for it with the peer through the engine's control channel
@@ -36,11 +40,12 @@ use crate::contract::{
     BatchSink, BatchState, Conn, EndpointInfo, RailControl, RailSwap, ResolvedOp, ResolvedOps,
     TagSink,
 };
-use crate::core::batch::NotifyGate;
+use crate::core::batch::{NotifyGate, Settle, Stop};
 use crate::core::registry::RemoteTable;
 use crate::core::slice::{Dir, PlanOp, stripe_rails};
 use crate::error::{Error, PeerFault};
 use crate::types::{MAX_RAILS, Op, PeerId, RailKeys, RailStats};
+use crate::util::lock;
 
 /// One rail as the configuration names it: `name[:port[:gid_index]]`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -522,6 +527,10 @@ impl MultiConn {
 
     /// Posts `part` on its rail. Errors reach the part (and from there its batch).
     fn post_part(&self, part: Arc<Part>) {
+        // The batch failed while the part waited for a repost: nothing of it goes out.
+        if part.stripe.is_closing() {
+            return;
+        }
         let plan = match self.plan_for(&part.pieces, part.rail) {
             Ok(p) => p,
             Err(e) => {
@@ -648,6 +657,18 @@ struct Stripe {
     gate: NotifyGate,
     tag: Option<u32>,
     conn: Arc<MultiConn>,
+    /// The batch is failing (its [`Settle`] runs): no part fails over or posts any more.
+    closing: AtomicBool,
+    /// Every part's batch on its rail's connection, for [`Settle`].
+    nic: Mutex<NicParts>,
+}
+
+/// The rails' batches of one striped batch, as their connections offered to stop them.
+#[derive(Default)]
+struct NicParts {
+    /// Settled: a part handed to a connection from now on is stopped before it posts.
+    closed: bool,
+    ctls: SmallVec<[Weak<dyn Settle>; MAX_RAILS]>,
 }
 
 impl Stripe {
@@ -655,6 +676,69 @@ impl Stripe {
         if self.gate.landed(1) {
             self.conn.finish(Arc::clone(self));
         }
+    }
+
+    fn is_closing(&self) -> bool {
+        self.closing.load(Ordering::SeqCst)
+    }
+
+    /// A rail's connection took a part and offers `s` to stop its WRs.
+    fn enlist(&self, s: Weak<dyn Settle>) {
+        let mut nic = lock(&self.nic);
+        if !nic.closed {
+            // Parts that finished let go of their connection's batch: no need to keep them.
+            nic.ctls.retain(|c| c.strong_count() > 0);
+            nic.ctls.push(s);
+            return;
+        }
+        drop(nic);
+        // A repost after the batch failed: stopped before anything of it is posted.
+        if let Some(s) = s.upgrade() {
+            s.settle(Stop::Failed);
+        }
+    }
+}
+
+/// A striped batch failing in the engine core stops every rail that carries a part of it
+/// ([`Settle`] of each part's connection batch: a rail with WRs of it on a send queue is
+/// broken and flushed, for a short bound), and posts nothing more: a part failing over
+/// meanwhile, or queued for a repost, is dropped. Its pins go before the failure is
+/// reported when every rail stopped in time.
+impl Settle for Stripe {
+    fn settle(&self, why: Stop) -> bool {
+        self.closing.store(true, Ordering::SeqCst);
+        let ctls = {
+            let mut nic = lock(&self.nic);
+            nic.closed = true;
+            std::mem::take(&mut nic.ctls)
+        };
+        let ctls: SmallVec<[Arc<dyn Settle>; MAX_RAILS]> =
+            ctls.iter().filter_map(Weak::upgrade).collect();
+        let Some((first, others)) = ctls.split_first() else {
+            return true;
+        };
+        // Every rail at once, each waiting its own bound: the rails flush (or drain) in
+        // parallel, so the failure waits for the slowest rail, not for their sum. A rail
+        // whose thread cannot be started is settled on this one.
+        std::thread::scope(|sc| {
+            let helpers: SmallVec<[_; MAX_RAILS]> = others
+                .iter()
+                .map(|c| {
+                    std::thread::Builder::new()
+                        .name("pagewire-settle".into())
+                        .spawn_scoped(sc, move || c.settle(why))
+                        .map_err(|_| c)
+                })
+                .collect();
+            let mut stopped = first.settle(why);
+            for h in helpers {
+                stopped &= match h {
+                    Ok(h) => h.join().unwrap_or(false),
+                    Err(c) => c.settle(why),
+                };
+            }
+            stopped
+        })
     }
 }
 
@@ -683,7 +767,7 @@ impl BatchSink for Part {
             return;
         }
         let s = &self.stripe;
-        if s.batch.is_stopped() {
+        if s.batch.is_stopped() || s.is_closing() {
             return;
         }
         let conn = &s.conn;
@@ -719,11 +803,15 @@ impl BatchSink for Part {
     }
 
     fn should_stop(&self) -> bool {
-        self.stripe.batch.should_stop(Instant::now())
+        self.stripe.is_closing() || self.stripe.batch.should_stop(Instant::now())
     }
 
     fn is_stopped(&self) -> bool {
-        self.stripe.batch.is_stopped()
+        self.stripe.is_closing() || self.stripe.batch.is_stopped()
+    }
+
+    fn settled_by(&self, settle: Weak<dyn Settle>) {
+        self.stripe.enlist(settle);
     }
 }
 
@@ -915,7 +1003,11 @@ impl Conn for MultiConn {
             gate: NotifyGate::new(parts.len() as u64 + 1),
             tag: notify,
             conn: me,
+            closing: AtomicBool::new(false),
+            nic: Mutex::default(),
         });
+        let settle: Weak<dyn Settle> = Arc::downgrade(&stripe) as Weak<Stripe>;
+        stripe.batch.settled_by(settle);
         for (rail, pieces, bytes) in parts {
             let part = Arc::new(Part {
                 stripe: Arc::clone(&stripe),
