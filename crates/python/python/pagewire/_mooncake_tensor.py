@@ -23,6 +23,15 @@ stored as its contiguous copy; anything else gives ``-600`` (``None`` for reads)
 torch every call answers as Mooncake's wheel does without it. Reads give a new tensor
 (``get_tensor``) or one that shares the caller's buffer (``*_into``); as Mooncake's, a
 0-d tensor comes back with shape ``(1,)``.
+
+>>> head = pack_header(0, [2, 3], [2, 3], 24)  # float32, shape (2, 3)
+>>> len(head), head[:4]
+(304, b'NOOM')
+>>> p = parse_header(head + bytes(24))
+>>> p.dtype, p.shape, p.offset, p.nbytes
+(0, [2, 3], 304, 24)
+>>> parse_header(head + bytes(23)) is None  # the length must match the header
+True
 """
 
 from __future__ import annotations
@@ -188,12 +197,16 @@ def to_tensor(obj: Any) -> Any:
     dtype = getattr(torch, DTYPES[parsed.dtype], None)
     if dtype is None:
         return None
-    if parsed.nbytes == 0:
-        return torch.empty(tuple(parsed.shape), dtype=dtype)
-    raw = torch.frombuffer(obj, dtype=torch.uint8, count=parsed.nbytes, offset=parsed.offset)
-    t = raw.view(dtype)
-    # A 0-d tensor stays 1-d, as Mooncake's reader gives it.
-    return t.reshape(tuple(parsed.shape)) if parsed.shape else t
+    try:
+        if parsed.nbytes == 0:
+            return torch.empty(tuple(parsed.shape), dtype=dtype)
+        raw = torch.frombuffer(obj, dtype=torch.uint8, count=parsed.nbytes, offset=parsed.offset)
+        t = raw.view(dtype)
+        # A 0-d tensor stays 1-d, as Mooncake's reader gives it.
+        return t.reshape(tuple(parsed.shape)) if parsed.shape else t
+    except (RuntimeError, ValueError, OverflowError) as e:  # a shape torch cannot hold
+        _log.error("tensor of shape %s: %s", parsed.shape, e)
+        return None
 
 
 def host_object(ptr: int, n: int) -> Any:
