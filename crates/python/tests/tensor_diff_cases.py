@@ -15,6 +15,7 @@ fingerprint]``), whose fingerprint must equal the other's own.
 
 import ctypes
 import hashlib
+import importlib
 import json
 import sys
 
@@ -71,6 +72,7 @@ def fingerprint(t):
 class Run:
     def __init__(self, impl: str) -> None:
         Store, self.Config, master, self.stop = start(impl)
+        self.mod = importlib.import_module("mooncake.store" if impl == "mooncake" else "pagewire.mooncake_store")
         self.s = Store()
         self.uninit = Store()
         self.cases, self.digests, self.objects = {}, {}, {}
@@ -206,16 +208,6 @@ class Run:
                                                summary(s.get_tensor("fx"), a)]  # fmt: skip
         buf[:] = 0
 
-    def parallelism(self) -> None:
-        """The *_with_parallelism family (parallelism manifests, writer partitions)."""
-        s, a = self.s, make("float32", (4, 2), 15)
-        self.cases["parallelism"] = [
-            s.put_tensor_with_parallelism("par", a), summary(s.get_tensor_with_parallelism("par"), a),
-            s.batch_put_tensor_with_parallelism(["par2"], [a]),
-            [summary(x, a) for x in s.batch_get_tensor_with_parallelism(["par2"])],
-            summary(s.get_tensor("par"), a),
-        ]  # fmt: skip
-
     def tensor_parallel(self) -> None:
         s = self.s
         tensors = {"f16_4x6": make("float16", (4, 6), 11), "i32_8x4x2": make("int32", (8, 4, 2), 12)}
@@ -289,6 +281,52 @@ class Run:
         self.digest("tp_from", ["tpf_tp_0", "tpf_tp_1", "tpf2_tp_1", "tpb1_tp_0", "tpb1_tp_1"])
         self.buf[:] = 0
 
+    def parallelism(self) -> None:
+        """The *_with_parallelism family without specs (the plain calls), and with one."""
+        s, p, buf = self.s, self.p, self.buf
+        a, b = make("float32", (4, 2), 15), make("int8", (3,), 16)
+        cfg = self.Config()
+        target = self.mod.ReadTarget()
+        self.cases["parallelism_plain"] = [
+            s.put_tensor_with_parallelism("par", a), summary(s.get_tensor_with_parallelism("par"), a),
+            summary(s.get_tensor_with_parallelism("par", target), a),
+            s.batch_put_tensor_with_parallelism(["par2", "par3"], [b, np.zeros(2)]),
+            [summary(x, w) for x, w in zip(s.batch_get_tensor_with_parallelism(["par2", "par3"]), [b, None])],
+            s.upsert_tensor_with_parallelism("par", b, None, cfg), summary(s.get_tensor("par"), b),
+            s.batch_upsert_tensor_with_parallelism(["par2", "par4"], [a, a]), summary(s.get_tensor("par2"), a),
+            s.batch_put_tensor_with_parallelism([], []), s.batch_put_tensor_with_parallelism(["par5"], []),
+        ]  # fmt: skip
+        self.digest("parallelism_plain", ["par", "par2", "par3", "par4"])
+        ra = s.get("par2")
+        buf[: len(ra)] = np.frombuffer(ra, np.uint8)
+        self.cases["parallelism_from"] = [
+            s.put_tensor_with_parallelism_from("pf1", p, len(ra)), summary(s.get_tensor("pf1"), a),
+            s.put_tensor_with_parallelism_from("pf2", p, len(ra), None, cfg),
+            s.put_tensor_with_parallelism_from("pf3", p, len(ra) - 1),
+            s.upsert_tensor_with_parallelism_from("pf1", p, len(ra)),
+            s.batch_put_tensor_with_parallelism_from(["pf4", "pf5"], [p, p], [len(ra), len(ra)]),
+            s.batch_upsert_tensor_with_parallelism_from(["pf4", "pf6"], [p, p], [len(ra), 5]),
+            s.batch_put_tensor_with_parallelism_from([], [], []),
+        ]  # fmt: skip
+        self.digest("parallelism_from", ["pf1", "pf2", "pf4", "pf5"])
+        q = p + MIB
+        self.cases["parallelism_into"] = [
+            summary(s.get_tensor_with_parallelism_into("par2", q, 4096), a),
+            summary(s.get_tensor_with_parallelism_into("par2", q, 10)),
+            summary(s.get_tensor_with_parallelism_into("nope", q, 4096)),
+            [summary(x, w) for x, w in zip(s.batch_get_tensor_with_parallelism_into(
+                ["par2", "nope", "par"], [q, q + MIB, q + 2 * MIB], [4096, 4096, 4096]), [a, None, b])],
+            s.batch_get_tensor_with_parallelism_into(["par2"], [q, q], [4096, 4096]),
+        ]  # fmt: skip
+        buf[:] = 0
+        axis = self.mod.ParallelAxis()
+        axis.kind, axis.rank, axis.size, axis.split_dim = "tp", 0, 2, 0
+        spec = self.mod.TensorParallelism()
+        spec.axes = [axis]
+        self.cases["parallelism_specs"] = [
+            s.put_tensor_with_parallelism("pspec", a, spec),
+            s.put_tensor_with_parallelism("pspec2", a, spec, cfg, object()),
+        ]
     def cross(self, other: dict) -> dict:
         """Stores each of the other implementation's raw objects and reads them back."""
         out = {}

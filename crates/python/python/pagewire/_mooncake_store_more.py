@@ -611,8 +611,7 @@ def _tensor_stub(name: str, params: str, result: str) -> Any:
     method.__doc__ = (
         "Mooncake's call, in Mooncake's on-store tensor format (see pagewire._mooncake_tensor)."
         if body is not None
-        else "Not provided by pagewire (needs Mooncake's parallelism manifests or CUDA IPC): "
-        "answers as the wheel does without torch."
+        else "Needs a setup_dummy client and CUDA IPC: -600, as the non-CUDA wheel gives."
     )
     return method
 

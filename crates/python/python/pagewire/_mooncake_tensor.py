@@ -318,7 +318,7 @@ class _StoreTensor:
             return False
         return parse_header(host_object(ptr, size)) is not None
 
-    def _write_from(self, keys: Any, ptrs: Any, sizes: Any, upsert: bool) -> List[int]:
+    def _write_from(self, keys: Any, ptrs: Any, sizes: Any, upsert: bool, config: Any = None) -> List[int]:
         keys, ptrs, sizes = list(keys), list(ptrs), list(sizes)
         if self._client is None:
             return [_INVALID_PARAMS] * len(keys)
@@ -327,7 +327,7 @@ class _StoreTensor:
         if not (len(keys) == len(ptrs) == len(sizes)) or not all(map(self._valid_source, ptrs, sizes)):
             return [_INVALID_PARAMS] * len(keys)
         call = self.batch_upsert_from if upsert else self.batch_put_from  # type: ignore[attr-defined]
-        return call(keys, ptrs, sizes)
+        return call(keys, ptrs, sizes, config)
 
     def _t_put_tensor_from(self, key: str, buffer_ptr: int, size: int) -> int:
         if self._client is None or not self._valid_source(buffer_ptr, size):
@@ -468,3 +468,123 @@ class _StoreTensor:
             return [None] * len(keys)
         keys = keys if tp_size <= 1 else [tp_key(k, tp_rank) for k in keys]
         return self._t_batch_get_tensor_into(keys, buffer_ptrs, sizes)
+
+    # ------------------------------------------------------------------ parallelism specs
+    # Without a parallelism spec, writer partition or read target these are the plain
+    # calls (as in Mooncake). Specs (their shard keys and manifest objects) are not
+    # implemented: such a call gives -600 (None for a read) and stores nothing.
+
+    def _par_write(self, key: str, tensor: Any, parallelism: Any, config: Any, writer_partition: Any, upsert: bool) -> int:
+        if parallelism is not None or writer_partition is not None:
+            _log.error("tensor parallelism specs and writer partitions are not supported by pagewire (%r)", key)
+            return _INVALID_PARAMS
+        return self._write_one(key, tensor, config, upsert)
+
+    def _par_write_batch(self, keys: Any, values: int, parallelisms: Any, writer_partitions: Any) -> Optional[List[int]]:
+        """The answer for a batch with specs or of unequal length; ``None`` for the plain
+        call."""
+        n = len(keys)
+        if parallelisms is not None or writer_partitions is not None or values != n:
+            if parallelisms is not None or writer_partitions is not None:
+                _log.error("tensor parallelism specs and writer partitions are not supported by pagewire")
+            return [_INVALID_PARAMS] * n
+        return None
+
+    def _par_write_from(self, key: str, buffer_ptr: int, size: int, parallelism: Any, config: Any,
+                        writer_partition: Any, upsert: bool) -> int:  # fmt: skip
+        if parallelism is not None or writer_partition is not None:
+            _log.error("tensor parallelism specs and writer partitions are not supported by pagewire (%r)", key)
+            return _INVALID_PARAMS
+        if self._client is None or not self._valid_source(buffer_ptr, size):
+            return _INVALID_PARAMS
+        return self._write_from([key], [buffer_ptr], [size], upsert, config)[0]
+
+    def _t_put_tensor_with_parallelism(self, key: str, tensor: Any, parallelism: Any = None, config: Any = None,
+                                       writer_partition: Any = None) -> int:  # fmt: skip
+        return self._par_write(key, tensor, parallelism, config, writer_partition, False)
+
+    def _t_upsert_tensor_with_parallelism(self, key: str, tensor: Any, parallelism: Any = None, config: Any = None,
+                                          writer_partition: Any = None) -> int:  # fmt: skip
+        return self._par_write(key, tensor, parallelism, config, writer_partition, True)
+
+    def _t_put_tensor_with_parallelism_from(self, key: str, buffer_ptr: int, size: int, parallelism: Any = None,
+                                            config: Any = None, writer_partition: Any = None) -> int:  # fmt: skip
+        return self._par_write_from(key, buffer_ptr, size, parallelism, config, writer_partition, False)
+
+    def _t_upsert_tensor_with_parallelism_from(self, key: str, buffer_ptr: int, size: int, parallelism: Any = None,
+                                               config: Any = None, writer_partition: Any = None) -> int:  # fmt: skip
+        return self._par_write_from(key, buffer_ptr, size, parallelism, config, writer_partition, True)
+
+    def _par_batch(self, keys: Any, tensors_list: Any, parallelisms: Any, config: Any, writer_partitions: Any,
+                   upsert: bool) -> List[int]:  # fmt: skip
+        keys, tensors = list(keys), list(tensors_list)
+        refused = self._par_write_batch(keys, len(tensors), parallelisms, writer_partitions)
+        if refused is not None:
+            return refused
+        if self._client is None:
+            return [_INVALID_PARAMS] * len(keys)
+        infos = [tensor_info(t, k) for k, t in zip(keys, tensors)]
+        return self._write_infos(keys, infos, config, upsert)
+
+    def _t_batch_put_tensor_with_parallelism(self, keys: Any, tensors_list: Any, parallelisms: Any = None,
+                                             config: Any = None, writer_partitions: Any = None) -> List[int]:  # fmt: skip
+        return self._par_batch(keys, tensors_list, parallelisms, config, writer_partitions, False)
+
+    def _t_batch_upsert_tensor_with_parallelism(self, keys: Any, tensors_list: Any, parallelisms: Any = None,
+                                                config: Any = None, writer_partitions: Any = None) -> List[int]:  # fmt: skip
+        return self._par_batch(keys, tensors_list, parallelisms, config, writer_partitions, True)
+
+    def _par_batch_from(self, keys: Any, buffer_ptrs: Any, sizes: Any, parallelisms: Any, config: Any,
+                        writer_partitions: Any, upsert: bool) -> List[int]:  # fmt: skip
+        keys, ptrs = list(keys), list(buffer_ptrs)
+        refused = self._par_write_batch(keys, len(ptrs), parallelisms, writer_partitions)
+        if refused is not None:
+            return refused
+        return self._write_from(keys, ptrs, sizes, upsert, config)
+
+    def _t_batch_put_tensor_with_parallelism_from(self, keys: Any, buffer_ptrs: Any, sizes: Any, parallelisms: Any = None,
+                                                  config: Any = None, writer_partitions: Any = None) -> List[int]:  # fmt: skip
+        return self._par_batch_from(keys, buffer_ptrs, sizes, parallelisms, config, writer_partitions, False)
+
+    def _t_batch_upsert_tensor_with_parallelism_from(self, keys: Any, buffer_ptrs: Any, sizes: Any,
+                                                     parallelisms: Any = None, config: Any = None,
+                                                     writer_partitions: Any = None) -> List[int]:  # fmt: skip
+        return self._par_batch_from(keys, buffer_ptrs, sizes, parallelisms, config, writer_partitions, True)
+
+    @staticmethod
+    def _as_stored(target: Any) -> bool:
+        """``None`` or a ``ReadTarget`` reading the object as stored, with no spec."""
+        if target is None:
+            return True
+        ok = getattr(target, "mode", None) == "as_stored" and getattr(target, "parallelism", None) is None
+        if not ok:
+            _log.error("tensor read targets other than as_stored are not supported by pagewire")
+        return ok
+
+    def _t_get_tensor_with_parallelism(self, key: str, target: Any = None) -> Any:
+        return self._t_get_tensor(key) if self._as_stored(target) else None
+
+    def _t_get_tensor_with_parallelism_into(self, key: str, buffer_ptr: int, size: int, target: Any = None) -> Any:
+        return self._t_get_tensor_into(key, buffer_ptr, size) if self._as_stored(target) else None
+
+    def _t_batch_get_tensor_with_parallelism(self, keys: Any, targets: Any = None) -> List[Any]:
+        keys = list(keys)
+        if targets is None:
+            return self._t_batch_get_tensor(keys)
+        targets = list(targets)
+        if len(targets) != len(keys):
+            return [None] * len(keys)
+        return [self._t_get_tensor_with_parallelism(k, t) for k, t in zip(keys, targets)]
+
+    def _t_batch_get_tensor_with_parallelism_into(self, keys: Any, buffer_ptrs: Any, sizes: Any,
+                                                  targets: Any = None) -> List[Any]:  # fmt: skip
+        keys, ptrs, sizes = list(keys), list(buffer_ptrs), list(sizes)
+        if targets is None:
+            # Unlike batch_get_tensor_into, refusals are None per key here (Mooncake).
+            if self._client is None or not (len(keys) == len(ptrs) == len(sizes)) or 0 in ptrs:
+                return [None] * len(keys)
+            return self._t_batch_get_tensor_into(keys, ptrs, sizes)
+        targets = list(targets)
+        if not (len(targets) == len(keys) == len(ptrs) == len(sizes)):
+            return [None] * len(keys)
+        return [self._t_get_tensor_with_parallelism_into(k, p, n, t) for k, p, n, t in zip(keys, ptrs, sizes, targets)]
