@@ -66,6 +66,13 @@ def test_switch_on_redirects_mooncake_buffer_pool():
         {"PAGEWIRE_AS_MOONCAKE": "1"},
     )
     assert out == "True True ['BufferPool', 'RegisteredBufferPool']"
+    # The package exports them too, as Mooncake's mooncake/__init__.py does.
+    out = py(
+        "import mooncake, mooncake.store as s; from mooncake import BufferPool, RegisteredBufferPool;"
+        "print(BufferPool is RegisteredBufferPool is s.BufferPool, mooncake.__all__)",
+        {"PAGEWIRE_AS_MOONCAKE": "1"},
+    )
+    assert out == "True ['BufferPool', 'RegisteredBufferPool']"
 
 
 def test_switch_on_refuses_what_pagewire_does_not_provide():
@@ -92,7 +99,7 @@ else:
 # pagewire.mooncake_store has every name of the wheel's module (test_mooncake_surface.py);
 # a name neither has is refused by name, as is any name of the placeholder package.
 for mod, attr, name in ((mooncake.store, "NotInTheWheel", "mooncake.store.NotInTheWheel"),
-                        (mooncake, "BufferPool", "mooncake.BufferPool")):
+                        (mooncake, "TransferEngine", "mooncake.TransferEngine")):
     try:
         getattr(mod, attr)
     except AttributeError as e:
