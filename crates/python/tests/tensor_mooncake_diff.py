@@ -107,7 +107,8 @@ EXPECT.update({
     "parallelism_plain": (SAME, [0, t("float32", [4, 2]), t("float32", [4, 2]), [0, -600], [t("int8", [3]), None], 0,
                                  t("int8", [3]), [0, 0], t("float32", [4, 2]), [], [-600]]),
     "parallelism_from": (SAME, [0, t("float32", [4, 2]), 0, -600, 0, [0, 0], [-600, -600], []]),
-    "parallelism_into": (SAME, [t("float32", [4, 2]), None, None, [t("float32", [4, 2]), None, t("int8", [3])], [None]]),
+    "parallelism_into": (SAME, [t("float32", [4, 2]), None, None, [t("float32", [4, 2]), None, t("int8", [3])],
+                                [None]]),
     "parallelism_specs": (
         DIFFERS,
         [0, -600],

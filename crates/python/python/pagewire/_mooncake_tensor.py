@@ -130,7 +130,8 @@ def parse_header(obj: Any) -> Optional[Parsed]:
     if numel * _ELEMENT[dtype] != nbytes:
         return None
     for i in range(naxes):
-        kind_i, _index, rank, count, split, _r0, _r1 = _AXIS.unpack_from(mem, _HEAD.size + _SHAPES.size + i * _AXIS.size)
+        at = _HEAD.size + _SHAPES.size + i * _AXIS.size
+        kind_i, _index, rank, count, split, _r0, _r1 = _AXIS.unpack_from(mem, at)
         if not 0 <= kind_i < _AXIS_KINDS or count <= 0 or not 0 <= rank < count or not -1 <= split < ndim:
             return None
     return Parsed(dtype, list(local_shape[:ndim]), offset, nbytes)
@@ -392,7 +393,9 @@ class _StoreTensor:
             out[i] = _first_failure(codes[j * tp_size : (j + 1) * tp_size])
         return out
 
-    def _t_put_tensor_with_tp(self, key: str, tensor: Any, tp_rank: int = 0, tp_size: int = 1, split_dim: int = 0) -> int:
+    def _t_put_tensor_with_tp(
+        self, key: str, tensor: Any, tp_rank: int = 0, tp_size: int = 1, split_dim: int = 0
+    ) -> int:
         return self._t_pub_tensor_with_tp(key, tensor, None, tp_rank, tp_size, split_dim)
 
     def _t_pub_tensor_with_tp(
@@ -445,7 +448,9 @@ class _StoreTensor:
         if not keys or not (len(keys) == len(ptrs) == len(sizes)):
             return [_INVALID_PARAMS] * len(keys)
         # Each buffer is a whole tensor object; its slices are stored as shards.
-        tensors = [to_tensor(host_object(int(p), int(n))) if self._valid_source(p, n) else None for p, n in zip(ptrs, sizes)]
+        tensors = [
+            to_tensor(host_object(int(p), int(n))) if self._valid_source(p, n) else None for p, n in zip(ptrs, sizes)
+        ]
         return self._write_tp(keys, tensors, None, tp_size, split_dim)
 
     def _t_get_tensor_with_tp(self, key: str, tp_rank: int = 0, tp_size: int = 1, split_dim: int = 0) -> Any:
@@ -474,13 +479,17 @@ class _StoreTensor:
     # calls (as in Mooncake). Specs (their shard keys and manifest objects) are not
     # implemented: such a call gives -600 (None for a read) and stores nothing.
 
-    def _par_write(self, key: str, tensor: Any, parallelism: Any, config: Any, writer_partition: Any, upsert: bool) -> int:
+    def _par_write(
+        self, key: str, tensor: Any, parallelism: Any, config: Any, writer_partition: Any, upsert: bool
+    ) -> int:
         if parallelism is not None or writer_partition is not None:
             _log.error("tensor parallelism specs and writer partitions are not supported by pagewire (%r)", key)
             return _INVALID_PARAMS
         return self._write_one(key, tensor, config, upsert)
 
-    def _par_write_batch(self, keys: Any, values: int, parallelisms: Any, writer_partitions: Any) -> Optional[List[int]]:
+    def _par_write_batch(
+        self, keys: Any, values: int, parallelisms: Any, writer_partitions: Any
+    ) -> Optional[List[int]]:
         """The answer for a batch with specs or of unequal length; ``None`` for the plain
         call."""
         n = len(keys)
@@ -490,8 +499,9 @@ class _StoreTensor:
             return [_INVALID_PARAMS] * n
         return None
 
-    def _par_write_from(self, key: str, buffer_ptr: int, size: int, parallelism: Any, config: Any,
-                        writer_partition: Any, upsert: bool) -> int:  # fmt: skip
+    def _par_write_from(
+        self, key: str, buffer_ptr: int, size: int, parallelism: Any, config: Any, writer_partition: Any, upsert: bool
+    ) -> int:
         if parallelism is not None or writer_partition is not None:
             _log.error("tensor parallelism specs and writer partitions are not supported by pagewire (%r)", key)
             return _INVALID_PARAMS
@@ -499,24 +509,41 @@ class _StoreTensor:
             return _INVALID_PARAMS
         return self._write_from([key], [buffer_ptr], [size], upsert, config)[0]
 
-    def _t_put_tensor_with_parallelism(self, key: str, tensor: Any, parallelism: Any = None, config: Any = None,
-                                       writer_partition: Any = None) -> int:  # fmt: skip
+    def _t_put_tensor_with_parallelism(
+        self, key: str, tensor: Any, parallelism: Any = None, config: Any = None, writer_partition: Any = None
+    ) -> int:
         return self._par_write(key, tensor, parallelism, config, writer_partition, False)
 
-    def _t_upsert_tensor_with_parallelism(self, key: str, tensor: Any, parallelism: Any = None, config: Any = None,
-                                          writer_partition: Any = None) -> int:  # fmt: skip
+    def _t_upsert_tensor_with_parallelism(
+        self, key: str, tensor: Any, parallelism: Any = None, config: Any = None, writer_partition: Any = None
+    ) -> int:
         return self._par_write(key, tensor, parallelism, config, writer_partition, True)
 
-    def _t_put_tensor_with_parallelism_from(self, key: str, buffer_ptr: int, size: int, parallelism: Any = None,
-                                            config: Any = None, writer_partition: Any = None) -> int:  # fmt: skip
+    def _t_put_tensor_with_parallelism_from(
+        self,
+        key: str,
+        buffer_ptr: int,
+        size: int,
+        parallelism: Any = None,
+        config: Any = None,
+        writer_partition: Any = None,
+    ) -> int:
         return self._par_write_from(key, buffer_ptr, size, parallelism, config, writer_partition, False)
 
-    def _t_upsert_tensor_with_parallelism_from(self, key: str, buffer_ptr: int, size: int, parallelism: Any = None,
-                                               config: Any = None, writer_partition: Any = None) -> int:  # fmt: skip
+    def _t_upsert_tensor_with_parallelism_from(
+        self,
+        key: str,
+        buffer_ptr: int,
+        size: int,
+        parallelism: Any = None,
+        config: Any = None,
+        writer_partition: Any = None,
+    ) -> int:
         return self._par_write_from(key, buffer_ptr, size, parallelism, config, writer_partition, True)
 
-    def _par_batch(self, keys: Any, tensors_list: Any, parallelisms: Any, config: Any, writer_partitions: Any,
-                   upsert: bool) -> List[int]:  # fmt: skip
+    def _par_batch(
+        self, keys: Any, tensors_list: Any, parallelisms: Any, config: Any, writer_partitions: Any, upsert: bool
+    ) -> List[int]:
         keys, tensors = list(keys), list(tensors_list)
         refused = self._par_write_batch(keys, len(tensors), parallelisms, writer_partitions)
         if refused is not None:
@@ -526,29 +553,52 @@ class _StoreTensor:
         infos = [tensor_info(t, k) for k, t in zip(keys, tensors)]
         return self._write_infos(keys, infos, config, upsert)
 
-    def _t_batch_put_tensor_with_parallelism(self, keys: Any, tensors_list: Any, parallelisms: Any = None,
-                                             config: Any = None, writer_partitions: Any = None) -> List[int]:  # fmt: skip
+    def _t_batch_put_tensor_with_parallelism(
+        self, keys: Any, tensors_list: Any, parallelisms: Any = None, config: Any = None, writer_partitions: Any = None
+    ) -> List[int]:
         return self._par_batch(keys, tensors_list, parallelisms, config, writer_partitions, False)
 
-    def _t_batch_upsert_tensor_with_parallelism(self, keys: Any, tensors_list: Any, parallelisms: Any = None,
-                                                config: Any = None, writer_partitions: Any = None) -> List[int]:  # fmt: skip
+    def _t_batch_upsert_tensor_with_parallelism(
+        self, keys: Any, tensors_list: Any, parallelisms: Any = None, config: Any = None, writer_partitions: Any = None
+    ) -> List[int]:
         return self._par_batch(keys, tensors_list, parallelisms, config, writer_partitions, True)
 
-    def _par_batch_from(self, keys: Any, buffer_ptrs: Any, sizes: Any, parallelisms: Any, config: Any,
-                        writer_partitions: Any, upsert: bool) -> List[int]:  # fmt: skip
+    def _par_batch_from(
+        self,
+        keys: Any,
+        buffer_ptrs: Any,
+        sizes: Any,
+        parallelisms: Any,
+        config: Any,
+        writer_partitions: Any,
+        upsert: bool,
+    ) -> List[int]:
         keys, ptrs = list(keys), list(buffer_ptrs)
         refused = self._par_write_batch(keys, len(ptrs), parallelisms, writer_partitions)
         if refused is not None:
             return refused
         return self._write_from(keys, ptrs, sizes, upsert, config)
 
-    def _t_batch_put_tensor_with_parallelism_from(self, keys: Any, buffer_ptrs: Any, sizes: Any, parallelisms: Any = None,
-                                                  config: Any = None, writer_partitions: Any = None) -> List[int]:  # fmt: skip
+    def _t_batch_put_tensor_with_parallelism_from(
+        self,
+        keys: Any,
+        buffer_ptrs: Any,
+        sizes: Any,
+        parallelisms: Any = None,
+        config: Any = None,
+        writer_partitions: Any = None,
+    ) -> List[int]:
         return self._par_batch_from(keys, buffer_ptrs, sizes, parallelisms, config, writer_partitions, False)
 
-    def _t_batch_upsert_tensor_with_parallelism_from(self, keys: Any, buffer_ptrs: Any, sizes: Any,
-                                                     parallelisms: Any = None, config: Any = None,
-                                                     writer_partitions: Any = None) -> List[int]:  # fmt: skip
+    def _t_batch_upsert_tensor_with_parallelism_from(
+        self,
+        keys: Any,
+        buffer_ptrs: Any,
+        sizes: Any,
+        parallelisms: Any = None,
+        config: Any = None,
+        writer_partitions: Any = None,
+    ) -> List[int]:
         return self._par_batch_from(keys, buffer_ptrs, sizes, parallelisms, config, writer_partitions, True)
 
     @staticmethod
@@ -576,8 +626,9 @@ class _StoreTensor:
             return [None] * len(keys)
         return [self._t_get_tensor_with_parallelism(k, t) for k, t in zip(keys, targets)]
 
-    def _t_batch_get_tensor_with_parallelism_into(self, keys: Any, buffer_ptrs: Any, sizes: Any,
-                                                  targets: Any = None) -> List[Any]:  # fmt: skip
+    def _t_batch_get_tensor_with_parallelism_into(
+        self, keys: Any, buffer_ptrs: Any, sizes: Any, targets: Any = None
+    ) -> List[Any]:
         keys, ptrs, sizes = list(keys), list(buffer_ptrs), list(sizes)
         if targets is None:
             # Unlike batch_get_tensor_into, refusals are None per key here (Mooncake).
