@@ -18,6 +18,7 @@ import hashlib
 import importlib
 import json
 import sys
+import types
 
 import numpy as np
 import torch
@@ -60,6 +61,14 @@ def summary(t, want=None):
         return type(t).__name__
     same = None if want is None else raw_bytes(t) == raw_bytes(want)
     return [str(t.dtype).removeprefix("torch."), list(t.shape), same]
+
+
+def catch(f):
+    """``f()``, or the exception it raised as ``"Type: message"``."""
+    try:
+        return f()
+    except Exception as e:  # noqa: BLE001 - the exception is the result
+        return f"{type(e).__name__}: {e}"
 
 
 def fingerprint(t):
@@ -319,6 +328,7 @@ class Run:
             s.batch_get_tensor_with_parallelism_into(["par2"], [q, q], [4096, 4096]),
         ]  # fmt: skip
         buf[:] = 0
+        self.writer_partitions(a, cfg)
         axis = self.mod.ParallelAxis()
         axis.kind, axis.rank, axis.size, axis.split_dim = "tp", 0, 2, 0
         spec = self.mod.TensorParallelism()
@@ -327,6 +337,67 @@ class Run:
             s.put_tensor_with_parallelism("pspec", a, spec),
             s.put_tensor_with_parallelism("pspec2", a, spec, cfg, object()),
         ]
+    def writer_partitions(self, a, cfg) -> None:
+        """Each writer stores its slice and the manifest; ReadTarget "full" joins them."""
+        s, p, buf = self.s, self.p, self.buf
+        t = make("float32", (4, 6), 17)
+        W = lambda r, n, d: types.SimpleNamespace(rank=r, size=n, split_dim=d)  # noqa: E731
+        full, shard = self.mod.ReadTarget(), self.mod.ReadTarget()
+        full.mode, shard.mode = "FULL", "shard"
+        self.cases["read_target_mode"] = [full.mode, catch(lambda: setattr(shard, "mode", "bogus")), shard.mode]
+        first = s.put_tensor_with_parallelism("w", t, None, cfg, W(0, 2, 1))
+        self.cases["writer_partition"] = [
+            first, summary(s.get_tensor_with_parallelism("w", full)),
+            s.put_tensor_with_parallelism("w", t, None, cfg, W(1, 2, 1)),
+            summary(s.get_tensor_with_parallelism("w", full), t), summary(s.get_tensor_with_parallelism("w")),
+            s.batch_is_exist(["w", "w__writer_0of2_sd1", "w__writer_1of2_sd1", "w__writer_manifest"]),
+            summary(s.get_tensor_with_parallelism("w", shard)),
+            s.put_tensor("wplain", a), summary(s.get_tensor_with_parallelism("wplain", full), a),
+        ]  # fmt: skip
+        self.cases["writer_partition_refusals"] = [
+            s.put_tensor_with_parallelism("w2", t, None, cfg, W(0, 4, 1)),
+            s.put_tensor_with_parallelism("w2", t, None, cfg, W(2, 2, 1)),
+            s.put_tensor_with_parallelism("w2", t, None, cfg, W(0, 2, 5)),
+            s.put_tensor_with_parallelism("w2", t, None, cfg, types.SimpleNamespace(rank=0)),
+            s.put_tensor_with_parallelism("w2", np.zeros((4, 4)), None, cfg, W(0, 2, 0)),
+            s.batch_is_exist(["w2__writer_manifest"]),
+        ]
+        u = make("int16", (6, 2), 18)
+        twice = torch.cat([t[:, :3] * 2, t[:, 3:]], dim=1)
+        self.cases["writer_partition_batch"] = [
+            s.batch_put_tensor_with_parallelism(["wb1", "wb1"], [u, u], None, cfg, [W(0, 3, 0), W(1, 3, 0)]),
+            summary(s.get_tensor_with_parallelism("wb1", full)),
+            s.batch_put_tensor_with_parallelism(["wb1"], [u], None, cfg, [W(2, 3, 0)]),
+            [summary(x, w) for x, w in zip(s.batch_get_tensor_with_parallelism(["wb1", "w"], [full, full]), [u, t])],
+            s.batch_put_tensor_with_parallelism(["wb2", "wb3"], [u, u], None, cfg, [W(0, 2, 0)]),
+            s.upsert_tensor_with_parallelism("w", t * 2, None, cfg, W(0, 2, 1)),
+            summary(s.get_tensor_with_parallelism("w", full), twice),
+            s.batch_upsert_tensor_with_parallelism(["w"], [t], None, cfg, [W(0, 2, 1)]),
+            summary(s.get_tensor_with_parallelism("w", full), t),
+        ]  # fmt: skip
+        self.digest("writer_partition", ["w__writer_0of2_sd1", "w__writer_1of2_sd1", "w__writer_manifest",
+                                         "wb1__writer_0of3_sd0", "wb1__writer_2of3_sd0", "wb1__writer_manifest"])  # fmt: skip
+        q = p + 4 * MIB
+        n = 304 + t.numel() * 4
+        self.cases["writer_partition_into"] = [
+            summary(s.get_tensor_with_parallelism_into("w", q, 4096, full), t),
+            summary(s.get_tensor_with_parallelism_into("w", q, n - 1, full)),
+            summary(s.get_tensor_with_parallelism_into("wplain", q, 4096, full), a),
+        ]
+        raw = s.get("t_float32_4d")
+        buf[: len(raw)] = np.frombuffer(raw, np.uint8)
+        whole = make("float32", SHAPES["4d"])
+        self.cases["writer_partition_from"] = [
+            s.put_tensor_with_parallelism_from("wf", p, len(raw), None, cfg, W(0, 2, 0)),
+            s.batch_put_tensor_with_parallelism_from(["wf"], [p], [len(raw)], None, cfg, [W(1, 2, 0)]),
+            summary(s.get_tensor_with_parallelism("wf", full), whole),
+            s.upsert_tensor_with_parallelism_from("wf", p, len(raw), None, cfg, W(1, 2, 3)),
+            s.put_tensor_with_parallelism_from("wf2", p, len(raw) - 1, None, cfg, W(0, 2, 0)),
+        ]
+        self.digest("writer_partition_from", ["wf__writer_0of2_sd0", "wf__writer_1of2_sd0", "wf__writer_manifest",
+                                              "wf__writer_1of2_sd3"])  # fmt: skip
+        buf[:] = 0
+
     def cross(self, other: dict) -> dict:
         """Stores each of the other implementation's raw objects and reads them back."""
         out = {}

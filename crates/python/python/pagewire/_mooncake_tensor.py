@@ -137,6 +137,17 @@ def parse_header(obj: Any) -> Optional[Parsed]:
     return Parsed(dtype, list(local_shape[:ndim]), offset, nbytes)
 
 
+def _shard_axis(obj: Any) -> Optional[Tuple[int, int, int]]:
+    """``(rank, count, split dim)`` of a valid shard object's first (tensor-parallel) axis."""
+    mem = memoryview(obj).cast("B")
+    kind = _HEAD.unpack_from(mem)[5]
+    naxes = _SHAPES.unpack_from(mem, _HEAD.size)[16]
+    if kind != SHARD or naxes < 1:
+        return None
+    axis_kind, _index, rank, count, split, _r0, _r1 = _AXIS.unpack_from(mem, _HEAD.size + _SHAPES.size)
+    return (rank, count, split) if axis_kind == AXIS_TP else None
+
+
 def _dtype_code(torch: Any, dtype: Any) -> int:
     for code, name in enumerate(DTYPES):
         if dtype == getattr(torch, name, None):
@@ -219,9 +230,66 @@ def tp_key(base: str, rank: int) -> str:
     return f"{base}_tp_{rank}"
 
 
-def tp_shards(tensor: Any, key: str, tp_size: int, split_dim: int) -> Optional[List[_Info]]:
-    """The ``tp_size`` equal slices of ``tensor`` along ``split_dim`` as shard objects, or
-    ``None`` when the split is not uniform or the tensor cannot be stored."""
+# A writer partition: each writer stores its own slice of a tensor under
+# f"{key}__writer_{rank}of{size}_sd{split_dim}" (a shard object as above) and a manifest
+# under f"{key}__writer_manifest": u32 magic 0x574d414e, u16 version 1, u16 size (96),
+# i32 dtype, ndim, split dim, shard count, 0, 4 bytes of padding, then the global shape
+# (8 i64, unused -1). A read with ReadTarget mode "full" joins the slices.
+MANIFEST_MAGIC = 0x574D414E
+_MANIFEST_HEAD = struct.Struct("<IHHiiiii4x")
+_MANIFEST_SHAPE = struct.Struct(f"<{MAX_DIMS}q")
+MANIFEST_SIZE = _MANIFEST_HEAD.size + _MANIFEST_SHAPE.size
+
+
+def writer_key(base: str, rank: int, size: int, split_dim: int) -> str:
+    return f"{base}__writer_{rank}of{size}_sd{split_dim}"
+
+
+def manifest_key(base: str) -> str:
+    return f"{base}__writer_manifest"
+
+
+def pack_manifest(dtype: int, shape: Sequence[int], split_dim: int, shards: int) -> bytes:
+    head = _MANIFEST_HEAD.pack(MANIFEST_MAGIC, VERSION, MANIFEST_SIZE, dtype, len(shape), split_dim, shards, 0)
+    return head + _MANIFEST_SHAPE.pack(*_dims(shape))
+
+
+def parse_manifest(obj: Any) -> Optional[Tuple[int, List[int], int, int]]:
+    """``(dtype, global shape, split dim, shard count)`` of a valid manifest, else ``None``."""
+    mem = memoryview(obj).cast("B")
+    if len(mem) < MANIFEST_SIZE:
+        return None
+    magic, version, size, dtype, ndim, split, shards, _ = _MANIFEST_HEAD.unpack_from(mem)
+    if magic != MANIFEST_MAGIC or version != VERSION or size != MANIFEST_SIZE or not 0 <= ndim <= MAX_DIMS:
+        return None
+    if shards <= 0 or not 0 <= split < ndim:
+        return None
+    shape = list(_MANIFEST_SHAPE.unpack_from(mem, _MANIFEST_HEAD.size)[:ndim])
+    if any(d <= 0 for d in shape):
+        return None
+    return dtype, shape, split, shards
+
+
+def writer_spec(obj: Any) -> Optional[Tuple[int, int, int]]:
+    """``(rank, size, split_dim)`` of a writer partition (any object with those
+    attributes), or ``None`` when it is not a valid one."""
+    try:
+        rank, size, split = int(obj.rank), int(obj.size), int(obj.split_dim)
+    except (AttributeError, TypeError, ValueError):
+        _log.error("writer_partition must provide rank, size, and split_dim")
+        return None
+    if size <= 0 or not 0 <= rank < size or split < 0:
+        _log.error("invalid writer partition")
+        return None
+    return rank, size, split
+
+
+def tp_shards(
+    tensor: Any, key: str, tp_size: int, split_dim: int, ranks: Optional[Sequence[int]] = None
+) -> Optional[List[_Info]]:
+    """The ``tp_size`` equal slices of ``tensor`` along ``split_dim`` (those of ``ranks``,
+    default all) as shard objects, or ``None`` when the split is not uniform or the tensor
+    cannot be stored."""
     torch = _torch()
     try:
         if torch is None or _dtype_code(torch, tensor.dtype) < 0:
@@ -235,7 +303,7 @@ def tp_shards(tensor: Any, key: str, tp_size: int, split_dim: int) -> Optional[L
         return None
     step = shape[split_dim] // tp_size
     out = []
-    for rank in range(tp_size):
+    for rank in range(tp_size) if ranks is None else ranks:
         chunk = tensor.narrow(split_dim, rank * step, step).contiguous()
         axis = (AXIS_TP, 0, rank, tp_size, split_dim, 0, step)
         info = tensor_info(chunk, tp_key(key, rank), shape, [axis])
@@ -482,31 +550,57 @@ class _StoreTensor:
     def _par_write(
         self, key: str, tensor: Any, parallelism: Any, config: Any, writer_partition: Any, upsert: bool
     ) -> int:
-        if parallelism is not None or writer_partition is not None:
-            _log.error("tensor parallelism specs and writer partitions are not supported by pagewire (%r)", key)
+        if parallelism is not None:
+            _log.error("tensor parallelism specs are not supported by pagewire (%r)", key)
             return _INVALID_PARAMS
+        if writer_partition is not None:
+            return self._write_writer_shard(key, tensor, writer_partition, config, upsert)
         return self._write_one(key, tensor, config, upsert)
+
+    def _write_writer_shard(self, key: str, tensor: Any, writer_partition: Any, config: Any, upsert: bool) -> int:
+        """This writer's slice and the manifest (see :func:`writer_spec`)."""
+        spec = writer_spec(writer_partition)
+        if spec is None or self._client is None:
+            return _INVALID_PARAMS
+        rank, size, split = spec
+        shards = tp_shards(tensor, key, size, split, [rank]) if tensor is not None else None
+        if shards is None:
+            return _INVALID_PARAMS
+        code = self._write_infos([writer_key(key, rank, size, split)], shards, config, upsert)[0]
+        if code != 0:
+            return code
+        shape, dtype = [int(d) for d in tensor.shape], _dtype_code(_torch(), tensor.dtype)
+        mkey = manifest_key(key)
+        if upsert:
+            self._drop([mkey])  # type: ignore[attr-defined]
+        return self._store_bytes([mkey], [pack_manifest(dtype, shape, split, size)], config)[0]  # type: ignore
 
     def _par_write_batch(
         self, keys: Any, values: int, parallelisms: Any, writer_partitions: Any
     ) -> Optional[List[int]]:
         """The answer for a batch with specs or of unequal length; ``None`` for the plain
-        call."""
+        call and for writer partitions (one per key)."""
         n = len(keys)
-        if parallelisms is not None or writer_partitions is not None or values != n:
-            if parallelisms is not None or writer_partitions is not None:
-                _log.error("tensor parallelism specs and writer partitions are not supported by pagewire")
+        if parallelisms is not None or values != n:
+            if parallelisms is not None:
+                _log.error("tensor parallelism specs are not supported by pagewire")
+            return [_INVALID_PARAMS] * n
+        if writer_partitions is not None and len(list(writer_partitions)) != n:
+            _log.error("keys and writer_partitions must have the same length")
             return [_INVALID_PARAMS] * n
         return None
 
     def _par_write_from(
         self, key: str, buffer_ptr: int, size: int, parallelism: Any, config: Any, writer_partition: Any, upsert: bool
     ) -> int:
-        if parallelism is not None or writer_partition is not None:
-            _log.error("tensor parallelism specs and writer partitions are not supported by pagewire (%r)", key)
+        if parallelism is not None:
+            _log.error("tensor parallelism specs are not supported by pagewire (%r)", key)
             return _INVALID_PARAMS
         if self._client is None or not self._valid_source(buffer_ptr, size):
             return _INVALID_PARAMS
+        if writer_partition is not None:
+            tensor = to_tensor(host_object(int(buffer_ptr), int(size)))
+            return self._write_writer_shard(key, tensor, writer_partition, config, upsert)
         return self._write_from([key], [buffer_ptr], [size], upsert, config)[0]
 
     def _t_put_tensor_with_parallelism(
@@ -548,6 +642,11 @@ class _StoreTensor:
         refused = self._par_write_batch(keys, len(tensors), parallelisms, writer_partitions)
         if refused is not None:
             return refused
+        if writer_partitions is not None:
+            return [
+                self._write_writer_shard(k, t, w, config, upsert)
+                for k, t, w in zip(keys, tensors, list(writer_partitions))
+            ]
         if self._client is None:
             return [_INVALID_PARAMS] * len(keys)
         infos = [tensor_info(t, k) for k, t in zip(keys, tensors)]
@@ -573,10 +672,15 @@ class _StoreTensor:
         writer_partitions: Any,
         upsert: bool,
     ) -> List[int]:
-        keys, ptrs = list(keys), list(buffer_ptrs)
+        keys, ptrs, sizes = list(keys), list(buffer_ptrs), list(sizes)
         refused = self._par_write_batch(keys, len(ptrs), parallelisms, writer_partitions)
         if refused is not None:
             return refused
+        if writer_partitions is not None:
+            return [
+                self._par_write_from(k, p, n, None, config, w, upsert)
+                for k, p, n, w in zip(keys, ptrs, sizes, list(writer_partitions))
+            ]
         return self._write_from(keys, ptrs, sizes, upsert, config)
 
     def _t_batch_put_tensor_with_parallelism_from(
@@ -602,20 +706,66 @@ class _StoreTensor:
         return self._par_batch_from(keys, buffer_ptrs, sizes, parallelisms, config, writer_partitions, True)
 
     @staticmethod
-    def _as_stored(target: Any) -> bool:
-        """``None`` or a ``ReadTarget`` reading the object as stored, with no spec."""
+    def _target_mode(target: Any) -> Optional[str]:
+        """``"AS_STORED"`` or ``"FULL"`` for a target pagewire reads (``None``: as stored),
+        ``None`` for one it does not (logged); an unknown mode raises as Mooncake's."""
         if target is None:
-            return True
-        ok = getattr(target, "mode", None) == "as_stored" and getattr(target, "parallelism", None) is None
-        if not ok:
-            _log.error("tensor read targets other than as_stored are not supported by pagewire")
-        return ok
+            return "AS_STORED"
+        mode = str(getattr(target, "mode", "as_stored")).upper()
+        if mode not in ("AS_STORED", "SHARD", "FULL"):
+            raise RuntimeError("Unsupported ReadTarget mode")
+        if getattr(target, "parallelism", None) is not None or mode == "SHARD":
+            _log.error("tensor read targets with a parallelism spec are not supported by pagewire")
+            return None
+        return mode
+
+    def _writer_full(self, key: str) -> Any:
+        """The tensor a complete set of writer slices of ``key`` joins into, else ``None``."""
+        torch = _torch()
+        raw = self._fetch([manifest_key(key)])[0]  # type: ignore[attr-defined]
+        manifest = parse_manifest(raw) if isinstance(raw, bytes) and torch is not None else None
+        if manifest is None:
+            return None
+        dtype, shape, split, count = manifest
+        parts = []
+        for rank, r in enumerate(self._fetch([writer_key(key, i, count, split) for i in range(count)])):  # type: ignore
+            obj = bytearray(r) if isinstance(r, bytes) else None
+            parsed = parse_header(obj) if obj is not None else None
+            if parsed is None or parsed.dtype != dtype or _shard_axis(obj) != (rank, count, split):
+                _log.error("writer slice %d of %r is missing or does not match the manifest", rank, key)
+                return None
+            parts.append(to_tensor(obj))
+        try:
+            full = torch.cat(parts, dim=split)
+        except (RuntimeError, ValueError) as e:
+            _log.error("writer slices of %r do not join: %s", key, e)
+            return None
+        return full if list(full.shape) == shape else None
 
     def _t_get_tensor_with_parallelism(self, key: str, target: Any = None) -> Any:
-        return self._t_get_tensor(key) if self._as_stored(target) else None
+        mode = self._target_mode(target)
+        if mode == "FULL" and self._client is not None:
+            full = self._writer_full(key)
+            if full is not None:
+                return full
+        return self._t_get_tensor(key) if mode is not None else None
 
     def _t_get_tensor_with_parallelism_into(self, key: str, buffer_ptr: int, size: int, target: Any = None) -> Any:
-        return self._t_get_tensor_into(key, buffer_ptr, size) if self._as_stored(target) else None
+        mode = self._target_mode(target)
+        if mode == "FULL" and self._client is not None:
+            full = self._writer_full(key)
+            if full is not None:
+                # Written as a whole tensor object into the caller's registered buffer.
+                info = tensor_info(full, key)
+                total = HEADER_SIZE + len(info.data) if info is not None else 0
+                ptr = int(buffer_ptr)
+                if info is None or ptr == 0 or int(size) < total or self._room_at(ptr) < total:  # type: ignore
+                    return None
+                dst = host_object(ptr, total)
+                memoryview(dst).cast("B")[:HEADER_SIZE] = info.header
+                memoryview(dst).cast("B")[HEADER_SIZE:total] = info.data
+                return to_tensor(dst)
+        return self._t_get_tensor_into(key, buffer_ptr, size) if mode is not None else None
 
     def _t_batch_get_tensor_with_parallelism(self, keys: Any, targets: Any = None) -> List[Any]:
         keys = list(keys)
