@@ -377,6 +377,11 @@ class Run:
         ]  # fmt: skip
         self.digest("writer_partition", ["w__writer_0of2_sd1", "w__writer_1of2_sd1", "w__writer_manifest",
                                          "wb1__writer_0of3_sd0", "wb1__writer_2of3_sd0", "wb1__writer_manifest"])  # fmt: skip
+        e = torch.zeros(0, 4)
+        self.cases["writer_partition_empty"] = [s.put_tensor_with_parallelism("we", e, None, cfg, W(0, 2, 1)),
+                                                s.put_tensor_with_parallelism("we", e, None, cfg, W(1, 2, 1)),
+                                                summary(s.get_tensor_with_parallelism("we", full), e)]  # fmt: skip
+        self.digest("writer_partition_empty", ["we__writer_0of2_sd1", "we__writer_1of2_sd1", "we__writer_manifest"])
         q = p + 4 * MIB
         n = 304 + t.numel() * 4
         self.cases["writer_partition_into"] = [

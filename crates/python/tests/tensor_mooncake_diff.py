@@ -111,6 +111,7 @@ EXPECT.update({
                                 [None]]),
     "read_target_mode": (SAME, ["full", "RuntimeError: Unsupported ReadTarget mode", "shard"]),
     "writer_partition": (SAME, [0, None, 0, t("float32", [4, 6]), None, [0, 1, 1, 1], None, 0, t("float32", [4, 2])]),
+    "writer_partition_empty": (SAME, [0, 0, t("float32", [0, 4])]),
     "writer_partition_refusals": (SAME, [-600, -600, -600, -600, -600, [0]]),
     "writer_partition_batch": (SAME, [[0, 0], None, [0], [t("int16", [6, 2]), t("float32", [4, 6])], [-600, -600], 0,
                                       t("float32", [4, 6]), [0], t("float32", [4, 6])]),

@@ -93,7 +93,8 @@ def test_manifest():
     assert mt.parse_manifest(m) == (12, [4, 6], 1, 2)
     assert mt.parse_manifest(m[:95]) is None
     assert mt.parse_manifest(mt.pack_manifest(0, [4, 6], 2, 2)) is None  # split dim past ndim
-    assert mt.parse_manifest(mt.pack_manifest(0, [4, 0], 0, 2)) is None  # an empty dim
+    assert mt.parse_manifest(mt.pack_manifest(0, [4, 0], 0, 2)) == (0, [4, 0], 0, 2)  # empty: fine
+    assert mt.parse_manifest(mt.pack_manifest(0, [4, -2], 0, 2)) is None
     assert mt.parse_manifest(mt.pack_manifest(0, [4, 6], 0, 0)) is None  # no shards
 
 

@@ -265,7 +265,7 @@ def parse_manifest(obj: Any) -> Optional[Tuple[int, List[int], int, int]]:
     if shards <= 0 or not 0 <= split < ndim:
         return None
     shape = list(_MANIFEST_SHAPE.unpack_from(mem, _MANIFEST_HEAD.size)[:ndim])
-    if any(d <= 0 for d in shape):
+    if any(d < 0 for d in shape):
         return None
     return dtype, shape, split, shards
 
