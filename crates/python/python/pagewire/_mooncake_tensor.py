@@ -18,6 +18,11 @@ equal slices along ``split_dim`` (a dim it divides, else ``-600``) and stores sl
 as a shard object under ``f"{key}_tp_{r}"``, every rank's slice whatever ``tp_rank``; a
 read with ``tp_rank`` reads that rank's key. ``tp_size`` <= 1 is the plain call.
 
+The ``*_with_parallelism*`` calls are the plain calls without a spec; a writer partition
+stores one writer's slice and a manifest (see :func:`pack_manifest`), and a
+``ReadTarget`` of mode ``"full"`` joins the slices. Parallelism specs
+(``TensorParallelism``) are not implemented: ``-600`` / ``None``.
+
 Only CPU tensors of the dtypes in :data:`DTYPES` are stored; a non-contiguous tensor is
 stored as its contiguous copy; anything else gives ``-600`` (``None`` for reads). Without
 torch every call answers as Mooncake's wheel does without it. Reads give a new tensor
