@@ -403,6 +403,80 @@ class Run:
                                               "wf__writer_1of2_sd3"])  # fmt: skip
         buf[:] = 0
 
+    def tp_specs(self) -> None:
+        """A parallelism spec of one tensor-parallel axis: each rank stores its own slice."""
+        s, p, buf, mod = self.s, self.p, self.buf, self.mod
+
+        def spec(kind, rank, size, split):
+            axis = mod.ParallelAxis()
+            axis.kind, axis.rank, axis.size = kind, rank, size
+            if split is not None:
+                axis.split_dim = split
+            out = mod.TensorParallelism()
+            out.axes = [axis]
+            return out
+
+        def target(mode, parallelism=None):
+            out = mod.ReadTarget()
+            out.mode, out.parallelism = mode, parallelism
+            return out
+
+        t = make("float32", (4, 6), 19)
+        sh = t.chunk(2, 1)
+        s0, s1 = spec("tp", 0, 2, 1), spec("TP", 1, 2, 1)
+        empty = mod.TensorParallelism()
+        self.cases["tp_spec"] = [
+            s.put_tensor_with_parallelism("ps", sh[0], s0),
+            s.batch_is_exist(["ps", "ps_tp_0", "ps_tp_1", "ps__parallelism_manifest", "ps__tp_0of2_sd1"]),
+            summary(s.get_tensor_with_parallelism("ps", target("shard", s0)), sh[0]),
+            summary(s.get_tensor_with_parallelism("ps", target("full", s0))),
+            s.put_tensor_with_parallelism("ps", sh[1], s1),
+            summary(s.get_tensor_with_parallelism("ps", target("full", s1)), t),
+            summary(s.get_tensor_with_parallelism("ps", target("as_stored", s1))),
+            summary(s.get_tensor_with_parallelism("ps", target("full"))),
+            [s.put_tensor_with_parallelism("pq", sh[0], q) for q in
+             (spec("tp", 2, 2, 1), spec("tp", 0, 2, 5), spec("tp", 0, 2, None), spec("xx", 0, 2, 1), empty)],
+            s.batch_is_exist(["pq_tp_0", "pq_tp_2", "pq__parallelism_manifest"]),
+        ]  # fmt: skip
+        self.digest("tp_spec", ["ps_tp_0", "ps_tp_1", "ps__parallelism_manifest"])
+        s.put_tensor_with_tp("po", t, 0, 2, 1)
+        u = make("int32", (4, 2), 20)
+        self.cases["tp_spec_reads"] = [
+            summary(s.get_tensor_with_parallelism("po", target("shard", s1)), sh[1]),
+            summary(s.get_tensor_with_parallelism("po", target("full", s0)), t),
+            s.batch_put_tensor_with_parallelism(["pb", "pb"], [u[:2], u[2:]], [spec("tp", 0, 2, 0), spec("tp", 1, 2, 0)]),
+            [summary(x, w) for x, w in zip(s.batch_get_tensor_with_parallelism(
+                ["pb", "ps"], [target("full", spec("tp", 0, 2, 0)), target("shard", s1)]), [u, sh[1]])],
+            s.batch_put_tensor_with_parallelism(["pb2", "pb3"], [u, u], [s0]),
+            s.upsert_tensor_with_parallelism("pb", u[:2] * 3, spec("tp", 0, 2, 0)),
+            summary(s.get_tensor_with_parallelism("pb", target("full", spec("tp", 1, 2, 0))), torch.cat([u[:2] * 3, u[2:]])),
+        ]  # fmt: skip
+        self.digest("tp_spec_reads", ["pb_tp_0", "pb_tp_1", "pb__parallelism_manifest"])
+        q = p + 6 * MIB
+        self.cases["tp_spec_into"] = [
+            summary(s.get_tensor_with_parallelism_into("ps", q, 4096, target("full", s0)), t),
+            summary(s.get_tensor_with_parallelism_into("ps", q, 4096, target("shard", s1)), sh[1]),
+            summary(s.get_tensor_with_parallelism_into("nope", q, 4096, target("shard", s1))),
+        ]
+        # The _from forms take the whole tensor and store every rank's slice (no manifest).
+        s.put_tensor("ps_whole", t)
+        raw = s.get("ps_whole")
+        buf[: len(raw)] = np.frombuffer(raw, np.uint8)
+        self.cases["tp_spec_from"] = [
+            s.put_tensor_with_parallelism_from("pf", p, len(raw), s1),
+            s.batch_is_exist(["pf", "pf_tp_0", "pf_tp_1", "pf__parallelism_manifest"]),
+            summary(s.get_tensor_with_parallelism("pf", target("shard", s0)), sh[0]),
+            s.batch_put_tensor_with_parallelism_from(["pf2"], [p], [len(raw)], [spec("tp", 0, 3, 1)]),
+            summary(s.get_tensor_with_parallelism("pf2", target("full", spec("tp", 2, 3, 1))), t),
+            s.put_tensor_with_parallelism_from("pf3", p, len(raw), spec("tp", 0, 4, 1)),
+        ]
+        self.digest("tp_spec_from", ["pf_tp_0", "pf_tp_1", "pf2_tp_0", "pf2_tp_1", "pf2_tp_2"])
+        buf[:] = 0
+        self.cases["other_specs"] = [
+            s.put_tensor_with_parallelism("pd", t, spec("dp", 0, 2, None)),
+            summary(s.get_tensor_with_parallelism("ps", target("shard", spec("tp", 1, 4, 1)))),
+        ]
+
     def cross(self, other: dict) -> dict:
         """Stores each of the other implementation's raw objects and reads them back."""
         out = {}
@@ -421,7 +495,7 @@ def main() -> None:
         r.cases["setup"] = [r.setup, r.registered]
         if other is None:
             for phase in (r.dtypes_and_shapes, r.refusals, r.overwrite, r.batches, r.into, r.from_buffers,
-                          r.tensor_parallel, r.parallelism):  # fmt: skip
+                          r.tensor_parallel, r.parallelism, r.tp_specs):  # fmt: skip
                 phase()
             result = {"cases": r.cases, "digests": r.digests, "objects": r.objects}
         else:

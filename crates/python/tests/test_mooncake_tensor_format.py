@@ -112,3 +112,19 @@ def test_writer_spec():
     W.rank = 2
     assert mt.writer_spec(W()) is None
     assert mt.writer_spec(object()) is None
+
+
+def test_single_tp_spec():
+    class Axis:
+        def __init__(self, kind, rank=0, size=2, split_dim=1):
+            self.kind, self.rank, self.size, self.split_dim = kind, rank, size, split_dim
+
+    class Spec:
+        def __init__(self, *axes):
+            self.axes = list(axes)
+
+    assert mt.single_tp_spec(Spec(Axis("TP", 1))) == (1, 2, 1)
+    assert mt.parallelism_manifest_key("k") == "k__parallelism_manifest"
+    for bad in (Spec(), Spec(Axis("tp", 2)), Spec(Axis("tp", split_dim=None)), Spec(Axis("xx")),
+                Spec(Axis("dp")), Spec(Axis("tp"), Axis("dp")), object()):  # fmt: skip
+        assert mt.single_tp_spec(bad) is None

@@ -20,8 +20,9 @@ read with ``tp_rank`` reads that rank's key. ``tp_size`` <= 1 is the plain call.
 
 The ``*_with_parallelism*`` calls are the plain calls without a spec; a writer partition
 stores one writer's slice and a manifest (see :func:`pack_manifest`), and a
-``ReadTarget`` of mode ``"full"`` joins the slices. Parallelism specs
-(``TensorParallelism``) are not implemented: ``-600`` / ``None``.
+``ReadTarget`` of mode ``"full"`` joins the slices. A parallelism spec of one
+tensor-parallel axis stores the caller's tensor as that rank's slice under the
+``*_with_tp`` key, with a manifest; other specs are not implemented (``-600`` / ``None``).
 
 Only CPU tensors of the dtypes in :data:`DTYPES` are stored; a non-contiguous tensor is
 stored as its contiguous copy; anything else gives ``-600`` (``None`` for reads). Without
@@ -275,6 +276,33 @@ def parse_manifest(obj: Any) -> Optional[Tuple[int, List[int], int, int]]:
     return dtype, shape, split, shards
 
 
+def parallelism_manifest_key(base: str) -> str:
+    return f"{base}__parallelism_manifest"
+
+
+_AXIS_NAMES = ("dp", "tp", "ep", "pp")
+
+
+def single_tp_spec(obj: Any) -> Optional[Tuple[int, int, int]]:
+    """``(rank, size, split_dim)`` of a parallelism spec (``TensorParallelism``) that is
+    one tensor-parallel axis, else ``None`` (logged): other specs are not implemented."""
+    try:
+        axes = list(obj.axes)
+        kinds = [str(a.kind).lower() for a in axes]
+        fields = [(int(a.rank), int(a.size), a.split_dim) for a in axes]
+    except (AttributeError, TypeError, ValueError):
+        _log.error("parallelism must be a TensorParallelism")
+        return None
+    if not axes or any(k not in _AXIS_NAMES for k in kinds) or any(n <= 0 or not 0 <= r < n for r, n, _ in fields):
+        _log.error("invalid parallelism spec")
+        return None
+    if kinds != ["tp"] or fields[0][2] is None:
+        _log.error("parallelism specs other than one tp axis with a split_dim are not supported by pagewire")
+        return None
+    rank, size, split = fields[0]
+    return rank, size, int(split)
+
+
 def writer_spec(obj: Any) -> Optional[Tuple[int, int, int]]:
     """``(rank, size, split_dim)`` of a writer partition (any object with those
     attributes), or ``None`` when it is not a valid one."""
@@ -316,6 +344,18 @@ def tp_shards(
             return None
         out.append(info)
     return out
+
+
+def _join(parts: Optional[List[Any]], split: int) -> Any:
+    """The tensors ``parts`` concatenated along ``split``, or ``None``."""
+    torch = _torch()
+    if not parts or torch is None or any(p is None for p in parts):
+        return None
+    try:
+        return torch.cat(parts, dim=split)
+    except (RuntimeError, ValueError) as e:
+        _log.error("tensor slices do not join: %s", e)
+        return None
 
 
 def _first_failure(codes: Sequence[int]) -> int:
@@ -448,7 +488,9 @@ class _StoreTensor:
 
     # ------------------------------------------------------------------ tensor parallelism
 
-    def _write_tp(self, keys: List[str], tensors: List[Any], config: Any, tp_size: int, split_dim: int) -> List[int]:
+    def _write_tp(
+        self, keys: List[str], tensors: List[Any], config: Any, tp_size: int, split_dim: int, upsert: bool = False
+    ) -> List[int]:
         """Per base key ``0`` or the first failing shard's code."""
         out = [_INVALID_PARAMS] * len(keys)
         all_keys: List[str] = []
@@ -461,7 +503,7 @@ class _StoreTensor:
             done.append(i)
             all_keys += [tp_key(key, r) for r in range(tp_size)]
             all_infos += shards
-        codes = self._write_infos(all_keys, all_infos, config, False)
+        codes = self._write_infos(all_keys, all_infos, config, upsert)
         for j, i in enumerate(done):
             out[i] = _first_failure(codes[j * tp_size : (j + 1) * tp_size])
         return out
@@ -555,12 +597,40 @@ class _StoreTensor:
     def _par_write(
         self, key: str, tensor: Any, parallelism: Any, config: Any, writer_partition: Any, upsert: bool
     ) -> int:
-        if parallelism is not None:
-            _log.error("tensor parallelism specs are not supported by pagewire (%r)", key)
+        if parallelism is not None and writer_partition is not None:
             return _INVALID_PARAMS
+        if parallelism is not None:
+            return self._write_tp_spec_shard(key, tensor, parallelism, config, upsert)
         if writer_partition is not None:
             return self._write_writer_shard(key, tensor, writer_partition, config, upsert)
         return self._write_one(key, tensor, config, upsert)
+
+    def _write_tp_spec_shard(self, key: str, shard: Any, parallelism: Any, config: Any, upsert: bool) -> int:
+        """A rank's own slice under a one-axis tensor-parallel spec: stored under
+        ``f"{key}_tp_{rank}"`` with the global shape the spec implies, and the manifest
+        under ``f"{key}__parallelism_manifest"``."""
+        spec = single_tp_spec(parallelism)
+        torch = _torch()
+        if spec is None or self._client is None or torch is None or "Tensor" not in type(shard).__name__:
+            return _INVALID_PARAMS
+        rank, size, split = spec
+        local = [int(d) for d in shard.shape]
+        dtype = _dtype_code(torch, shard.dtype)
+        if not 0 <= split < len(local) or dtype < 0:
+            return _INVALID_PARAMS
+        whole = list(local)
+        whole[split] *= size
+        info = tensor_info(shard, key, whole, [(AXIS_TP, 0, rank, size, split, 0, local[split])])
+        code = self._write_infos([tp_key(key, rank)], [info], config, upsert)[0]
+        if code != 0:
+            return code
+        manifest = pack_manifest(dtype, whole, split, size)
+        return self._write_manifest(parallelism_manifest_key(key), manifest, config, upsert)
+
+    def _write_manifest(self, mkey: str, manifest: bytes, config: Any, upsert: bool) -> int:
+        if upsert:
+            self._drop([mkey])  # type: ignore[attr-defined]
+        return self._store_bytes([mkey], [manifest], config)[0]  # type: ignore[attr-defined]
 
     def _write_writer_shard(self, key: str, tensor: Any, writer_partition: Any, config: Any, upsert: bool) -> int:
         """This writer's slice and the manifest (see :func:`writer_spec`)."""
@@ -575,10 +645,7 @@ class _StoreTensor:
         if code != 0:
             return code
         shape, dtype = [int(d) for d in tensor.shape], _dtype_code(_torch(), tensor.dtype)
-        mkey = manifest_key(key)
-        if upsert:
-            self._drop([mkey])  # type: ignore[attr-defined]
-        return self._store_bytes([mkey], [pack_manifest(dtype, shape, split, size)], config)[0]  # type: ignore
+        return self._write_manifest(manifest_key(key), pack_manifest(dtype, shape, split, size), config, upsert)
 
     def _par_write_batch(
         self, keys: Any, values: int, parallelisms: Any, writer_partitions: Any
@@ -586,9 +653,10 @@ class _StoreTensor:
         """The answer for a batch with specs or of unequal length; ``None`` for the plain
         call and for writer partitions (one per key)."""
         n = len(keys)
-        if parallelisms is not None or values != n:
-            if parallelisms is not None:
-                _log.error("tensor parallelism specs are not supported by pagewire")
+        if values != n or (parallelisms is not None and writer_partitions is not None):
+            return [_INVALID_PARAMS] * n
+        if parallelisms is not None and len(list(parallelisms)) != n:
+            _log.error("keys and parallelisms must have the same length")
             return [_INVALID_PARAMS] * n
         if writer_partitions is not None and len(list(writer_partitions)) != n:
             _log.error("keys and writer_partitions must have the same length")
@@ -598,13 +666,21 @@ class _StoreTensor:
     def _par_write_from(
         self, key: str, buffer_ptr: int, size: int, parallelism: Any, config: Any, writer_partition: Any, upsert: bool
     ) -> int:
-        if parallelism is not None:
-            _log.error("tensor parallelism specs are not supported by pagewire (%r)", key)
+        if parallelism is not None and writer_partition is not None:
             return _INVALID_PARAMS
         if self._client is None or not self._valid_source(buffer_ptr, size):
             return _INVALID_PARAMS
-        if writer_partition is not None:
+        if parallelism is not None or writer_partition is not None:
             tensor = to_tensor(host_object(int(buffer_ptr), int(size)))
+            if tensor is None:
+                return _INVALID_PARAMS
+            if parallelism is not None:
+                # As Mooncake's: the buffer is the whole tensor and every rank's slice is
+                # stored, as put_tensor_with_tp_from does (no manifest).
+                spec = single_tp_spec(parallelism)
+                if spec is None:
+                    return _INVALID_PARAMS
+                return self._write_tp([key], [tensor], config, spec[1], spec[2], upsert)[0]
             return self._write_writer_shard(key, tensor, writer_partition, config, upsert)
         return self._write_from([key], [buffer_ptr], [size], upsert, config)[0]
 
@@ -647,6 +723,10 @@ class _StoreTensor:
         refused = self._par_write_batch(keys, len(tensors), parallelisms, writer_partitions)
         if refused is not None:
             return refused
+        if parallelisms is not None:
+            return [
+                self._write_tp_spec_shard(k, t, q, config, upsert) for k, t, q in zip(keys, tensors, list(parallelisms))
+            ]
         if writer_partitions is not None:
             return [
                 self._write_writer_shard(k, t, w, config, upsert)
@@ -681,10 +761,11 @@ class _StoreTensor:
         refused = self._par_write_batch(keys, len(ptrs), parallelisms, writer_partitions)
         if refused is not None:
             return refused
-        if writer_partitions is not None:
+        if parallelisms is not None or writer_partitions is not None:
+            qs = list(parallelisms) if parallelisms is not None else [None] * len(keys)
+            ws = list(writer_partitions) if writer_partitions is not None else [None] * len(keys)
             return [
-                self._par_write_from(k, p, n, None, config, w, upsert)
-                for k, p, n, w in zip(keys, ptrs, sizes, list(writer_partitions))
+                self._par_write_from(k, p, n, q, config, w, upsert) for k, p, n, q, w in zip(keys, ptrs, sizes, qs, ws)
             ]
         return self._write_from(keys, ptrs, sizes, upsert, config)
 
@@ -711,18 +792,55 @@ class _StoreTensor:
         return self._par_batch_from(keys, buffer_ptrs, sizes, parallelisms, config, writer_partitions, True)
 
     @staticmethod
-    def _target_mode(target: Any) -> Optional[str]:
-        """``"AS_STORED"`` or ``"FULL"`` for a target pagewire reads (``None``: as stored),
-        ``None`` for one it does not (logged); an unknown mode raises as Mooncake's."""
+    def _target_mode(target: Any) -> Tuple[Optional[str], Optional[Tuple[int, int, int]]]:
+        """The target's mode (``"AS_STORED"``, ``"SHARD"``, ``"FULL"``; ``None``: none
+        pagewire reads) and its one-axis tensor-parallel spec; an unknown mode raises as
+        Mooncake's."""
         if target is None:
-            return "AS_STORED"
+            return "AS_STORED", None
         mode = str(getattr(target, "mode", "as_stored")).upper()
         if mode not in ("AS_STORED", "SHARD", "FULL"):
             raise RuntimeError("Unsupported ReadTarget mode")
-        if getattr(target, "parallelism", None) is not None or mode == "SHARD":
-            _log.error("tensor read targets with a parallelism spec are not supported by pagewire")
-            return None
-        return mode
+        parallelism = getattr(target, "parallelism", None)
+        if parallelism is None:
+            if mode == "SHARD":
+                _log.error("a shard read target needs a parallelism spec")
+                return None, None
+            return mode, None
+        spec = single_tp_spec(parallelism)
+        if spec is None or mode == "AS_STORED":
+            return None, None
+        return mode, spec
+
+    def _tp_slices(self, key: str, ranks: Sequence[int], size: int, split: int) -> Optional[List[Any]]:
+        """The shard objects ``f"{key}_tp_{r}"`` for ``ranks``, each a slice ``r`` of
+        ``size`` along ``split``; ``None`` when one is missing or another shard."""
+        out = []
+        for rank, r in zip(ranks, self._fetch([tp_key(key, i) for i in ranks])):  # type: ignore[attr-defined]
+            obj = bytearray(r) if isinstance(r, bytes) else None
+            if obj is None or parse_header(obj) is None or _shard_axis(obj) != (rank, size, split):
+                _log.error("tensor-parallel slice %d of %r is missing or another shard", rank, key)
+                return None
+            out.append(to_tensor(obj))
+        return out
+
+    def _read_target(self, key: str, target: Any) -> Tuple[bool, Any]:
+        """``(done, tensor)`` for the targets beyond as-stored: a shard or full read under
+        a spec, or the writer slices joined; ``done`` False: read ``key`` as stored."""
+        mode, spec = self._target_mode(target)
+        if mode is None or self._client is None:
+            return True, None
+        if spec is not None:
+            rank, size, split = spec
+            if mode == "SHARD":
+                parts = self._tp_slices(key, [rank], size, split)
+                return True, parts[0] if parts else None
+            parts = self._tp_slices(key, range(size), size, split)
+            return True, _join(parts, split)
+        if mode == "FULL":
+            full = self._writer_full(key)
+            return full is not None, full
+        return False, None
 
     def _writer_full(self, key: str) -> Any:
         """The tensor a complete set of writer slices of ``key`` joins into, else ``None``."""
@@ -740,25 +858,16 @@ class _StoreTensor:
                 _log.error("writer slice %d of %r is missing or does not match the manifest", rank, key)
                 return None
             parts.append(to_tensor(obj))
-        try:
-            full = torch.cat(parts, dim=split)
-        except (RuntimeError, ValueError) as e:
-            _log.error("writer slices of %r do not join: %s", key, e)
-            return None
-        return full if list(full.shape) == shape else None
+        full = _join(parts, split)
+        return full if full is not None and list(full.shape) == shape else None
 
     def _t_get_tensor_with_parallelism(self, key: str, target: Any = None) -> Any:
-        mode = self._target_mode(target)
-        if mode == "FULL" and self._client is not None:
-            full = self._writer_full(key)
-            if full is not None:
-                return full
-        return self._t_get_tensor(key) if mode is not None else None
+        done, tensor = self._read_target(key, target)
+        return tensor if done else self._t_get_tensor(key)
 
     def _t_get_tensor_with_parallelism_into(self, key: str, buffer_ptr: int, size: int, target: Any = None) -> Any:
-        mode = self._target_mode(target)
-        if mode == "FULL" and self._client is not None:
-            full = self._writer_full(key)
+        done, full = self._read_target(key, target)
+        if done:
             if full is not None:
                 # Written as a whole tensor object into the caller's registered buffer.
                 info = tensor_info(full, key)
@@ -770,7 +879,8 @@ class _StoreTensor:
                 memoryview(dst).cast("B")[:HEADER_SIZE] = info.header
                 memoryview(dst).cast("B")[HEADER_SIZE:total] = info.data
                 return to_tensor(dst)
-        return self._t_get_tensor_into(key, buffer_ptr, size) if mode is not None else None
+            return None
+        return self._t_get_tensor_into(key, buffer_ptr, size)
 
     def _t_batch_get_tensor_with_parallelism(self, keys: Any, targets: Any = None) -> List[Any]:
         keys = list(keys)
