@@ -81,14 +81,18 @@ def fingerprint(t):
 class Run:
     def __init__(self, impl: str) -> None:
         Store, self.Config, master, self.stop = start(impl)
-        self.mod = importlib.import_module("mooncake.store" if impl == "mooncake" else "pagewire.mooncake_store")
-        self.s = Store()
-        self.uninit = Store()
-        self.cases, self.digests, self.objects = {}, {}, {}
-        self.setup = self.s.setup("127.0.0.1", "P2PHANDSHAKE", 256 * MIB, 16 * MIB, "tcp", "", master)
-        self.buf = np.zeros(64 * MIB, dtype=np.uint8)
-        self.p = self.buf.ctypes.data
-        self.registered = self.s.register_buffer(self.p, self.buf.nbytes)
+        try:
+            self.mod = importlib.import_module("mooncake.store" if impl == "mooncake" else "pagewire.mooncake_store")
+            self.s = Store()
+            self.uninit = Store()
+            self.cases, self.digests, self.objects = {}, {}, {}
+            self.setup = self.s.setup("127.0.0.1", "P2PHANDSHAKE", 256 * MIB, 16 * MIB, "tcp", "", master)
+            self.buf = np.zeros(64 * MIB, dtype=np.uint8)
+            self.p = self.buf.ctypes.data
+            self.registered = self.s.register_buffer(self.p, self.buf.nbytes)
+        except BaseException:
+            self.stop()  # no master left behind
+            raise
 
     def digest(self, case: str, keys) -> None:
         h = hashlib.sha256()
