@@ -59,5 +59,7 @@ rc=0
 # PAGEWIRE_AS_MOONCAKE=1 from the start: the wheel's hook is installed at interpreter
 # start-up (a .pth file), so `import mooncake.engine` and `mooncake.store` give pagewire.
 PAGEWIRE_AS_MOONCAKE=1 MOONCAKE_MASTER=127.0.0.1:$port PYTHONWARNINGS=ignore "$venv/bin/python" scripts/sglang/check.py all || rc=$?
+# Mooncake's tensor calls against Mooncake's wheel need torch: this virtualenv has it.
+PAGEWIRE_SGLANG_VENV=$venv bash scripts/tensor-check.sh || rc=$?
 echo "== sglang-check took $((SECONDS - t0)) s"
 exit $rc

@@ -1,12 +1,14 @@
 """Opt-in import hook: with ``PAGEWIRE_AS_MOONCAKE=1``, the ``mooncake`` package is
-pagewire's: ``import mooncake.engine`` gives ``pagewire.mooncake_compat`` and
-``import mooncake.store`` gives ``pagewire.mooncake_store``.
+pagewire's: ``import mooncake.engine`` gives ``pagewire.mooncake_compat``,
+``import mooncake.store`` gives ``pagewire.mooncake_store`` and ``import
+mooncake.buffer_pool`` gives ``pagewire.mooncake_buffer_pool``.
 
 The wheel installs ``pagewire_mooncake.pth`` next to this module; at interpreter start it
 calls :func:`install` when the variable is ``1`` (and imports nothing otherwise). The
 pagewire wheel owns no ``mooncake/`` directory. With the switch on, the hook answers the
 whole ``mooncake`` namespace, whether or not Mooncake's own wheel is installed: its
-package is a placeholder (Mooncake's ``__init__`` would import its own store), the two
+package is a placeholder (Mooncake's ``__init__`` would import its own store) whose only
+names are those Mooncake's exports (``BufferPool``, ``RegisteredBufferPool``), the
 modules above are pagewire's, and any other ``mooncake.X`` raises an ``ImportError`` that
 names it and says that pagewire does not provide it, so a program never runs on a mix
 of the two. With the switch off, nothing changes.
@@ -20,6 +22,7 @@ import sys
 
 #: Module names answered by pagewire, and what they resolve to.
 ALIASES = {
+    "mooncake.buffer_pool": "pagewire.mooncake_buffer_pool",
     "mooncake.engine": "pagewire.mooncake_compat",
     "mooncake.store": "pagewire.mooncake_store",
 }
@@ -38,7 +41,15 @@ class _Alias(importlib.abc.Loader):
         pass
 
 
+#: Names Mooncake's ``mooncake/__init__.py`` exports, and pagewire's module that has them.
+PACKAGE_NAMES = {"BufferPool": "pagewire.mooncake_buffer_pool", "RegisteredBufferPool": "pagewire.mooncake_buffer_pool"}
+
+
 def _package_getattr(name):
+    if name in PACKAGE_NAMES:
+        # Resolved on first use: the package itself imports nothing (the .pth runs at
+        # every interpreter start).
+        return getattr(importlib.import_module(PACKAGE_NAMES[name]), name)
     if name.startswith("__"):
         raise AttributeError(name)
     raise AttributeError(
@@ -56,6 +67,7 @@ class _Package(importlib.abc.Loader):
     def exec_module(self, module):
         module.__doc__ = "The mooncake package as pagewire's import hook answers it (PAGEWIRE_AS_MOONCAKE=1)."
         module.__getattr__ = _package_getattr
+        module.__all__ = sorted(PACKAGE_NAMES)
 
 
 class _Refuse(importlib.abc.Loader):

@@ -1,6 +1,7 @@
-"""The public surface of Mooncake's wheel (``mooncake.store``, ``mooncake.engine``), as
-data: ``python mooncake_surface.py`` prints one JSON object, name -> entry. Run in its
-own process by test_mooncake_surface.py so that the test process never loads the wheel.
+"""The public surface of Mooncake's wheel (``mooncake.store``, ``mooncake.engine``,
+``mooncake.buffer_pool``), as data: ``python mooncake_surface.py`` prints one JSON
+object, name -> entry. Run in its own process by test_mooncake_surface.py so that the
+test process never loads the wheel.
 
 Names are ``store:X`` (module level) and ``store:X.y`` (class member). An entry has a
 ``kind``: ``class``, ``enum`` (with ``members``: name -> int), ``enum_value`` (``enum``
@@ -17,7 +18,7 @@ import importlib
 import json
 import re
 
-MODULES = {"store": "mooncake.store", "engine": "mooncake.engine"}
+MODULES = {"store": "mooncake.store", "engine": "mooncake.engine", "buffer_pool": "mooncake.buffer_pool"}
 
 _SIG = re.compile(r"^(?:\d+\.\s+)?(\w+)\((.*)\)(?:\s*->.*)?$")
 _INSTANCE = re.compile(r"^<([\w.]+) object at 0x[0-9a-f]+>$")

@@ -306,7 +306,7 @@ def surface(Store, Config, master: str, out: dict) -> None:
     import re
 
     tensors = {}
-    for name in sorted(n for n in dir(Store) if "tensor" in n and "safetensor" not in n):
+    for name in sorted(n for n in dir(Store) if "tensor" in n and "safetensor" not in n and not n.startswith("_")):
         doc = getattr(mod.MooncakeDistributedStore, name).__doc__ or ""
         if "(self" in doc:  # Mooncake's: parameter names from its docstring
             params = re.findall(r"(\w+):", doc.split("(self", 1)[1].split(") ->")[0])

@@ -1,7 +1,7 @@
 """The opt-in switch: with PAGEWIRE_AS_MOONCAKE=1, `import mooncake.engine` gives
-pagewire.mooncake_compat and `import mooncake.store` pagewire.mooncake_store, through the
-.pth file the installed wheel puts in site-packages, and every other `mooncake.*` fails
-naming itself. Each check runs in a fresh interpreter."""
+pagewire.mooncake_compat, `import mooncake.store` pagewire.mooncake_store and
+`import mooncake.buffer_pool` pagewire.mooncake_buffer_pool, through the .pth file the
+installed wheel puts in site-packages, and every other `mooncake.*` fails naming itself. Each check runs in a fresh interpreter."""
 
 import os
 import shutil
@@ -58,11 +58,28 @@ def test_switch_on_redirects_mooncake_store():
     assert out.split() == ["True", "True", "pagewire._mooncake_store", "1"]
 
 
+def test_switch_on_redirects_mooncake_buffer_pool():
+    out = py(
+        "import mooncake.buffer_pool as b, pagewire.mooncake_buffer_pool as p, mooncake.store as s;"
+        "from mooncake.buffer_pool import BufferPool, RegisteredBufferPool;"
+        "print(b is p, BufferPool is RegisteredBufferPool is s.BufferPool, sorted(b.__all__))",
+        {"PAGEWIRE_AS_MOONCAKE": "1"},
+    )
+    assert out == "True True ['BufferPool', 'RegisteredBufferPool']"
+    # The package exports them too, as Mooncake's mooncake/__init__.py does.
+    out = py(
+        "import mooncake, mooncake.store as s; from mooncake import BufferPool, RegisteredBufferPool;"
+        "print(BufferPool is RegisteredBufferPool is s.BufferPool, mooncake.__all__)",
+        {"PAGEWIRE_AS_MOONCAKE": "1"},
+    )
+    assert out == "True ['BufferPool', 'RegisteredBufferPool']"
+
+
 def test_switch_on_refuses_what_pagewire_does_not_provide():
     """Never a mix of the two: other Mooncake modules and names fail at the import, named."""
     code = r"""
 import importlib
-for mod in ("mooncake.async_store", "mooncake.buffer_pool", "mooncake.mooncake_connector_v1"):
+for mod in ("mooncake.async_store", "mooncake.shared_segment", "mooncake.mooncake_connector_v1"):
     try:
         importlib.import_module(mod)
     except ImportError as e:
@@ -82,7 +99,7 @@ else:
 # pagewire.mooncake_store has every name of the wheel's module (test_mooncake_surface.py);
 # a name neither has is refused by name, as is any name of the placeholder package.
 for mod, attr, name in ((mooncake.store, "NotInTheWheel", "mooncake.store.NotInTheWheel"),
-                        (mooncake, "BufferPool", "mooncake.BufferPool")):
+                        (mooncake, "TransferEngine", "mooncake.TransferEngine")):
     try:
         getattr(mod, attr)
     except AttributeError as e:

@@ -1,7 +1,8 @@
 """Every public name of Mooncake's wheel (mooncake-transfer-engine-non-cuda 0.3.13.post1)
 exists in pagewire with the same signature: ``mooncake.store`` against
-``pagewire.mooncake_store`` and ``mooncake.engine`` against ``pagewire.mooncake_compat``
-(what ``PAGEWIRE_AS_MOONCAKE=1`` answers for them).
+``pagewire.mooncake_store``, ``mooncake.engine`` against ``pagewire.mooncake_compat`` and
+``mooncake.buffer_pool`` against ``pagewire.mooncake_buffer_pool`` (what
+``PAGEWIRE_AS_MOONCAKE=1`` answers for them).
 
 The wheel's surface is read in a separate process (mooncake_surface.py): classes, their
 methods, properties (a writable one must be settable in pagewire too) and nested enums, module-level functions, enums with their members
@@ -15,8 +16,8 @@ Mooncake has one, and the same default value (a default-constructed object such 
 overloaded callable must match its longest overload and accept the others' positional
 calls, so it may give defaults that the longest overload lacks.
 
-One test id per name (``store:...`` and ``engine:...``); the names in ``DIFFERENCES``
-are checked for presence only, each with its reason, and docs/python.md lists each of
+One test id per name (``store:...``, ``engine:...``, ``buffer_pool:...``); the names in
+``DIFFERENCES`` are checked for presence only, each with its reason, and docs/python.md lists each of
 them. Without the wheel this fails; it never skips.
 """
 
@@ -31,7 +32,11 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[2]
-PAGEWIRE_MODULES = {"store": "pagewire.mooncake_store", "engine": "pagewire.mooncake_compat"}
+PAGEWIRE_MODULES = {
+    "store": "pagewire.mooncake_store",
+    "engine": "pagewire.mooncake_compat",
+    "buffer_pool": "pagewire.mooncake_buffer_pool",
+}
 
 #: Names whose signature pagewire cannot or does not match; presence is still checked.
 DIFFERENCES = {

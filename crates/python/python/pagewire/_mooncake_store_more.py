@@ -1,6 +1,7 @@
 """``MooncakeDistributedStore``'s calls beyond the zero-copy core: the copying batch
-calls, upserts, ranged reads and put/get sessions, replica queries, and the calls that
-need a Mooncake build pagewire is not (tensors, file and disk segments, replica tasks),
+calls, upserts, ranged reads and put/get sessions, replica queries, the tensor calls
+(their bodies are in :mod:`pagewire._mooncake_tensor`), and the calls that need a
+Mooncake build pagewire is not (CUDA IPC reads, file and disk segments, replica tasks),
 which answer as the non-CUDA wheel does. A mixin of :class:`pagewire._mooncake_store.
 MooncakeDistributedStore`; return codes are Mooncake's (types.h's ``ErrorCode``).
 
@@ -24,6 +25,7 @@ from pagewire._mooncake_store_types import (
     ReplicaDescriptor,
     ReplicaStatus,
 )
+from pagewire._mooncake_tensor import _StoreTensor
 from pagewire._native import StoreError
 
 _log = logging.getLogger("pagewire.mooncake_compat")
@@ -44,7 +46,7 @@ def _bytes_of(value: Any) -> memoryview:
     return memoryview(value).cast("B")
 
 
-class _StoreMore:
+class _StoreMore(_StoreTensor):
     """The mixin; needs ``_client``, ``_staging``, ``_lock``, ``_put`` and ``_get`` of the
     store class."""
 
@@ -561,9 +563,9 @@ class _StoreMore:
         return None, _TASK_NOT_FOUND
 
     # ------------------------------------------------------------------ tensors
-    # pagewire does not implement Mooncake's tensor format: every tensor call answers as
-    # the wheel does when its argument is not a torch tensor (torch absent), whatever
-    # the argument. The plain ones are generated below from _TENSOR_METHODS.
+    # The tensor calls are generated below from _TENSOR_METHODS (Mooncake's signatures);
+    # those with a body in _StoreTensor (pagewire._mooncake_tensor) store Mooncake's
+    # on-store format, the others answer as the wheel does without torch.
 
     def save_tensor_to_safetensor(self, key: str, file_name: object = None) -> int:
         """``-1100``, as the wheel without torch."""
@@ -575,7 +577,8 @@ class _StoreMore:
 
 
 def _tensor_stub(name: str, params: str, result: str) -> Any:
-    """A tensor method with Mooncake's signature (``params``: ``"key, size=0"``) and the
+    """A tensor method with Mooncake's signature (``params``: ``"key, size=0"``). It runs
+    ``_t_<name>`` of :class:`_StoreTensor` where there is one; otherwise it gives the
     wheel's torch-less answer: ``result`` is ``int`` (-600), ``list`` (-600 per key),
     ``none`` or ``nones`` (``None`` per key)."""
     fields = [p.strip().partition("=") for p in params.split(",")]
@@ -590,9 +593,13 @@ def _tensor_stub(name: str, params: str, result: str) -> Any:
             for n, eq, d in fields
         ]
     )
+    body = getattr(_StoreTensor, f"_t_{name}", None)
 
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
         bound = sig.bind(self, *args, **kwargs)
+        if body is not None:
+            bound.apply_defaults()
+            return body(*bound.args)
         if result in ("list", "nones"):
             n = len(list(list(bound.arguments.values())[1]))
             return [_INVALID_PARAMS if result == "list" else None] * n
@@ -601,7 +608,11 @@ def _tensor_stub(name: str, params: str, result: str) -> Any:
     method.__name__ = name
     method.__qualname__ = f"MooncakeDistributedStore.{name}"
     method.__signature__ = sig  # type: ignore[attr-defined]
-    method.__doc__ = "Not provided by pagewire (Mooncake's tensor format): answers as the wheel does without torch."
+    method.__doc__ = (
+        "Mooncake's call, in Mooncake's on-store tensor format (see pagewire._mooncake_tensor)."
+        if body is not None
+        else "Needs a setup_dummy client and CUDA IPC: -600, as the non-CUDA wheel gives."
+    )
     return method
 
 

@@ -195,11 +195,23 @@ class ReadTarget:
     """What a tensor read materialises: ``mode`` ``"as_stored"``, ``"shard"`` or
     ``"full"``."""
 
-    __slots__ = ("mode", "parallelism")
+    __slots__ = ("_mode", "parallelism")
 
     def __init__(self) -> None:
-        self.mode = "as_stored"
+        self._mode = "as_stored"
         self.parallelism: Optional[TensorParallelism] = None
+
+    @property
+    def mode(self) -> str:
+        return self._mode
+
+    @mode.setter
+    def mode(self, value: str) -> None:
+        # As Mooncake's: any case is accepted and kept lower-case; another mode raises.
+        mode = str(value).lower()
+        if mode not in ("as_stored", "shard", "full"):
+            raise RuntimeError("Unsupported ReadTarget mode")
+        self._mode = mode
 
 
 class EngramStoreConfig:
