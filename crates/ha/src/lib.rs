@@ -7,7 +7,9 @@
 //!   elect another one ([`leader`] says how).
 //! * [`EtcdLocator`]: the store client's [`pagewire_store::MasterLocator`] on etcd.
 //!   [`client_config`] builds client settings for either kind of address.
-//! * [`Etcd`]: the small synchronous etcd client both use (one private runtime thread).
+//! * [`EtcdDirectory`]: the Mooncake transfer engine's metadata server on etcd
+//!   (`etcd://` in `TransferEngine.initialize`); [`new_engine`] picks it by address.
+//! * [`Etcd`]: the small synchronous etcd client all of them use (one private runtime thread).
 //!
 //! The store itself stays free of tokio: only this crate depends on the async etcd
 //! client. `docs/store.md` ("Masters on etcd") describes the design and its limits.
@@ -17,6 +19,7 @@ pub mod error;
 pub mod etcd;
 pub mod leader;
 pub mod locate;
+pub mod mooncake;
 #[doc(hidden)]
 pub mod testkit;
 
@@ -24,3 +27,4 @@ pub use error::{HaError, Result};
 pub use etcd::{Etcd, parse_endpoints};
 pub use leader::{HaConfig, HaMaster, Role, leader_key};
 pub use locate::{EtcdLocator, client_config};
+pub use mooncake::{EtcdDirectory, new_engine};
