@@ -1,9 +1,9 @@
 """The transfer engine with an etcd metadata server, for test_mooncake_etcd.py's
 differential test: ``python etcd_cases.py IMPL URL`` (``IMPL``: ``pagewire`` or
 ``mooncake``) runs the calls below in one process and prints one JSON object of what
-each returned; ``URL`` ``unreachable`` runs ``initialize`` against an etcd address where
-nobody listens, alone in its process. The caller sets ``MC_TCP_BIND_ADDRESS=127.0.0.1`` so that both stay on
-127.0.0.1."""
+each returned; ``unreachable`` in place of ``URL`` runs ``initialize`` against an etcd
+address where nobody listens, alone in its process. The caller sets
+``MC_TCP_BIND_ADDRESS=127.0.0.1`` so that both implementations stay on 127.0.0.1."""
 
 import gc
 import json
