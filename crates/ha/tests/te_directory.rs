@@ -237,3 +237,37 @@ fn etcd_down_or_stopped_fails_within_the_deadline() -> Result<()> {
     );
     Ok(())
 }
+
+#[test]
+fn a_name_lost_with_its_lease_is_published_again() -> Result<()> {
+    let cluster = EtcdCluster::start(1);
+    let url = cluster.url();
+    let etcd = Etcd::connect(&url, soon())?;
+    let a = engine(&url, "127.0.0.1:comeback")?;
+    let key = segment_key("", "127.0.0.1:comeback");
+    // etcd stopped for longer than the lease (5 s): on resumption it expires the lease
+    // and the key, and the engine's renewal finds its lease gone.
+    cluster.pause(0);
+    std::thread::sleep(Duration::from_secs(7));
+    cluster.resume(0);
+    let t = Instant::now();
+    let mut gone_seen = false;
+    loop {
+        let present = etcd.get(&key, soon())?.is_some();
+        gone_seen |= !present;
+        if present && gone_seen {
+            break;
+        }
+        ensure!(
+            t.elapsed() < Duration::from_secs(15),
+            "not published again (gone seen: {gone_seen})"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    println!("published again {:?} after etcd resumed", t.elapsed());
+    let b = engine(&url, "127.0.0.1:other")?;
+    assert!(b.open_segment("127.0.0.1:comeback", false)? > 0);
+    drop(a);
+    ensure!(etcd.get(&key, soon())?.is_none(), "withdrawn on close");
+    Ok(())
+}
