@@ -322,7 +322,9 @@ impl MooncakeEngine {
         0
     }
 
-    /// ``initialize`` with the metadata type spelled out (it is read from the address).
+    /// ``initialize`` with the metadata type spelled out: an address without a scheme
+    /// gets ``metadata_type://`` in front (``"etcd"``, ``"127.0.0.1:2379"``); one with a
+    /// scheme, and ``"P2PHANDSHAKE"``, are used as they are.
     #[pyo3(signature = (local_hostname, metadata_server, protocol, device_name, metadata_type, /))]
     fn initialize_ext(
         &self,
@@ -333,8 +335,15 @@ impl MooncakeEngine {
         device_name: &str,
         metadata_type: &str,
     ) -> i32 {
-        let _ = metadata_type;
-        self.initialize(py, local_hostname, metadata_server, protocol, device_name)
+        let meta = if metadata_server == "P2PHANDSHAKE"
+            || metadata_server.contains("://")
+            || metadata_type.is_empty()
+        {
+            metadata_server.to_owned()
+        } else {
+            format!("{metadata_type}://{metadata_server}")
+        };
+        self.initialize(py, local_hostname, &meta, protocol, device_name)
     }
 
     /// The handshake (RPC) port; the session id is ``f"{host}:{port}"``.

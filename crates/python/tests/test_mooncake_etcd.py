@@ -179,3 +179,14 @@ def test_etcd_metadata_against_mooncake(etcd, impl):
             bad.append(f"{case}: got {got.get(case)!r}, want {w!r} ({kind})")
     print(f"{impl}: initialize against an unreachable etcd: {got['init_unreachable_s']} s")
     assert not bad, "\n".join(bad)
+
+
+def test_initialize_ext_reads_the_metadata_type(etcd):
+    url, port, _ = etcd
+    bare = url.removeprefix("etcd://")
+    te = TransferEngine()
+    assert te.initialize_ext("ext-0", bare, "tcp", "", "etcd") == 0
+    assert KEY + "ext-0" in etcd_keys(port, KEY)
+    assert TransferEngine().initialize_ext("ext-1", bare, "tcp", "", "redis") == -1
+    te.close()
+    assert etcd_keys(port, KEY) == {}
