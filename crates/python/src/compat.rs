@@ -346,7 +346,7 @@ impl MooncakeEngine {
         self.initialize(py, local_hostname, &meta, protocol, device_name)
     }
 
-    /// The handshake (RPC) port; the session id is ``f"{host}:{port}"``.
+    /// The handshake (RPC) port; in P2P mode the session id is ``f"{host}:{port}"``.
     fn get_rpc_port(&self, py: Python<'_>) -> i32 {
         match self.get() {
             Some(e) => i32::from(e.rpc_port()),
