@@ -429,25 +429,15 @@ impl TransferEngine {
 
     /// Mooncake's `send_probe`: `Ok` when the engine behind the session id answers a
     /// handshake (or, on a live cached connection, a describe) within the handshake
-    /// timeout. A malformed id is [`Code::Metadata`], a name that does not resolve
-    /// [`Code::Dns`], anything else [`Code::Socket`]. A fresh connection becomes the
-    /// segment's.
+    /// timeout. A malformed id, or with a directory a name nobody holds there or a
+    /// failed lookup, is [`Code::Metadata`], a name that does not resolve [`Code::Dns`],
+    /// anything else [`Code::Socket`]. A fresh connection becomes the segment's.
     pub fn send_probe(&self, name: &str) -> Result<(), Error> {
-        let (addrs, expect) = match &self.inner.directory {
-            None => {
-                let (host, port) = sid::parse(name).map_err(|why| {
-                    Error::new(Code::Metadata, format!("session id {name:?}: {why}"))
-                })?;
-                let addrs = sid::resolve(host, port, self.handshake_timeout())
-                    .map_err(|m| Error::new(Code::Dns, format!("session id {name:?}: {m}")))?;
-                (addrs, None)
-            }
-            // A name the directory does not hold names no engine.
-            Some(_) => self.locate(name).map_err(|e| match e.code() {
-                Code::InvalidArgument => e.recode(Code::Metadata),
-                _ => e,
-            })?,
-        };
+        // A malformed id, or a name the directory does not hold, names no engine.
+        let (addrs, expect) = self.locate(name).map_err(|e| match e.code() {
+            Code::InvalidArgument => e.recode(Code::Metadata),
+            _ => e,
+        })?;
         let probe = |e| Error::with_code(Code::Socket, &format!("probe {name}"), e);
         let cached = {
             let segs = lock(&self.inner.segments);
