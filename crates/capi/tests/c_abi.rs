@@ -6,6 +6,7 @@
 //! * `mooncake_two_processes_tcp`: `tests/c/te_two_process.c` over TCP on 127.0.0.1.
 //! * `mooncake_two_processes_verbs`: the same program over verbs on `RDMA_DEVICE` (the
 //!   soft-RoCE VM); SKIP without a device, a failure with `RDMA_REQUIRED=1`.
+//! * `mooncake_two_processes_etcd`: `tests/c/te_etcd.c`, segments by name through etcd.
 //! * `native_api`: `tests/c/pw_native.c`, pagewire.h end to end in one process.
 //! * `docs_example`: the C example of `docs/c-api.md`, extracted, compiled and run.
 //!
@@ -484,6 +485,23 @@ fn mooncake_two_processes_verbs() -> Result<()> {
     print!("{out}");
     ensure!(out.contains("te_two_process: ok"), "{out}");
     ensure!(out.contains("backend verbs"), "{out}");
+    Ok(())
+}
+
+/// `tests/c/te_etcd.c`: two processes with `etcd://` metadata on a real etcd (the
+/// `etcd` binary, scripts/setup.sh), segments opened by registered name.
+#[cfg(feature = "etcd")]
+#[test]
+fn mooncake_two_processes_etcd() -> Result<()> {
+    let etcd = pagewire_ha::testkit::EtcdCluster::start(1);
+    let prog = compile(&crate_dir().join("tests/c/te_etcd.c"), "te_etcd")?;
+    let mut env = two_process_env("tcp");
+    env.push(("TE_ETCD_URL", etcd.url()));
+    // The address published for peers: stay on 127.0.0.1.
+    env.push(("MC_TCP_BIND_ADDRESS", "127.0.0.1".into()));
+    let out = run(&prog, &env, Duration::from_secs(120))?;
+    print!("{out}");
+    ensure!(out.contains("te_etcd: ok"), "{out}");
     Ok(())
 }
 

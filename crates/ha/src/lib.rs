@@ -9,7 +9,9 @@
 //!   [`client_config`] builds client settings for either kind of address.
 //! * [`oplog`]: the leader's op-log on etcd ([`oplog::EtcdJournal`]) and the standbys'
 //!   reader ([`oplog::Follower`]), so that a new leader keeps the old one's objects.
-//! * [`Etcd`]: the small synchronous etcd client both use (one private runtime thread).
+//! * [`EtcdDirectory`]: the Mooncake transfer engine's metadata server on etcd
+//!   (`etcd://` in `TransferEngine.initialize`); [`new_engine`] picks it by address.
+//! * [`Etcd`]: the small synchronous etcd client all of them use (one private runtime thread).
 //!
 //! The store itself stays free of tokio: only this crate depends on the async etcd
 //! client. `docs/store.md` ("Masters on etcd") describes the design and its limits.
@@ -19,6 +21,7 @@ pub mod error;
 pub mod etcd;
 pub mod leader;
 pub mod locate;
+pub mod mooncake;
 pub mod oplog;
 #[doc(hidden)]
 pub mod testkit;
@@ -27,3 +30,4 @@ pub use error::{HaError, Result};
 pub use etcd::{Etcd, parse_endpoints};
 pub use leader::{DEFAULT_SNAPSHOT_EVERY, HaConfig, HaMaster, Role, leader_key};
 pub use locate::{EtcdLocator, client_config};
+pub use mooncake::{EtcdDirectory, new_engine};

@@ -9,6 +9,8 @@
 
 use pagewire_transport::HandshakeError;
 
+use crate::directory::DirectoryError;
+
 /// A Mooncake failure code.
 ///
 /// Grouped by who is at fault: the caller (`InvalidArgument` .. `AddressOverlapped`,
@@ -36,7 +38,8 @@ pub enum Code {
     Socket = 102,
     /// `kRejectHandshake`: the peer refused the handshake or spoke garbage.
     RejectHandshake = 104,
-    /// `kMetadata`: a session id that names no engine (`send_probe`).
+    /// `kMetadata`: a session id that names no engine (`send_probe`), or the metadata
+    /// directory failed (unreachable, timed out, a malformed entry).
     Metadata = 200,
     /// `kEndpoint`: the data path failed (a work completion error, a verbs call).
     Endpoint = 201,
@@ -63,7 +66,7 @@ impl Code {
             Code::Dns => "name did not resolve",
             Code::Socket => "peer unreachable, gone or timed out",
             Code::RejectHandshake => "handshake refused or malformed",
-            Code::Metadata => "malformed session id",
+            Code::Metadata => "unknown session id or metadata directory failure",
             Code::Endpoint => "data path failed",
             Code::Context => "engine shut down or internal error",
             Code::Memory => "memory registration failed",
@@ -131,7 +134,16 @@ pub struct Error {
     code: Code,
     message: String,
     #[source]
-    source: Option<pagewire_transport::Error>,
+    source: Option<Cause>,
+}
+
+/// The error underneath an [`Error`].
+#[derive(Debug, Clone, thiserror::Error)]
+enum Cause {
+    #[error(transparent)]
+    Transport(pagewire_transport::Error),
+    #[error(transparent)]
+    Directory(DirectoryError),
 }
 
 impl Error {
@@ -160,8 +172,29 @@ impl Error {
         Error {
             code,
             message,
-            source: Some(e),
+            source: Some(Cause::Transport(e)),
         }
+    }
+
+    /// A metadata directory's failure: the caller's mistakes are
+    /// [`Code::InvalidArgument`], the directory's own [`Code::Metadata`]. `context` goes
+    /// before the directory's text.
+    pub fn directory(context: &str, e: DirectoryError) -> Error {
+        let code = match e {
+            DirectoryError::Misuse { .. } | DirectoryError::Taken { .. } => Code::InvalidArgument,
+            _ => Code::Metadata,
+        };
+        Error {
+            code,
+            message: format!("{context}: {e}"),
+            source: Some(Cause::Directory(e)),
+        }
+    }
+
+    /// The same error under another code.
+    pub(crate) fn recode(mut self, code: Code) -> Error {
+        self.code = code;
+        self
     }
 
     /// Mooncake's code for it.
@@ -171,7 +204,18 @@ impl Error {
 
     /// The transport error behind it, if any.
     pub fn transport_error(&self) -> Option<&pagewire_transport::Error> {
-        self.source.as_ref()
+        match &self.source {
+            Some(Cause::Transport(e)) => Some(e),
+            _ => None,
+        }
+    }
+
+    /// The metadata directory's error behind it, if any.
+    pub fn directory_error(&self) -> Option<&DirectoryError> {
+        match &self.source {
+            Some(Cause::Directory(e)) => Some(e),
+            _ => None,
+        }
     }
 }
 

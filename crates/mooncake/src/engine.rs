@@ -15,6 +15,7 @@ use pagewire_transport::{
 };
 
 use crate::code::{Code, Error, fail};
+use crate::directory::{MetadataDirectory, SegmentDescriptor, check_name};
 use crate::mailbox::{Mailbox, PeerBoxes, Tag, decode};
 use crate::managed::{Block, MANAGED_CHUNK_BYTES, Managed, class_of};
 use crate::segments::Segments;
@@ -29,6 +30,9 @@ pub const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(4);
 const PORT_ATTEMPTS: u64 = 64;
 /// How often the worker reclaims slots and forgets broken connections.
 const SWEEP: Duration = Duration::from_millis(500);
+/// Longest [`TransferEngine::close`] waits for the metadata directory to withdraw the
+/// segment name (a directory that does not answer lets the name expire by itself).
+const WITHDRAW_WAIT: Duration = Duration::from_secs(2);
 /// How long [`TransferEngine::close`] waits for the worker (it may be inside a READ of
 /// a slow peer; it finishes on its own once the engine is shut down).
 const WORKER_STOP_WAIT: Duration = Duration::from_millis(200);
@@ -100,6 +104,10 @@ pub(crate) type Regions = BTreeMap<u64, LocalRegion>;
 pub(crate) struct Inner {
     pub(crate) engine: Engine,
     pub(crate) name: String,
+    /// `host:port` of the handshake listener (the name too without a directory).
+    pub(crate) rpc_name: String,
+    /// Where segment names are published and looked up; `None`: P2P handshake names.
+    pub(crate) directory: Option<Arc<dyn MetadataDirectory>>,
     pub(crate) notes: Vec<Note>,
     pub(crate) transfer_timeout: Duration,
     pub(crate) unregister_wait: Duration,
@@ -127,9 +135,11 @@ pub struct TransferEngine {
 
 impl TransferEngine {
     /// Mooncake's `TransferEngine::init` (`createTransferEngine`, Python's
-    /// `initialize`). `metadata` must be `"P2PHANDSHAKE"`: the segment name is
-    /// `host:port` of this engine's handshake listener, `host` from `local_hostname`
-    /// (any `:port` in it is ignored, as Mooncake does in P2P mode).
+    /// `initialize`) in P2P handshake mode. `metadata` must be `"P2PHANDSHAKE"`: the
+    /// segment name is `host:port` of this engine's handshake listener, `host` from
+    /// `local_hostname` (any `:port` in it is ignored, as Mooncake does in P2P mode).
+    /// A metadata server (`etcd://...`) goes through [`Self::with_directory`]
+    /// (`pagewire_ha::mooncake::new_engine` picks by the address).
     pub fn new(
         metadata: &str,
         local_hostname: &str,
@@ -139,10 +149,32 @@ impl TransferEngine {
             return fail(
                 Code::InvalidArgument,
                 format!(
-                    "metadata server {metadata:?} is not supported (pagewire supports \"P2PHANDSHAKE\" only)"
+                    "metadata server {metadata:?} is not supported (pagewire supports \"P2PHANDSHAKE\" and etcd://host:port)"
                 ),
             );
         }
+        Self::start(local_hostname, opts, None)
+    }
+
+    /// Mooncake's `TransferEngine::init` with a metadata server: the segment name is
+    /// `local_hostname` itself (trimmed; Mooncake's `local_server_name`), published in
+    /// `directory` with this engine's handshake address until [`Self::close`], and
+    /// [`Self::open_segment`] looks peers' names up there. The listener's host is
+    /// `local_hostname`'s host part, as in P2P mode. Fails when the directory does not
+    /// answer within the handshake timeout or another live engine holds the name.
+    pub fn with_directory(
+        local_hostname: &str,
+        opts: Options,
+        directory: Arc<dyn MetadataDirectory>,
+    ) -> Result<TransferEngine, Error> {
+        Self::start(local_hostname, opts, Some(directory))
+    }
+
+    fn start(
+        local_hostname: &str,
+        opts: Options,
+        directory: Option<Arc<dyn MetadataDirectory>>,
+    ) -> Result<TransferEngine, Error> {
         if opts.protocol.as_deref() == Some("xgmi") {
             return fail(Code::InvalidArgument, "protocol \"xgmi\" is not supported");
         }
@@ -150,6 +182,21 @@ impl TransferEngine {
         if host.is_empty() {
             return fail(Code::InvalidArgument, "local hostname is empty");
         }
+        if directory.is_some()
+            && let Err(why) = check_name(local_hostname.trim())
+        {
+            return fail(Code::InvalidArgument, why);
+        }
+        // With a directory the name is not an address: the address peers reach is
+        // published next to it, and must be one they can resolve.
+        let advertised = match directory {
+            Some(_) => advertised_host(
+                host,
+                opts.handshake_timeout.unwrap_or(DEFAULT_HANDSHAKE_TIMEOUT),
+            )?,
+            None => host.to_owned(),
+        };
+        let host = advertised.as_str();
         let (engine, notes) = open_engine(host, &opts)?;
         let mailbox = match Mailbox::new(&engine) {
             Ok(m) => m,
@@ -158,11 +205,17 @@ impl TransferEngine {
                 return Err(Error::transport("notification mailbox", e));
             }
         };
-        let name = sid::join(host, engine.local_addr().port());
+        let rpc_name = sid::join(host, engine.local_addr().port());
+        let name = match directory {
+            Some(_) => local_hostname.trim().to_owned(),
+            None => rpc_name.clone(),
+        };
         let cpu = engine.backend_kind() != BackendKind::Verbs;
         let inner = Arc::new(Inner {
             segments: Mutex::new(Segments::new(&name)),
             name,
+            rpc_name,
+            directory,
             notes,
             transfer_timeout: opts.transfer_timeout,
             unregister_wait: opts.unregister_wait,
@@ -189,11 +242,31 @@ impl TransferEngine {
                 );
             }
         };
-        Ok(TransferEngine {
+        let te = TransferEngine {
             inner,
             worker: Mutex::new(Some((stop_tx, thread))),
             managed: Mutex::new(Managed::default()),
-        })
+        };
+        // Published last: a peer that finds the name finds a working engine.
+        if let Some(d) = &te.inner.directory {
+            let desc = SegmentDescriptor {
+                name: te.inner.name.clone(),
+                rpc: te.inner.rpc_name.clone(),
+                engine_id: te.transport().id(),
+                backend: te.backend_kind().to_string(),
+            };
+            let by = Instant::now() + te.handshake_timeout();
+            if let Err(e) = d.publish(&desc, by) {
+                // Not published: nothing to withdraw (dropping `te` finds it closed).
+                te.close_without_directory();
+                return Err(Error::directory(
+                    &format!("publishing segment {:?}", desc.name),
+                    e,
+                ));
+            }
+            tracing::info!(segment = %desc.name, rpc = %desc.rpc, "published in {}", d.describe());
+        }
+        Ok(te)
     }
 
     /// Stops the engine: the notification thread, every registration (waiting up to
@@ -201,6 +274,21 @@ impl TransferEngine {
     /// connection; pending batches fail and every method fails from now on. When it
     /// returns, nothing of this engine touches registered memory again. Idempotent.
     pub fn close(&self) {
+        if self.inner.closed.load(Ordering::Acquire) {
+            return;
+        }
+        // Withdrawn first, so that peers stop finding an engine that is going away.
+        if let Some(d) = &self.inner.directory
+            && let Err(e) = d.remove(&self.inner.name, Instant::now() + WITHDRAW_WAIT)
+        {
+            tracing::warn!(segment = %self.inner.name, error = %e,
+                "withdrawing the segment name failed; it expires with its lease");
+        }
+        self.close_without_directory();
+    }
+
+    /// [`Self::close`] without touching the directory.
+    fn close_without_directory(&self) {
         if self.inner.closed.swap(true, Ordering::AcqRel) {
             return;
         }
@@ -223,9 +311,34 @@ impl TransferEngine {
         self.transport().shutdown();
     }
 
-    /// This engine's segment name, `host:port` (`[v6]:port`): what peers open.
+    /// This engine's segment name, what peers open: `host:port` (`[v6]:port`) in P2P
+    /// mode, the `local_hostname` given with a metadata directory.
     pub fn name(&self) -> &str {
         &self.inner.name
+    }
+
+    /// `host:port` (`[v6]:port`) of the handshake listener (Mooncake's
+    /// `getLocalIpAndPort`); the same as [`Self::name`] in P2P mode.
+    pub fn rpc_name(&self) -> &str {
+        &self.inner.rpc_name
+    }
+
+    /// Mooncake's `removeLocalSegment`: with a directory, withdraws this engine's own
+    /// name (peers can no longer open it; open connections stay); any other name, and
+    /// P2P mode, do nothing.
+    pub fn remove_local_segment(&self, name: &str) -> Result<(), Error> {
+        self.check_open()?;
+        match &self.inner.directory {
+            Some(d) if name == self.inner.name => d
+                .remove(name, Instant::now() + self.handshake_timeout())
+                .map_err(|e| Error::directory(&format!("withdrawing segment {name:?}"), e)),
+            _ => Ok(()),
+        }
+    }
+
+    /// The metadata directory the engine publishes in, if any.
+    pub fn directory(&self) -> Option<&Arc<dyn MetadataDirectory>> {
+        self.inner.directory.as_ref()
     }
 
     /// The handshake (RPC) port.
@@ -631,6 +744,31 @@ fn open_engine(host: &str, opts: &Options) -> Result<(Engine, Vec<Note>), Error>
     fail(
         Code::Socket,
         format!("no free port in [{lo}, {hi}] ({last_err})"),
+    )
+}
+
+/// The host a directory entry advertises: `MC_TCP_BIND_ADDRESS` when set (Mooncake's
+/// setting), else the host part of `local_hostname` when it resolves, else this
+/// machine's host name (`/proc/sys/kernel/hostname`) when that resolves.
+fn advertised_host(host: &str, within: Duration) -> Result<String, Error> {
+    if let Some(a) = env::tcp_bind_address() {
+        return Ok(a);
+    }
+    if sid::resolve(host, 0, within).is_ok() {
+        return Ok(host.to_owned());
+    }
+    let own = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+    let own = own.trim();
+    if !own.is_empty() && sid::resolve(own, 0, within).is_ok() {
+        return Ok(own.to_owned());
+    }
+    fail(
+        Code::InvalidArgument,
+        format!(
+            "{host:?} (from the local hostname) does not resolve, nor does this machine's \
+             host name: set MC_TCP_BIND_ADDRESS to the address peers reach this engine at, \
+             or give it as the host part (\"10.0.0.1:prefill-0\")"
+        ),
     )
 }
 

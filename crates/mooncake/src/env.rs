@@ -5,6 +5,7 @@
 //! | `MC_TRANSFER_TIMEOUT` | seconds a transfer of the Python binding may take (plus 1 ns per byte); `atoi`, floor 5, default 30 |
 //! | `MC_MIN_RPC_PORT`, `MC_MAX_RPC_PORT` | the range the handshake (RPC) port is picked from; default 15000-17000 |
 //! | `MC_FORCE_TCP` | set (to anything): TCP even where an RDMA device is usable |
+//! | `MC_TCP_BIND_ADDRESS` | with a metadata server (etcd): the host published for peers to reach this engine, and listened on |
 //!
 //! `PAGEWIRE_TRANSPORT` (pagewire's own) wins over all of them.
 
@@ -14,6 +15,14 @@ use pagewire_transport::BackendKind;
 
 /// Mooncake's default RPC port range.
 pub const DEFAULT_RPC_PORTS: (u16, u16) = (15000, 17000);
+
+/// `MC_TCP_BIND_ADDRESS`, trimmed, when set and not empty.
+pub fn tcp_bind_address() -> Option<String> {
+    std::env::var("MC_TCP_BIND_ADDRESS")
+        .ok()
+        .map(|v| v.trim().to_owned())
+        .filter(|v| !v.is_empty())
+}
 
 /// `MC_TRANSFER_TIMEOUT` as Mooncake reads it: whole seconds, `atoi` semantics, floor 5,
 /// default 30.

@@ -70,10 +70,15 @@
 //! # Ok(()) }
 //! ```
 //!
+//! Segment names are P2P handshake names by default; with a metadata directory
+//! ([`directory`], etcd through `pagewire-ha`) an engine publishes the name it was given
+//! and peers look it up there.
+//!
 //! Environment: `MC_TRANSFER_TIMEOUT`, `MC_MIN_RPC_PORT`/`MC_MAX_RPC_PORT`,
 //! `MC_FORCE_TCP` as Mooncake reads them ([`env`]), and the transport's `PAGEWIRE_*`.
 
 mod code;
+pub mod directory;
 mod engine;
 pub mod env;
 mod mailbox;
@@ -84,6 +89,7 @@ pub mod sid;
 mod transfer;
 
 pub use code::{Code, Error};
+pub use directory::{DirectoryError, MetadataDirectory, SegmentDescriptor};
 pub use engine::{DEFAULT_HANDSHAKE_TIMEOUT, Note, Options, TransferEngine};
 pub use mailbox::{MAX_NOTIFY_BYTES, OUTBOX_BYTES, QUEUE_MAX, SLOT_BYTES, SLOTS};
 pub use managed::MANAGED_CHUNK_BYTES;

@@ -7,12 +7,14 @@
 //! ([`LOCAL_SEGMENT`]) is this engine itself, connected on first use.
 
 use std::collections::{BTreeMap, HashMap};
-use std::net::IpAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 use pagewire_transport::{Access, PeerId, RemoteRegion};
 
 use crate::code::{Code, Error, fail};
+use crate::directory::{DirectoryError, check_name};
 use crate::engine::TransferEngine;
 use crate::{lock, sid};
 
@@ -167,25 +169,90 @@ impl TransferEngine {
                 fresh: true,
             });
         }
-        let (host, port) = match sid::parse(name) {
-            Ok(hp) => hp,
-            Err(why) => {
-                return fail(
-                    Code::InvalidArgument,
-                    format!("segment name {name:?}: {why}"),
-                );
-            }
-        };
-        let addrs = sid::resolve(host, port, self.handshake_timeout())
-            .map_err(|m| Error::new(Code::Dns, format!("segment {name:?}: {m}")))?;
+        let (addrs, expect) = self.locate(name)?;
         let peer = self
-            .transport()
-            .connect(&addrs[..])
+            .connect_to(name, &addrs, expect)
             .map_err(|e| Error::transport(&format!("cannot open segment {name:?}"), e))?;
         self.install(name, peer).map(|target| Opened {
             target,
             fresh: true,
         })
+    }
+
+    /// The addresses of the engine named `name`, and the engine id it must answer with
+    /// when a directory published one. P2P: `name` is `host:port`
+    /// ([`Code::InvalidArgument`] when malformed, [`Code::Dns`] when it does not
+    /// resolve). With a directory: the name is looked up there within the handshake
+    /// timeout; a name nobody holds is [`Code::InvalidArgument`] (Mooncake's -1), a
+    /// directory that fails [`Code::Metadata`].
+    fn locate(&self, name: &str) -> Result<(Vec<SocketAddr>, Option<u64>), Error> {
+        let within = self.handshake_timeout();
+        let Some(dir) = &self.inner.directory else {
+            let (host, port) = sid::parse(name).map_err(|why| {
+                Error::new(
+                    Code::InvalidArgument,
+                    format!("segment name {name:?}: {why}"),
+                )
+            })?;
+            let addrs = sid::resolve(host, port, within)
+                .map_err(|m| Error::new(Code::Dns, format!("segment {name:?}: {m}")))?;
+            return Ok((addrs, None));
+        };
+        check_name(name).map_err(|why| Error::new(Code::InvalidArgument, why))?;
+        let found = dir
+            .resolve(name, Instant::now() + within)
+            .map_err(|e| Error::directory(&format!("looking up segment {name:?}"), e))?;
+        let Some(desc) = found else {
+            return fail(
+                Code::InvalidArgument,
+                format!(
+                    "segment {name:?} is not registered in {} (no live engine has that name)",
+                    dir.describe()
+                ),
+            );
+        };
+        if desc.name != name {
+            let e = DirectoryError::Malformed {
+                name: name.to_owned(),
+                reason: format!("it names segment {:?}", desc.name),
+            };
+            return Err(Error::directory("looking up a segment", e));
+        }
+        let (host, port) = sid::parse(&desc.rpc).map_err(|why| {
+            let e = DirectoryError::Malformed {
+                name: name.to_owned(),
+                reason: format!("address {:?}: {why}", desc.rpc),
+            };
+            Error::directory("looking up a segment", e)
+        })?;
+        let addrs = sid::resolve(host, port, within)
+            .map_err(|m| Error::new(Code::Dns, format!("segment {name:?}: {m}")))?;
+        Ok((addrs, Some(desc.engine_id)))
+    }
+
+    /// Connects to `addrs`; with `expect`, the engine reached must have that id (a
+    /// directory's entry whose address another engine took since is refused).
+    fn connect_to(
+        &self,
+        name: &str,
+        addrs: &[SocketAddr],
+        expect: Option<u64>,
+    ) -> Result<PeerId, pagewire_transport::Error> {
+        let peer = self.transport().connect(addrs)?;
+        if let Some(want) = expect {
+            let got = self.transport().peer_info(peer).map(|i| i.engine_id);
+            if got.as_ref().ok() != Some(&want) {
+                let _ = self.transport().disconnect(peer);
+                return Err(pagewire_transport::Error::PeerGone {
+                    peer,
+                    fault: pagewire_transport::PeerFault::Disconnected,
+                    reason: format!(
+                        "the engine published as {name:?} ({want:016x}) is gone: another one answers at its address"
+                    ),
+                });
+            }
+        }
+        Ok(peer)
     }
 
     /// Makes `peer` (just connected) the connection of the segment `name`, replacing a
@@ -362,14 +429,15 @@ impl TransferEngine {
 
     /// Mooncake's `send_probe`: `Ok` when the engine behind the session id answers a
     /// handshake (or, on a live cached connection, a describe) within the handshake
-    /// timeout. A malformed id is [`Code::Metadata`], a name that does not resolve
-    /// [`Code::Dns`], anything else [`Code::Socket`]. A fresh connection becomes the
-    /// segment's.
+    /// timeout. A malformed id, or with a directory a name nobody holds there or a
+    /// failed lookup, is [`Code::Metadata`], a name that does not resolve [`Code::Dns`],
+    /// anything else [`Code::Socket`]. A fresh connection becomes the segment's.
     pub fn send_probe(&self, name: &str) -> Result<(), Error> {
-        let (host, port) = sid::parse(name)
-            .map_err(|why| Error::new(Code::Metadata, format!("session id {name:?}: {why}")))?;
-        let addrs = sid::resolve(host, port, self.handshake_timeout())
-            .map_err(|m| Error::new(Code::Dns, format!("session id {name:?}: {m}")))?;
+        // A malformed id, or a name the directory does not hold, names no engine.
+        let (addrs, expect) = self.locate(name).map_err(|e| match e.code() {
+            Code::InvalidArgument => e.recode(Code::Metadata),
+            _ => e,
+        })?;
         let probe = |e| Error::with_code(Code::Socket, &format!("probe {name}"), e);
         let cached = {
             let segs = lock(&self.inner.segments);
@@ -388,7 +456,7 @@ impl TransferEngine {
                     None => e,
                 });
         }
-        let peer = self.transport().connect(&addrs[..]).map_err(probe)?;
+        let peer = self.connect_to(name, &addrs, expect).map_err(probe)?;
         self.install(name, peer).map(drop)
     }
 

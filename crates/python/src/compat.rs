@@ -266,7 +266,9 @@ impl MooncakeEngine {
         }
     }
 
-    /// Starts the engine. ``metadata_server`` must be ``"P2PHANDSHAKE"``.
+    /// Starts the engine. ``metadata_server``: ``"P2PHANDSHAKE"`` (the session id is
+    /// ``host:port``) or ``"etcd://h:p[;h:p]"`` (the session id is ``local_hostname``,
+    /// published in etcd while the engine lives).
     #[pyo3(signature = (local_hostname, metadata_server, protocol, device_name, /))]
     fn initialize(
         &self,
@@ -291,8 +293,8 @@ impl MooncakeEngine {
             // Host memory only: GPU memory is not wired into the Python package yet.
             host_memory_only: true,
         };
-        let made =
-            py.detach(|| no_panic(|| TransferEngine::new(metadata_server, local_hostname, opts)));
+        let made = py
+            .detach(|| no_panic(|| pagewire_ha::new_engine(metadata_server, local_hostname, opts)));
         let e = match made {
             Ok(Ok(e)) => Arc::new(e),
             Ok(Err(err)) => {
@@ -320,7 +322,9 @@ impl MooncakeEngine {
         0
     }
 
-    /// ``initialize`` with the metadata type spelled out; only ``"P2PHANDSHAKE"`` works.
+    /// ``initialize`` with the metadata type spelled out: an address without a scheme
+    /// gets ``metadata_type://`` in front (``"etcd"``, ``"127.0.0.1:2379"``); one with a
+    /// scheme, and ``"P2PHANDSHAKE"``, are used as they are.
     #[pyo3(signature = (local_hostname, metadata_server, protocol, device_name, metadata_type, /))]
     fn initialize_ext(
         &self,
@@ -331,11 +335,18 @@ impl MooncakeEngine {
         device_name: &str,
         metadata_type: &str,
     ) -> i32 {
-        let _ = metadata_type;
-        self.initialize(py, local_hostname, metadata_server, protocol, device_name)
+        let meta = if metadata_server == "P2PHANDSHAKE"
+            || metadata_server.contains("://")
+            || metadata_type.is_empty()
+        {
+            metadata_server.to_owned()
+        } else {
+            format!("{metadata_type}://{metadata_server}")
+        };
+        self.initialize(py, local_hostname, &meta, protocol, device_name)
     }
 
-    /// The handshake (RPC) port; the session id is ``f"{host}:{port}"``.
+    /// The handshake (RPC) port; in P2P mode the session id is ``f"{host}:{port}"``.
     fn get_rpc_port(&self, py: Python<'_>) -> i32 {
         match self.get() {
             Some(e) => i32::from(e.rpc_port()),
@@ -346,7 +357,8 @@ impl MooncakeEngine {
         }
     }
 
-    /// This engine's session id, ``"host:port"`` (``None`` before initialize).
+    /// This engine's session id (``None`` before initialize): ``"host:port"``, or
+    /// ``local_hostname`` with an etcd metadata server.
     #[getter]
     fn session_id(&self) -> Option<String> {
         self.get().map(|e| e.name().to_owned())

@@ -55,7 +55,10 @@ def _serve(impl: str, protocol: str, size: int) -> None:
     else:
         from pagewire.mooncake_compat import TransferEngine
     te = TransferEngine()
-    rc = te.initialize("127.0.0.1", "P2PHANDSHAKE", protocol, os.environ.get("RDMA_DEVICE", ""))
+    # PEER_METADATA / PEER_NAME: a metadata server (etcd://...) and the segment name there.
+    meta = os.environ.get("PEER_METADATA", "P2PHANDSHAKE")
+    name = os.environ.get("PEER_NAME", "127.0.0.1")
+    rc = te.initialize(name, meta, protocol, os.environ.get("RDMA_DEVICE", ""))
     if rc != 0:
         print(json.dumps({"error": f"initialize returned {rc}"}), flush=True)
         return
@@ -65,7 +68,7 @@ def _serve(impl: str, protocol: str, size: int) -> None:
     if rc != 0:
         print(json.dumps({"error": f"register_memory returned {rc}"}), flush=True)
         return
-    sid = f"127.0.0.1:{te.get_rpc_port()}"
+    sid = f"127.0.0.1:{te.get_rpc_port()}" if meta == "P2PHANDSHAKE" else name
     backend = getattr(te, "backend", "mooncake")
     print(json.dumps({"sid": sid, "addr": addr, "len": size, "backend": backend}), flush=True)
     for line in sys.stdin:

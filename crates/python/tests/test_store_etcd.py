@@ -4,9 +4,6 @@
 leader, also after it shuts down. Fails (never skips) without the ``etcd`` binary."""
 
 import os
-import shutil
-import subprocess
-import tempfile
 import time
 
 import pytest
@@ -14,35 +11,15 @@ import pytest
 from pagewire import StoreMaster
 from pagewire.mooncake_compat import MooncakeDistributedStore
 
-from store_diff_cases import free_port, wait_port
+from etcd_helpers import etcd_server
 
 MIB = 1 << 20
 
 
 @pytest.fixture
 def etcd():
-    exe = os.environ.get("PAGEWIRE_ETCD") or shutil.which("etcd")
-    assert exe, (
-        "this test needs a real etcd server and found no `etcd` on PATH: "
-        "run scripts/setup.sh (Debian's etcd-server) or set PAGEWIRE_ETCD"
-    )
-    d = tempfile.mkdtemp(prefix="pagewire-etcd-")
-    client, peer = free_port(), free_port()
-    c, p = f"http://127.0.0.1:{client}", f"http://127.0.0.1:{peer}"
-    proc = subprocess.Popen(
-        [exe, "--name=m0", f"--data-dir={d}/m0", f"--listen-client-urls={c}",
-         f"--advertise-client-urls={c}", f"--listen-peer-urls={p}",
-         f"--initial-advertise-peer-urls={p}", f"--initial-cluster=m0={p}",
-         "--logger=zap", "--log-level=error"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
-        wait_port(client)
-        yield f"etcd://127.0.0.1:{client}"
-    finally:
-        proc.kill()
-        proc.wait()
-        shutil.rmtree(d, ignore_errors=True)
+    with etcd_server() as (url, _, _):
+        yield url
 
 
 def one_leader(masters, timeout=10.0):

@@ -250,9 +250,20 @@ fn c_options() -> Result<Options, Error> {
     })
 }
 
-/// Creates an engine. `metadata_conn_string` must be `"P2PHANDSHAKE"`;
+/// The engine for a metadata address: through `pagewire-ha` when it is built in (etcd).
+fn new_engine(meta: &str, local: &str, o: Options) -> Result<TransferEngine, Error> {
+    #[cfg(feature = "etcd")]
+    return pagewire_ha::new_engine(meta, local, o);
+    #[cfg(not(feature = "etcd"))]
+    return TransferEngine::new(meta, local, o);
+}
+
+/// Creates an engine. `metadata_conn_string`: `"P2PHANDSHAKE"`, where
 /// `local_server_name` gives the host (an IP or a name, any `:port` is ignored as in
-/// Mooncake's P2P mode); `ip_or_host_name`, `rpc_port` and `auto_discover` are ignored:
+/// Mooncake's P2P mode) and the segment name is `host:port`; or `"etcd://h:p[;h:p]"`
+/// (the `etcd` feature, on by default), where `local_server_name` is the segment name,
+/// published in etcd until `destroyTransferEngine`, and its host part the listener's
+/// host. `ip_or_host_name`, `rpc_port` and `auto_discover` are ignored:
 /// the backend is verbs when an RDMA device is usable, TCP otherwise
 /// (`PAGEWIRE_TRANSPORT` or `MC_FORCE_TCP` choose). NULL on failure.
 ///
@@ -275,7 +286,7 @@ pub unsafe extern "C" fn createTransferEngine(
             crate::set_last_error("createTransferEngine: null or non-UTF-8 string argument");
             return std::ptr::null_mut();
         };
-        let made = c_options().and_then(|o| TransferEngine::new(meta, local, o));
+        let made = c_options().and_then(|o| new_engine(meta, local, o));
         match made.map(|te| engines().insert(Arc::new(te))) {
             Ok(Some(token)) => token as usize as transfer_engine_t,
             // The engine was dropped, which closed it.
@@ -300,8 +311,8 @@ pub unsafe extern "C" fn discoverTopology(engine_: transfer_engine_t) -> c_int {
     int_fn(|| engine(engine_).map(drop))
 }
 
-/// Writes this engine's segment name `host:port` (what peers pass to `openSegment`)
-/// into `buf_out`. -1 if the engine is unknown, `buf_out` is null, or the name did not
+/// Writes this engine's handshake address `host:port` into `buf_out` (in P2P mode also
+/// its segment name, what peers pass to `openSegment`). -1 if the engine is unknown, `buf_out` is null, or the name did not
 /// fit (it is then truncated, as `snprintf` would).
 ///
 /// # Safety
@@ -315,7 +326,7 @@ pub unsafe extern "C" fn getLocalIpAndPort(
     int_fn(|| {
         let te = engine(engine_)?;
         // SAFETY: per this function's contract.
-        fitted(unsafe { write_cstr(buf_out, buf_len, te.name()) })
+        fitted(unsafe { write_cstr(buf_out, buf_len, te.rpc_name()) })
     })
 }
 
@@ -402,11 +413,12 @@ unsafe fn open(
     })
 }
 
-/// Connects to the engine whose segment name is `segment_name` (`host:port`, `[v6]:port`)
-/// and returns its segment id (> 0; this engine's own name gives `LOCAL_SEGMENT`). The
-/// same name returns the same id while the connection lives. Negative `ERR_*` on
-/// failure (-1 malformed, -101 name not resolved, -102 unreachable, -104 handshake
-/// refused), within the handshake timeout.
+/// Connects to the engine whose segment name is `segment_name` (`host:port`, `[v6]:port`;
+/// with etcd, the name it registered) and returns its segment id (> 0; this engine's own
+/// name gives `LOCAL_SEGMENT`). The same name returns the same id while the connection
+/// lives. Negative `ERR_*` on failure (-1 malformed or, with etcd, not registered, -101
+/// name not resolved, -102 unreachable, -104 handshake refused, -200 etcd failed),
+/// within the handshake timeout (the etcd lookup has as long again).
 ///
 /// # Safety
 /// `segment_name` is null or NUL-terminated.
@@ -465,8 +477,9 @@ pub unsafe extern "C" fn warmupEfaSegment(
     int_fn(|| live_and_named(engine_, segment_name))
 }
 
-/// With the P2P handshake there is no metadata store to remove a segment from: 0 for a
-/// live engine and a non-null name.
+/// With etcd, withdraws this engine's own segment name from etcd (peers can no longer
+/// open it; connections already open stay); any other name, and P2P mode (no metadata
+/// store), do nothing. 0 for a live engine and a non-null name.
 ///
 /// # Safety
 /// `segment_name` is null or NUL-terminated.
@@ -475,7 +488,13 @@ pub unsafe extern "C" fn removeLocalSegment(
     engine_: transfer_engine_t,
     segment_name: *const c_char,
 ) -> c_int {
-    int_fn(|| live_and_named(engine_, segment_name))
+    int_fn(|| {
+        live_and_named(engine_, segment_name)?;
+        // SAFETY: per this function's contract (checked non-null above).
+        let name =
+            unsafe { str_arg(segment_name) }.ok_or_else(|| invalid("segment name is not UTF-8"))?;
+        engine(engine_)?.remove_local_segment(name)
+    })
 }
 
 /// Destroys an engine: lets go of every registered buffer (waiting up to 1 s for

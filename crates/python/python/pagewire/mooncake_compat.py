@@ -200,6 +200,9 @@ class TransferEngine(_MooncakeTransfers):
     verbs when ``protocol == "rdma"`` and an RDMA device opens (the first of the
     comma-separated ``device_name``, or the first usable one), TCP otherwise or with
     ``MC_FORCE_TCP`` set; the choice is logged (logger ``pagewire.mooncake_compat``).
+    With ``"etcd://host:port"`` in place of ``"P2PHANDSHAKE"`` the session id is
+    ``local_hostname``, published in etcd while the engine lives (docs/python.md,
+    "Metadata on etcd").
 
     Return codes are Mooncake's: 0 success, -1 failure, -3 not registered, -7 overlapping
     registration, 0 as the failed-submission batch id, 1/0/-1/-2 from
