@@ -227,7 +227,8 @@ def kv_pool(kind: str):
 
 
 def kv_manager(info: dict, mode: str):
-    """(manager, pool, metadata buffers) for one side, built by SGLang's own code."""
+    """(manager, pool, metadata buffers) for one side, built by SGLang's own code. The
+    caller keeps the pool and the buffers alive: the manager holds only their addresses."""
     import torch
     from sglang.srt.disaggregation import utils as du
     from sglang.srt.distributed.bootstrap import init_parallel_runtime
@@ -265,8 +266,8 @@ def kv_manager(info: dict, mode: str):
     kv_args.gpu_id = get_device().gpu_id
     du.setup_state_kv_args(kv_args, pool, None, L)
     manager_class = du.get_kv_class(du.TransferBackend.MOONCAKE, du.KVClassType.MANAGER)
-    disagg_mode = du.DisaggregationMode.PREFILL if mode == "prefill" else du.DisaggregationMode.DECODE
-    return manager_class(kv_args, disagg_mode, args, mla), pool, meta
+    disagg = du.DisaggregationMode.PREFILL if mode == "prefill" else du.DisaggregationMode.DECODE
+    return manager_class(kv_args, disagg, args, mla), pool, meta
 
 
 def kv_poll(obj, want: int, timeout: float = 60.0) -> int:
@@ -366,7 +367,7 @@ def kvmgr_decode(info: dict) -> None:
         ok &= result(state == KVPoll.Success, f"kvmgr {kind}: receiver polled to Success",
                      kv_why(mgr, state, KVPoll.Success))
     bad = kv_expected(kv, SEED + 50, list(zip(PD_SRC, PD_DST)))
-    ok &= result(not bad, f"kvmgr {kind}: decode pages equal the prefill pages, nothing else written",
+    ok &= result(not bad, f"kvmgr {kind}: decode pages equal the prefill pages, nothing else",
                  f"KV buffers {bad} differ" if bad else "")
     bad = kv_expected(aux, SEED + 70, [(KV_AUX, KV_DST_AUX)])
     ok &= result(not bad, f"kvmgr {kind}: aux (MetadataBuffers) row written, nothing else",
