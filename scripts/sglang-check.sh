@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # SGLang's own code on pagewire: SGLang 0.5.23 from PyPI, unchanged, with
 # PAGEWIRE_AS_MOONCAKE=1 and pagewire's store master (scripts/sglang/check.py says what
-# runs: PD transfers through SGLang's MooncakeTransferEngine between two processes,
-# SGLang's test_mooncake_store.py, real MHA and MLA host pools through SGLang's
+# runs: PD transfers through SGLang's MooncakeTransferEngine between two processes, and
+# through SGLang's MooncakeKVManager, KVSender, KVReceiver and bootstrap server (prefill
+# and decode processes, MHA and MLA pools), SGLang's test_mooncake_store.py, real MHA and MLA host pools through SGLang's
 # MooncakeStore HiCache backend between two processes, and the same with the shared
 # engine reused).
 #

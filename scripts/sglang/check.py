@@ -3,12 +3,14 @@
 Every process runs with PAGEWIRE_AS_MOONCAKE=1, so SGLang's unchanged
 ``from mooncake.engine import TransferEngine`` / ``from mooncake.store import ...`` get
 pagewire. Nothing of SGLang is edited or replaced: this file only builds SGLang's objects
-(transfer engine wrapper, KV pools, host pools, the MooncakeStore HiCache backend), calls
-them the way SGLang's PD connector and HiCache controller do, and checks the bytes.
+(transfer engine wrapper, PD KV manager with its sender, receiver and bootstrap server, KV
+pools, host pools, the MooncakeStore HiCache backend), calls them the way SGLang's
+schedulers and HiCache controller do, and checks the bytes.
 
     python check.py all                 the checks below, a summary line, exit status
-    python check.py pd-target|pd-initiator|hicache-writer|hicache-reader [JSON]
-                                        one side of a two-process check (driven by `all`)
+    python check.py ROLE [JSON]         one side of a two-process check (driven by `all`):
+                                        pd-target, pd-initiator, kvmgr-prefill, kvmgr-decode,
+                                        hicache-writer, hicache-reader
 
 The two sides of a check talk to the orchestrator over stdin/stdout: a side prints
 ``READY <json>`` (or ``STEP <json>``) and waits for a line on stdin; ``RESULT PASS|FAIL
@@ -175,6 +177,201 @@ def pd_initiator(info: dict) -> None:
     ok &= result(rc < 0, "pd: batch_transfer_sync into deregistered memory fails", f"returned {rc}")
     te.batch_deregister(list(ptrs))
     te.deregister(ctypes.addressof(aux))
+    sys.exit(0 if ok else 1)
+
+
+# --- PD: SGLang's MooncakeKVManager, KVSender and KVReceiver --------------------------
+#
+# Each side is one scheduler rank as SGLang sets it up (publish of ServerArgs, the shared
+# engine from maybe_init_shared_mooncake_transfer_engine, KVArgs filled the way
+# PrefillBootstrapQueue/DecodePreallocQueue._init_kv_manager fill them from a real KV pool
+# and MetadataBuffers), both registered through SGLang's MooncakeKVBootstrapServer, which
+# this orchestrator runs (SGLang runs it in the prefill server's HTTP process).
+
+# A Llama-shaped config matching the pools (ServerArgs resolves the model's config).
+MODEL_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": H * D,
+    "intermediate_size": 2 * H * D, "num_attention_heads": H, "num_key_value_heads": H,
+    "head_dim": D, "num_hidden_layers": L, "vocab_size": 256, "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16",
+}  # fmt: skip
+KV_ROOM = 4242  # the request's bootstrap room
+KV_AUX = 3  # its MetadataBuffers row on prefill (source) and on decode (destination)
+KV_DST_AUX = 1
+
+
+def kv_server_args(info: dict, mode: str):
+    """Minimal valid ServerArgs for one PD side, published as the scheduler does. The
+    model directory holds only a config.json: the KV manager never loads weights."""
+    from sglang.srt.runtime_context import SpawnRanks, publish
+    from sglang.srt.server_args import ServerArgs
+
+    args = ServerArgs(
+        model_path=info["model"], skip_tokenizer_init=True, device="cpu", host="127.0.0.1",
+        page_size=P, disaggregation_mode=mode, disaggregation_transfer_backend="mooncake",
+        disaggregation_bootstrap_port=info["bootstrap_port"],
+    )  # fmt: skip
+    publish(args, role="scheduler", ranks=SpawnRanks(world_rank=0, dp_rank=None, gpu_id=0))
+    return args
+
+
+def kv_pool(kind: str):
+    import torch
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
+
+    if kind == "mha":
+        return MHATokenToKVPool(SIZE, P, torch.bfloat16, H, D, L, "cpu", False,
+                                start_layer=0, end_layer=L - 1)
+    return MLATokenToKVPool(SIZE, P, torch.bfloat16, KV_LORA, ROPE, L, "cpu", False,
+                            start_layer=0, end_layer=L - 1)
+
+
+def kv_manager(info: dict, mode: str):
+    """(manager, pool, metadata buffers) for one side, built by SGLang's own code. The
+    caller keeps the pool and the buffers alive: the manager holds only their addresses."""
+    import torch
+    from sglang.srt.disaggregation import utils as du
+    from sglang.srt.distributed.bootstrap import init_parallel_runtime
+    from sglang.srt.runtime_context import get_device, get_disagg, get_parallel
+
+    args = kv_server_args(info, mode)
+    # What the model runner does next: the shared engine, then the process groups
+    # (gloo, world size 1, on CPU).
+    init_parallel_runtime(server_args=args, device="cpu", dist_port=free_port())
+    pool = kv_pool(info["kind"])
+    meta = du.MetadataBuffers(8, hidden_size=H * D, hidden_states_dtype=torch.bfloat16,
+                              max_sampling_mask_tokens=args.sampling_mask_max_tokens)
+    kv_args = du.get_kv_class(du.TransferBackend.MOONCAKE, du.KVClassType.KVARGS)()
+    kv_args.engine_rank = 0
+    kv_args.pp_rank = 0
+    kv_args.system_dp_rank = get_parallel().dp_rank
+    kv_args.rust_http_port = None
+    kv_args.kv_cache_dtype_str = "bfloat16"
+    kv_args.kv_layout = du.get_pd_kv_layout(pool)
+    kv_args.prefill_start_layer = pool.start_layer
+    kv_args.kv_data_ptrs, kv_args.kv_data_lens, kv_args.kv_item_lens = (
+        du.get_kv_transfer_buf_infos(pool))
+    kv_args.prefill_end_layer = pool.end_layer
+    kv_args.num_draft_entries = 0
+    kv_args.kv_layer_ids = du.build_kv_layer_ids(
+        token_to_kv_pool=pool, draft_token_to_kv_pool=None, num_draft_entries=0,
+        num_hidden_layers=L)
+    mla = du.is_mla_backend(pool)
+    if not mla:
+        kv_args.kv_head_num = pool.head_num
+        kv_args.total_kv_head_num = H
+    kv_args.page_size = pool.page_size
+    kv_args.aux_data_ptrs, kv_args.aux_data_lens, kv_args.aux_item_lens = meta.get_buf_infos()
+    kv_args.ib_device = get_disagg().disaggregation_ib_device
+    kv_args.gpu_id = get_device().gpu_id
+    du.setup_state_kv_args(kv_args, pool, None, L)
+    manager_class = du.get_kv_class(du.TransferBackend.MOONCAKE, du.KVClassType.MANAGER)
+    disagg = du.DisaggregationMode.PREFILL if mode == "prefill" else du.DisaggregationMode.DECODE
+    return manager_class(kv_args, disagg, args, mla), pool, meta
+
+
+def kv_poll(obj, want: int, timeout: float = 60.0) -> int:
+    """Polls a KVSender/KVReceiver until ``want`` or Failed (as the schedulers' loops do)."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    deadline = time.monotonic() + timeout
+    while True:
+        state = obj.poll()
+        if state in (want, KVPoll.Failed) or time.monotonic() > deadline:
+            return state
+        time.sleep(0.01)
+
+
+def kv_why(mgr, state: int, want: int) -> str:
+    """Why a poll did not reach ``want``: the state, and the manager's failure record."""
+    if state == want:
+        return ""
+    return f"poll gave {state}, failure record: {mgr.failure_records.get(KV_ROOM)!r}"
+
+
+def kv_regions(mgr) -> list:
+    """(ptr, length, item length) of every buffer the manager registered: the KV buffers
+    (one item a page), then the MetadataBuffers (one item a request row: aux)."""
+    a = mgr.kv_args
+    return [list(zip(a.kv_data_ptrs, a.kv_data_lens, a.kv_item_lens)),
+            list(zip(a.aux_data_ptrs, a.aux_data_lens, a.aux_item_lens))]
+
+
+def kv_expected(regions: list, seed: int, moves: list) -> list:
+    """Indices of the regions whose bytes differ from: zero, except items ``d`` holding
+    item ``s`` of the source pattern for each (s, d) in ``moves``."""
+    bad = []
+    for i, (ptr, n, item) in enumerate(regions):
+        src, want = pattern(seed + i, n), bytearray(n)
+        for s, d in moves:
+            want[d * item : (d + 1) * item] = src[s * item : (s + 1) * item]
+        if ctypes.string_at(ptr, n) != bytes(want):
+            bad.append(i)
+    return bad
+
+
+def kvmgr_prefill(info: dict) -> None:
+    """Prefill side: MooncakeKVManager(PREFILL) and a MooncakeKVSender for one request;
+    sends PD_SRC pages and the aux row once the decode side asked for them."""
+    import numpy as np
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVSender
+
+    mgr, pool, meta = kv_manager(info, "prefill")
+    kv, aux = kv_regions(mgr)
+    for seed, regions in ((SEED + 50, kv), (SEED + 70, aux)):
+        for i, (ptr, n, _) in enumerate(regions):
+            fill(ptr, pattern(seed + i, n))
+    sender = MooncakeKVSender(mgr, f"127.0.0.1:{info['bootstrap_port']}", KV_ROOM)
+    sender.init(len(PD_SRC), KV_AUX)
+    kind = info["kind"]
+    # The decode side starts with this one: its start-up counts in this wait.
+    state = kv_poll(sender, KVPoll.WaitingForInput, STEP_TIMEOUT)
+    ok = result(state == KVPoll.WaitingForInput,
+                f"kvmgr {kind}: sender bootstrapped by the decode side's metadata",
+                kv_why(mgr, state, KVPoll.WaitingForInput))
+    if ok:
+        sender.send(np.array(PD_SRC, dtype=np.int32))
+        state = kv_poll(sender, KVPoll.Success)
+        ok &= result(state == KVPoll.Success, f"kvmgr {kind}: sender.send polled to Success",
+                     kv_why(mgr, state, KVPoll.Success))
+    wait_line()  # the decode side has checked its bytes
+    sys.exit(0 if ok else 1)
+
+
+def kvmgr_decode(info: dict) -> None:
+    """Decode side: MooncakeKVManager(DECODE) and a MooncakeKVReceiver; after Success,
+    every destination page and the aux row equal the prefill side's, nothing else
+    written."""
+    import numpy as np
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVReceiver
+
+    kind = info["kind"]
+    mgr, pool, meta = kv_manager(info, "decode")
+    kv, aux = kv_regions(mgr)
+    addr = f"127.0.0.1:{info['bootstrap_port']}"
+    # The decode scheduler's prealloc queue retries until the prefill rank registered.
+    deadline = time.monotonic() + STEP_TIMEOUT
+    while not mgr.try_ensure_parallel_info(addr) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    receiver = MooncakeKVReceiver(mgr, addr, KV_ROOM)
+    receiver.init(0)
+    state = kv_poll(receiver, KVPoll.WaitingForInput)
+    ok = result(state == KVPoll.WaitingForInput,
+                f"kvmgr {kind}: receiver.init found the prefill rank through the bootstrap server",
+                kv_why(mgr, state, KVPoll.WaitingForInput))
+    if ok:
+        receiver.send_metadata(np.array(PD_DST, dtype=np.int32), KV_DST_AUX)
+        state = kv_poll(receiver, KVPoll.Success)
+        ok &= result(state == KVPoll.Success, f"kvmgr {kind}: receiver polled to Success",
+                     kv_why(mgr, state, KVPoll.Success))
+    bad = kv_expected(kv, SEED + 50, list(zip(PD_SRC, PD_DST)))
+    ok &= result(not bad, f"kvmgr {kind}: decode pages equal the prefill pages, nothing else",
+                 f"KV buffers {bad} differ" if bad else "")
+    bad = kv_expected(aux, SEED + 70, [(KV_AUX, KV_DST_AUX)])
+    ok &= result(not bad, f"kvmgr {kind}: aux (MetadataBuffers) row written, nothing else",
+                 f"aux buffers {bad} differ" if bad else "")
     sys.exit(0 if ok else 1)
 
 
@@ -363,7 +560,8 @@ class Side:
                 line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 raise RuntimeError(f"{self.role}: no {word} within {STEP_TIMEOUT:.0f} s")
-            if line is None:
+            if line is None:  # the reader's end mark: finish() must not wait for it
+                self.drained = True
                 raise RuntimeError(f"{self.role} exited before {word}")
             self.take(line)
             if line.startswith(word + " "):
@@ -385,19 +583,17 @@ class Side:
             pass
 
     def finish(self) -> bool:
-        if self.proc.returncode is not None and self.lines.empty() and self.drained:
-            return self.proc.returncode == 0
         try:
             self.proc.wait(timeout=STEP_TIMEOUT)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-        while True:
+        while not self.drained:
             line = self.lines.get()
             if line is None:
                 self.drained = True
-                break
-            self.take(line)
+            else:
+                self.take(line)
         return self.proc.returncode == 0
 
     def failure(self, why: str) -> None:
@@ -437,14 +633,50 @@ def run_pair(first: str, second: str, env: dict, env2: dict, info: dict, steps: 
         for s in sides:
             s.failure(str(e))
         return a.results + b.results
-    okb = b.finish()
-    if not okb and not any(r.startswith("RESULT FAIL") for r in b.results):
-        b.failure("exited non-zero")
+    settle(b)
     a.go()
-    oka = a.finish()
-    if not oka and not any(r.startswith("RESULT FAIL") for r in a.results):
-        a.failure("exited non-zero")
+    settle(a)
     return a.results + b.results
+
+
+def settle(side: Side) -> None:
+    """Waits for ``side`` to exit; a non-zero exit without a FAIL verdict is one."""
+    if not side.finish() and not any(r.startswith("RESULT FAIL") for r in side.results):
+        side.failure("exited non-zero")
+
+
+def run_kvmgr(kinds: list, env: dict) -> list:
+    """Per pool kind, SGLang's MooncakeKVBootstrapServer here and a prefill and a decode
+    rank as children. All children start at once (the decode side waits for the prefill
+    rank's registration as SGLang's does): their imports overlap."""
+    import tempfile
+
+    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVBootstrapServer
+
+    with tempfile.TemporaryDirectory() as model:
+        with open(os.path.join(model, "config.json"), "w") as f:
+            json.dump(MODEL_CONFIG, f)
+        pairs = []
+        for kind in kinds:
+            port = free_port()
+            MooncakeKVBootstrapServer("127.0.0.1", port)  # serves from a daemon thread
+            info = {"kind": kind, "model": model, "bootstrap_port": port}
+            pairs.append((Side("kvmgr-prefill", info, env), Side("kvmgr-decode", info, env)))
+        results = []
+        for prefill, decode in pairs:
+            settle(decode)
+            prefill.go()  # the decode side has checked its bytes
+            settle(prefill)
+            results += prefill.results + decode.results
+        return results
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def run_sglang_test(env: dict) -> list:
@@ -477,6 +709,9 @@ MODULES = [
     "sglang.srt.distributed.device_communicators.mooncake_transfer_engine",
     "sglang.srt.disaggregation.common.utils",
     "sglang.srt.disaggregation.mooncake.conn",
+    "sglang.srt.disaggregation.utils",
+    "sglang.srt.distributed.bootstrap",
+    "sglang.srt.server_args",
     "sglang.srt.mem_cache.memory_pool",
     "sglang.srt.mem_cache.pool_host.mha",
     "sglang.srt.mem_cache.pool_host.mla",
@@ -518,6 +753,12 @@ def main_all() -> int:
     print("== (a) PD: MooncakeTransferEngine between two processes", flush=True)
     pd_env = env_for(MOONCAKE_PROTOCOL="tcp")
     results += run_pair("pd-target", "pd-initiator", pd_env, pd_env, {}, 2)
+    # SGLang's own KV manager, sender and receiver; SGLANG_HOST_IP: the address SGLang
+    # takes for this host (engine session, ZMQ) instead of probing the NICs.
+    kv_env = env_for(MOONCAKE_PROTOCOL="tcp", SGLANG_HOST_IP="127.0.0.1", HF_HUB_OFFLINE="1")
+    print("== (a') PD: SGLang's MooncakeKVManager, sender and receiver, prefill -> decode "
+          "(MHA and MLA pools)", flush=True)
+    results += run_kvmgr(["mha", "mla"], kv_env)
     print("== (b) SGLang's test_mooncake_store.py", flush=True)
     results += run_sglang_test(env_for(MOONCAKE_PROTOCOL="tcp",
                                        MOONCAKE_GLOBAL_SEGMENT_SIZE=str(256 << 20)))
@@ -542,6 +783,7 @@ def main_all() -> int:
 
 
 ROLES = {"pd-target": pd_target, "pd-initiator": pd_initiator,
+         "kvmgr-prefill": kvmgr_prefill, "kvmgr-decode": kvmgr_decode,
          "hicache-writer": hicache_writer, "hicache-reader": hicache_reader}
 
 if __name__ == "__main__":
