@@ -457,9 +457,9 @@ def failover_round(system: str, etcd: Etcd, a, r: int, logdir: Path) -> dict:
 # ---------------------------------------------------------------- op-log cost
 
 
-def oplog_round(mode: str, etcd: Etcd, a, r: int, logdir: Path) -> dict:
+def oplog_round(mode: str, clients: int, etcd: Etcd, a, r: int, logdir: Path) -> dict:
     ps = Procs()
-    cid = f"habench-{os.getpid()}-oplog-{r}"
+    cid = f"habench-{os.getpid()}-oplog-{r}-{clients}"
     try:
         if mode == "single":
             port = free_port()
@@ -472,7 +472,7 @@ def oplog_round(mode: str, etcd: Etcd, a, r: int, logdir: Path) -> dict:
             wait_leader(etcd, "pagewire", cid, masters)
             master, extra = etcd.url, ["--cluster-id", cid]
         batches = a.oplog_iters + a.oplog_warmup
-        seg = batches * 64 * 64 * 1024 * 9 // 8
+        seg = clients * batches * 64 * 64 * 1024 * 9 // 8
         node = ps.start([a.pagewire, "store", "serve", "--master", master, *extra, "--segment",
                          str(seg), "--listen", "127.0.0.1:0", "--transport", "tcp"],
                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
@@ -482,6 +482,7 @@ def oplog_round(mode: str, etcd: Etcd, a, r: int, logdir: Path) -> dict:
         r = subprocess.run([a.pagewire, "bench", "store", "--master", master, *extra,
                             "--model", "llama3-8b", "--layers", "2", "--pages", "32",
                             "-n", str(a.oplog_iters), "--warmup", str(a.oplog_warmup),
+                            "--clients", str(clients),
                             "--transport", "tcp", "--listen", "127.0.0.1:0", "--json"],
                            capture_output=True, text=True, timeout=600, env=ENV)  # fmt: skip
         lines = [x for x in r.stdout.splitlines() if x.startswith("{")]
@@ -514,6 +515,9 @@ def main() -> None:
     ap.add_argument("--oplog-rounds", type=int, default=10, help="op-log cost rounds (default 10; 0: none)")
     ap.add_argument("--oplog-iters", type=int, default=100, help="measured batches per bench store run")
     ap.add_argument("--oplog-warmup", type=int, default=4)
+    ap.add_argument("--etcd-members", type=int, default=3, help="etcd cluster size (default 3)")
+    ap.add_argument("--oplog-clients", default="1,4",
+                    help="bench store --clients values to measure, comma separated (default 1,4)")  # fmt: skip
     ap.add_argument("--keys", type=int, default=32, help="keys each client publishes first (default 32)")
     ap.add_argument("--size", type=int, default=64 * 1024, help="bytes per value (default 64 KiB)")
     ap.add_argument("--segment", type=int, default=512 * MIB, help="the holder's segment")
@@ -533,7 +537,7 @@ def main() -> None:
 
     logdir = Path(a.logs or tempfile.mkdtemp(prefix="pagewire-ha-bench-logs-"))
     logdir.mkdir(parents=True, exist_ok=True)
-    etcd = Etcd(3)
+    etcd = Etcd(a.etcd_members)
     loads = [os.getloadavg()[0]]
     systems = [s for s in SYSTEMS if s in a.systems.split(",")]
     fail: dict[str, list] = {s: [] for s in systems}
@@ -548,17 +552,20 @@ def main() -> None:
                   f"lost: put {x['lost_max_s']} s before the kill at most; failed put codes {x['put_codes_after']}",
                   file=sys.stderr, flush=True)  # fmt: skip
         loads.append(os.getloadavg()[0])
-    oplog: dict[str, list] = {"single": [], "etcd": []}
+    nclients = [int(x) for x in a.oplog_clients.split(",")]
+    oplog: dict[str, list] = {f"{m}/{c}": [] for m in ("single", "etcd") for c in nclients}
     for r in range(a.oplog_rounds):
         order = ("single", "etcd") if r % 2 == 0 else ("etcd", "single")
-        for m in order:
-            oplog[m].append(oplog_round(m, etcd, a, r, logdir))
-        print(f"# op-log round {r + 1}: put MiB/s single {oplog['single'][-1]['put']['mib_s']:.0f}, "
-              f"etcd {oplog['etcd'][-1]['put']['mib_s']:.0f}", file=sys.stderr, flush=True)  # fmt: skip
+        for c in nclients:
+            for m in order:
+                oplog[f"{m}/{c}"].append(oplog_round(m, c, etcd, a, r, logdir))
+            print(f"# op-log round {r + 1}, {c} clients: put MiB/s single "
+                  f"{oplog[f'single/{c}'][-1]['put']['mib_s']:.0f}, "
+                  f"etcd {oplog[f'etcd/{c}'][-1]['put']['mib_s']:.0f}", file=sys.stderr, flush=True)  # fmt: skip
         loads.append(os.getloadavg()[0])
 
     print(f"# {os.cpu_count()} CPUs, 1-minute load {min(loads):.2f}-{max(loads):.2f} over the run; "
-          f"etcd: 3 members on 127.0.0.1; logs in {logdir}")  # fmt: skip
+          f"etcd: {a.etcd_members} member(s) on 127.0.0.1; logs in {logdir}")  # fmt: skip
     if a.rounds:
         print()
         print(f"Failover: {a.rounds} rounds per system; two masters, one holder ({a.segment // MIB} MiB "
@@ -606,18 +613,21 @@ def main() -> None:
     if a.oplog_rounds:
         print()
         print(f"Op-log cost: `pagewire bench store --model llama3-8b --layers 2 --pages 32 -n {a.oplog_iters}` "
-              f"(64 x 64 KiB a batch), {a.oplog_rounds} rounds, order alternating; MiB/s, median [min, max]; "
+              f"(64 x 64 KiB a batch) with `--clients N` (N clients at once, MiB/s summed), "
+              f"{a.oplog_rounds} rounds, order alternating; MiB/s, median [min, max]; "
               "ratio etcd / single per round; p50: the run's median batch time.")  # fmt: skip
         print()
-        print("| op | single master MiB/s | two masters on etcd MiB/s | ratio | single p50 ms | etcd p50 ms | ratio |")
-        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+        print("| op | clients | single master MiB/s | two masters on etcd MiB/s | ratio | single p50 ms "
+              "| etcd p50 ms | ratio |")  # fmt: skip
+        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
         for op in ("put", "get"):
-            one = [x[op]["mib_s"] for x in oplog["single"]]
-            ha = [x[op]["mib_s"] for x in oplog["etcd"]]
-            one50 = [x[op]["p50_ms"] for x in oplog["single"]]
-            ha50 = [x[op]["p50_ms"] for x in oplog["etcd"]]
-            print(f"| {op} | {cell(one, 0)} | {cell(ha, 0)} | {cell([b / x for x, b in zip(one, ha)])} "
-                  f"| {cell(one50)} | {cell(ha50)} | {cell([b / x for x, b in zip(one50, ha50)])} |")  # fmt: skip
+            for c in nclients:
+                one = [x[op]["mib_s"] for x in oplog[f"single/{c}"]]
+                ha = [x[op]["mib_s"] for x in oplog[f"etcd/{c}"]]
+                one50 = [x[op]["p50_ms"] for x in oplog[f"single/{c}"]]
+                ha50 = [x[op]["p50_ms"] for x in oplog[f"etcd/{c}"]]
+                print(f"| {op} | {c} | {cell(one, 0)} | {cell(ha, 0)} | {cell([b / x for x, b in zip(one, ha)])} "
+                      f"| {cell(one50)} | {cell(ha50)} | {cell([b / x for x, b in zip(one50, ha50)])} |")  # fmt: skip
     if a.json:
         Path(a.json).write_text(json.dumps({"args": vars(a), "loads": loads, "failover": fail,
                                             "oplog": oplog}, indent=1))  # fmt: skip
