@@ -36,7 +36,8 @@ if [[ ! -f $stamp || $(cat "$stamp") != "$want" ]]; then
     "$venv/bin/pip" install -q --disable-pip-version-check --no-deps -r "$req"
     "$venv/bin/pip" install -q --disable-pip-version-check --no-index --no-deps \
         --force-reinstall "$wheel"
-    echo "$want" > "$stamp"
+    # A new file, not a write in place: a copy made with `cp -al` shares the old inode.
+    echo "$want" > "$stamp.new" && mv "$stamp.new" "$stamp"
     echo "== sglang: installed in $((SECONDS - t0)) s ($(du -sh "$venv" | cut -f1))"
 else
     echo "== sglang: $venv is up to date"

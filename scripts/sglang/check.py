@@ -758,7 +758,9 @@ def main_all() -> int:
     kv_env = env_for(MOONCAKE_PROTOCOL="tcp", SGLANG_HOST_IP="127.0.0.1", HF_HUB_OFFLINE="1")
     print("== (a') PD: SGLang's MooncakeKVManager, sender and receiver, prefill -> decode "
           "(MHA and MLA pools)", flush=True)
+    t1 = time.monotonic()
     results += run_kvmgr(["mha", "mla"], kv_env)
+    print(f"== (a') took {time.monotonic() - t1:.0f} s", flush=True)
     print("== (b) SGLang's test_mooncake_store.py", flush=True)
     results += run_sglang_test(env_for(MOONCAKE_PROTOCOL="tcp",
                                        MOONCAKE_GLOBAL_SEGMENT_SIZE=str(256 << 20)))
