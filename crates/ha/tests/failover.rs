@@ -299,6 +299,17 @@ impl Pages {
         }
         Ok((true, get_ok))
     }
+
+    /// Gets `key`, put earlier by [`Pages::round_trip`]: an error unless it reads back
+    /// whole with its bytes.
+    fn read_back(&mut self, c: &StoreClient, key: &str) -> Result<()> {
+        fill(key, 7, &mut self.src.mem);
+        self.dst.mem.fill(0);
+        let r = c.get(&[key], &[[self.dst.span(0, PAGE)]])?;
+        ensure!(r == [Ok(PAGE as u64)], "{key}: {r:?}");
+        ensure!(self.dst.mem == self.src.mem, "{key}: other bytes");
+        Ok(())
+    }
 }
 
 /// Puts and gets until both succeed once: how long that took.
@@ -343,12 +354,8 @@ fn leader_killed_standby_takes_over() -> Result<()> {
     );
     // The op-log kept what the old leader published: the same bytes.
     for i in 0..16 {
-        let key = format!("before_{i}");
-        fill(&key, 7, &mut p.src.mem);
-        p.dst.mem.fill(0);
-        let r = c.get(&[&key], &[[p.dst.span(0, PAGE)]])?;
-        ensure!(r == [Ok(PAGE as u64)], "{key} after failover: {r:?}");
-        ensure!(p.dst.mem == p.src.mem, "{key}: other bytes after failover");
+        p.read_back(&c, &format!("before_{i}"))
+            .context("after failover")?;
     }
     for i in 0..16 {
         ensure!(p.round_trip(&c, &format!("later_{i}"))? == (true, true));
@@ -684,10 +691,12 @@ fn etcd_stopped_calls_fail_typed_then_recover() -> Result<()> {
         took < timeout + Duration::from_millis(1500),
         "the put took {took:?} (deadline {timeout:?})"
     );
-    std::thread::sleep(Duration::from_secs(5).saturating_sub(paused.elapsed()));
+    std::thread::sleep(Duration::from_secs(10).saturating_sub(paused.elapsed()));
     etcd.resume(0);
     let resumed = Instant::now();
     until_served(&c, &mut p, "after", Duration::from_secs(20))?;
+    // The new term replayed the op-log: what was published before the outage is kept.
+    p.read_back(&c, "before").context("after etcd's outage")?;
     let loc = locator(&etcd)?;
     let (_, now) = loc
         .leader(Instant::now() + Duration::from_secs(2))?
