@@ -476,10 +476,129 @@ class Run:
         ]
         self.digest("tp_spec_from", ["pf_tp_0", "pf_tp_1", "pf2_tp_0", "pf2_tp_1", "pf2_tp_2"])
         buf[:] = 0
-        self.cases["other_specs"] = [
-            s.put_tensor_with_parallelism("pd", t, spec("dp", 0, 2, None)),
+        # Resharding reads: a shard of another tp size is cut out of the joined slices
+        # (with the manifest, or the *_tp_<r> objects slice 0 names without one); a size
+        # that does not divide the extent reads key_tp_<rank> as stored.
+        self.cases["tp_spec_reshard"] = [
             summary(s.get_tensor_with_parallelism("ps", target("shard", spec("tp", 1, 4, 1)))),
-        ]
+            summary(s.get_tensor_with_parallelism("ps", target("shard", spec("tp", 2, 3, 1))), t[:, 4:]),
+            summary(s.get_tensor_with_parallelism("ps", target("shard", spec("tp", 0, 1, 1))), t),
+            summary(s.get_tensor_with_parallelism("po", target("shard", spec("tp", 1, 3, 1))), t[:, 2:4]),
+            summary(s.get_tensor_with_parallelism("po", target("shard", spec("tp", 0, 2, 0)))),
+            summary(s.get_tensor_with_parallelism_into("ps", p, 4096, target("shard", spec("tp", 5, 6, 1))), t[:, 5:]),
+            summary(s.get_tensor_with_parallelism_into("ps", p, 4096, target("shard", spec("tp", 1, 4, 1)))),
+        ]  # fmt: skip
+        buf[:] = 0
+
+    def multi_specs(self) -> None:
+        """Parallelism specs of several axes, or without a tp axis: shard keys with one
+        suffix per axis in canonical order, headers with the axes in the caller's order."""
+        s, p, buf, mod = self.s, self.p, self.buf, self.mod
+
+        def spec(*axes):
+            made = []
+            for kind, rank, size, *extra in axes:
+                axis = mod.ParallelAxis()
+                axis.kind, axis.rank, axis.size = kind, rank, size
+                for name, value in zip(("split_dim", "expert_id", "stage_id"), extra):
+                    if value is not None:
+                        setattr(axis, name, value)
+                made.append(axis)
+            out = mod.TensorParallelism()
+            out.axes = made  # Mooncake's axes property gives a copy: assign the list
+            return out
+
+        def target(mode, parallelism=None):
+            out = mod.ReadTarget()
+            out.mode, out.parallelism = mode, parallelism
+            return out
+
+        def get(key, mode, parallelism, want=None):
+            return summary(s.get_tensor_with_parallelism(key, target(mode, parallelism)), want)
+
+        t = make("float32", (4, 6), 21)
+        tp0, tp1, dp1 = ("tp", 0, 2, 1), ("tp", 1, 2, 1), ("dp", 1, 2)
+        self.cases["multi_spec"] = [
+            s.put_tensor_with_parallelism("m1", t, spec(tp0, dp1)),
+            s.batch_is_exist(["m1__dp_1of2__tp_0of2_sd1", "m1__tp_0of2_sd1__dp_1of2", "m1__parallelism_manifest",
+                              "m1_tp_0", "m1"]),
+            get("m1", "shard", spec(dp1, tp0), t[:, :3]),
+            get("m1", "full", spec(tp0, dp1)),
+            s.put_tensor_with_parallelism("m1", t, spec(dp1, tp1)),
+            get("m1", "full", spec(tp0, dp1), t),
+            get("m1", "shard", spec(("dp", 0, 2), tp0)),
+            get("m1", "shard", spec(dp1, ("tp", 2, 3, 1)), t[:, 4:]),
+            get("m1", "shard", spec(dp1, ("tp", 0, 6, 1)), t[:, :1]),
+            get("m1", "shard", spec(dp1, ("tp", 0, 4, 1))),
+            get("m1", "full", spec(dp1, ("tp", 0, 2, 0))),
+            get("m1", "as_stored", spec(dp1, tp0)),
+            s.put_tensor_with_parallelism("m2", t, spec(("pp", 1, 2, None, None, 3), ("tp", 1, 4, 0),
+                                                        ("ep", 0, 4, None, 5))),
+            s.batch_is_exist(["m2__tp_1of4_sd0__ep_0of4_eid5__pp_1of2_sid3", "m2__parallelism_manifest"]),
+            get("m2", "shard", spec(("ep", 0, 4, None, 5), ("tp", 1, 4, 0), ("pp", 1, 2, None, None, 3)), t[1:2]),
+            get("m2", "shard", spec(("ep", 0, 4, None, 6), ("tp", 1, 4, 0), ("pp", 1, 2, None, None, 3))),
+            get("m2", "shard", spec(("ep", 0, 4, None, 5), ("tp", 0, 2, 0), ("pp", 1, 2, None, None, 3))),
+        ]  # fmt: skip
+        self.digest("multi_spec", ["m1__dp_1of2__tp_0of2_sd1", "m1__dp_1of2__tp_1of2_sd1", "m1__parallelism_manifest",
+                                   "m2__tp_1of4_sd0__ep_0of4_eid5__pp_1of2_sid3",
+                                   "m2__parallelism_manifest"])  # fmt: skip
+        self.keep("m1__dp_1of2__tp_0of2_sd1")
+        self.keep("m2__tp_1of4_sd0__ep_0of4_eid5__pp_1of2_sid3")
+        self.cases["generic_spec"] = [
+            s.put_tensor_with_parallelism("g1", t, spec(dp1)),
+            s.batch_is_exist(["g1__dp_1of2", "g1", "g1__parallelism_manifest"]),
+            get("g1", "shard", spec(dp1), t),
+            get("g1", "shard", spec(("dp", 0, 2))),
+            get("g1", "full", spec(dp1)),
+            summary(s.get_tensor("g1__dp_1of2"), t),
+            s.put_tensor_with_parallelism("g2", t[0], spec(("pp", 0, 2, None, None, 7), ("dp", 1, 3),
+                                                           ("ep", 2, 4, None, 0))),
+            s.batch_is_exist(["g2__dp_1of3__ep_2of4_eid0__pp_0of2_sid7"]),
+            get("g2", "shard", spec(("dp", 1, 3), ("ep", 2, 4, None, 0), ("pp", 0, 2, None, None, 7)), t[0]),
+            s.upsert_tensor_with_parallelism("g1", t * 2, spec(dp1)),
+            get("g1", "shard", spec(dp1), t * 2),
+            s.batch_put_tensor_with_parallelism(["g3", "g4"], [t, t], [spec(("ep", 1, 2, None, 4)), spec(tp0, dp1)]),
+            [summary(x, w) for x, w in zip(s.batch_get_tensor_with_parallelism(
+                ["g3", "g4", "g4"], [target("shard", spec(("ep", 1, 2, None, 4))), target("shard", spec(tp0, dp1)),
+                                     target("full", spec(tp0, dp1))]), [t, t[:, :3], None])],
+        ]  # fmt: skip
+        self.digest("generic_spec", ["g1__dp_1of2", "g2__dp_1of3__ep_2of4_eid0__pp_0of2_sid7", "g3__ep_1of2_eid4",
+                                     "g4__dp_1of2__tp_0of2_sd1"])  # fmt: skip
+        self.keep("g2__dp_1of3__ep_2of4_eid0__pp_0of2_sid7")
+        self.cases["multi_spec_refusals"] = [
+            s.put_tensor_with_parallelism("mr", t, q) for q in (
+                spec(tp0, ("tp", 1, 2, 1)), spec(("dp", 0, 2, 1)), spec(("ep", 0, 2)), spec(("pp", 0, 2)),
+                spec(("ep", 0, 2, 1, 3)), spec(("pp", 0, 2, 0, None, 1)), spec(dp1, ("tp", 0, 4, 1)),
+                spec(("dp", 2, 2), tp0), spec(("dp", 0, 0)), spec(("dp", 0, 2), ("ep", 0, 2, None, 1), tp0,
+                                                                 ("pp", 0, 2, None, None, 1), ("xx", 0, 1)),
+                spec(("dp", 0, 2), tp0, ("zz", 0, 1)))
+        ] + [
+            s.batch_is_exist(["mr__dp_0of2", "mr__parallelism_manifest"]),
+            get("g1", "shard", spec(("dp", 1, 2, 0))),
+            s.batch_put_tensor_with_parallelism(["mr2", "mr3"], [t, t], [spec(dp1), spec(("pp", 0, 2))]),
+        ]  # fmt: skip
+        s.put_tensor("mwhole", t)
+        raw = s.get("mwhole")
+        buf[: len(raw)] = np.frombuffer(raw, np.uint8)
+        q = p + 6 * MIB
+        self.cases["multi_spec_from"] = [
+            s.put_tensor_with_parallelism_from("mf", p, len(raw), spec(("dp", 0, 2), ("tp", 1, 3, 1))),
+            s.batch_is_exist(["mf__dp_0of2__tp_0of3_sd1", "mf__dp_0of2__tp_2of3_sd1", "mf__parallelism_manifest"]),
+            get("mf", "full", spec(("dp", 0, 2), ("tp", 0, 3, 1)), t),
+            get("mf", "shard", spec(("dp", 0, 2), ("tp", 2, 3, 1)), t[:, 4:]),
+            get("mf", "shard", spec(("dp", 0, 2), ("tp", 0, 2, 1))),
+            s.put_tensor_with_parallelism_from("mf2", p, len(raw), spec(("pp", 1, 2, None, None, 0))),
+            get("mf2", "shard", spec(("pp", 1, 2, None, None, 0)), t),
+            s.batch_put_tensor_with_parallelism_from(["mf3"], [p], [len(raw)], [spec(dp1, ("tp", 0, 4, 1))]),
+            summary(s.get_tensor_with_parallelism_into("m1", q, 4096, target("shard", spec(dp1, tp1))), t[:, 3:]),
+            summary(s.get_tensor_with_parallelism_into("m1", q, 4096, target("full", spec(dp1, tp1))), t),
+            summary(s.get_tensor_with_parallelism_into("m1", q, 4096, target("shard", spec(dp1, ("tp", 1, 3, 1)))),
+                    t[:, 2:4]),
+            summary(s.get_tensor_with_parallelism_into("g1", q, 4096, target("shard", spec(dp1))), t * 2),
+        ]  # fmt: skip
+        self.digest("multi_spec_from", ["mf__dp_0of2__tp_0of3_sd1", "mf__dp_0of2__tp_1of3_sd1",
+                                        "mf__dp_0of2__tp_2of3_sd1", "mf2__pp_1of2_sid0"])  # fmt: skip
+        buf[:] = 0
 
     def cross(self, other: dict) -> dict:
         """Stores each of the other implementation's raw objects and reads them back."""
@@ -499,7 +618,7 @@ def main() -> None:
         r.cases["setup"] = [r.setup, r.registered]
         if other is None:
             for phase in (r.dtypes_and_shapes, r.refusals, r.overwrite, r.batches, r.into, r.from_buffers,
-                          r.tensor_parallel, r.parallelism, r.tp_specs):  # fmt: skip
+                          r.tensor_parallel, r.parallelism, r.tp_specs, r.multi_specs):  # fmt: skip
                 phase()
             result = {"cases": r.cases, "digests": r.digests, "objects": r.objects}
         else:

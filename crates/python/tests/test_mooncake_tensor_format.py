@@ -114,17 +114,30 @@ def test_writer_spec():
     assert mt.writer_spec(object()) is None
 
 
-def test_single_tp_spec():
+def test_parse_spec_and_keys():
     class Axis:
-        def __init__(self, kind, rank=0, size=2, split_dim=1):
+        def __init__(self, kind, rank=0, size=2, split_dim=None, expert_id=None, stage_id=None):
             self.kind, self.rank, self.size, self.split_dim = kind, rank, size, split_dim
+            self.expert_id, self.stage_id = expert_id, stage_id
 
     class Spec:
         def __init__(self, *axes):
             self.axes = list(axes)
 
-    assert mt.single_tp_spec(Spec(Axis("TP", 1))) == (1, 2, 1)
+    one = mt.parse_spec(Spec(Axis("TP", 1, split_dim=1)))
+    assert [a.ident() for a in one] == [(1, 1, 2, 1, None)]
+    assert mt.spec_key("k", one) == "k_tp_1"
     assert mt.parallelism_manifest_key("k") == "k__parallelism_manifest"
-    for bad in (Spec(), Spec(Axis("tp", 2)), Spec(Axis("tp", split_dim=None)), Spec(Axis("xx")),
-                Spec(Axis("dp")), Spec(Axis("tp"), Axis("dp")), object()):  # fmt: skip
-        assert mt.single_tp_spec(bad) is None
+    axes = mt.parse_spec(Spec(Axis("pp", 1, 2, stage_id=3), Axis("tp", 0, 4, 0), Axis("Ep", 0, 2, expert_id=5),
+                              Axis("dp", 1, 3)))  # fmt: skip
+    assert mt.spec_key("k", axes) == "k__dp_1of3__tp_0of4_sd0__ep_0of2_eid5__pp_1of2_sid3"
+    # The header keeps the caller's order; only a split axis has an extent.
+    assert mt.header_axes(axes, [2, 6]) == [(3, 0, 1, 2, -1, 3, 0), (1, 1, 0, 4, 0, 0, 2), (2, 2, 0, 2, -1, 5, 0),
+                                            (0, 3, 1, 3, -1, 0, 0)]  # fmt: skip
+    head = mt.pack_header(0, [8, 6], [2, 6], 48, mt.header_axes(axes, [2, 6]))
+    assert [a.ident() for a in mt.stored_axes(head + bytes(48))] == [a.ident() for a in mt.canonical(axes)]
+    for bad in (Spec(), Spec(Axis("tp", 2, split_dim=0)), Spec(Axis("tp")), Spec(Axis("xx")),
+                Spec(Axis("dp", split_dim=0)), Spec(Axis("ep")), Spec(Axis("pp")), Spec(Axis("dp"), Axis("DP")),
+                Spec(Axis("ep", split_dim=0, expert_id=1)), Spec(*[Axis("dp")] * 5), object()):  # fmt: skip
+        assert mt.parse_spec(bad) is None
+

@@ -20,9 +20,9 @@ read with ``tp_rank`` reads that rank's key. ``tp_size`` <= 1 is the plain call.
 
 The ``*_with_parallelism*`` calls are the plain calls without a spec; a writer partition
 stores one writer's slice and a manifest (see :func:`pack_manifest`), and a
-``ReadTarget`` of mode ``"full"`` joins the slices. A parallelism spec of one
-tensor-parallel axis stores the caller's tensor as that rank's slice under the
-``*_with_tp`` key, with a manifest; other specs are not implemented (``-600`` / ``None``).
+``ReadTarget`` of mode ``"full"`` joins the slices. A parallelism spec (see
+:func:`parse_spec`) stores one shard under a key naming its axes (:func:`spec_key`), and
+a read re-cuts the stored slices when its ``tp`` size differs (a resharding read).
 
 Only CPU tensors of the dtypes in :data:`DTYPES` are stored; a non-contiguous tensor is
 stored as its contiguous copy; anything else gives ``-600`` (``None`` for reads). Without
@@ -280,27 +280,120 @@ def parallelism_manifest_key(base: str) -> str:
     return f"{base}__parallelism_manifest"
 
 
+#: Axis kinds in their header code order (DP 0, TP 1, EP 2, PP 3), which is also the
+#: canonical order of the axes in a shard's key.
 _AXIS_NAMES = ("dp", "tp", "ep", "pp")
+_AXIS_DP, _AXIS_EP, _AXIS_PP = 0, 2, 3
 
 
-def single_tp_spec(obj: Any) -> Optional[Tuple[int, int, int]]:
-    """``(rank, size, split_dim)`` of a parallelism spec (``TensorParallelism``) that is
-    one tensor-parallel axis, else ``None`` (logged): other specs are not implemented."""
+class Axis:
+    """One validated axis of a parallelism spec: ``kind`` (its code), ``rank``, ``size``,
+    ``split`` (``None`` unless a ``tp`` axis), ``tag`` (an ``ep`` axis's expert id or a
+    ``pp`` axis's stage id, else ``None``)."""
+
+    __slots__ = ("kind", "rank", "size", "split", "tag")
+
+    def __init__(self, kind: int, rank: int, size: int, split: Optional[int], tag: Optional[int]) -> None:
+        self.kind, self.rank, self.size, self.split, self.tag = kind, rank, size, split, tag
+
+    def ident(self) -> Tuple[int, int, int, Optional[int], Optional[int]]:
+        return self.kind, self.rank, self.size, self.split, self.tag
+
+    def with_tp(self, rank: int, size: Optional[int] = None) -> "Axis":
+        return Axis(self.kind, rank, self.size if size is None else size, self.split, self.tag)
+
+
+def _opt_int(obj: Any, name: str) -> Optional[int]:
+    value = getattr(obj, name, None)
+    return None if value is None else int(value)
+
+
+def parse_spec(obj: Any) -> Optional[List[Axis]]:
+    """The axes of a parallelism spec (``TensorParallelism``) in the caller's order, or
+    ``None`` (logged) when it is not valid as Mooncake checks it: 1 to 4 axes of distinct
+    kinds, ``0 <= rank < size``; a ``tp`` axis has a ``split_dim``, the others none; an
+    ``ep`` axis has an ``expert_id``, a ``pp`` axis a ``stage_id``."""
     try:
-        axes = list(obj.axes)
-        kinds = [str(a.kind).lower() for a in axes]
-        fields = [(int(a.rank), int(a.size), a.split_dim) for a in axes]
+        axes = []
+        for a in list(obj.axes):
+            kind = str(a.kind).lower()
+            if kind not in _AXIS_NAMES:
+                _log.error("unsupported parallel axis kind %r", a.kind)
+                return None
+            code = _AXIS_NAMES.index(kind)
+            tag_name = {_AXIS_EP: "expert_id", _AXIS_PP: "stage_id"}.get(code)
+            tag = _opt_int(a, tag_name) if tag_name else None
+            axes.append(Axis(code, int(a.rank), int(a.size), _opt_int(a, "split_dim"), tag))
     except (AttributeError, TypeError, ValueError):
         _log.error("parallelism must be a TensorParallelism")
         return None
-    if not axes or any(k not in _AXIS_NAMES for k in kinds) or any(n <= 0 or not 0 <= r < n for r, n, _ in fields):
-        _log.error("invalid parallelism spec")
+    if not 0 < len(axes) <= MAX_AXES or len({a.kind for a in axes}) != len(axes):
+        _log.error("invalid parallelism spec: 1 to %d axes of distinct kinds", MAX_AXES)
         return None
-    if kinds != ["tp"] or fields[0][2] is None:
-        _log.error("parallelism specs other than one tp axis with a split_dim are not supported by pagewire")
+    for a in axes:
+        needs_tag = a.kind in (_AXIS_EP, _AXIS_PP)
+        if a.size <= 0 or not 0 <= a.rank < a.size or (a.split is None) == (a.kind == AXIS_TP):
+            _log.error("invalid parallel axis %s", _AXIS_NAMES[a.kind])
+            return None
+        if needs_tag and a.tag is None:
+            _log.error("a %s axis needs its id", _AXIS_NAMES[a.kind])
+            return None
+    return axes
+
+
+def tp_index(axes: Sequence[Axis]) -> Optional[int]:
+    return next((i for i, a in enumerate(axes) if a.kind == AXIS_TP), None)
+
+
+def canonical(axes: Sequence[Axis]) -> List[Axis]:
+    return sorted(axes, key=lambda a: a.kind)
+
+
+def spec_key(base: str, axes: Sequence[Axis]) -> str:
+    """Where the shard of ``axes`` is stored: ``f"{base}_tp_{rank}"`` for one ``tp`` axis,
+    else one ``__`` suffix per axis in canonical order (dp, tp, ep, pp), such as
+    ``key__dp_1of2__tp_0of2_sd1``, ``_eid``/``_sid`` closing an ``ep``/``pp`` axis."""
+    if len(axes) == 1 and axes[0].kind == AXIS_TP:
+        return tp_key(base, axes[0].rank)
+    out = base
+    for a in canonical(axes):
+        out += f"__{_AXIS_NAMES[a.kind]}_{a.rank}of{a.size}"
+        if a.split is not None:
+            out += f"_sd{a.split}"
+        if a.tag is not None:
+            out += ("_eid" if a.kind == _AXIS_EP else "_sid") + str(a.tag)
+    return out
+
+
+def header_axes(axes: Sequence[Axis], local_shape: Sequence[int]) -> List[_Axis]:
+    """The header's axis records, in the caller's order: the split dim ``-1`` and the
+    extent 0 for an axis that splits nothing, the expert or stage id in the sixth field."""
+    out = []
+    for i, a in enumerate(axes):
+        split = -1 if a.split is None else a.split
+        extent = 0 if a.split is None else int(local_shape[a.split])
+        out.append((a.kind, i, a.rank, a.size, split, a.tag or 0, extent))
+    return out
+
+
+def stored_axes(obj: Any) -> Optional[List[Axis]]:
+    """The axes a valid shard object's header names (canonical order), else ``None``."""
+    mem = memoryview(obj).cast("B")
+    if _HEAD.unpack_from(mem)[5] != SHARD:
         return None
-    rank, size, split = fields[0]
-    return rank, size, int(split)
+    out = []
+    for i in range(_SHAPES.unpack_from(mem, _HEAD.size)[16]):
+        at = _HEAD.size + _SHAPES.size + i * _AXIS.size
+        kind, _index, rank, count, split, tag, _extent = _AXIS.unpack_from(mem, at)
+        if kind >= len(_AXIS_NAMES):
+            return None
+        out.append(Axis(kind, rank, count, None if split < 0 else split, tag if kind in (_AXIS_EP, _AXIS_PP) else None))
+    return canonical(out)
+
+
+def _sans_tp_rank(axes: Sequence[Axis]) -> List[Tuple[Any, ...]]:
+    """The axes' identities (canonical order) without the ``tp`` axis's rank."""
+    return [(a.kind, None if a.kind == AXIS_TP else a.rank) + a.ident()[2:] for a in canonical(axes)]
 
 
 def writer_spec(obj: Any) -> Optional[Tuple[int, int, int]]:
@@ -591,8 +684,8 @@ class _StoreTensor:
 
     # ------------------------------------------------------------------ parallelism specs
     # Without a parallelism spec, writer partition or read target these are the plain
-    # calls (as in Mooncake). Specs (their shard keys and manifest objects) are not
-    # implemented: such a call gives -600 (None for a read) and stores nothing.
+    # calls (as in Mooncake); a writer partition or a parallelism spec stores one shard
+    # (and a manifest), a read target joins or re-cuts the stored shards.
 
     def _par_write(
         self, key: str, tensor: Any, parallelism: Any, config: Any, writer_partition: Any, upsert: bool
@@ -600,32 +693,80 @@ class _StoreTensor:
         if parallelism is not None and writer_partition is not None:
             return _INVALID_PARAMS
         if parallelism is not None:
-            return self._write_tp_spec_shard(key, tensor, parallelism, config, upsert)
+            return self._write_spec_shard(key, tensor, parallelism, config, upsert)
         if writer_partition is not None:
             return self._write_writer_shard(key, tensor, writer_partition, config, upsert)
         return self._write_one(key, tensor, config, upsert)
 
-    def _write_tp_spec_shard(self, key: str, shard: Any, parallelism: Any, config: Any, upsert: bool) -> int:
-        """A rank's own slice under a one-axis tensor-parallel spec: stored under
-        ``f"{key}_tp_{rank}"`` with the global shape the spec implies, and the manifest
-        under ``f"{key}__parallelism_manifest"``."""
-        spec = single_tp_spec(parallelism)
+    def _write_spec_shard(self, key: str, tensor: Any, parallelism: Any, config: Any, upsert: bool) -> int:
+        """The caller's part of a tensor under a parallelism spec (see :func:`parse_spec`).
+
+        One ``tp`` axis: ``tensor`` is this rank's slice, stored under
+        ``f"{key}_tp_{rank}"`` with the global shape ``size`` times larger along the split
+        dim. Several axes with a ``tp`` one: ``tensor`` is the whole tensor and slice
+        ``rank`` of ``size`` is stored. Both write the manifest under
+        ``f"{key}__parallelism_manifest"``. No ``tp`` axis: ``tensor`` is stored whole as a
+        shard object naming the axes, without a manifest."""
+        axes = parse_spec(parallelism)
         torch = _torch()
-        if spec is None or self._client is None or torch is None or "Tensor" not in type(shard).__name__:
+        if axes is None or self._client is None or torch is None or "Tensor" not in type(tensor).__name__:
             return _INVALID_PARAMS
-        rank, size, split = spec
-        local = [int(d) for d in shard.shape]
-        dtype = _dtype_code(torch, shard.dtype)
-        if not 0 <= split < len(local) or dtype < 0:
+        try:
+            shape, dtype = [int(d) for d in tensor.shape], _dtype_code(torch, tensor.dtype)
+        except (AttributeError, TypeError, ValueError):
             return _INVALID_PARAMS
-        whole = list(local)
-        whole[split] *= size
-        info = tensor_info(shard, key, whole, [(AXIS_TP, 0, rank, size, split, 0, local[split])])
-        code = self._write_infos([tp_key(key, rank)], [info], config, upsert)[0]
+        t = tp_index(axes)
+        if t is None:
+            info = tensor_info(tensor, key, None, header_axes(axes, shape))
+            return self._write_infos([spec_key(key, axes)], [info], config, upsert)[0]
+        tp = axes[t]
+        split = int(tp.split)  # type: ignore[arg-type]
+        if dtype < 0 or not 0 <= split < len(shape):
+            return _INVALID_PARAMS
+        whole, shard = list(shape), tensor
+        if len(axes) == 1:
+            whole[split] *= tp.size
+        elif shape[split] % tp.size:
+            _log.error("put with parallelism for %r: only uniform sharding is supported", key)
+            return _INVALID_PARAMS
+        else:
+            step = shape[split] // tp.size
+            shard = tensor.narrow(split, tp.rank * step, step)
+        info = tensor_info(shard, key, whole, header_axes(axes, [int(d) for d in shard.shape]))
+        code = self._write_infos([spec_key(key, axes)], [info], config, upsert)[0]
         if code != 0:
             return code
-        manifest = pack_manifest(dtype, whole, split, size)
+        manifest = pack_manifest(dtype, whole, split, tp.size)
         return self._write_manifest(parallelism_manifest_key(key), manifest, config, upsert)
+
+    def _write_spec_from(self, key: str, obj: Any, tensor: Any, parallelism: Any, config: Any, upsert: bool) -> int:
+        """A serialized tensor ``obj`` under a spec: with a ``tp`` axis every rank's slice
+        (the key and header of that rank, no manifest), as ``put_tensor_with_tp_from``;
+        without one the object's data as a shard naming the axes, its shapes kept."""
+        axes = parse_spec(parallelism)
+        if axes is None:
+            return _INVALID_PARAMS
+        t = tp_index(axes)
+        if t is None:
+            mem = memoryview(obj).cast("B")
+            ndim = _HEAD.unpack_from(mem)[4]
+            whole = list(_SHAPES.unpack_from(mem, _HEAD.size)[:ndim])
+            info = tensor_info(tensor, key, whole, header_axes(axes, [int(d) for d in tensor.shape]))
+            return self._write_infos([spec_key(key, axes)], [info], config, upsert)[0]
+        tp = axes[t]
+        shards = tp_shards(tensor, key, tp.size, int(tp.split))  # type: ignore[arg-type]
+        if shards is None:
+            return _INVALID_PARAMS
+        shape = [int(d) for d in tensor.shape]
+        local = list(shape)
+        local[int(tp.split)] //= tp.size  # type: ignore[arg-type]
+        dtype = _dtype_code(_torch(), tensor.dtype)
+        keys = []
+        for rank, info in enumerate(shards):
+            ranked = [a.with_tp(rank) if i == t else a for i, a in enumerate(axes)]
+            info.header = pack_header(dtype, shape, local, len(info.data), header_axes(ranked, local))
+            keys.append(spec_key(key, ranked))
+        return _first_failure(self._write_infos(keys, list(shards), config, upsert))
 
     def _write_manifest(self, mkey: str, manifest: bytes, config: Any, upsert: bool) -> int:
         if upsert:
@@ -671,16 +812,12 @@ class _StoreTensor:
         if self._client is None or not self._valid_source(buffer_ptr, size):
             return _INVALID_PARAMS
         if parallelism is not None or writer_partition is not None:
-            tensor = to_tensor(host_object(int(buffer_ptr), int(size)))
+            obj = host_object(int(buffer_ptr), int(size))
+            tensor = to_tensor(obj)
             if tensor is None:
                 return _INVALID_PARAMS
             if parallelism is not None:
-                # As Mooncake's: the buffer is the whole tensor and every rank's slice is
-                # stored, as put_tensor_with_tp_from does (no manifest).
-                spec = single_tp_spec(parallelism)
-                if spec is None:
-                    return _INVALID_PARAMS
-                return self._write_tp([key], [tensor], config, spec[1], spec[2], upsert)[0]
+                return self._write_spec_from(key, obj, tensor, parallelism, config, upsert)
             return self._write_writer_shard(key, tensor, writer_partition, config, upsert)
         return self._write_from([key], [buffer_ptr], [size], upsert, config)[0]
 
@@ -725,7 +862,7 @@ class _StoreTensor:
             return refused
         if parallelisms is not None:
             return [
-                self._write_tp_spec_shard(k, t, q, config, upsert) for k, t, q in zip(keys, tensors, list(parallelisms))
+                self._write_spec_shard(k, t, q, config, upsert) for k, t, q in zip(keys, tensors, list(parallelisms))
             ]
         if writer_partitions is not None:
             return [
@@ -791,56 +928,136 @@ class _StoreTensor:
     ) -> List[int]:
         return self._par_batch_from(keys, buffer_ptrs, sizes, parallelisms, config, writer_partitions, True)
 
-    @staticmethod
-    def _target_mode(target: Any) -> Tuple[Optional[str], Optional[Tuple[int, int, int]]]:
-        """The target's mode (``"AS_STORED"``, ``"SHARD"``, ``"FULL"``; ``None``: none
-        pagewire reads) and its one-axis tensor-parallel spec; an unknown mode raises as
-        Mooncake's."""
+    def _read_target(self, key: str, target: Any, into: bool = False) -> Tuple[bool, Any]:
+        """``(done, tensor)`` for the targets beyond as-stored; ``done`` False: read ``key``
+        as stored. An unknown mode raises as Mooncake's.
+
+        Without a spec mode ``"full"`` joins writer slices. With a valid spec (else
+        ``None``): mode ``"shard"`` reads the shard stored under the spec's key when its
+        header names the same axes (for one ``tp`` axis also a writer slice of that
+        partition), else cuts the requested slice out of the joined tensor (a resharding
+        read, see :meth:`_join_spec`), else, for one ``tp`` axis and not into a buffer,
+        reads ``f"{key}_tp_{rank}"`` as stored; mode ``"full"`` (a ``tp`` axis needed)
+        joins the slices; mode ``"as_stored"`` gives ``None``."""
         if target is None:
-            return "AS_STORED", None
+            return False, None
         mode = str(getattr(target, "mode", "as_stored")).upper()
         if mode not in ("AS_STORED", "SHARD", "FULL"):
             raise RuntimeError("Unsupported ReadTarget mode")
         parallelism = getattr(target, "parallelism", None)
         if parallelism is None:
+            if mode == "FULL":
+                full = self._writer_full(key) if self._client is not None else None
+                return full is not None, full
             if mode == "SHARD":
                 _log.error("a shard read target needs a parallelism spec")
-                return None, None
-            return mode, None
-        spec = single_tp_spec(parallelism)
-        if spec is None or mode == "AS_STORED":
-            return None, None
-        return mode, spec
-
-    def _tp_slices(self, key: str, ranks: Sequence[int], size: int, split: int) -> Optional[List[Any]]:
-        """The shard objects ``f"{key}_tp_{r}"`` for ``ranks``, each a slice ``r`` of
-        ``size`` along ``split``; ``None`` when one is missing or another shard."""
-        out = []
-        for rank, r in zip(ranks, self._fetch([tp_key(key, i) for i in ranks])):  # type: ignore[attr-defined]
-            obj = bytearray(r) if isinstance(r, bytes) else None
-            if obj is None or parse_header(obj) is None or _shard_axis(obj) != (rank, size, split):
-                _log.error("tensor-parallel slice %d of %r is missing or another shard", rank, key)
-                return None
-            out.append(to_tensor(obj))
-        return out
-
-    def _read_target(self, key: str, target: Any) -> Tuple[bool, Any]:
-        """``(done, tensor)`` for the targets beyond as-stored: a shard or full read under
-        a spec, or the writer slices joined; ``done`` False: read ``key`` as stored."""
-        mode, spec = self._target_mode(target)
-        if mode is None or self._client is None:
+            return mode == "SHARD", None
+        axes = parse_spec(parallelism)
+        if axes is None or mode == "AS_STORED" or self._client is None:
             return True, None
-        if spec is not None:
-            rank, size, split = spec
-            if mode == "SHARD":
-                parts = self._tp_slices(key, [rank], size, split)
-                return True, parts[0] if parts else None
-            parts = self._tp_slices(key, range(size), size, split)
-            return True, _join(parts, split)
+        t = tp_index(axes)
         if mode == "FULL":
-            full = self._writer_full(key)
-            return full is not None, full
-        return False, None
+            return True, self._join_spec(key, axes) if t is not None else None
+        shard = self._stored_shard(key, axes)
+        if shard is not None or t is None:
+            return True, shard
+        full, tp = self._join_spec(key, axes), axes[t]
+        if full is not None:
+            step = int(full.shape[tp.split]) // tp.size
+            return True, full.narrow(int(tp.split), tp.rank * step, step).contiguous()  # type: ignore[arg-type]
+        if len(axes) == 1 and not into:
+            return True, self._t_get_tensor(self._tp_read_key(key, tp.rank, tp.size))
+        return True, None
+
+    @staticmethod
+    def _tp_read_key(key: str, rank: int, size: int) -> str:
+        return tp_key(key, rank) if size > 1 else key
+
+    def _shard_object(self, skey: str) -> Tuple[Any, Optional[List[Axis]]]:
+        """The valid tensor object under ``skey`` and its shard axes (``None`` for a whole
+        tensor), or ``(None, None)``."""
+        raw = self._fetch([skey])[0]  # type: ignore[attr-defined]
+        obj = bytearray(raw) if isinstance(raw, bytes) else None
+        if obj is None or parse_header(obj) is None:
+            return None, None
+        return obj, stored_axes(obj)
+
+    def _stored_shard(self, key: str, axes: List[Axis]) -> Any:
+        """The shard stored for exactly ``axes`` (its key, or a writer slice's for one
+        ``tp`` axis), else ``None``."""
+        want = [a.ident() for a in canonical(axes)]
+        keys = [spec_key(key, axes)]
+        if len(axes) == 1 and axes[0].kind == AXIS_TP:
+            keys.append(writer_key(key, axes[0].rank, axes[0].size, int(axes[0].split)))  # type: ignore[arg-type]
+        for skey in keys:
+            obj, have = self._shard_object(skey)
+            if have is not None and [a.ident() for a in have] == want:
+                return to_tensor(obj)
+        return None
+
+    def _join_spec(self, key: str, axes: List[Axis]) -> Any:
+        """The whole tensor the stored slices of ``axes``'s shard family join into, whatever
+        ``tp`` size they were written with, else ``None``.
+
+        With a valid manifest the slices are the manifest's count, keyed by ``axes`` with
+        that ``tp`` rank and size; the request's split dim must be the manifest's and the
+        request's ``tp`` size must divide the split extent. Without one, for one ``tp``
+        axis the ``f"{key}_tp_{r}"`` objects as many as slice 0 names, else the request's
+        ``tp`` size of slices; each slice must name the request's other axes."""
+        t = tp_index(axes)
+        tp = axes[t]  # type: ignore[index]
+        raw = self._fetch([parallelism_manifest_key(key)])[0]  # type: ignore[attr-defined]
+        manifest = parse_manifest(raw) if isinstance(raw, bytes) else None
+        if manifest is not None:
+            dtype, shape, split, count = manifest
+            if split != tp.split or shape[split] % tp.size or shape[split] % count:
+                return None
+            keys = [spec_key(key, [a.with_tp(r, count) if a is tp else a for a in axes]) for r in range(count)]
+            full = self._join_slices(keys, [a.with_tp(0, count) if a is tp else a for a in axes], split)
+            if full is None or [int(d) for d in full.shape] != shape or _dtype_code(_torch(), full.dtype) != dtype:
+                return None
+            return full
+        if len(axes) == 1:
+            _obj, first = self._shard_object(self._tp_read_key(key, 0, tp.size))
+            stored = next((a for a in first or () if a.kind == AXIS_TP), None)
+            if stored is None or stored.split != tp.split:
+                return None
+            keys = [self._tp_read_key(key, r, stored.size) for r in range(stored.size)]
+            full = self._join_slices(keys, None, int(tp.split), stored.size)  # type: ignore[arg-type]
+        else:
+            keys = [spec_key(key, [a.with_tp(r) if a is tp else a for a in axes]) for r in range(tp.size)]
+            full = self._join_slices(keys, axes, int(tp.split))  # type: ignore[arg-type]
+        if full is None or int(full.shape[tp.split]) % tp.size:
+            return None
+        return full
+
+    def _join_slices(self, keys: List[str], axes: Optional[List[Axis]], split: int, count: int = 0) -> Any:
+        """The slices under ``keys`` (slice ``r`` at ``keys[r]``) joined along ``split``.
+        Each must be a shard whose axes are ``axes`` but for the ``tp`` rank (``axes``
+        ``None``: whose ``tp`` axis is rank ``r`` of ``count`` along ``split``), all of one
+        dtype and global shape, the slices filling it."""
+        want = _sans_tp_rank(axes) if axes is not None else None
+        parts, heads = [], set()
+        for rank, skey in enumerate(keys):
+            obj, have = self._shard_object(skey)
+            if have is None:
+                _log.error("tensor slice %r is missing or not a shard", skey)
+                return None
+            tp = next((a for a in have if a.kind == AXIS_TP), None)
+            if want is not None and _sans_tp_rank(have) != want:
+                _log.error("tensor slice %r does not match the requested layout", skey)
+                return None
+            if want is None and (tp is None or (tp.rank, tp.size, tp.split) != (rank, count, split)):
+                _log.error("tensor slice %r is not tensor-parallel rank %d of %d", skey, rank, count)
+                return None
+            mem = memoryview(obj).cast("B")
+            ndim = _HEAD.unpack_from(mem)[4]
+            heads.add((_HEAD.unpack_from(mem)[3], tuple(_SHAPES.unpack_from(mem, _HEAD.size)[:ndim])))
+            parts.append(to_tensor(obj))
+        full = _join(parts, split)
+        if full is None or len(heads) != 1 or tuple(int(d) for d in full.shape) != next(iter(heads))[1]:
+            return None
+        return full
 
     def _writer_full(self, key: str) -> Any:
         """The tensor a complete set of writer slices of ``key`` joins into, else ``None``."""
@@ -866,7 +1083,7 @@ class _StoreTensor:
         return tensor if done else self._t_get_tensor(key)
 
     def _t_get_tensor_with_parallelism_into(self, key: str, buffer_ptr: int, size: int, target: Any = None) -> Any:
-        done, full = self._read_target(key, target)
+        done, full = self._read_target(key, target, into=True)
         if done:
             if full is not None:
                 # Written as a whole tensor object into the caller's registered buffer.
