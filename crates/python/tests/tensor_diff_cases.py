@@ -590,14 +590,29 @@ class Run:
             s.put_tensor_with_parallelism_from("mf2", p, len(raw), spec(("pp", 1, 2, None, None, 0))),
             get("mf2", "shard", spec(("pp", 1, 2, None, None, 0)), t),
             s.batch_put_tensor_with_parallelism_from(["mf3"], [p], [len(raw)], [spec(dp1, ("tp", 0, 4, 1))]),
-            summary(s.get_tensor_with_parallelism_into("m1", q, 4096, target("shard", spec(dp1, tp1))), t[:, 3:]),
-            summary(s.get_tensor_with_parallelism_into("m1", q, 4096, target("full", spec(dp1, tp1))), t),
-            summary(s.get_tensor_with_parallelism_into("m1", q, 4096, target("shard", spec(dp1, ("tp", 1, 3, 1)))),
-                    t[:, 2:4]),
-            summary(s.get_tensor_with_parallelism_into("g1", q, 4096, target("shard", spec(dp1))), t * 2),
         ]  # fmt: skip
+        # Into reads: the tensor, and the header written before it (the stored shard's, a
+        # re-cut shard's naming the request's axes, a whole tensor's), compared as bytes.
+        heads = hashlib.sha256()
+        for key, mode, parallelism, want in (
+            ("m1", "shard", spec(dp1, tp1), t[:, 3:]), ("m1", "full", spec(dp1, tp1), t),
+            ("m1", "shard", spec(tp1, dp1), t[:, 3:]), ("m1", "shard", spec(("tp", 1, 3, 1), dp1), t[:, 2:4]),
+            ("g1", "shard", spec(dp1), t * 2), ("ps", "shard", spec(("tp", 0, 2, 1)), None),
+        ):  # fmt: skip
+            buf[6 * MIB : 6 * MIB + 512] = 0
+            self.cases["multi_spec_from"].append(
+                summary(s.get_tensor_with_parallelism_into(key, q, 4096, target(mode, parallelism)), want))
+            heads.update(bytes(buf[6 * MIB : 6 * MIB + 304]))
+        self.digests["multi_spec_into_headers"] = heads.hexdigest()
+        s.put_tensor("m0d", torch.tensor(7.5))
+        raw0 = s.get("m0d")
+        buf[: len(raw0)] = np.frombuffer(raw0, np.uint8)
+        self.cases["multi_spec_from"] += [
+            s.put_tensor_with_parallelism_from("mf4", p, len(raw0), spec(("dp", 0, 1))),
+            summary(s.get_tensor_with_parallelism("mf4", target("shard", spec(("dp", 0, 1))))),
+        ]
         self.digest("multi_spec_from", ["mf__dp_0of2__tp_0of3_sd1", "mf__dp_0of2__tp_1of3_sd1",
-                                        "mf__dp_0of2__tp_2of3_sd1", "mf2__pp_1of2_sid0"])  # fmt: skip
+                                        "mf__dp_0of2__tp_2of3_sd1", "mf2__pp_1of2_sid0", "mf4__dp_0of1"])  # fmt: skip
         buf[:] = 0
 
     def cross(self, other: dict) -> dict:

@@ -143,6 +143,12 @@ def parse_header(obj: Any) -> Optional[Parsed]:
     return Parsed(dtype, list(local_shape[:ndim]), offset, nbytes)
 
 
+def _global_shape(obj: Any) -> List[int]:
+    """The global shape a valid object's header names."""
+    mem = memoryview(obj).cast("B")
+    return list(_SHAPES.unpack_from(mem, _HEAD.size)[: _HEAD.unpack_from(mem)[4]])
+
+
 def _shard_axis(obj: Any) -> Optional[Tuple[int, int, int]]:
     """``(rank, count, split dim)`` of a valid shard object's first (tensor-parallel) axis."""
     mem = memoryview(obj).cast("B")
@@ -748,11 +754,11 @@ class _StoreTensor:
             return _INVALID_PARAMS
         t = tp_index(axes)
         if t is None:
-            mem = memoryview(obj).cast("B")
-            ndim = _HEAD.unpack_from(mem)[4]
-            whole = list(_SHAPES.unpack_from(mem, _HEAD.size)[:ndim])
-            info = tensor_info(tensor, key, whole, header_axes(axes, [int(d) for d in tensor.shape]))
-            return self._write_infos([spec_key(key, axes)], [info], config, upsert)[0]
+            # The object's own shapes and data (a 0-d tensor keeps its 0 dims).
+            p, whole = parse_header(obj), _global_shape(obj)
+            head = pack_header(p.dtype, whole, p.shape, p.nbytes, header_axes(axes, p.shape))  # type: ignore[union-attr]
+            data = memoryview(obj).cast("B")[p.offset :]  # type: ignore[union-attr]
+            return self._write_infos([spec_key(key, axes)], [_Info(head, data, obj)], config, upsert)[0]
         tp = axes[t]
         shards = tp_shards(tensor, key, tp.size, int(tp.split))  # type: ignore[arg-type]
         if shards is None:
@@ -928,9 +934,11 @@ class _StoreTensor:
     ) -> List[int]:
         return self._par_batch_from(keys, buffer_ptrs, sizes, parallelisms, config, writer_partitions, True)
 
-    def _read_target(self, key: str, target: Any, into: bool = False) -> Tuple[bool, Any]:
-        """``(done, tensor)`` for the targets beyond as-stored; ``done`` False: read ``key``
-        as stored. An unknown mode raises as Mooncake's.
+    def _read_target(self, key: str, target: Any, into: bool = False) -> Tuple[bool, Any, Optional[bytes]]:
+        """``(done, tensor, header)`` for the targets beyond as-stored; ``done`` False: read
+        ``key`` as stored; ``header``: the one an ``_into`` read writes before the data (the
+        stored shard's, or a re-cut shard's naming the request's axes; ``None``: a whole
+        tensor's). An unknown mode raises as Mooncake's.
 
         Without a spec mode ``"full"`` joins writer slices. With a valid spec (else
         ``None``): mode ``"shard"`` reads the shard stored under the spec's key when its
@@ -940,7 +948,7 @@ class _StoreTensor:
         reads ``f"{key}_tp_{rank}"`` as stored; mode ``"full"`` (a ``tp`` axis needed)
         joins the slices; mode ``"as_stored"`` gives ``None``."""
         if target is None:
-            return False, None
+            return False, None, None
         mode = str(getattr(target, "mode", "as_stored")).upper()
         if mode not in ("AS_STORED", "SHARD", "FULL"):
             raise RuntimeError("Unsupported ReadTarget mode")
@@ -948,26 +956,31 @@ class _StoreTensor:
         if parallelism is None:
             if mode == "FULL":
                 full = self._writer_full(key) if self._client is not None else None
-                return full is not None, full
+                return full is not None, full, None
             if mode == "SHARD":
                 _log.error("a shard read target needs a parallelism spec")
-            return mode == "SHARD", None
+            return mode == "SHARD", None, None
         axes = parse_spec(parallelism)
         if axes is None or mode == "AS_STORED" or self._client is None:
-            return True, None
+            return True, None, None
         t = tp_index(axes)
         if mode == "FULL":
-            return True, self._join_spec(key, axes) if t is not None else None
-        shard = self._stored_shard(key, axes)
+            return True, self._join_spec(key, axes) if t is not None else None, None
+        shard, obj = self._stored_shard(key, axes)
         if shard is not None or t is None:
-            return True, shard
+            return True, shard, bytes(obj[:HEADER_SIZE]) if obj is not None else None
         full, tp = self._join_spec(key, axes), axes[t]
         if full is not None:
-            step = int(full.shape[tp.split]) // tp.size
-            return True, full.narrow(int(tp.split), tp.rank * step, step).contiguous()  # type: ignore[arg-type]
+            split = int(tp.split)  # type: ignore[arg-type]
+            step = int(full.shape[split]) // tp.size
+            part = full.narrow(split, tp.rank * step, step).contiguous()
+            whole, local = [int(d) for d in full.shape], [int(d) for d in part.shape]
+            nbytes = int(part.numel()) * int(part.element_size())
+            head = pack_header(_dtype_code(_torch(), part.dtype), whole, local, nbytes, header_axes(axes, local))
+            return True, part, head
         if len(axes) == 1 and not into:
-            return True, self._t_get_tensor(self._tp_read_key(key, tp.rank, tp.size))
-        return True, None
+            return True, self._t_get_tensor(self._tp_read_key(key, tp.rank, tp.size)), None
+        return True, None, None
 
     @staticmethod
     def _tp_read_key(key: str, rank: int, size: int) -> str:
@@ -982,9 +995,9 @@ class _StoreTensor:
             return None, None
         return obj, stored_axes(obj)
 
-    def _stored_shard(self, key: str, axes: List[Axis]) -> Any:
+    def _stored_shard(self, key: str, axes: List[Axis]) -> Tuple[Any, Any]:
         """The shard stored for exactly ``axes`` (its key, or a writer slice's for one
-        ``tp`` axis), else ``None``."""
+        ``tp`` axis) and its object, else ``(None, None)``."""
         want = [a.ident() for a in canonical(axes)]
         keys = [spec_key(key, axes)]
         if len(axes) == 1 and axes[0].kind == AXIS_TP:
@@ -992,8 +1005,8 @@ class _StoreTensor:
         for skey in keys:
             obj, have = self._shard_object(skey)
             if have is not None and [a.ident() for a in have] == want:
-                return to_tensor(obj)
-        return None
+                return to_tensor(obj), obj
+        return None, None
 
     def _join_spec(self, key: str, axes: List[Axis]) -> Any:
         """The whole tensor the stored slices of ``axes``'s shard family join into, whatever
@@ -1050,9 +1063,7 @@ class _StoreTensor:
             if want is None and (tp is None or (tp.rank, tp.size, tp.split) != (rank, count, split)):
                 _log.error("tensor slice %r is not tensor-parallel rank %d of %d", skey, rank, count)
                 return None
-            mem = memoryview(obj).cast("B")
-            ndim = _HEAD.unpack_from(mem)[4]
-            heads.add((_HEAD.unpack_from(mem)[3], tuple(_SHAPES.unpack_from(mem, _HEAD.size)[:ndim])))
+            heads.add((_HEAD.unpack_from(memoryview(obj).cast("B"))[3], tuple(_global_shape(obj))))
             parts.append(to_tensor(obj))
         full = _join(parts, split)
         if full is None or len(heads) != 1 or tuple(int(d) for d in full.shape) != next(iter(heads))[1]:
@@ -1079,21 +1090,21 @@ class _StoreTensor:
         return full if full is not None and list(full.shape) == shape else None
 
     def _t_get_tensor_with_parallelism(self, key: str, target: Any = None) -> Any:
-        done, tensor = self._read_target(key, target)
+        done, tensor, _header = self._read_target(key, target)
         return tensor if done else self._t_get_tensor(key)
 
     def _t_get_tensor_with_parallelism_into(self, key: str, buffer_ptr: int, size: int, target: Any = None) -> Any:
-        done, full = self._read_target(key, target, into=True)
+        done, full, header = self._read_target(key, target, into=True)
         if done:
             if full is not None:
-                # Written as a whole tensor object into the caller's registered buffer.
+                # Written as a tensor object into the caller's registered buffer.
                 info = tensor_info(full, key)
                 total = HEADER_SIZE + len(info.data) if info is not None else 0
                 ptr = int(buffer_ptr)
                 if info is None or ptr == 0 or int(size) < total or self._room_at(ptr) < total:  # type: ignore
                     return None
                 dst = host_object(ptr, total)
-                memoryview(dst).cast("B")[:HEADER_SIZE] = info.header
+                memoryview(dst).cast("B")[:HEADER_SIZE] = info.header if header is None else header
                 memoryview(dst).cast("B")[HEADER_SIZE:total] = info.data
                 return to_tensor(dst)
             return None
