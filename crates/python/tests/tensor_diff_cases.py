@@ -487,6 +487,10 @@ class Run:
             summary(s.get_tensor_with_parallelism("po", target("shard", spec("tp", 0, 2, 0)))),
             summary(s.get_tensor_with_parallelism_into("ps", p, 4096, target("shard", spec("tp", 5, 6, 1))), t[:, 5:]),
             summary(s.get_tensor_with_parallelism_into("ps", p, 4096, target("shard", spec("tp", 1, 4, 1)))),
+            # A writer partition's slice reads as the tp shard of that partition, not re-cut.
+            summary(s.get_tensor_with_parallelism("w", target("shard", spec("tp", 1, 2, 1)))),
+            summary(s.get_tensor_with_parallelism("w", target("shard", spec("tp", 0, 3, 1)))),
+            summary(s.get_tensor_with_parallelism("w", target("full", spec("tp", 0, 2, 1)))),
         ]  # fmt: skip
         buf[:] = 0
 
