@@ -289,7 +289,7 @@ def parallelism_manifest_key(base: str) -> str:
 #: Axis kinds in their header code order (DP 0, TP 1, EP 2, PP 3), which is also the
 #: canonical order of the axes in a shard's key.
 _AXIS_NAMES = ("dp", "tp", "ep", "pp")
-_AXIS_DP, _AXIS_EP, _AXIS_PP = 0, 2, 3
+_AXIS_EP, _AXIS_PP = 2, 3
 
 
 class Axis:
