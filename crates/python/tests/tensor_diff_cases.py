@@ -617,6 +617,23 @@ class Run:
         ]
         self.digest("multi_spec_from", ["mf__dp_0of2__tp_0of3_sd1", "mf__dp_0of2__tp_1of3_sd1",
                                         "mf__dp_0of2__tp_2of3_sd1", "mf2__pp_1of2_sid0", "mf4__dp_0of1"])  # fmt: skip
+        # An upsert of another tp size replaces the manifest; reads that its slices cannot
+        # serve fall back to the slices of the requested size.
+        tp03 = ("tp", 0, 3, 1)
+        self.cases["multi_spec_upsert"] = [
+            s.batch_upsert_tensor_with_parallelism(["m1"], [t * 3], [spec(dp1, tp03)]),
+            get("m1", "full", spec(dp1, tp03)),
+            get("m1", "shard", spec(dp1, tp03), (t * 3)[:, :2]),
+            get("m1", "shard", spec(dp1, tp1), t[:, 3:]),
+            get("m1", "full", spec(dp1, tp0), t),
+            get("m1", "shard", spec(dp1, ("tp", 1, 3, 1)), t[:, 2:4]),
+            s.upsert_tensor_with_parallelism("m1", t * 3, spec(tp03, dp1)),
+            [summary(x, w) for x, w in zip(s.batch_get_tensor_with_parallelism_into(
+                ["m1", "g1", "nope"], [p + 6 * MIB, p + 7 * MIB, p + 8 * MIB], [4096, 4096, 4096],
+                [target("shard", spec(dp1, tp03)), target("shard", spec(dp1)), target("full", spec(dp1, tp0))]),
+                [(t * 3)[:, :2], t * 2, None])],
+        ]  # fmt: skip
+        self.digest("multi_spec_upsert", ["m1__dp_1of2__tp_0of3_sd1", "m1__parallelism_manifest"])
         buf[:] = 0
 
     def cross(self, other: dict) -> dict:

@@ -138,6 +138,8 @@ EXPECT.update({
                                [-600], t("float32", [4, 3]), t("float32", [4, 6]), t("float32", [4, 3]),
                                t("float32", [4, 2]), t("float32", [4, 6]), t("float32", [4, 3], None), 0,
                                t("float32", [1], None)]),
+    "multi_spec_upsert": (SAME, [[0], None, t("float32", [4, 2]), t("float32", [4, 3]), t("float32", [4, 6]), None, 0,
+                                 [t("float32", [4, 2]), t("float32", [4, 6]), None]]),
     "tp_refusals": (SAME, [-600, -600, -600, -600, -600, -600, [0, 0, 0]]),
     "tp_read_other_rank": (SAME, [None, None, None]),
     "batch_tp": (SAME, [[0, -600, -600, 0], [t("int8", [1, 4]), None, t("bfloat16", [3, 2])], [-600], [], [0],

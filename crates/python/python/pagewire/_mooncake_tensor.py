@@ -1014,21 +1014,16 @@ class _StoreTensor:
 
         With a valid manifest the slices are the manifest's count, keyed by ``axes`` with
         that ``tp`` rank and size; the request's split dim must be the manifest's and the
-        request's ``tp`` size must divide the split extent. Without one, for one ``tp``
-        axis the ``f"{key}_tp_{r}"`` objects as many as slice 0 names, else the request's
-        ``tp`` size of slices; each slice must name the request's other axes."""
+        request's ``tp`` size must divide the split extent. Without one, or when those
+        slices do not join: for one ``tp`` axis the ``f"{key}_tp_{r}"`` objects, as many
+        as slice 0 names, else the request's ``tp`` size of slices; each slice must name
+        the request's other axes."""
         t = tp_index(axes)
         tp = axes[t]  # type: ignore[index]
         raw = self._fetch([parallelism_manifest_key(key)])[0]  # type: ignore[attr-defined]
         manifest = parse_manifest(raw) if isinstance(raw, bytes) else None
-        if manifest is not None:
-            dtype, shape, split, count = manifest
-            if split != tp.split or shape[split] % tp.size or shape[split] % count:
-                return None
-            keys = [spec_key(key, [a.with_tp(r, count) if a is tp else a for a in axes]) for r in range(count)]
-            full = self._join_slices(keys, [a.with_tp(0, count) if a is tp else a for a in axes], split)
-            if full is None or [int(d) for d in full.shape] != shape or _dtype_code(_torch(), full.dtype) != dtype:
-                return None
+        full = self._join_by_manifest(key, axes, tp, manifest) if manifest is not None else None
+        if full is not None:
             return full
         if len(axes) == 1:
             _obj, first = self._shard_object(self._tp_read_key(key, 0, tp.size))
@@ -1041,6 +1036,16 @@ class _StoreTensor:
             keys = [spec_key(key, [a.with_tp(r) if a is tp else a for a in axes]) for r in range(tp.size)]
             full = self._join_slices(keys, axes, int(tp.split))  # type: ignore[arg-type]
         if full is None or int(full.shape[tp.split]) % tp.size:
+            return None
+        return full
+
+    def _join_by_manifest(self, key: str, axes: List[Axis], tp: Axis, manifest: Tuple[int, List[int], int, int]) -> Any:
+        dtype, shape, split, count = manifest
+        if split != tp.split or shape[split] % tp.size or shape[split] % count:
+            return None
+        keys = [spec_key(key, [a.with_tp(r, count) if a is tp else a for a in axes]) for r in range(count)]
+        full = self._join_slices(keys, [a.with_tp(0, count) if a is tp else a for a in axes], split)
+        if full is None or [int(d) for d in full.shape] != shape or _dtype_code(_torch(), full.dtype) != dtype:
             return None
         return full
 
