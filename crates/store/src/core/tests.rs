@@ -846,8 +846,7 @@ fn only_the_logged_owner_takes_an_awaiting_segment_back() {
     let log = w.core.take_log();
     assert!(log.contains(&Record::Unmount { segment: s }), "{log:?}");
     assert!(
-        log.iter()
-            .all(|r| !matches!(r, Record::Remount { .. })),
+        log.iter().all(|r| !matches!(r, Record::Remount { .. })),
         "{log:?}"
     );
     // The owner, coming back late, has no claim left: a new id, and its old bounds are
@@ -899,7 +898,10 @@ fn a_snapshot_keeps_the_segment_owner() {
     }));
     let mut standby = MasterCore::new(cfg(), 21);
     assert_eq!(
-        standby.apply(0, &crate::oplog::decode(&crate::oplog::encode(&snap)).unwrap()),
+        standby.apply(
+            0,
+            &crate::oplog::decode(&crate::oplog::encode(&snap)).unwrap()
+        ),
         0
     );
     assert_eq!(metadata(&standby), metadata(&w.core));
