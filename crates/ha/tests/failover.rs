@@ -1,7 +1,9 @@
 //! Masters elected through a real etcd (started by the test on 127.0.0.1), in processes of
 //! their own: the leader killed with SIGKILL while a client puts and gets (bytes checked),
-//! the leader stopped past its lease and resumed (it must not answer), and one etcd member
-//! of three killed (the leader keeps leading). Needs the `etcd` binary (scripts/setup.sh).
+//! the leader stopped past its lease and resumed (it must not answer), one etcd member
+//! of three killed (the leader keeps leading), and a storage node process killed and
+//! started again on the same port and address during a failover (it must not get the
+//! old objects' segment back). Needs the `etcd` binary (scripts/setup.sh).
 
 #[path = "../../store/tests/common/mod.rs"]
 mod common;
@@ -25,6 +27,8 @@ const ROLE: &str = "PW_HA_ROLE";
 /// The leader's lease in these tests: etcd's floor, so failovers stay short.
 const TTL: Duration = Duration::from_secs(2);
 const PAGE: usize = 64 << 10;
+/// The segment a node process offers.
+const NODE_SEGMENT: u64 = 8 << 20;
 
 /// The tests measure failovers: one at a time, so that they do not slow one another
 /// down on a small machine.
@@ -86,16 +90,97 @@ fn run_master() -> Result<()> {
     }
 }
 
-/// Entry point of the child master; a no-op in the normal test run.
+/// A storage node (a store client offering [`NODE_SEGMENT`] bytes) whose engine listens
+/// on `PW_LISTEN`: says `READY <base> <size> <segment id>`, then lives until its stdin
+/// closes.
+fn run_node() -> Result<()> {
+    let mut c = client_config(
+        &std::env::var("PW_ETCD")?,
+        "t",
+        Instant::now() + Duration::from_secs(5),
+    )?;
+    c.engine = common::engine(BackendKind::Tcp);
+    c.engine.listen = std::env::var("PW_LISTEN")?.parse()?;
+    c.segment_size = NODE_SEGMENT;
+    c.timeout = Duration::from_secs(8);
+    c.connect_timeout = Duration::from_secs(8);
+    // The engine's threads (and the locator's) map their signal stacks as they start:
+    // let them start before the segment is allocated, so that the segment lands at the
+    // same address in every run.
+    let engine = pagewire_transport::Engine::new(c.engine.clone())?;
+    std::thread::sleep(Duration::from_millis(300));
+    let node = StoreClient::with_engine(engine, c)?;
+    let (base, size) = node.segment().context("no segment")?;
+    let id = node.segment_id()?.context("not mounted")?;
+    say(format!("READY {base} {size} {id}"));
+    let mut s = String::new();
+    while std::io::stdin().read_line(&mut s).is_ok_and(|n| n > 0) {
+        s.clear();
+    }
+    std::process::exit(0);
+}
+
+/// Entry point of the child master or node; a no-op in the normal test run.
 #[test]
 fn role() {
-    if std::env::var(ROLE).as_deref() != Ok("master") {
-        return;
-    }
-    if let Err(e) = run_master() {
+    let r = match std::env::var(ROLE).as_deref() {
+        Ok("master") => run_master(),
+        Ok("node") => run_node(),
+        _ => return,
+    };
+    if let Err(e) = r {
         say(format!("FATAL {e:#}"));
         std::process::exit(3);
     }
+}
+
+/// This test binary re-run as `role` (the `ROLE` variable set to `role`), its stdout's
+/// tagged lines, and its first line.
+fn spawn_role(
+    role: &str,
+    env: &[(&str, String)],
+    fixed_layout: bool,
+) -> Result<(Child, Option<ChildStdin>, Receiver<String>, String)> {
+    let mut cmd = Command::new(std::env::current_exe()?);
+    cmd.args(["--exact", "role", "--nocapture", "--test-threads=1"])
+        .env(ROLE, role)
+        .envs(env.iter().map(|(k, v)| (k, v)))
+        .env(
+            "PAGEWIRE_LOG",
+            std::env::var("PW_CHILD_LOG").unwrap_or("error".into()),
+        )
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit());
+    if fixed_layout {
+        use std::os::unix::process::CommandExt;
+        // SAFETY: personality(2) is async-signal-safe and touches only the child's own
+        // execution domain (here: no address space randomization, so that two runs of
+        // the same program map their memory at the same addresses).
+        unsafe {
+            cmd.pre_exec(|| {
+                if libc::personality(libc::ADDR_NO_RANDOMIZE as libc::c_ulong) == -1 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+    }
+    let mut child = cmd.spawn()?;
+    let rx = common::tagged_lines(child.stdout.take().context("stdout")?);
+    let stdin = child.stdin.take();
+    let first = rx
+        .recv_timeout(Duration::from_secs(15))
+        .with_context(|| format!("{role}: no line within 15 s"));
+    let first = match first {
+        Ok(l) if !l.starts_with("FATAL") => l,
+        other => {
+            let _ = child.kill();
+            let _ = child.wait();
+            bail!("{role} said {other:?}");
+        }
+    };
+    Ok((child, stdin, rx, first))
 }
 
 /// A master in a process of its own.
@@ -108,28 +193,17 @@ struct MasterProc {
 
 impl MasterProc {
     fn spawn(etcd: &str, ttl: Duration) -> Result<MasterProc> {
-        let mut cmd = Command::new(std::env::current_exe()?);
-        cmd.args(["--exact", "role", "--nocapture", "--test-threads=1"])
-            .env(ROLE, "master")
-            .env("PW_ETCD", etcd)
-            .env("PW_TTL_S", ttl.as_secs().to_string())
-            .env(
-                "PAGEWIRE_LOG",
-                std::env::var("PW_CHILD_LOG").unwrap_or("error".into()),
-            )
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit());
-        let mut child = cmd.spawn()?;
-        let rx = common::tagged_lines(child.stdout.take().context("stdout")?);
-        let stdin = child.stdin.take();
+        let env = [
+            ("PW_ETCD", etcd.to_string()),
+            ("PW_TTL_S", ttl.as_secs().to_string()),
+        ];
+        let (child, stdin, lines, l) = spawn_role("master", &env, false)?;
         let mut m = MasterProc {
             child,
             _stdin: stdin,
-            lines: rx,
+            lines,
             addr: "0.0.0.0:0".parse()?,
         };
-        let l = m.line(Duration::from_secs(15))?;
         m.addr = l
             .strip_prefix("READY ")
             .with_context(|| format!("master said {l:?}"))?
@@ -738,5 +812,99 @@ fn no_leader_fails_within_the_deadline() -> Result<()> {
         matches!(r, Err(pagewire_store::StoreError::Config { .. })),
         "{r:?}"
     );
+    Ok(())
+}
+
+/// A storage node in a process of its own, with its memory layout fixed (no address
+/// space randomization) and its engine on a fixed port: run twice, it mounts the same
+/// endpoint, base and size.
+struct NodeProc {
+    child: Child,
+    _stdin: Option<ChildStdin>,
+    /// `(base, size, segment id)`.
+    segment: (u64, u64, u64),
+}
+
+impl NodeProc {
+    fn spawn(etcd: &str, listen: SocketAddr) -> Result<NodeProc> {
+        // glibc maps allocations above a threshold that moves with the history of frees:
+        // fixed at 4 MiB, only the segment and thread stacks are mapped on their own, in
+        // the same order in every run, and the rest (whose sizes vary) goes to heaps.
+        let env = [
+            ("PW_ETCD", etcd.to_string()),
+            ("PW_LISTEN", listen.to_string()),
+            ("MALLOC_MMAP_THRESHOLD_", (4 << 20).to_string()),
+        ];
+        let (child, stdin, _, l) = spawn_role("node", &env, true)?;
+        let f: Vec<u64> = l
+            .strip_prefix("READY ")
+            .with_context(|| format!("node said {l:?}"))?
+            .split(' ')
+            .map(str::parse)
+            .collect::<Result<_, _>>()?;
+        ensure!(f.len() == 3, "node said {l:?}");
+        Ok(NodeProc {
+            child,
+            _stdin: stdin,
+            segment: (f[0], f[1], f[2]),
+        })
+    }
+}
+
+impl Drop for NodeProc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The failover hole that bounds alone leave open: a storage node process killed with
+/// SIGKILL and started again on the same port, whose fresh memory lands at the same
+/// address (address space randomization off), while the leader is killed too. The new
+/// leader must not hand it the old segment: its memory does not hold the old objects, and
+/// a get would return its bytes as theirs. Every get of an old object is `NotFound` (the
+/// restarted node has a new client id; its mount gets a new segment and unmounts the one
+/// it overlaps), never a success with other bytes.
+#[test]
+fn node_restarted_on_its_port_at_the_same_address_serves_no_old_object() -> Result<()> {
+    let _serial = serial();
+    let etcd = EtcdCluster::start(1);
+    let (mut leader, mut standby, _) = two_masters(&etcd)?;
+    let listen = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?;
+    let first = NodeProc::spawn(&etcd.url(), listen)?;
+    let c = client(&etcd, 0)?;
+    let mut p = Pages::new(&c);
+    let keys: Vec<String> = (0..8).map(|i| format!("restart_{i}")).collect();
+    for k in &keys {
+        fill(k, 7, &mut p.src.mem);
+        let r = c.put(&[k], &[[p.src.span(0, PAGE)]], &PutOptions::default())?;
+        ensure!(r == [Ok(())], "{k}: {r:?}");
+    }
+    let old = first.segment;
+    drop(first);
+    leader.kill9();
+    standby.wait_role("LEADER", Duration::from_secs(15))?;
+    let second = NodeProc::spawn(&etcd.url(), listen)?;
+    let new = second.segment;
+    ensure!(
+        (new.0, new.1) == (old.0, old.1),
+        "the restarted node mapped its segment elsewhere ({new:x?} vs {old:x?}): the test \
+         needs the same address"
+    );
+    ensure!(
+        new.2 != old.2,
+        "the restarted node took back segment {:#x}",
+        old.2
+    );
+    for k in &keys {
+        fill(k, 7, &mut p.src.mem);
+        p.dst.mem.fill(0);
+        let r = c.get(&[k], &[[p.dst.span(0, PAGE)]])?;
+        if r == [Ok(PAGE as u64)] {
+            ensure!(p.dst.mem == p.src.mem, "get of {k} returned wrong bytes");
+        }
+        ensure!(r == [Err(Code::NotFound)], "{k}: {r:?}");
+    }
+    c.close();
     Ok(())
 }

@@ -346,6 +346,11 @@ impl MasterCore {
     /// A client says hello: resumes `requested` if it is known under the same endpoint,
     /// else registers a new client. Returns `(id, resumed)`. Its reports count as those
     /// of a host of their own (see [`MasterCore::hello_from`]).
+    ///
+    /// After a failover, a `requested` id that the op-log names as the owner of segments
+    /// awaiting their owner at that endpoint is registered under that id, not resumed
+    /// (`resumed` is false: the client mounts again, and only it can take those segments
+    /// back; see [`MasterCore::mount`]).
     pub fn hello(
         &mut self,
         now: Millis,
@@ -383,10 +388,19 @@ impl MasterCore {
         if self.clients.len() >= self.cfg.max_clients {
             return Err(Code::NoSpace);
         }
-        let id = loop {
-            let id = splitmix(&mut self.rng);
-            if id != 0 && !self.clients.contains_key(&id) {
-                break id;
+        // Ids are known only to their client (and the op-log): a restarted process asks
+        // for none, so it cannot claim the memory of the process it replaced.
+        let id = if requested != 0
+            && !self.clients.contains_key(&requested)
+            && self.awaits_owner(requested, Some(endpoint))
+        {
+            requested
+        } else {
+            loop {
+                let id = splitmix(&mut self.rng);
+                if id != 0 && !self.clients.contains_key(&id) && !self.awaits_owner(id, None) {
+                    break id;
+                }
             }
         };
         // Without an address, each client is an origin of its own (ids are random u64s,
@@ -395,6 +409,14 @@ impl MasterCore {
         self.clients
             .insert(id, ClientState::new(endpoint, now, origin));
         Ok((id, false))
+    }
+
+    /// Whether a segment awaiting its owner after a failover names `owner` (at `endpoint`,
+    /// if given).
+    fn awaits_owner(&self, owner: u64, endpoint: Option<&str>) -> bool {
+        self.segments.values().any(|s| {
+            s.awaiting.is_some() && s.owner == owner && endpoint.is_none_or(|e| &*s.endpoint == e)
+        })
     }
 
     /// Any frame from a client: it is alive, and so are its segments.
@@ -511,14 +533,18 @@ impl MasterCore {
             base,
             size: alloc_size,
             rkey,
+            owner: client,
         });
         Ok(id)
     }
 
-    /// A mount of a segment known from the op-log (same endpoint, base and size) and
-    /// awaiting its owner: the owner takes it back with its id and contents, under its new
-    /// registration. An awaiting segment of that endpoint overlapping it otherwise is
-    /// unmounted (its memory was registered anew with other bounds).
+    /// A mount of a segment known from the op-log and awaiting its owner, by that owner
+    /// (the client id the log names, resumed in [`MasterCore::hello_from`]) with the same
+    /// endpoint, base and size: the owner takes it back with its id and contents, under
+    /// its new registration. Bounds alone prove nothing about the contents: a process
+    /// restarted on the same port may map fresh memory at the same address, and it has a
+    /// new client id. An awaiting segment of that endpoint overlapping the mount otherwise
+    /// (other bounds, or another client) is unmounted: that memory was registered anew.
     fn remount(
         &mut self,
         now: Millis,
@@ -535,7 +561,7 @@ impl MasterCore {
             if s.awaiting.is_none() || s.endpoint != *endpoint {
                 continue;
             }
-            if s.base == base && s.alloc.size() == size {
+            if s.owner == client && s.base == base && s.alloc.size() == size {
                 same = Some(id);
             } else if base < s.base + s.alloc.size() && s.base < end {
                 stale.push(id);
@@ -547,7 +573,6 @@ impl MasterCore {
         let id = same?;
         let s = self.segments.get_mut(&id).expect("found above");
         s.awaiting = None;
-        s.owner = client;
         s.rkey = rkey;
         s.closed = false;
         self.clients
@@ -1281,6 +1306,7 @@ impl MasterCore {
                 base: s.base,
                 size: s.alloc.size(),
                 rkey: s.rkey,
+                owner: s.owner,
             });
         }
         for (k, o) in &self.objects {
@@ -1319,6 +1345,7 @@ impl MasterCore {
                 base,
                 size,
                 rkey,
+                owner,
             } => {
                 let alloc = Allocator::new(*size);
                 let capacity = self.capacity.checked_add(alloc.size());
@@ -1339,7 +1366,7 @@ impl MasterCore {
                         base: *base,
                         alloc,
                         rkey: *rkey,
-                        owner: 0,
+                        owner: *owner,
                         closed: false,
                         reports: Vec::new(),
                         awaiting: Some(Millis::MAX),

@@ -15,8 +15,9 @@ use std::time::Instant;
 
 use crate::proto::{MAX_ENDPOINT, MAX_KEY_LEN, MAX_REPLICAS, Pin};
 
-/// Version byte that starts every encoded batch.
-pub const VERSION: u8 = 1;
+/// Version byte that starts every encoded batch. Version 2 added the owner's client id to
+/// `Mount`; batches of version 1 are refused ([`DecodeError::Version`]).
+pub const VERSION: u8 = 2;
 
 /// Most records in one encoded batch.
 pub const MAX_RECORDS: usize = 1 << 20;
@@ -39,9 +40,12 @@ pub enum Record {
         size: u64,
         /// The remote key of the owner's registration.
         rkey: u32,
+        /// The master's id of the client that mounted it: after a failover only that
+        /// client may take the segment back with its contents.
+        owner: u64,
     },
-    /// A segment awaiting its owner after a failover was mounted again under a new
-    /// registration.
+    /// A segment awaiting its owner after a failover was mounted again by that owner
+    /// under a new registration.
     Remount {
         /// The segment's id (unchanged).
         segment: u64,
@@ -129,6 +133,7 @@ impl Record {
                 base,
                 size,
                 rkey,
+                owner,
             } => {
                 out.push(T_MOUNT);
                 out.extend_from_slice(&segment.to_le_bytes());
@@ -137,6 +142,7 @@ impl Record {
                 out.extend_from_slice(&base.to_le_bytes());
                 out.extend_from_slice(&size.to_le_bytes());
                 out.extend_from_slice(&rkey.to_le_bytes());
+                out.extend_from_slice(&owner.to_le_bytes());
             }
             Record::Remount { segment, rkey } => {
                 out.push(T_REMOUNT);
@@ -173,7 +179,7 @@ impl Record {
     /// Bytes of this record's encoding.
     pub fn encoded_len(&self) -> usize {
         match self {
-            Record::Mount { endpoint, .. } => 1 + 8 + 2 + endpoint.len() + 8 + 8 + 4,
+            Record::Mount { endpoint, .. } => 1 + 8 + 2 + endpoint.len() + 8 + 8 + 4 + 8,
             Record::Remount { .. } => 1 + 8 + 4,
             Record::Unmount { .. } => 1 + 8,
             Record::Publish { key, replicas, .. } => {
@@ -314,6 +320,7 @@ fn decode_record(r: &mut Reader<'_>) -> Result<Record, DecodeError> {
                 base,
                 size,
                 rkey: r.u32()?,
+                owner: r.u64()?,
             }
         }
         T_REMOUNT => Record::Remount {
@@ -399,6 +406,7 @@ pub fn sample_records() -> Vec<Record> {
             base: 1 << 20,
             size: 64 << 20,
             rkey: 0x42,
+            owner: 0x5eed_c1e7,
         },
         Record::Remount {
             segment: 7,
@@ -453,6 +461,10 @@ mod tests {
         let good = encode(&samples());
         assert_eq!(decode(&[]), Err(DecodeError::Truncated { at: 0 }));
         assert_eq!(decode(&[9, 0, 0, 0, 0]), Err(DecodeError::Version(9)));
+        // A batch of version 1 (a `Mount` without its owner) is refused as a whole.
+        let mut v1 = good.clone();
+        v1[0] = 1;
+        assert_eq!(decode(&v1), Err(DecodeError::Version(1)));
         let mut big = vec![VERSION];
         big.extend_from_slice(&u32::MAX.to_le_bytes());
         assert!(matches!(decode(&big), Err(DecodeError::Bound { .. })));
@@ -473,6 +485,7 @@ mod tests {
             base: 0,
             size: u64::MAX / 2 + 1,
             rkey: 1,
+            owner: 9,
         };
         assert!(crate::fuzzing::decode_oplog(&encode(&[huge(1), huge(2)])));
         let mut key0 = encode(&[Record::Remove { key: b"k".to_vec() }]);

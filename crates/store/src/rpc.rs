@@ -414,7 +414,11 @@ impl MasterLink {
                     code: Code::UnknownClient,
                     ..
                 }) if !forgotten => {
-                    // Not executed: start a new session and send it once more.
+                    // Not executed: start a new session and send it once more. The
+                    // master dropped this client for silence, so its segments are gone
+                    // or lapse with it: a new id loses nothing. (The id is what takes a
+                    // segment back after a failover; only the process that mounted the
+                    // segment ever holds it, so forgetting it can only give up a claim.)
                     let _ = s.shutdown(std::net::Shutdown::Both);
                     st.client_id = 0;
                     st.segment_id = None;

@@ -661,9 +661,9 @@ fn a_remount_takes_replicas_at_once_under_its_new_key() {
 }
 
 /// What a standby must agree on with its leader: segments `(id, endpoint, base, size,
-/// rkey)` and complete objects `(key, size, pin, replicas)`, sorted.
+/// rkey, owner)` and complete objects `(key, size, pin, replicas)`, sorted.
 type Meta = (
-    Vec<(u64, String, u64, u64, u32)>,
+    Vec<(u64, String, u64, u64, u32, u64)>,
     Vec<(Vec<u8>, u64, Pin, Vec<(u64, u64)>)>,
 );
 
@@ -678,7 +678,8 @@ fn metadata(c: &MasterCore) -> Meta {
                 base,
                 size,
                 rkey,
-            } => segs.push((segment, endpoint, base, size, rkey)),
+                owner,
+            } => segs.push((segment, endpoint, base, size, rkey, owner)),
             Record::Publish {
                 key,
                 size,
@@ -695,14 +696,14 @@ fn metadata(c: &MasterCore) -> Meta {
 
 /// The op-log end to end in the core: a leader's records, encoded and decoded, rebuild
 /// its metadata on a standby (as does its snapshot); once promoted, the standby serves
-/// nothing from a segment until its owner remounts it (same endpoint, base and size:
-/// same id, new rkey), and drops objects whose segments are not back within the client
-/// TTL.
+/// nothing from a segment until its owner remounts it (the same client id, endpoint,
+/// base and size: same id, new rkey), and drops objects whose segments are not back
+/// within the client TTL.
 #[test]
 fn a_promoted_standby_serves_the_leaders_objects_once_their_nodes_remount() {
     let mut w = World::new(cfg());
     w.core.set_logging(true);
-    let (_, s1) = w.node("n1:1", 0, MIB);
+    let (n1_id, s1) = w.node("n1:1", 0, MIB);
     let (_, s2) = w.node("n2:1", 1 << 30, MIB);
     let cl = w.client("c:1");
     let p = w.start(cl, &[("a", 100), ("b", 4096), ("c", 64), ("d", 64)], 2);
@@ -751,7 +752,12 @@ fn a_promoted_standby_serves_the_leaders_objects_once_their_nodes_remount() {
         [Err(Code::NoSpace)],
         "no placement on awaiting segments"
     );
-    let n1 = standby.client("n1:1");
+    // The node asks for its id again: registered under it, not resumed (it mounts).
+    assert_eq!(
+        standby.core.hello(standby.now, n1_id, "n1:1"),
+        Ok((n1_id, false))
+    );
+    let n1 = n1_id;
     assert_eq!(
         standby.core.mount(standby.now, n1, 0, MIB, RKEY + 1),
         Ok(s1)
@@ -796,6 +802,114 @@ fn a_promoted_standby_serves_the_leaders_objects_once_their_nodes_remount() {
             .iter()
             .all(|i| i.is_ok())
     );
+}
+
+/// A leader with objects on one node (`n1:1`, id returned) and the standby promoted from
+/// its op-log (encoded and decoded), the segment awaiting its owner.
+fn promoted_with_object(key: &str) -> (World, u64, u64, Replica) {
+    let mut w = World::new(cfg());
+    w.core.set_logging(true);
+    let (n, s) = w.node("n1:1", 0, MIB);
+    let cl = w.client("c:1");
+    let rep = w.put(cl, key, 4096).unwrap()[0];
+    let wire = crate::oplog::encode(&w.core.take_log());
+    // The same seed as the leader: the standby draws the ids the leader drew.
+    let mut standby = World::new(cfg());
+    assert_eq!(
+        standby
+            .core
+            .apply(w.now, &crate::oplog::decode(&wire).unwrap()),
+        0
+    );
+    standby.core.promote(standby.now);
+    (standby, n, s, rep)
+}
+
+/// After a failover, bounds alone do not give a segment back: a process restarted on the
+/// same endpoint (a new client id) mounting the same base and size gets a fresh segment,
+/// and the old objects are gone rather than served from its memory; a client asking for
+/// an id the log names from another endpoint is not given it.
+#[test]
+fn only_the_logged_owner_takes_an_awaiting_segment_back() {
+    let (mut w, n, s, _) = promoted_with_object("a");
+    // Someone asking for the owner's id from elsewhere gets a new one.
+    let (elsewhere, resumed) = w.core.hello(w.now, n, "n9:1").unwrap();
+    assert!(!resumed && elsewhere != n);
+    // The restarted process asks for no id.
+    let restarted = w.client("n1:1");
+    assert_ne!(restarted, n);
+    let fresh = w.core.mount(w.now, restarted, 0, MIB, RKEY + 7).unwrap();
+    assert_ne!(fresh, s, "not the old segment");
+    w.core.check();
+    assert_eq!(w.core.stats().segments, 1, "the awaiting one went");
+    assert_eq!(w.get(&["a"], false).items, [Err(Code::NotFound)]);
+    let log = w.core.take_log();
+    assert!(log.contains(&Record::Unmount { segment: s }), "{log:?}");
+    assert!(
+        log.iter().all(|r| !matches!(r, Record::Remount { .. })),
+        "{log:?}"
+    );
+    // The owner, coming back late, has no claim left: a new id, and its old bounds are
+    // the restarted process's now.
+    let late = w.core.hello(w.now, n, "n1:1").unwrap().0;
+    assert_ne!(late, n);
+    assert_eq!(
+        w.core.mount(w.now, late, 0, MIB, RKEY + 8),
+        Err(Code::InvalidParams),
+        "overlaps the restarted process's segment"
+    );
+}
+
+/// A client that asked for a fresh id on the same endpoint (say, it forgot its id) and
+/// mounts other bounds does not touch the awaiting segment; its owner takes it back with
+/// its object.
+#[test]
+fn the_owner_takes_its_segment_back_beside_another_client() {
+    let (mut w, n, s, before) = promoted_with_object("a");
+    let other = w.client("n1:1");
+    let o = w.core.mount(w.now, other, 2 * MIB, MIB, RKEY + 3).unwrap();
+    assert_ne!(o, s);
+    assert_eq!(w.get(&["a"], false).items, [Err(Code::NotReady)]);
+    assert_eq!(w.core.hello(w.now, n, "n1:1"), Ok((n, false)));
+    assert_eq!(w.core.mount(w.now, n, 0, MIB, RKEY + 4), Ok(s));
+    let f = w.get(&["a"], false);
+    let a = f.items[0].clone().unwrap();
+    assert_eq!(a.replicas, [before]);
+    assert_eq!(f.segments[0].rkey, RKEY + 4);
+    // Resumed as usual from now on.
+    assert_eq!(w.core.hello(w.now, n, "n1:1"), Ok((n, true)));
+    w.core.check();
+}
+
+/// A snapshot names each segment's owner, and a standby rebuilt from it lets that owner
+/// (and only it) take the segment back.
+#[test]
+fn a_snapshot_keeps_the_segment_owner() {
+    let mut w = World::new(cfg());
+    let (n, s) = w.node("n1:1", 0, MIB);
+    let snap = w.core.snapshot();
+    assert!(snap.contains(&Record::Mount {
+        segment: s,
+        endpoint: "n1:1".into(),
+        base: 0,
+        size: MIB,
+        rkey: RKEY,
+        owner: n,
+    }));
+    let mut standby = MasterCore::new(cfg(), 21);
+    assert_eq!(
+        standby.apply(
+            0,
+            &crate::oplog::decode(&crate::oplog::encode(&snap)).unwrap()
+        ),
+        0
+    );
+    assert_eq!(metadata(&standby), metadata(&w.core));
+    standby.promote(w.now);
+    let intruder = standby.hello(w.now, 0, "n1:1").unwrap().0;
+    assert_ne!(intruder, n);
+    assert_eq!(standby.hello(w.now, n, "n1:1"), Ok((n, false)));
+    assert_eq!(standby.mount(w.now, n, 0, MIB, RKEY + 1), Ok(s));
 }
 
 #[test]
