@@ -10,7 +10,7 @@ mod common;
 
 use std::io::Write;
 use std::net::{SocketAddr, TcpStream};
-use std::process::{Child, ChildStdin, Command, Stdio};
+use std::process::{Child, ChildStdin};
 use std::sync::mpsc::Receiver;
 use std::time::{Duration, Instant};
 
@@ -141,17 +141,7 @@ fn spawn_role(
     env: &[(&str, String)],
     fixed_layout: bool,
 ) -> Result<(Child, Option<ChildStdin>, Receiver<String>, String)> {
-    let mut cmd = Command::new(std::env::current_exe()?);
-    cmd.args(["--exact", "role", "--nocapture", "--test-threads=1"])
-        .env(ROLE, role)
-        .envs(env.iter().map(|(k, v)| (k, v)))
-        .env(
-            "PAGEWIRE_LOG",
-            std::env::var("PW_CHILD_LOG").unwrap_or("error".into()),
-        )
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit());
+    let mut cmd = common::role_command(ROLE, role, env)?;
     if fixed_layout {
         use std::os::unix::process::CommandExt;
         // SAFETY: personality(2) is async-signal-safe and touches only the child's own

@@ -209,6 +209,20 @@ struct Segment {
     awaiting: Option<Millis>,
 }
 
+impl Segment {
+    /// The op-log's record of this segment, mounted as `id`.
+    fn record(&self, id: u64) -> Record {
+        Record::Mount {
+            segment: id,
+            endpoint: self.endpoint.to_string(),
+            base: self.base,
+            size: self.alloc.size(),
+            rkey: self.rkey,
+            owner: self.owner,
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum State {
     /// Being written by `client`; `seq` orders the pending index.
@@ -231,6 +245,18 @@ struct Object {
     last_access: u64,
     pin: Pin,
     soft_until: Millis,
+}
+
+impl Object {
+    /// The op-log's record of this object's publication under `key`.
+    fn record(&self, key: &[u8]) -> Record {
+        Record::Publish {
+            key: key.to_vec(),
+            size: self.size,
+            pin: self.pin,
+            replicas: self.replicas.clone(),
+        }
+    }
 }
 
 /// What the periodic [`MasterCore::tick`] did.
@@ -507,12 +533,11 @@ impl MasterCore {
         }
         let id = self.next_segment;
         self.next_segment += 1;
-        let alloc_size = alloc.size();
-        self.capacity += alloc_size;
+        self.capacity += alloc.size();
         self.segments.insert(
             id,
             Segment {
-                endpoint: endpoint.clone(),
+                endpoint,
                 base,
                 alloc,
                 rkey,
@@ -527,14 +552,9 @@ impl MasterCore {
             .expect("touched")
             .segments
             .push(id);
-        self.emit(|| Record::Mount {
-            segment: id,
-            endpoint: endpoint.to_string(),
-            base,
-            size: alloc_size,
-            rkey,
-            owner: client,
-        });
+        if let Some(log) = &mut self.log {
+            log.push(self.segments[&id].record(id));
+        }
         Ok(id)
     }
 
@@ -851,12 +871,7 @@ impl MasterCore {
                         o.last_access = self.uses.next();
                         self.pending.remove(&(started, seq));
                         if let Some(log) = &mut self.log {
-                            log.push(Record::Publish {
-                                key: k.to_vec(),
-                                size: o.size,
-                                pin: o.pin,
-                                replicas: o.replicas.clone(),
-                            });
+                            log.push(o.record(k));
                         }
                         Code::Ok
                     }
@@ -1300,23 +1315,11 @@ impl MasterCore {
     pub fn snapshot(&self) -> Vec<Record> {
         let mut out = Vec::with_capacity(self.segments.len() + self.objects.len());
         for (&id, s) in &self.segments {
-            out.push(Record::Mount {
-                segment: id,
-                endpoint: s.endpoint.to_string(),
-                base: s.base,
-                size: s.alloc.size(),
-                rkey: s.rkey,
-                owner: s.owner,
-            });
+            out.push(s.record(id));
         }
         for (k, o) in &self.objects {
             if o.state == State::Complete {
-                out.push(Record::Publish {
-                    key: k.to_vec(),
-                    size: o.size,
-                    pin: o.pin,
-                    replicas: o.replicas.clone(),
-                });
+                out.push(o.record(k));
             }
         }
         out

@@ -13,7 +13,7 @@
 mod common;
 
 use std::io::{BufRead, Write};
-use std::process::{Child, ChildStdin, Command, Stdio};
+use std::process::{Child, ChildStdin, Command};
 use std::sync::Mutex;
 use std::sync::mpsc::Receiver;
 use std::time::{Duration, Instant};
@@ -300,21 +300,7 @@ struct Proc {
 
 impl Proc {
     fn spawn(name: &str, role: &str, env: &[(&str, String)]) -> Result<Proc> {
-        let exe = std::env::current_exe()?;
-        let mut cmd = Command::new(exe);
-        cmd.args(["--exact", "role", "--nocapture", "--test-threads=1"])
-            .env(ROLE, role)
-            .env(
-                "PAGEWIRE_LOG",
-                std::env::var("PW_CHILD_LOG").unwrap_or("error".into()),
-            )
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit());
-        for (k, v) in env {
-            cmd.env(k, v);
-        }
-        let mut child = cmd.spawn()?;
+        let mut child = common::role_command(ROLE, role, env)?.spawn()?;
         let rx = common::tagged_lines(child.stdout.take().context("stdout")?);
         let stdin = child.stdin.take();
         Ok(Proc {

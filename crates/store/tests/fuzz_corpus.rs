@@ -9,6 +9,21 @@ use pagewire_transport::fuzzing::unhex;
 
 const CORPUS: &str = include_str!("data/store_proto_decode.corpus");
 
+/// The inputs of a corpus file ([`unhex`]'s lines; blank lines and `#` comments skipped).
+fn corpus_inputs(text: &str, name: &str) -> Vec<Vec<u8>> {
+    text.lines()
+        .enumerate()
+        .map(|(i, l)| (i, l.trim()))
+        .filter(|(_, l)| !l.is_empty() && !l.starts_with('#'))
+        .map(|(i, l)| unhex(l).unwrap_or_else(|| panic!("{name} corpus line {}: not hex", i + 1)))
+        .collect()
+}
+
+/// One corpus line.
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
 #[test]
 fn store_protocol_corpus_decodes_without_panicking() {
     use pagewire_store::proto;
@@ -16,12 +31,7 @@ fn store_protocol_corpus_decodes_without_panicking() {
     // Frame kinds whose body decoder accepted at least one seed of this version: a
     // corpus of frames the header check refuses would fuzz the header only.
     let mut reached = std::collections::BTreeMap::<u8, usize>::new();
-    for (i, line) in CORPUS.lines().enumerate() {
-        let line = line.trim();
-        if line.is_empty() || line.starts_with('#') {
-            continue;
-        }
-        let bytes = unhex(line).unwrap_or_else(|| panic!("corpus line {}: not hex", i + 1));
+    for bytes in corpus_inputs(CORPUS, "protocol") {
         let _ = fuzzing::decode_frame(&bytes);
         fuzzing::decode_bodies(&bytes);
         if let Ok((h, body)) = proto::split_frame(&bytes, proto::DEFAULT_MAX_FRAME)
@@ -72,7 +82,6 @@ const IPC_CORPUS: &str = include_str!("data/store_ipc_decode.corpus");
 fn ipc_protocol_corpus_decodes_without_panicking() {
     use pagewire_store::ipc;
     if let Ok(path) = std::env::var("PW_WRITE_IPC_CORPUS") {
-        let hex = |b: &[u8]| b.iter().map(|x| format!("{x:02x}")).collect::<String>();
         let mut out = String::from(
             "# Corpus of fuzz/fuzz_targets/store_ipc_decode.rs, one input per line, hex (\"-\" = empty).\n\
              # Replayed by tests/fuzz_corpus.rs, which fails unless every frame kind has an input\n\
@@ -104,16 +113,7 @@ fn ipc_protocol_corpus_decodes_without_panicking() {
     }
     let mut inputs = 0;
     let mut reached = std::collections::BTreeSet::new();
-    for (i, line) in IPC_CORPUS.lines().enumerate() {
-        let line = line.trim();
-        if line.is_empty() || line.starts_with('#') {
-            continue;
-        }
-        let bytes = if line == "-" {
-            Vec::new()
-        } else {
-            unhex(line).unwrap_or_else(|| panic!("ipc corpus line {}: not hex", i + 1))
-        };
+    for bytes in corpus_inputs(IPC_CORPUS, "ipc") {
         if fuzzing::decode_ipc_frame(&bytes) {
             reached.insert(bytes[6]);
         }
@@ -140,7 +140,6 @@ const OPLOG_CORPUS: &str = include_str!("data/store_oplog_decode.corpus");
 fn oplog_corpus_decodes_without_panicking() {
     use pagewire_store::oplog::{self, Record};
     if let Ok(path) = std::env::var("PW_WRITE_OPLOG_CORPUS") {
-        let hex = |b: &[u8]| b.iter().map(|x| format!("{x:02x}")).collect::<String>();
         let mut out = String::from(
             "# Corpus of fuzz/fuzz_targets/store_oplog_decode.rs, one input per line, hex (\"-\" = empty).\n\
              # Replayed by tests/fuzz_corpus.rs, which fails unless inputs that decode cover every\n\
@@ -174,16 +173,7 @@ fn oplog_corpus_decodes_without_panicking() {
     }
     let mut inputs = 0;
     let mut kinds = std::collections::BTreeSet::new();
-    for (i, line) in OPLOG_CORPUS.lines().enumerate() {
-        let line = line.trim();
-        if line.is_empty() || line.starts_with('#') {
-            continue;
-        }
-        let bytes = if line == "-" {
-            Vec::new()
-        } else {
-            unhex(line).unwrap_or_else(|| panic!("oplog corpus line {}: not hex", i + 1))
-        };
+    for bytes in corpus_inputs(OPLOG_CORPUS, "oplog") {
         if fuzzing::decode_oplog(&bytes) {
             for r in oplog::decode(&bytes).unwrap() {
                 kinds.insert(match r {

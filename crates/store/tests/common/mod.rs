@@ -28,6 +28,29 @@ pub fn tagged_lines(out: std::process::ChildStdout) -> std::sync::mpsc::Receiver
     rx
 }
 
+/// This test binary re-run as its `role` test, told its part through `role_var` = `role`,
+/// with `env` added; stdin and stdout piped (read stdout with [`tagged_lines`]), stderr
+/// inherited, the child's log level from `PW_CHILD_LOG` (default `error`).
+pub fn role_command(
+    role_var: &str,
+    role: &str,
+    env: &[(&str, String)],
+) -> std::io::Result<std::process::Command> {
+    use std::process::Stdio;
+    let mut cmd = std::process::Command::new(std::env::current_exe()?);
+    cmd.args(["--exact", "role", "--nocapture", "--test-threads=1"])
+        .env(role_var, role)
+        .envs(env.iter().map(|(k, v)| (k, v)))
+        .env(
+            "PAGEWIRE_LOG",
+            std::env::var("PW_CHILD_LOG").unwrap_or("error".into()),
+        )
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit());
+    Ok(cmd)
+}
+
 /// An engine config for `kind` on localhost (verbs takes `RDMA_DEVICE`).
 pub fn engine(kind: BackendKind) -> EngineConfig {
     let mut b = EngineConfig::builder()
