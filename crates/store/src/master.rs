@@ -140,6 +140,30 @@ struct Shared {
     noise: Noise,
     /// Where a leader's changes go before it answers (none: not logging).
     journal: Mutex<Option<Arc<dyn Journal>>>,
+    /// The journal's ticket of the last change that was not a publication (a removal,
+    /// an eviction, a mount, a remount or an unmount): space it freed or a segment it
+    /// changed must be in the log before a placement may hand it out. Updated and read
+    /// under the core's lock.
+    barrier: AtomicU64,
+}
+
+/// What a request's reply waits for in the journal.
+struct Logged {
+    journal: Arc<dyn Journal>,
+    /// Everything appended so far: a reply that may show any change waits for this.
+    all: u64,
+    /// A request that changes nothing but reservations (a placement, a read; see
+    /// [`changes_only_reservations`]) waits only for the last [`Shared::barrier`] (a
+    /// placement's own evictions included): the space it hands out is free in the logged
+    /// state too, so a new leader would neither hand it to anyone else nor hold an object
+    /// in it. A placement's own `Reserve` records need not be logged yet: nothing is
+    /// readable before the writer's `PutFinish`, which waits for them.
+    placement: u64,
+    /// Everything appended before this request's own changes. A `PutFinish` waits for
+    /// this: its puts' reservations (and everything this writer was answered before) are
+    /// then logged, and a new leader lets the writer finish them again; its own `Finish`
+    /// records follow without holding the reply back.
+    prior: u64,
 }
 
 impl Shared {
@@ -160,15 +184,31 @@ impl Shared {
             .clone()
     }
     /// Hands the changes the core recorded to the journal, under the core's lock (so
-    /// that the log's order is the changes' order); the ticket to wait for before
+    /// that the log's order is the changes' order); the tickets to wait for before
     /// answering.
-    fn journal_append(&self, core: &mut MasterCore) -> Option<(Arc<dyn Journal>, u64)> {
+    fn journal_append(&self, core: &mut MasterCore) -> Option<Logged> {
         let j = self.journal()?;
-        let ticket = j.append(core.take_log());
+        let records = core.take_log();
+        let frees = records.iter().any(|r| {
+            !matches!(
+                r,
+                Record::Publish { .. } | Record::Reserve { .. } | Record::Finish { .. }
+            )
+        });
+        let prior = j.append(Vec::new());
+        let ticket = j.append(records);
+        if frees {
+            self.barrier.store(ticket, Ordering::Release);
+        }
         if j.snapshot_due() {
             j.append_snapshot(core.snapshot());
         }
-        Some((j, ticket))
+        Some(Logged {
+            all: ticket,
+            placement: self.barrier.load(Ordering::Acquire),
+            prior,
+            journal: j,
+        })
     }
 }
 
@@ -249,6 +289,7 @@ impl Master {
             budget: Budget::new(cfg.max_buffered),
             noise: Noise::new(NOISE_INTERVAL),
             journal: Mutex::new(None),
+            barrier: AtomicU64::new(0),
             cfg,
         });
         let s = shared.clone();
@@ -313,6 +354,8 @@ impl Master {
     pub fn set_journal(&self, journal: Option<Arc<dyn Journal>>) {
         let mut core = self.shared.core();
         core.set_logging(journal.is_some());
+        // Tickets count from the new journal's start; everything before it is logged.
+        self.shared.barrier.store(0, Ordering::Release);
         *self
             .shared
             .journal
@@ -858,11 +901,23 @@ fn serve(mut s: TcpStream, mut slot: Slot) {
         // A heartbeat's answer shows nothing of the metadata: it need not wait for the
         // log (and must not, or a slow etcd would make nodes time out).
         let shows_state = !matches!(req, Request::Heartbeat);
+        let finish = matches!(req, Request::PutFinish(_));
+        let reserves = changes_only_reservations(&req);
         let (mut resp, ticket) = {
             let mut core = shared.core();
             let resp = handle(&shared, &mut core, client, req);
-            let ticket = shared.journal_append(&mut core);
-            (resp, ticket.filter(|_| shows_state))
+            let logged = shared.journal_append(&mut core);
+            let ticket = logged.filter(|_| shows_state).map(|l| {
+                let t = if finish {
+                    l.prior
+                } else if reserves {
+                    l.placement
+                } else {
+                    l.all
+                };
+                (l.journal, t)
+            });
+            (resp, ticket)
         };
         if let Some((journal, ticket)) = ticket
             && let Err(e) = journal.wait(ticket, Instant::now() + cfg.frame_timeout)
@@ -888,6 +943,20 @@ fn serve(mut s: TcpStream, mut slot: Slot) {
         }
     }
     shared.core().disconnected(client);
+}
+
+/// Requests whose replies wait only for [`Logged::placement`]: they change nothing but
+/// reservations. What they show of publications (an object found, a key refused as
+/// existing) may not be logged yet, and a failover may undo that it is visible, as an
+/// eviction would; its bytes are complete on its nodes all the same (its writer's
+/// `PutFinish` came after them), and a new leader holds its space for its writer until
+/// the writer finishes it again or the reservation expires. Waiting for the object's own
+/// `Finish` would cost a read right after a put one etcd round trip.
+fn changes_only_reservations(req: &Request) -> bool {
+    matches!(
+        req,
+        Request::PutStart(_) | Request::Get { .. } | Request::Exist { .. } | Request::Stats
+    )
 }
 
 /// Compiles a client's pattern with bounded memory (the regex crate matches in linear
