@@ -44,7 +44,7 @@ pub struct Keys {
 }
 
 /// `prefix` with its last byte incremented: the end of the range of keys under it.
-fn range_end(prefix: &str) -> String {
+pub(crate) fn range_end(prefix: &str) -> String {
     let mut b = prefix.as_bytes().to_vec();
     *b.last_mut().expect("non-empty prefix") += 1;
     String::from_utf8(b).expect("ASCII prefix")
@@ -58,6 +58,11 @@ impl Keys {
             oplog: format!("pagewire-store/{cluster_id}/oplog/"),
             snapshot: format!("pagewire-store/{cluster_id}/snapshot/"),
         }
+    }
+
+    /// Whether `key` is one of the op-log's entries or snapshot keys.
+    pub(crate) fn is_log_key(&self, key: &str) -> bool {
+        key.starts_with(&self.oplog) || key.starts_with(&self.snapshot)
     }
 
     /// The key of entry `seq`.
