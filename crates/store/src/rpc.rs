@@ -47,6 +47,17 @@ pub trait MasterLocator: Send + Sync + std::fmt::Debug {
     /// The leader's `host:port` and its epoch, looked up by `deadline`; waits within the
     /// deadline while there is no leader.
     fn locate(&self, deadline: Instant) -> Result<(String, u64)>;
+
+    /// Waits until `deadline` for this locator to learn that the leader is no longer the
+    /// one of `epoch` (`0`: none): the epoch it knows now (`0`: no leader), or `None` when
+    /// the deadline came first. A locator that is told of changes (a watch) answers as
+    /// they happen; the default knows nothing between looks: it waits out the deadline
+    /// and answers `None`, so that callers look again by themselves.
+    fn wait_change(&self, epoch: u64, deadline: Instant) -> Option<u64> {
+        let _ = epoch;
+        std::thread::sleep(deadline.saturating_duration_since(Instant::now()));
+        None
+    }
 }
 
 /// How long one attempt to say `Hello` to a located leader may take before the link
@@ -58,7 +69,8 @@ const HELLO_ATTEMPT: Duration = Duration::from_secs(1);
 const WATCH_PERIOD: Duration = Duration::from_millis(250);
 /// Leader changes one call follows before it gives up.
 const MAX_LEADER_CHANGES: u32 = 3;
-/// Pause between looks at the leader while none answers.
+/// Longest pause between looks at the leader while none answers (shorter when the
+/// locator learns of a change).
 const LOCATE_PAUSE: Duration = Duration::from_millis(50);
 
 #[derive(Debug, Default)]
@@ -125,24 +137,44 @@ impl MasterLink {
 
     /// With a locator: starts the thread that ends a call waiting on a master that is no
     /// longer the leader (a stopped one never answers), so that the call goes on with the
-    /// new leader within its deadline. It asks the locator only while a call has been
-    /// waiting for a while, and ends with the link.
+    /// new leader within its deadline. It ends a call at once when the locator tells of a
+    /// newer leader ([`MasterLocator::wait_change`]); otherwise it asks the locator only
+    /// while a call has been waiting for a while. It ends with the link.
     pub fn watch(self: &Arc<Self>) -> Result<()> {
-        if self.locator.is_none() {
+        let Some(loc) = self.locator.clone() else {
             return Ok(());
-        }
+        };
         let weak = Arc::downgrade(self);
         std::thread::Builder::new()
             .name("pagewire-store-watch".into())
             .spawn(move || {
+                // The leader's epoch as the locator last told it (0: none).
+                let mut seen = 0;
                 loop {
-                    std::thread::sleep(WATCH_PERIOD);
+                    let changed = loc.wait_change(seen, Instant::now() + WATCH_PERIOD);
                     let Some(link) = weak.upgrade() else { return };
-                    link.check_inflight();
+                    match changed {
+                        Some(epoch) => {
+                            seen = epoch;
+                            link.end_deposed(epoch);
+                        }
+                        None => link.check_inflight(),
+                    }
                 }
             })
             .map_err(|e| StoreError::io("spawn the leader watch thread", e))?;
         Ok(())
+    }
+
+    /// Closes the stream of the call in flight if its session's master is older than
+    /// the leader of `leader` (an epoch; 0: none known).
+    fn end_deposed(&self, leader: u64) {
+        let g = self.inflight.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((s, e, _)) = &*g
+            && *e < leader
+        {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
     }
 
     /// Closes the stream of a call that has waited for longer than [`WATCH_PERIOD`] when
@@ -194,7 +226,9 @@ impl MasterLink {
                 Ok(s) => return Ok((s, Some(epoch))),
                 // The leader key names a master that is gone until its lease expires.
                 Err(e) if Instant::now() + LOCATE_PAUSE >= deadline => return Err(e),
-                Err(_) => std::thread::sleep(LOCATE_PAUSE),
+                Err(_) => {
+                    loc.wait_change(epoch, Instant::now() + LOCATE_PAUSE);
+                }
             }
         }
     }
@@ -253,7 +287,9 @@ impl MasterLink {
             if Instant::now() + LOCATE_PAUSE >= deadline {
                 return Err(err);
             }
-            std::thread::sleep(LOCATE_PAUSE);
+            if let Some(loc) = &self.locator {
+                loc.wait_change(epoch, Instant::now() + LOCATE_PAUSE);
+            }
         }
     }
 
