@@ -28,8 +28,9 @@ struct Known {
     leader: Option<(String, u64)>,
     /// The revision `leader` is as of (0: never read).
     rev: i64,
-    /// The watch said changes were missed: `leader` holds until a read replaces it.
-    stale: bool,
+    /// The watch said changes up to this revision may have been missed: what is known
+    /// holds until a read at or after it (0: nothing missed).
+    missed: i64,
     /// A thread waits on the watch and applies what it brings; the others wait on the
     /// locator's condvar.
     pumping: bool,
@@ -40,12 +41,15 @@ impl Known {
     /// by a watch that is open and missed nothing since.
     fn current(&self) -> Option<Option<(String, u64)>> {
         let live = self.watch.as_ref().is_some_and(|w| w.live());
-        (live && self.rev > 0 && !self.stale).then(|| self.leader.clone())
+        (live && self.rev > 0 && self.missed == 0).then(|| self.leader.clone())
     }
 
     /// Takes what a read or an event at revision `rev` says, unless something newer
     /// is known already.
     fn learn(&mut self, entry: Option<&Entry>, rev: i64) {
+        if rev >= self.missed {
+            self.missed = 0;
+        }
         if rev < self.rev {
             return;
         }
@@ -146,20 +150,16 @@ impl EtcdLocator {
                     k.learn(entry.as_ref(), e.mod_revision);
                 }
             }
-            Some(Watched::Resync(_)) => k.stale = true,
+            Some(Watched::Resync(r)) => k.missed = k.missed.max(r.max(1)),
             None => {}
         }
-        let reread = k.stale;
+        let reread = k.missed != 0;
         drop(k);
         if reread {
-            let by = until.max(Instant::now() + Duration::from_millis(1));
-            if let Ok((entry, rev)) = self
-                .etcd
-                .get_at(&self.key, by.min(Instant::now() + ONE_LOOK))
-            {
-                let mut k = self.known();
-                k.learn(entry.as_ref(), rev);
-                k.stale = false;
+            // Within the caller's time; a read that fails leaves it to the next look.
+            let by = until.min(Instant::now() + ONE_LOOK);
+            if let Ok((entry, rev)) = self.etcd.get_at(&self.key, by) {
+                self.known().learn(entry.as_ref(), rev);
             }
         }
         self.known().pumping = false;
