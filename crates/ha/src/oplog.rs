@@ -44,7 +44,7 @@ pub struct Keys {
 }
 
 /// `prefix` with its last byte incremented: the end of the range of keys under it.
-pub(crate) fn range_end(prefix: &str) -> String {
+fn range_end(prefix: &str) -> String {
     let mut b = prefix.as_bytes().to_vec();
     *b.last_mut().expect("non-empty prefix") += 1;
     String::from_utf8(b).expect("ASCII prefix")

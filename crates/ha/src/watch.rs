@@ -31,7 +31,7 @@ const BACKOFF_LAST: Duration = Duration::from_secs(1);
 #[derive(Debug, Clone)]
 pub struct WatchSpec {
     key: String,
-    end: Option<String>,
+    prefix: bool,
     from: i64,
     capacity: usize,
     values: bool,
@@ -43,7 +43,7 @@ impl WatchSpec {
     pub fn key(key: impl Into<String>) -> WatchSpec {
         WatchSpec {
             key: key.into(),
-            end: None,
+            prefix: false,
             from: 0,
             capacity: 16,
             values: true,
@@ -51,13 +51,11 @@ impl WatchSpec {
         }
     }
 
-    /// Every key that starts with `prefix` (not empty).
+    /// Every key that starts with `prefix` (every key for an empty one).
     pub fn prefix(prefix: impl Into<String>) -> WatchSpec {
-        let key = prefix.into();
-        let end = crate::oplog::range_end(&key);
         WatchSpec {
-            end: Some(end),
-            ..WatchSpec::key(key)
+            prefix: true,
+            ..WatchSpec::key(prefix)
         }
     }
 
@@ -298,8 +296,8 @@ async fn run(
             // Large revisions come in pieces below etcd's request size, not as one
             // message past the client's decoding limit.
             .with_fragment();
-        if let Some(end) = &spec.end {
-            opts = opts.with_range(end.clone());
+        if spec.prefix {
+            opts = opts.with_prefix();
         }
         if spec.puts_only {
             opts = opts.with_filters([WatchFilterType::NoDelete]);
