@@ -72,6 +72,8 @@ const MAX_LEADER_CHANGES: u32 = 3;
 /// Longest pause between looks at the leader while none answers (shorter when the
 /// locator learns of a change).
 const LOCATE_PAUSE: Duration = Duration::from_millis(50);
+/// First pause after a located leader did not welcome the client.
+const FIRST_HELLO_PAUSE: Duration = Duration::from_millis(2);
 
 #[derive(Debug, Default)]
 struct State {
@@ -259,6 +261,9 @@ impl MasterLink {
     /// Connects and says `Hello`. With a locator, to a leader that answers with the
     /// epoch the locator gave, looking again until `deadline` while none does.
     fn greet(&self, st: &mut State, deadline: Instant) -> Result<(TcpStream, Welcome)> {
+        // A leader just elected closes connections until it has read the op-log: the
+        // first looks again soon, later ones back off.
+        let mut pause = FIRST_HELLO_PAUSE;
         loop {
             let (mut s, expect) = self.dial_leader(deadline)?;
             let by = match expect {
@@ -284,12 +289,13 @@ impl MasterLink {
                 Err(e) => e,
             };
             let _ = s.shutdown(std::net::Shutdown::Both);
-            if Instant::now() + LOCATE_PAUSE >= deadline {
+            if Instant::now() + pause >= deadline {
                 return Err(err);
             }
             if let Some(loc) = &self.locator {
-                loc.wait_change(epoch, Instant::now() + LOCATE_PAUSE);
+                loc.wait_change(epoch, Instant::now() + pause);
             }
+            pause = (pause * 2).min(LOCATE_PAUSE);
         }
     }
 
