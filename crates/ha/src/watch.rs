@@ -277,6 +277,30 @@ struct Cursor {
     delivered: usize,
 }
 
+impl Cursor {
+    /// Whether an event of revision `rev` is new, moving the cursor past it.
+    /// `replayed`: events of `from` the current stream sent so far (0 when it opened).
+    fn admit(&mut self, rev: i64, replayed: &mut usize) -> bool {
+        if rev < self.from {
+            return false;
+        }
+        if rev == self.from {
+            *replayed += 1;
+            if *replayed <= self.delivered {
+                return false;
+            }
+            self.delivered += 1;
+        } else {
+            *self = Cursor {
+                from: rev,
+                delivered: 1,
+            };
+            *replayed = 1;
+        }
+        true
+    }
+}
+
 /// The watch task: opens streams until it is aborted.
 async fn run(
     clients: Arc<[etcd_client::Client]>,
@@ -386,24 +410,9 @@ async fn read(
         }
         let mut out = Vec::with_capacity(msg.events().len());
         for kv in msg.events().iter().filter_map(|ev| ev.kv()) {
-            let rev = kv.mod_revision();
-            if rev < at.from {
-                continue;
+            if at.admit(kv.mod_revision(), &mut replayed) {
+                out.push(to_event(kv, spec.values));
             }
-            if rev == at.from {
-                replayed += 1;
-                if replayed <= at.delivered {
-                    continue;
-                }
-                at.delivered += 1;
-            } else {
-                *at = Cursor {
-                    from: rev,
-                    delivered: 1,
-                };
-                replayed = 1;
-            }
-            out.push(to_event(kv, spec.values));
         }
         shared.push(out);
     }
@@ -427,5 +436,38 @@ fn to_event(kv: &etcd_client::KeyValue, values: bool) -> WatchEvent {
         },
         create_revision: kv.create_revision(),
         mod_revision: kv.mod_revision(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Feeds one stream's revisions through the cursor: those admitted.
+    fn stream(at: &mut Cursor, revs: &[i64]) -> Vec<i64> {
+        let mut replayed = 0;
+        revs.iter()
+            .copied()
+            .filter(|&r| at.admit(r, &mut replayed))
+            .collect()
+    }
+
+    #[test]
+    fn a_stream_opened_again_delivers_each_event_once() {
+        let mut at = Cursor {
+            from: 5,
+            delivered: 0,
+        };
+        // Revision 7 has three events; the stream breaks after two of them.
+        assert_eq!(stream(&mut at, &[5, 6, 7, 7]), [5, 6, 7, 7]);
+        assert_eq!((at.from, at.delivered), (7, 2));
+        // The next stream opens at 7 and sends all of it again, then more.
+        assert_eq!(stream(&mut at, &[7, 7, 7, 8, 8]), [7, 8, 8]);
+        assert_eq!((at.from, at.delivered), (8, 2));
+        // A stream that sends nothing new, then breaks.
+        assert_eq!(stream(&mut at, &[8, 8]), Vec::<i64>::new());
+        assert_eq!(stream(&mut at, &[8, 8, 9]), [9]);
+        // Older revisions are never delivered again.
+        assert_eq!(stream(&mut at, &[3, 9, 10]), [10]);
     }
 }
