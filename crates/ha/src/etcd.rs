@@ -174,16 +174,34 @@ impl Etcd {
         &self.endpoints
     }
 
+    /// The runtime, the members' clients and the member that answered last (for
+    /// [`crate::watch`], whose streams live on the same runtime and connections).
+    pub(crate) fn parts(&self) -> (&tokio::runtime::Runtime, Arc<[etcd_client::Client]>, usize) {
+        let n = self.clients.len();
+        (
+            &self.rt,
+            self.clients.clone(),
+            self.current.load(Ordering::Relaxed) % n,
+        )
+    }
+
     /// The key's entry, if it exists (a linearizable read).
     pub fn get(&self, key: &str, deadline: Instant) -> Result<Option<Entry>> {
+        Ok(self.get_at(key, deadline)?.0)
+    }
+
+    /// [`Etcd::get`], and the store's revision the answer is as of (a watch from the
+    /// next revision misses nothing after it).
+    pub fn get_at(&self, key: &str, deadline: Instant) -> Result<(Option<Entry>, i64)> {
         let r = self.call("etcd get", deadline, |mut c| {
             let key = key.to_string();
             async move { c.get(key, None::<GetOptions>).await }
         })?;
-        Ok(r.kvs().first().map(|kv| Entry {
+        let entry = r.kvs().first().map(|kv| Entry {
             value: kv.value().to_vec(),
             create_revision: kv.create_revision(),
-        }))
+        });
+        Ok((entry, r.header().map_or(0, |h| h.revision())))
     }
 
     /// Deletes `key`; whether it existed.

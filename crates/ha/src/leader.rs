@@ -1,7 +1,9 @@
 //! Masters elected through etcd: every master campaigns for one leader key; the winner
 //! answers clients, the others listen without answering until the key is free again.
 //!
-//! * **Campaign.** A standby polls the leader key. When it is absent, the standby grants
+//! * **Campaign.** A standby watches its cluster's keys (the leader key and the op-log)
+//!   and looks at the leader key when etcd reports it deleted, or every
+//!   [`HaConfig::recheck`] in case a watch missed something. When it is absent, the standby grants
 //!   itself a lease and creates the key attached to that lease, in one transaction that
 //!   succeeds only if the key is still absent. The key holds the leader's address; the
 //!   revision that created it is the leader's epoch, which grows with every new leader.
@@ -14,9 +16,11 @@
 //!   lapsed, or an op-log write failed): the master's connections close, its metadata is
 //!   dropped, and it stands by again on the same address with an empty master, which
 //!   reads the op-log from its start.
-//! * **The op-log** ([`crate::oplog`]): a standby applies the leader's log at every poll;
-//!   the winner reads it to its end, promotes its metadata and starts its journal before
-//!   it answers.
+//! * **The op-log** ([`crate::oplog`]): a standby applies the leader's log as etcd reports
+//!   new entries (and at every re-check); the winner reads it to its end, promotes its
+//!   metadata and starts its journal before it answers.
+//! * **While the watch is not open** (etcd unreachable, a member changing) or after a
+//!   failed look, a standby looks every [`HaConfig::poll`] instead.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -28,6 +32,7 @@ use pagewire_store::{Authority, Master, MasterConfig};
 use crate::error::{HaError, Result};
 use crate::etcd::{Created, Etcd};
 use crate::oplog::{EtcdJournal, Follower, JournalConfig, Keys};
+use crate::watch::{EventKind, Watch, WatchSpec, Watched};
 
 /// The leader key of a cluster's masters.
 pub fn leader_key(cluster_id: &str) -> String {
@@ -49,8 +54,12 @@ pub struct HaConfig {
     /// keeps leading through an election among etcd's members (about 1-2 s with etcd's
     /// default 1 s election timeout) only if the lease outlasts it.
     pub lease_ttl: Duration,
-    /// How often a standby looks at the leader key.
+    /// How often a standby looks at the leader key and the op-log while its watch on
+    /// them is not open, and after a look that failed.
     pub poll: Duration,
+    /// How often a standby looks anyway while its watch is open: a safety net (etcd
+    /// reports every change as it happens).
+    pub recheck: Duration,
     /// Deadline of one etcd call.
     pub call_timeout: Duration,
     /// The address written in the leader key, for clients (default: the listener's,
@@ -61,13 +70,15 @@ pub struct HaConfig {
 }
 
 impl HaConfig {
-    /// Defaults around an etcd address: cluster `default`, a 5 s lease, 100 ms polls.
+    /// Defaults around an etcd address: cluster `default`, a 5 s lease, 100 ms polls
+    /// without a watch, a re-check every second with one.
     pub fn new(etcd: impl Into<String>) -> HaConfig {
         HaConfig {
             etcd: etcd.into(),
             cluster_id: "default".into(),
             lease_ttl: Duration::from_secs(5),
             poll: Duration::from_millis(100),
+            recheck: Duration::from_secs(1),
             call_timeout: Duration::from_secs(1),
             advertise: None,
             snapshot_every: DEFAULT_SNAPSHOT_EVERY,
@@ -170,6 +181,7 @@ impl HaMaster {
                     etcd,
                     key: leader_key(&ha.cluster_id),
                     follower: Follower::new(Keys::new(&ha.cluster_id)),
+                    watch: None,
                     ha,
                     cfg,
                     advertise,
@@ -247,6 +259,29 @@ impl Drop for HaMaster {
 /// leader) leaves most of the TTL to retry in.
 const RENEWALS_PER_TTL: u32 = 5;
 
+/// Longest a standby waits on its watch before it checks for a shutdown.
+const STOP_CHECK: Duration = Duration::from_millis(50);
+
+/// What a standby looks at next.
+#[derive(Debug, Clone, Copy)]
+struct Due {
+    /// The op-log, for new entries.
+    follow: bool,
+    /// The leader key, to bid if it is free.
+    campaign: bool,
+}
+
+impl Due {
+    const BOTH: Due = Due {
+        follow: true,
+        campaign: true,
+    };
+    const NONE: Due = Due {
+        follow: false,
+        campaign: false,
+    };
+}
+
 /// A won election.
 struct Won {
     epoch: u64,
@@ -265,6 +300,8 @@ struct Campaign {
     key: String,
     /// This master's place in the op-log (while standing by, and when it wins).
     follower: Follower,
+    /// The cluster's keys, watched while standing by.
+    watch: Option<Watch>,
     advertise: String,
     authority: Authority,
     shared: Arc<Shared>,
@@ -286,36 +323,92 @@ impl Campaign {
     fn run(&mut self) {
         let mut complained = false;
         let mut behind = false;
+        // What the last wait asks for: both at first.
+        let mut due = Due::BOTH;
         while !self.stopping() {
             // A standby keeps its metadata current, so that winning costs little.
-            match self.follow() {
-                Ok(_) => behind = false,
-                Err(e) if !behind => {
-                    tracing::warn!(etcd = %self.ha.etcd, "store master (standby): reading the op-log: {e}");
-                    behind = true;
+            if due.follow {
+                match self.follow() {
+                    Ok(_) => behind = false,
+                    Err(e) if !behind => {
+                        tracing::warn!(etcd = %self.ha.etcd, "store master (standby): reading the op-log: {e}");
+                        behind = true;
+                    }
+                    Err(_) => {}
                 }
-                Err(_) => {}
             }
-            match self.try_win() {
-                Ok(Some(won)) => {
-                    complained = false;
-                    self.lead(won);
+            if due.campaign {
+                match self.try_win() {
+                    Ok(Some(won)) => {
+                        complained = false;
+                        // A leader writes the log itself: no need to hear it back.
+                        self.watch = None;
+                        self.lead(won);
+                        due = Due::BOTH;
+                        continue;
+                    }
+                    Ok(None) => complained = false,
+                    Err(e) if !complained => {
+                        tracing::warn!(etcd = %self.ha.etcd, "store master (standby): {e}");
+                        complained = true;
+                    }
+                    Err(_) => {}
                 }
-                Ok(None) => complained = false,
-                Err(e) if !complained => {
-                    tracing::warn!(etcd = %self.ha.etcd, "store master (standby): {e}");
-                    complained = true;
-                }
-                Err(_) => {}
             }
-            if !self.stopping() {
-                std::thread::sleep(self.ha.poll);
-            }
+            due = self.wait(!behind && !complained);
         }
         self.authority.revoke();
         let old = self.shared.master().take();
         if let Some(m) = old {
             m.shutdown();
+        }
+    }
+
+    /// Waits for a reason to look again: the leader key deleted, new op-log entries,
+    /// changes the watch may have missed, or a period (the re-check while the watch is
+    /// open and the last look went well, else the poll).
+    fn wait(&mut self, healthy: bool) -> Due {
+        let keys = Keys::new(&self.ha.cluster_id);
+        let watch = self.watch.get_or_insert_with(|| {
+            // Values are not needed (the follower reads the entries), only what changed.
+            let prefix = format!("pagewire-store/{}/", self.ha.cluster_id);
+            self.etcd
+                .watch(WatchSpec::prefix(prefix).without_values().capacity(256))
+        });
+        let start = Instant::now();
+        loop {
+            if self.shared.stop.load(Ordering::Acquire) {
+                return Due::NONE;
+            }
+            let period = if healthy && watch.live() {
+                self.ha.recheck
+            } else {
+                self.ha.poll
+            };
+            let until = start + period;
+            let now = Instant::now();
+            if now >= until {
+                return Due::BOTH;
+            }
+            // Short slices: a shutdown is noticed soon.
+            let events = match watch.next(until.min(now + STOP_CHECK)) {
+                None => continue,
+                Some(Watched::Resync(_)) => return Due::BOTH,
+                Some(Watched::Events(events)) => events,
+            };
+            let mut due = Due::NONE;
+            for e in &events {
+                if e.key == self.key {
+                    // A new leader needs nothing from a standby; a deleted key is a
+                    // chance to win.
+                    due.campaign |= e.kind == EventKind::Delete;
+                } else if e.kind == EventKind::Put && keys.is_log_key(&e.key) {
+                    due.follow = true;
+                }
+            }
+            if due.follow || due.campaign {
+                return due;
+            }
         }
     }
 

@@ -11,7 +11,8 @@
 //!   reader ([`oplog::Follower`]), so that a new leader keeps the old one's objects.
 //! * [`EtcdDirectory`]: the Mooncake transfer engine's metadata server on etcd
 //!   (`etcd://` in `TransferEngine.initialize`); [`new_engine`] picks it by address.
-//! * [`Etcd`]: the small synchronous etcd client all of them use (one private runtime thread).
+//! * [`Etcd`]: the small synchronous etcd client all of them use (one private runtime thread),
+//!   with [`Watch`]es that follow keys without polling.
 //!
 //! The store itself stays free of tokio: only this crate depends on the async etcd
 //! client. `docs/store.md` ("Masters on etcd") describes the design and its limits.
@@ -25,9 +26,11 @@ pub mod mooncake;
 pub mod oplog;
 #[doc(hidden)]
 pub mod testkit;
+pub mod watch;
 
 pub use error::{HaError, Result};
 pub use etcd::{Etcd, parse_endpoints};
 pub use leader::{DEFAULT_SNAPSHOT_EVERY, HaConfig, HaMaster, Role, leader_key};
 pub use locate::{EtcdLocator, client_config};
 pub use mooncake::{EtcdDirectory, new_engine};
+pub use watch::{Watch, WatchSpec, Watched};

@@ -60,6 +60,11 @@ impl Keys {
         }
     }
 
+    /// Whether `key` is one of the op-log's entries or snapshot keys.
+    pub(crate) fn is_log_key(&self, key: &str) -> bool {
+        key.starts_with(&self.oplog) || key.starts_with(&self.snapshot)
+    }
+
     /// The key of entry `seq`.
     pub fn entry(&self, seq: u64) -> String {
         format!("{}{seq:020}", self.oplog)

@@ -47,6 +47,17 @@ pub trait MasterLocator: Send + Sync + std::fmt::Debug {
     /// The leader's `host:port` and its epoch, looked up by `deadline`; waits within the
     /// deadline while there is no leader.
     fn locate(&self, deadline: Instant) -> Result<(String, u64)>;
+
+    /// Waits until `deadline` for this locator to learn that the leader is no longer the
+    /// one of `epoch` (`0`: none): the epoch it knows now (`0`: no leader), or `None` when
+    /// the deadline came first. A locator that is told of changes (a watch) answers as
+    /// they happen; the default knows nothing between looks: it waits out the deadline
+    /// and answers `None`, so that callers look again by themselves.
+    fn wait_change(&self, epoch: u64, deadline: Instant) -> Option<u64> {
+        let _ = epoch;
+        std::thread::sleep(deadline.saturating_duration_since(Instant::now()));
+        None
+    }
 }
 
 /// How long one attempt to say `Hello` to a located leader may take before the link
@@ -87,8 +98,11 @@ fn note_answer(st: &mut State, req: &Request, r: &Response) {
     }
 }
 
-/// Pause between looks at the leader while none answers.
+/// Longest pause between looks at the leader while none answers (shorter when the
+/// locator learns of a change).
 const LOCATE_PAUSE: Duration = Duration::from_millis(50);
+/// First pause after a located leader did not welcome the client.
+const FIRST_HELLO_PAUSE: Duration = Duration::from_millis(2);
 
 #[derive(Debug, Default)]
 struct State {
@@ -158,24 +172,44 @@ impl MasterLink {
 
     /// With a locator: starts the thread that ends a call waiting on a master that is no
     /// longer the leader (a stopped one never answers), so that the call goes on with the
-    /// new leader within its deadline. It asks the locator only while a call has been
-    /// waiting for a while, and ends with the link.
+    /// new leader within its deadline. It ends a call at once when the locator tells of a
+    /// newer leader ([`MasterLocator::wait_change`]); otherwise it asks the locator only
+    /// while a call has been waiting for a while. It ends with the link.
     pub fn watch(self: &Arc<Self>) -> Result<()> {
-        if self.locator.is_none() {
+        let Some(loc) = self.locator.clone() else {
             return Ok(());
-        }
+        };
         let weak = Arc::downgrade(self);
         std::thread::Builder::new()
             .name("pagewire-store-watch".into())
             .spawn(move || {
+                // The leader's epoch as the locator last told it (0: none).
+                let mut seen = 0;
                 loop {
-                    std::thread::sleep(WATCH_PERIOD);
+                    let changed = loc.wait_change(seen, Instant::now() + WATCH_PERIOD);
                     let Some(link) = weak.upgrade() else { return };
-                    link.check_inflight();
+                    match changed {
+                        Some(epoch) => {
+                            seen = epoch;
+                            link.end_deposed(epoch);
+                        }
+                        None => link.check_inflight(),
+                    }
                 }
             })
             .map_err(|e| StoreError::io("spawn the leader watch thread", e))?;
         Ok(())
+    }
+
+    /// Closes the stream of the call in flight if its session's master is older than
+    /// the leader of `leader` (an epoch; 0: none known).
+    fn end_deposed(&self, leader: u64) {
+        let g = self.inflight.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((s, e, _)) = &*g
+            && *e < leader
+        {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
     }
 
     /// Closes the stream of a call that has waited for longer than [`WATCH_PERIOD`] when
@@ -227,7 +261,9 @@ impl MasterLink {
                 Ok(s) => return Ok((s, Some(epoch))),
                 // The leader key names a master that is gone until its lease expires.
                 Err(e) if Instant::now() + LOCATE_PAUSE >= deadline => return Err(e),
-                Err(_) => std::thread::sleep(LOCATE_PAUSE),
+                Err(_) => {
+                    loc.wait_change(epoch, Instant::now() + LOCATE_PAUSE);
+                }
             }
         }
     }
@@ -258,6 +294,9 @@ impl MasterLink {
     /// Connects and says `Hello`. With a locator, to a leader that answers with the
     /// epoch the locator gave, looking again until `deadline` while none does.
     fn greet(&self, st: &mut State, deadline: Instant) -> Result<(TcpStream, Welcome)> {
+        // A leader just elected closes connections until it has read the op-log: the
+        // first looks again soon, later ones back off.
+        let mut pause = FIRST_HELLO_PAUSE;
         loop {
             let (mut s, expect) = self.dial_leader(deadline)?;
             let by = match expect {
@@ -283,10 +322,13 @@ impl MasterLink {
                 Err(e) => e,
             };
             let _ = s.shutdown(std::net::Shutdown::Both);
-            if Instant::now() + LOCATE_PAUSE >= deadline {
+            if Instant::now() + pause >= deadline {
                 return Err(err);
             }
-            std::thread::sleep(LOCATE_PAUSE);
+            if let Some(loc) = &self.locator {
+                loc.wait_change(epoch, Instant::now() + pause);
+            }
+            pause = (pause * 2).min(LOCATE_PAUSE);
         }
     }
 
