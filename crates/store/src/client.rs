@@ -386,6 +386,8 @@ impl StoreClient {
             links.iter().map(|l| move || l.session(set_up_by)).collect(),
         );
         if let Some(Err(e)) = sessions.into_iter().find(Result::is_err) {
+            // Shards that mounted a part unmount it now rather than after the client TTL.
+            crate::shard::concurrently(links.iter().map(|l| move || l.bye()).collect());
             deregister(&segments);
             return Err(fail(e));
         }
@@ -585,25 +587,7 @@ impl StoreClient {
         let groups = crate::shard::split(keys, self.shards());
         let jobs: Vec<J> = groups.iter().map(|(s, idx)| job(*s, idx)).collect();
         let results = crate::shard::concurrently(jobs);
-        if results.iter().all(Result::is_err) {
-            return match results.into_iter().next() {
-                Some(Err(e)) => Err(e),
-                _ => Ok(Vec::new()),
-            };
-        }
-        let answers = results
-            .into_iter()
-            .zip(&groups)
-            .map(|(r, (shard, idx))| match r {
-                Ok(v) => v,
-                Err(e) => {
-                    tracing::warn!(shard, keys = idx.len(), "store: shard failed its keys: {e}");
-                    let code = e.code();
-                    idx.iter().map(|_| failed(code)).collect()
-                }
-            })
-            .collect();
-        Ok(crate::shard::merge(keys.len(), &groups, answers))
+        crate::shard::merge_results(keys.len(), &groups, results, failed)
     }
 
     /// Runs `job(shard)` on every shard at once; the answers in shard order, or the

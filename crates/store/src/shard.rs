@@ -10,7 +10,7 @@
 
 use std::sync::Mutex;
 
-use crate::error::{Result, StoreError};
+use crate::error::{Code, Result, StoreError};
 use crate::proto::Stats;
 
 /// Most shards a cluster may have (a client holds one master link, heartbeat thread and
@@ -73,6 +73,37 @@ pub(crate) fn merge<T>(n: usize, groups: &[(usize, Vec<usize>)], results: Vec<Ve
     out.into_iter()
         .map(|r| r.expect("the groups cover every key"))
         .collect()
+}
+
+/// [`merge`] of per-shard calls that may have failed: a failed shard gives each of its
+/// keys `failed(code)` (the error's per-key code) and the other shards' keys keep their
+/// answers. The whole fails only when every shard failed (with the first one's error), as
+/// a call to one master would.
+pub(crate) fn merge_results<T>(
+    n: usize,
+    groups: &[(usize, Vec<usize>)],
+    results: Vec<Result<Vec<T>>>,
+    failed: impl Fn(Code) -> T,
+) -> Result<Vec<T>> {
+    if results.iter().all(Result::is_err) {
+        return match results.into_iter().next() {
+            Some(Err(e)) => Err(e),
+            _ => Ok(Vec::new()),
+        };
+    }
+    let answers = results
+        .into_iter()
+        .zip(groups)
+        .map(|(r, (shard, idx))| match r {
+            Ok(v) => v,
+            Err(e) => {
+                tracing::warn!(shard, keys = idx.len(), "store: shard failed its keys: {e}");
+                let code = e.code();
+                idx.iter().map(|_| failed(code)).collect()
+            }
+        })
+        .collect();
+    Ok(merge(n, groups, answers))
 }
 
 /// Runs the jobs at once, the first on the calling thread and each other one on a scoped
@@ -237,6 +268,42 @@ mod tests {
             let merged = merge(keys.len(), &groups, results);
             let brute: Vec<_> = keys.iter().map(f).collect();
             prop_assert_eq!(merged, brute);
+        }
+
+        /// With some shards failed: their keys get the error's code, the others their
+        /// answer; only when all failed is the whole call an error.
+        #[test]
+        fn failed_shards_fail_only_their_keys(
+            keys in proptest::collection::vec(proptest::collection::vec(any::<u8>(), 1..8), 1..48),
+            shards in 2usize..6,
+            down in proptest::collection::vec(any::<bool>(), 6),
+        ) {
+            let groups = split(&keys, shards);
+            let results: Vec<Result<Vec<Result<usize, Code>>>> = groups
+                .iter()
+                .map(|(s, idx)| {
+                    if down[*s] {
+                        Err(StoreError::Timeout { what: "test", after: Default::default() })
+                    } else {
+                        Ok(idx.iter().map(|&i| Ok(keys[i].len())).collect())
+                    }
+                })
+                .collect();
+            let got = merge_results(keys.len(), &groups, results, Err);
+            let all_down = groups.iter().all(|(s, _)| down[*s]);
+            match got {
+                Err(e) => prop_assert!(all_down && e.code() == Code::Timeout),
+                Ok(v) => {
+                    prop_assert!(!all_down);
+                    let brute: Vec<Result<usize, Code>> = keys
+                        .iter()
+                        .map(|k| {
+                            if down[shard_of(k, shards)] { Err(Code::Timeout) } else { Ok(k.len()) }
+                        })
+                        .collect();
+                    prop_assert_eq!(v, brute);
+                }
+            }
         }
     }
 }
