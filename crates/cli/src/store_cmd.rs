@@ -29,7 +29,8 @@ pub enum StoreCommand {
     /// Example: pagewire store master --listen 0.0.0.0:50051
     ///
     /// With --ha etcd://h1:2379;h2:2379 several masters elect a leader through etcd; the
-    /// others stand by (they accept no client) until it fails.
+    /// others stand by (they accept no client) until it fails. With --shards S --shard i
+    /// the key space is split over S leader groups and this master campaigns in group i.
     Master(MasterArgs),
     /// Run a storage node: allocate and register a segment, offer it to the master.
     ///
@@ -101,6 +102,14 @@ pub struct MasterArgs {
     /// leads (default: --listen, which must then not be 0.0.0.0).
     #[arg(long)]
     pub advertise: Option<String>,
+    /// With --ha: shards (leader groups) the cluster's key space is split over. The first
+    /// master writes the count to etcd; a master given another count refuses to start.
+    #[arg(long, default_value_t = 1)]
+    pub shards: usize,
+    /// With --ha and --shards: the shard whose leader group this master campaigns in
+    /// (0 to shards - 1).
+    #[arg(long, default_value_t = 0)]
+    pub shard: usize,
 }
 
 #[derive(Debug, Args)]
@@ -187,18 +196,28 @@ fn master(a: MasterArgs) -> anyhow::Result<()> {
         ha.lease_ttl = Duration::from_secs(a.ha_lease_s);
         ha.snapshot_every = a.snapshot_every;
         ha.advertise.clone_from(&a.advertise);
-        let m = HaMaster::start(cfg, ha).context("starting the store master on etcd")?;
+        let m = HaMaster::start_shard(cfg, ha, a.shards, a.shard)
+            .context("starting the store master on etcd")?;
         println!(
             "pagewire store master: listening on {} (lease {} ms, client TTL {} ms), \
-             campaigning through {etcd} as cluster {:?}",
+             campaigning through {etcd} as cluster {:?}{}",
             m.local_addr(),
             a.lease_ttl_ms,
             a.client_ttl_ms,
-            a.cluster_id
+            a.cluster_id,
+            if a.shards > 1 {
+                format!(", shard {} of {}", a.shard, a.shards)
+            } else {
+                String::new()
+            }
         );
         m.wait();
         return Ok(());
     }
+    anyhow::ensure!(
+        a.shards == 1 && a.shard == 0,
+        "--shards and --shard need --ha: shards are leader groups on etcd"
+    );
     let m = Master::start(cfg).context("starting the store master")?;
     println!(
         "pagewire store master: listening on {} (lease {} ms, client TTL {} ms, eviction at {:.0} %)",
@@ -245,7 +264,14 @@ fn describe(a: &ServeArgs, node: &StoreClient) -> anyhow::Result<String> {
         a.master,
         node.segment_id()?
             .map_or_else(|| "?".into(), |s| s.to_string())
-    ))
+    ) + &if node.shards() > 1 {
+        format!(
+            " on shard 0; carved into {} parts, part i mounted on shard i",
+            node.shards()
+        )
+    } else {
+        String::new()
+    })
 }
 
 /// The heartbeat thread keeps the segment mounted (and mounts it again after a master

@@ -416,3 +416,82 @@ fn masters_on_etcd_serve_and_bench_store_through_etcd() {
     }
     panic!("bench store after the master was killed: {last}");
 }
+
+/// Two shards through the binary: `store master --shards 2 --shard i` for each shard,
+/// `store serve` (its segment carved in two) and `bench store --verify` given the etcd
+/// address; a master started with `--shards 3` in the same cluster refuses to start.
+#[test]
+fn sharded_masters_serve_and_bench_store_through_etcd() {
+    let etcd = pagewire_ha::testkit::EtcdCluster::start(1);
+    let url = etcd.url();
+    let master = |shards: &str, shard: &str| {
+        let mut c = pagewire();
+        c.args([
+            "store",
+            "master",
+            "--listen",
+            "127.0.0.1:0",
+            "--ha",
+            &url,
+            "--cluster-id",
+            "sh",
+            "--ha-lease-s",
+            "2",
+            "--shards",
+            shards,
+            "--shard",
+            shard,
+        ]);
+        c
+    };
+    let (_m0, line) = spawn_cmd(master("2", "0"), &[]);
+    assert!(line.contains("shard 0 of 2"), "{line}");
+    let (_m1, line) = spawn_cmd(master("2", "1"), &[]);
+    assert!(line.contains("shard 1 of 2"), "{line}");
+    let out = master("3", "0").output().expect("spawn pagewire");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("has 2 shard(s)"),
+        "{err}"
+    );
+    let (_n, line) = spawn(&[
+        "store",
+        "serve",
+        "--master",
+        &url,
+        "--cluster-id",
+        "sh",
+        "--segment",
+        "64M",
+        "--listen",
+        "127.0.0.1:0",
+        "--transport",
+        "tcp",
+    ]);
+    assert!(line.contains("carved into 2 parts"), "{line}");
+    let r = json(&[
+        "bench",
+        "store",
+        "--master",
+        &url,
+        "--cluster-id",
+        "sh",
+        "--transport",
+        "tcp",
+        "--model",
+        "mimo-v2",
+        "--layers",
+        "2",
+        "--pages",
+        "8",
+        "-n",
+        "3",
+        "--warmup",
+        "1",
+        "--clients",
+        "2",
+        "--verify",
+        "--json",
+    ]);
+    assert_eq!(r["verified"], true);
+}

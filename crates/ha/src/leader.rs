@@ -144,9 +144,12 @@ impl HaMaster {
                 reason: "snapshot_every: at least 1 entry".into(),
             });
         }
-        if ha.cluster_id.is_empty() || ha.cluster_id.contains('/') {
+        if !crate::shard::valid_cluster_id(&ha.cluster_id) {
             return Err(HaError::Misuse {
-                reason: format!("cluster id {:?}: non-empty, without '/'", ha.cluster_id),
+                reason: format!(
+                    "cluster id {:?}: non-empty, without '/' (or a shard's, `<id>/shard/<i>`)",
+                    ha.cluster_id
+                ),
             });
         }
         let etcd = Etcd::connect(&ha.etcd, Instant::now() + ha.call_timeout * 5)?;

@@ -11,6 +11,8 @@
 //!   reader ([`oplog::Follower`]), so that a new leader keeps the old one's objects.
 //! * [`EtcdDirectory`]: the Mooncake transfer engine's metadata server on etcd
 //!   (`etcd://` in `TransferEngine.initialize`); [`new_engine`] picks it by address.
+//! * [`shard`]: a cluster's key space split over several leader groups
+//!   ([`HaMaster::start_shard`]; clients route by key).
 //! * [`Etcd`]: the small synchronous etcd client all of them use (one private runtime thread),
 //!   with [`Watch`]es that follow keys without polling.
 //!
@@ -24,6 +26,7 @@ pub mod leader;
 pub mod locate;
 pub mod mooncake;
 pub mod oplog;
+pub mod shard;
 #[doc(hidden)]
 pub mod testkit;
 pub mod watch;
@@ -33,4 +36,5 @@ pub use etcd::{Etcd, parse_endpoints};
 pub use leader::{DEFAULT_SNAPSHOT_EVERY, HaConfig, HaMaster, Role, leader_key};
 pub use locate::{EtcdLocator, client_config};
 pub use mooncake::{EtcdDirectory, new_engine};
+pub use shard::{shard_cluster_id, shards_key};
 pub use watch::{Watch, WatchSpec, Watched};

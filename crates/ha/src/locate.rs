@@ -226,13 +226,19 @@ impl MasterLocator for EtcdLocator {
 }
 
 /// Client settings for `master`: with an `etcd://` address, a locator that follows the
-/// leader of `cluster_id` (connected by `deadline`); otherwise [`ClientConfig::new`].
+/// leader of `cluster_id` (connected by `deadline`), or one per shard when the cluster
+/// has several ([`crate::shard`]); otherwise [`ClientConfig::new`].
 pub fn client_config(master: &str, cluster_id: &str, deadline: Instant) -> Result<ClientConfig> {
     let mut cfg = ClientConfig::new(master);
     if master.starts_with("etcd://") {
-        cfg.locator = Some(Arc::new(EtcdLocator::connect(
-            master, cluster_id, deadline,
-        )?));
+        match crate::shard::shard_locators(master, cluster_id, deadline)? {
+            Some(shards) => cfg.shards = shards,
+            None => {
+                cfg.locator = Some(Arc::new(EtcdLocator::connect(
+                    master, cluster_id, deadline,
+                )?))
+            }
+        }
     }
     Ok(cfg)
 }

@@ -1,17 +1,21 @@
 """The store on masters elected through a real etcd (Debian's etcd-server, started here on
 127.0.0.1 ports of its own): ``StoreMaster(ha=...)`` campaigns, and
 ``MooncakeDistributedStore.setup(..., master_server_addr="etcd://...")`` follows the
-leader, also after it shuts down. Fails (never skips) without the ``etcd`` binary."""
+leader, also after it shuts down, and routes keys over the shards of a sharded cluster
+(``pagewire store master --shards 2 --shard i`` processes). Fails (never skips) without
+the ``etcd`` binary."""
 
 import os
+import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
 from pagewire import StoreMaster
 from pagewire.mooncake_compat import MooncakeDistributedStore
 
-from etcd_helpers import etcd_server
+from etcd_helpers import etcd_keys, etcd_server
 
 MIB = 1 << 20
 
@@ -20,6 +24,14 @@ MIB = 1 << 20
 def etcd():
     with etcd_server() as (url, _, _):
         yield url
+
+
+def pagewire_bin() -> str:
+    """The CLI binary (scripts/python-test.sh builds it and sets PAGEWIRE_BIN)."""
+    here = Path(__file__).resolve().parent
+    path = os.environ.get("PAGEWIRE_BIN") or str(here.parents[2] / "target" / "debug" / "pagewire")
+    assert Path(path).is_file(), f"{path} missing: build it with `cargo build -p pagewire-cli`"
+    return path
 
 
 def one_leader(masters, timeout=10.0):
@@ -61,3 +73,45 @@ def test_mooncake_store_follows_the_leader_through_etcd(etcd):
         del os.environ["PAGEWIRE_STORE_CLUSTER_ID"]
         for m in masters:
             m.shutdown()
+
+
+def test_mooncake_store_routes_keys_over_two_shards():
+    with etcd_server() as (url, port, _):
+        masters = []
+        try:
+            for shard in (0, 1):
+                p = subprocess.Popen(
+                    [pagewire_bin(), "store", "master", "--listen", "127.0.0.1:0", "--ha", url,
+                     "--cluster-id", "pysh", "--ha-lease-s", "2", "--heartbeat-ms", "200",
+                     "--shards", "2", "--shard", str(shard)],
+                    stdout=subprocess.PIPE, text=True,
+                )  # fmt: skip
+                masters.append(p)
+                assert f"shard {shard} of 2" in p.stdout.readline()
+            os.environ["PAGEWIRE_STORE_CLUSTER_ID"] = "pysh"
+            s = MooncakeDistributedStore()
+            assert s.setup("127.0.0.1", "P2PHANDSHAKE", 16 * MIB, 16 * MIB, "tcp", "", url) == 0
+            keys = [f"page-{i}" for i in range(32)]
+            values = [bytes([i]) * 4096 for i in range(32)]
+            for k, v in zip(keys, values):
+                assert s.put(k, v) == 0
+            # Both shards' leaders logged publications: the keys landed on both.
+            for shard in (0, 1):
+                logged = etcd_keys(port, f"pagewire-store/pysh/shard/{shard}/oplog/")
+                assert logged, f"nothing published on shard {shard}"
+            assert etcd_keys(port, "pagewire-store/pysh/shards") == {
+                "pagewire-store/pysh/shards": b"2"
+            }
+            assert [s.get(k) for k in keys] == values
+            mixed = [keys[3], "missing-a", keys[17], "missing-b"]
+            assert s.batch_is_exist(mixed) == [1, 0, 1, 0]
+            assert s.remove(keys[5], True) == 0  # leased by the get: forced
+            assert s.is_exist(keys[5]) == 0
+            assert s.remove_all(True) == 31
+            assert s.batch_is_exist(keys[:4]) == [0, 0, 0, 0]
+            s.close()
+        finally:
+            os.environ.pop("PAGEWIRE_STORE_CLUSTER_ID", None)
+            for p in masters:
+                p.kill()
+                p.wait()

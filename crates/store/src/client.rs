@@ -47,6 +47,11 @@ pub struct ClientConfig {
     /// Finds the leader among elected masters (`pagewire_ha::EtcdLocator` for
     /// `etcd://` addresses); none: `master` is the one master.
     pub locator: Option<Arc<dyn crate::rpc::MasterLocator>>,
+    /// A sharded cluster (`pagewire_ha::client_config` fills it from etcd): one locator
+    /// per shard's leader group, in shard order. With two or more, the client holds one
+    /// master link per shard and routes every key to its shard ([`crate::shard`]);
+    /// `locator` is then unused. Empty (or one): one master, as `locator` says.
+    pub shards: Vec<Arc<dyn crate::rpc::MasterLocator>>,
     /// The transport engine's settings (backend, listen address, device). Its listen
     /// address is what storage nodes and other clients connect to; with an unspecified IP
     /// (`0.0.0.0`) the client announces the IP it reaches the master from.
@@ -93,6 +98,7 @@ impl ClientConfig {
         ClientConfig {
             master: master.into(),
             locator: None,
+            shards: Vec::new(),
             engine: EngineConfig::default(),
             segment_size: 0,
             token: None,
@@ -152,16 +158,19 @@ struct Inner {
     cfg: ClientConfig,
     engine: Engine,
     owns_engine: bool,
-    link: Arc<MasterLink>,
+    /// One master link per shard (one for an unsharded store).
+    links: Vec<Arc<MasterLink>>,
     endpoint: String,
-    segment: Option<Arc<SegmentMem>>,
+    /// The client's segment, carved into one part per shard (empty: no segment).
+    segments: Vec<Arc<SegmentMem>>,
     buffers: Buffers,
     peers: Mutex<HashMap<Arc<str>, PeerId>>,
     /// Read-held from checking a node's description against the segment keys until the
     /// batch is submitted; write-held to fetch a description again. So a batch never goes
     /// out under keys newer than the ones it was checked against.
     describing: RwLock<()>,
-    stop: Mutex<Option<mpsc::Sender<()>>>,
+    /// One per heartbeat thread (a thread per shard); dropped to stop them.
+    stop: Mutex<Vec<mpsc::Sender<()>>>,
 }
 
 /// A client of the store (cheap to clone). Dropping the last clone leaves the store
@@ -176,7 +185,11 @@ impl std::fmt::Debug for StoreClient {
         f.debug_struct("StoreClient")
             .field("master", &self.inner.cfg.master)
             .field("endpoint", &self.inner.endpoint)
-            .field("segment", &self.inner.segment.as_ref().map(|s| s.size()))
+            .field("shards", &self.inner.links.len())
+            .field(
+                "segment",
+                &self.inner.segments.iter().map(|s| s.size()).sum::<u64>(),
+            )
             .finish()
     }
 }
@@ -204,6 +217,16 @@ fn chunks(lens: impl Iterator<Item = usize>) -> Vec<std::ops::Range<usize>> {
         out.push(start..i);
     }
     out
+}
+
+/// Copies of the keys at `idx` (one shard's share of a batch, sent from another thread).
+fn pick_keys<K: AsRef<[u8]>>(keys: &[K], idx: &[usize]) -> Vec<Vec<u8>> {
+    idx.iter().map(|&i| keys[i].as_ref().to_vec()).collect()
+}
+
+/// Copies of the part lists at `idx`.
+fn pick_parts<P: AsRef<[Span]>>(parts: &[P], idx: &[usize]) -> Vec<Vec<Span>> {
+    idx.iter().map(|&i| parts[i].as_ref().to_vec()).collect()
 }
 
 fn valid_key(k: &[u8]) -> bool {
@@ -293,7 +316,20 @@ impl StoreClient {
             }
             e
         };
-        if cfg.locator.is_none() && cfg.master.starts_with("etcd://") {
+        // One locator per master link: a shard's leader group each, or the one master.
+        let locators: Vec<Option<Arc<dyn crate::rpc::MasterLocator>>> = if cfg.shards.len() > 1 {
+            cfg.shards.iter().cloned().map(Some).collect()
+        } else {
+            vec![cfg.shards.first().cloned().or_else(|| cfg.locator.clone())]
+        };
+        if locators.len() > crate::shard::MAX_SHARDS {
+            return Err(fail(StoreError::invalid(format!(
+                "{} shards: at most {}",
+                locators.len(),
+                crate::shard::MAX_SHARDS
+            ))));
+        }
+        if locators[0].is_none() && cfg.master.starts_with("etcd://") {
             return Err(fail(StoreError::Config {
                 key: "master".into(),
                 value: cfg.master.clone(),
@@ -302,7 +338,7 @@ impl StoreClient {
         }
         let set_up_by = deadline_of(cfg.connect_timeout.min(cfg.timeout));
         let mut endpoint_addr = engine.local_addr();
-        let probe = MasterLink::new(&cfg.master, cfg.locator.clone(), Vec::new(), None);
+        let probe = MasterLink::new(&cfg.master, locators[0].clone(), Vec::new(), None);
         if endpoint_addr.ip().is_unspecified() {
             // Announce the address this host reaches the master from.
             let s = probe.dial(set_up_by).map_err(fail)?;
@@ -313,45 +349,92 @@ impl StoreClient {
             endpoint_addr.set_ip(ip);
         }
         let endpoint = endpoint_addr.to_string();
-        let segment = if cfg.segment_size > 0 {
-            Some(SegmentMem::new(&engine, cfg.segment_size, &endpoint).map_err(fail)?)
-        } else {
-            None
-        };
-        let spec = segment.as_ref().map(|s| SegmentSpec {
-            mem: s.clone(),
-            engine: engine.clone(),
-        });
-        let token = cfg.token.clone().unwrap_or_default().into_bytes();
-        let link = MasterLink::new(&cfg.master, cfg.locator.clone(), token, spec);
-        link.set_endpoint(endpoint.clone());
-        link.watch().map_err(fail)?;
-        if let Err(e) = link.session(set_up_by) {
-            if let Some(r) = segment.as_ref().and_then(|s| s.region()) {
+        let deregister = |segments: &[Arc<SegmentMem>]| {
+            for r in segments.iter().filter_map(|s| s.region()) {
                 let _ = engine.deregister(r);
             }
+        };
+        // A segment is carved into one part per shard, each registered on its own so
+        // that a remount on one shard renews only its part's key.
+        let mut segments = Vec::new();
+        if cfg.segment_size > 0 {
+            let sizes = crate::shard::carve(cfg.segment_size, locators.len()).map_err(fail)?;
+            for size in sizes {
+                match SegmentMem::new(&engine, size, &endpoint) {
+                    Ok(s) => segments.push(s),
+                    Err(e) => {
+                        deregister(&segments);
+                        return Err(fail(e));
+                    }
+                }
+            }
+        }
+        let token = cfg.token.clone().unwrap_or_default().into_bytes();
+        let mut links = Vec::with_capacity(locators.len());
+        for (i, loc) in locators.into_iter().enumerate() {
+            let spec = segments.get(i).map(|s| SegmentSpec {
+                mem: s.clone(),
+                engine: engine.clone(),
+            });
+            let link = MasterLink::new(&cfg.master, loc, token.clone(), spec);
+            link.set_endpoint(endpoint.clone());
+            link.watch().map_err(fail)?;
+            links.push(link);
+        }
+        // Every shard's leader is needed at set-up (a node mounts a part on each).
+        let sessions = crate::shard::concurrently(
+            links.iter().map(|l| move || l.session(set_up_by)).collect(),
+        );
+        if let Some(Err(e)) = sessions.into_iter().find(Result::is_err) {
+            // Shards that mounted a part unmount it now rather than after the client TTL.
+            crate::shard::concurrently(links.iter().map(|l| move || l.bye()).collect());
+            deregister(&segments);
             return Err(fail(e));
         }
-        let (tx, rx) = mpsc::channel();
         let inner = Arc::new(Inner {
             cfg,
             engine,
             owns_engine,
-            link,
+            links,
             endpoint,
-            segment,
+            segments,
             buffers: Buffers::default(),
             peers: Mutex::new(HashMap::new()),
             describing: RwLock::new(()),
-            stop: Mutex::new(Some(tx)),
+            stop: Mutex::new(Vec::new()),
         });
-        let weak = Arc::downgrade(&inner);
-        let period = inner.link.welcome().map_or(1000, |w| w.heartbeat_ms as u64);
-        std::thread::Builder::new()
-            .name("pagewire-store-hb".into())
-            .spawn(move || heartbeat(weak, rx, Duration::from_millis(period)))
-            .map_err(|e| StoreError::io("spawn heartbeat thread", e))?;
+        for shard in 0..inner.links.len() {
+            let (tx, rx) = mpsc::channel();
+            let weak = Arc::downgrade(&inner);
+            let period = inner.links[shard]
+                .welcome()
+                .map_or(1000, |w| w.heartbeat_ms as u64);
+            // Held before the spawn: a failure drops `inner`, which then leaves the store.
+            inner
+                .stop
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push(tx);
+            std::thread::Builder::new()
+                .name("pagewire-store-hb".into())
+                .spawn(move || heartbeat(weak, shard, rx, Duration::from_millis(period)))
+                .map_err(|e| StoreError::io("spawn heartbeat thread", e))?;
+        }
         Ok(StoreClient { inner })
+    }
+
+    /// Shards of the store (1 unless the cluster is sharded).
+    pub fn shards(&self) -> usize {
+        self.inner.links.len()
+    }
+
+    /// The shard that owns `key` ([`crate::shard::shard_of`]).
+    pub fn shard_of(&self, key: &[u8]) -> usize {
+        crate::shard::shard_of(key, self.inner.links.len())
+    }
+
+    fn link(&self, shard: usize) -> &MasterLink {
+        &self.inner.links[shard]
     }
 
     /// The transport engine.
@@ -374,24 +457,33 @@ impl StoreClient {
         self.inner.cfg.token.as_deref()
     }
 
-    /// `(base, size)` of this client's segment, if it contributes one.
+    /// `(base, size)` of this client's segment, if it contributes one (in a sharded
+    /// store, the part mounted on shard 0; [`StoreClient::segments`] lists them all).
     pub fn segment(&self) -> Option<(u64, u64)> {
-        self.inner.segment.as_ref().map(|s| (s.base(), s.size()))
+        self.inner.segments.first().map(|s| (s.base(), s.size()))
     }
 
-    /// The segment id the master gave this client's segment (connecting if needed).
+    /// `(base, size)` of each part of this client's segment, part `i` mounted on shard `i`.
+    pub fn segments(&self) -> Vec<(u64, u64)> {
+        self.inner
+            .segments
+            .iter()
+            .map(|s| (s.base(), s.size()))
+            .collect()
+    }
+
+    /// The segment id the master gave this client's segment (connecting if needed); in a
+    /// sharded store, shard 0's id of part 0.
     pub fn segment_id(&self) -> Result<Option<u64>> {
         Ok(self
-            .inner
-            .link
+            .link(0)
             .session(deadline_of(self.inner.cfg.timeout))?
             .segment)
     }
 
-    /// The read-lease length the master grants.
+    /// The read-lease length the master grants (shard 0's, in a sharded store).
     pub fn lease_ttl(&self) -> Option<Duration> {
-        self.inner
-            .link
+        self.link(0)
             .welcome()
             .map(|w| Duration::from_millis(w.lease_ttl_ms as u64))
     }
@@ -440,6 +532,29 @@ impl StoreClient {
                 parts.len()
             )));
         }
+        let deadline = deadline_of(self.inner.cfg.timeout);
+        if self.shards() == 1 {
+            return self.put_on(0, keys, parts, opts, deadline);
+        }
+        self.routed(
+            keys,
+            |shard, idx| {
+                let (k, p) = (pick_keys(keys, idx), pick_parts(parts, idx));
+                move || self.put_on(shard, &k, &p, opts, deadline)
+            },
+            Err,
+        )
+    }
+
+    /// [`StoreClient::put`] of keys of one shard.
+    fn put_on<K: AsRef<[u8]>, P: AsRef<[Span]>>(
+        &self,
+        shard: usize,
+        keys: &[K],
+        parts: &[P],
+        opts: &PutOptions,
+        deadline: Instant,
+    ) -> Result<Vec<Result<(), Code>>> {
         let sizes: Vec<u64> = parts
             .iter()
             .map(|p| match total(p.as_ref()) {
@@ -447,13 +562,46 @@ impl StoreClient {
                 _ => 0, // refused per key below
             })
             .collect();
-        let res = self.reserve(keys, &sizes, opts)?;
+        let res = self.reserve_on(shard, keys, &sizes, opts, deadline)?;
         res.write(parts)
+    }
+
+    /// Runs a per-shard batch call on each shard's share of `keys`, all shards at once
+    /// under the caller's one deadline, and puts the answers back in the caller's order.
+    /// `job(shard, indices)` prepares a share on this thread (copying its keys) and
+    /// returns the call to run. A shard whose call fails gives each of its keys
+    /// `failed(code)` (the error's code: `Timeout`, `MasterUnavailable`, ...), and the
+    /// other shards' keys keep their answers; the call itself fails only when every
+    /// shard it involved failed (with the first one's error).
+    fn routed<K, T, J>(
+        &self,
+        keys: &[K],
+        mut job: impl FnMut(usize, &[usize]) -> J,
+        failed: impl Fn(Code) -> T,
+    ) -> Result<Vec<T>>
+    where
+        K: AsRef<[u8]>,
+        T: Send,
+        J: FnOnce() -> Result<Vec<T>> + Send,
+    {
+        let groups = crate::shard::split(keys, self.shards());
+        let jobs: Vec<J> = groups.iter().map(|(s, idx)| job(*s, idx)).collect();
+        let results = crate::shard::concurrently(jobs);
+        crate::shard::merge_results(keys.len(), &groups, results, failed)
+    }
+
+    /// Runs `job(shard)` on every shard at once; the answers in shard order, or the
+    /// first shard's error.
+    fn on_all<T: Send>(&self, job: impl Fn(usize) -> Result<T> + Sync) -> Result<Vec<T>> {
+        let job = &job;
+        let jobs: Vec<_> = (0..self.shards()).map(|s| move || job(s)).collect();
+        crate::shard::concurrently(jobs).into_iter().collect()
     }
 
     /// First half of a put: reserves space for `keys[i]` of `sizes[i]` bytes. Size 0 is
     /// refused per key (`InvalidParams`). Finish with [`Reservation::write`]; dropping the
-    /// reservation revokes it.
+    /// reservation revokes it. In a sharded store the keys must belong to one shard
+    /// ([`StoreClient::shard_of`]); others are `InvalidArgument`.
     pub fn reserve<K: AsRef<[u8]>>(
         &self,
         keys: &[K],
@@ -467,7 +615,35 @@ impl StoreClient {
                 sizes.len()
             )));
         }
-        let deadline = deadline_of(self.inner.cfg.timeout);
+        let mut owners = keys
+            .iter()
+            .filter(|k| valid_key(k.as_ref()))
+            .map(|k| self.shard_of(k.as_ref()));
+        let shard = owners.next().unwrap_or(0);
+        if owners.any(|s| s != shard) {
+            return Err(StoreError::invalid(
+                "a reservation holds keys of one shard (StoreClient::shard_of); \
+                 put splits a batch by shard itself",
+            ));
+        }
+        self.reserve_on(
+            shard,
+            keys,
+            sizes,
+            opts,
+            deadline_of(self.inner.cfg.timeout),
+        )
+    }
+
+    /// [`StoreClient::reserve`] of keys of one shard.
+    fn reserve_on<K: AsRef<[u8]>>(
+        &self,
+        shard: usize,
+        keys: &[K],
+        sizes: &[u64],
+        opts: &PutOptions,
+        deadline: Instant,
+    ) -> Result<Reservation<'_>> {
         // No later than the master's own start of the put (it answers after this).
         let started = Instant::now();
         let mut session = None;
@@ -499,22 +675,24 @@ impl StoreClient {
                     .map(|&i| (keys[i].as_ref().to_vec(), sizes[i]))
                     .collect(),
             });
-            let placement = match self.inner.link.call(&req, deadline) {
+            let placement = match self.link(shard).call(&req, deadline) {
                 Ok(Response::Placed(p)) if p.items.len() == idx.len() => p,
                 Ok(other) => {
                     // Revoke what earlier chunks reserved, then fail the call.
-                    let r = Reservation::new(self, keys, sizes, items, session, started, deadline);
+                    let r = Reservation::new(
+                        self, shard, keys, sizes, items, session, started, deadline,
+                    );
                     drop(r);
                     return Err(self.bad_reply(other));
                 }
                 Err(e) => {
                     drop(Reservation::new(
-                        self, keys, sizes, items, session, started, deadline,
+                        self, shard, keys, sizes, items, session, started, deadline,
                     ));
                     return Err(e);
                 }
             };
-            let now = self.inner.link.current();
+            let now = self.link(shard).current();
             if session.is_some_and(|s| s != now) {
                 // The master changed between chunks: what earlier ones reserved is gone.
                 for it in items.iter_mut().filter(|it| it.is_ok()) {
@@ -535,7 +713,7 @@ impl StoreClient {
             }
         }
         Ok(Reservation::new(
-            self, keys, sizes, items, session, started, deadline,
+            self, shard, keys, sizes, items, session, started, deadline,
         ))
     }
 
@@ -543,7 +721,7 @@ impl StoreClient {
         match r {
             Response::Error { code, message } => StoreError::Rejected { code, message },
             other => StoreError::Protocol {
-                from: self.inner.link.addr().to_string(),
+                from: self.link(0).addr().to_string(),
                 source: proto::ProtoError::UnknownKind(other.kind()),
             },
         }
@@ -696,6 +874,27 @@ impl StoreClient {
             )));
         }
         let deadline = deadline_of(self.inner.cfg.timeout);
+        if self.shards() == 1 {
+            return self.get_on(0, keys, parts, deadline);
+        }
+        self.routed(
+            keys,
+            |shard, idx| {
+                let (k, p) = (pick_keys(keys, idx), pick_parts(parts, idx));
+                move || self.get_on(shard, &k, &p, deadline)
+            },
+            Err,
+        )
+    }
+
+    /// [`StoreClient::get`] of keys of one shard.
+    fn get_on<K: AsRef<[u8]>, P: AsRef<[Span]>>(
+        &self,
+        shard: usize,
+        keys: &[K],
+        parts: &[P],
+        deadline: Instant,
+    ) -> Result<Vec<Result<u64, Code>>> {
         let mut out: Vec<Result<u64, Code>> = vec![Err(Code::NotFound); keys.len()];
         let mut located: Vec<Option<(Located, Instant)>> = vec![None; keys.len()];
         let mut session = None;
@@ -716,8 +915,8 @@ impl StoreClient {
         for range in chunks(todo.iter().map(|&i| keys[i].as_ref().len())) {
             let idx = &todo[range];
             let sent = Instant::now();
-            let found = self.find(idx.iter().map(|&i| keys[i].as_ref()), true, deadline)?;
-            session = Some(self.inner.link.current());
+            let found = self.find(shard, idx.iter().map(|&i| keys[i].as_ref()), true, deadline)?;
+            session = Some(self.link(shard).current());
             let lease_end = sent + Duration::from_millis(found.lease_ttl_ms as u64);
             for (&i, item) in idx.iter().zip(self.locate(found)) {
                 match item {
@@ -806,12 +1005,11 @@ impl StoreClient {
             }
         }
         // Segment ids are the session's: report only to the master that named them.
-        if !reported.is_empty() && session == Some(self.inner.link.current()) {
+        if !reported.is_empty() && session == Some(self.link(shard).current()) {
             reported.sort_unstable();
             reported.dedup();
             let _ = self
-                .inner
-                .link
+                .link(shard)
                 .call(&Request::Report { suspects: reported }, deadline);
         }
         Ok(out)
@@ -819,6 +1017,7 @@ impl StoreClient {
 
     fn find<'k>(
         &self,
+        shard: usize,
         keys: impl Iterator<Item = &'k [u8]>,
         lease: bool,
         deadline: Instant,
@@ -826,8 +1025,7 @@ impl StoreClient {
         let keys: Vec<Vec<u8>> = keys.map(<[u8]>::to_vec).collect();
         let n = keys.len();
         match self
-            .inner
-            .link
+            .link(shard)
             .call(&Request::Get { lease, keys }, deadline)?
         {
             Response::Found(f) if f.items.len() == n => Ok(f),
@@ -866,13 +1064,39 @@ impl StoreClient {
         lease: bool,
     ) -> Result<Vec<Result<Located, Code>>> {
         let deadline = deadline_of(self.inner.cfg.timeout);
+        if self.shards() == 1 {
+            return self.query_on(0, keys, lease, deadline);
+        }
+        self.routed(
+            keys,
+            |shard, idx| {
+                let k = pick_keys(keys, idx);
+                move || self.query_on(shard, &k, lease, deadline)
+            },
+            Err,
+        )
+    }
+
+    /// [`StoreClient::query`] of keys of one shard.
+    fn query_on<K: AsRef<[u8]>>(
+        &self,
+        shard: usize,
+        keys: &[K],
+        lease: bool,
+        deadline: Instant,
+    ) -> Result<Vec<Result<Located, Code>>> {
         let mut out: Vec<Result<Located, Code>> = vec![Err(Code::InvalidKey); keys.len()];
         let todo: Vec<usize> = (0..keys.len())
             .filter(|&i| valid_key(keys[i].as_ref()))
             .collect();
         for range in chunks(todo.iter().map(|&i| keys[i].as_ref().len())) {
             let idx = &todo[range];
-            let f = self.find(idx.iter().map(|&i| keys[i].as_ref()), lease, deadline)?;
+            let f = self.find(
+                shard,
+                idx.iter().map(|&i| keys[i].as_ref()),
+                lease,
+                deadline,
+            )?;
             for (&i, item) in idx.iter().zip(self.locate(f)) {
                 out[i] = item;
             }
@@ -900,14 +1124,36 @@ impl StoreClient {
         self.per_key(keys, |keys| Request::Remove { force, keys })
     }
 
-    /// One master request per size-capped chunk of `keys`, carrying the valid ones; one
-    /// code per key back, `InvalidKey` for a key that was not sent.
+    /// A per-key request to each shard that owns some of `keys`; one code per key back.
     fn per_key<K: AsRef<[u8]>>(
         &self,
         keys: &[K],
-        request: impl Fn(Vec<Vec<u8>>) -> Request,
+        request: impl Fn(Vec<Vec<u8>>) -> Request + Sync,
     ) -> Result<Vec<Code>> {
         let deadline = deadline_of(self.inner.cfg.timeout);
+        if self.shards() == 1 {
+            return self.per_key_on(0, keys, &request, deadline);
+        }
+        let request = &request;
+        self.routed(
+            keys,
+            |shard, idx| {
+                let k = pick_keys(keys, idx);
+                move || self.per_key_on(shard, &k, request, deadline)
+            },
+            |code| code,
+        )
+    }
+
+    /// One master request to `shard` per size-capped chunk of `keys`, carrying the valid
+    /// ones; one code per key back, `InvalidKey` for a key that was not sent.
+    fn per_key_on<K: AsRef<[u8]>>(
+        &self,
+        shard: usize,
+        keys: &[K],
+        request: &impl Fn(Vec<Vec<u8>>) -> Request,
+        deadline: Instant,
+    ) -> Result<Vec<Code>> {
         let mut out = Vec::with_capacity(keys.len());
         for range in chunks(keys.iter().map(|k| k.as_ref().len())) {
             let ks = &keys[range];
@@ -917,7 +1163,7 @@ impl StoreClient {
                 .map(|k| k.as_ref().to_vec())
                 .collect();
             let n = valid.len();
-            let codes = match self.inner.link.call(&request(valid), deadline)? {
+            let codes = match self.link(shard).call(&request(valid), deadline)? {
                 Response::Codes(c) if c.len() == n => c,
                 other => return Err(self.bad_reply(other)),
             };
@@ -933,75 +1179,82 @@ impl StoreClient {
         Ok(out)
     }
 
-    /// Removes every complete object (not leased unless `force`); returns how many.
-    pub fn remove_all(&self, force: bool) -> Result<u64> {
+    /// Sends `req` to every shard at once; the counts they answer, summed. Fails when a
+    /// shard fails (the other shards have done their part).
+    fn count_all(&self, req: &Request) -> Result<u64> {
         let deadline = deadline_of(self.inner.cfg.timeout);
-        match self
-            .inner
-            .link
-            .call(&Request::RemoveAll { force }, deadline)?
-        {
+        let counts = self.on_all(|shard| match self.link(shard).call(req, deadline)? {
             Response::Count(n) => Ok(n),
             other => Err(self.bad_reply(other)),
-        }
+        })?;
+        Ok(counts.into_iter().sum())
+    }
+
+    /// Removes every complete object (not leased unless `force`); returns how many. In a
+    /// sharded store every shard removes its own, at once; if one fails, the call fails
+    /// and the others' removals stand.
+    pub fn remove_all(&self, force: bool) -> Result<u64> {
+        self.count_all(&Request::RemoveAll { force })
     }
 
     /// Removes the complete objects whose key matches `pattern` (a regular expression,
     /// searched anywhere in the key; not leased unless `force`); returns how many. A
-    /// pattern that does not compile is `InvalidParams`.
+    /// pattern that does not compile is `InvalidParams`. Sharded: as
+    /// [`StoreClient::remove_all`].
     pub fn remove_matching(&self, pattern: &str, force: bool) -> Result<u64> {
-        let deadline = deadline_of(self.inner.cfg.timeout);
-        let req = Request::RemoveMatching {
+        self.count_all(&Request::RemoveMatching {
             force,
             pattern: pattern.to_owned(),
-        };
-        match self.inner.link.call(&req, deadline)? {
-            Response::Count(n) => Ok(n),
-            other => Err(self.bad_reply(other)),
-        }
+        })
     }
 
-    /// The master's counts.
+    /// The master's counts; in a sharded store, the sums over all shards (a client is
+    /// counted once per shard).
     pub fn stats(&self) -> Result<Stats> {
         let deadline = deadline_of(self.inner.cfg.timeout);
-        match self.inner.link.call(&Request::Stats, deadline)? {
-            Response::Stats(s) => Ok(s),
-            other => Err(self.bad_reply(other)),
-        }
+        let all =
+            self.on_all(
+                |shard| match self.link(shard).call(&Request::Stats, deadline)? {
+                    Response::Stats(s) => Ok(s),
+                    other => Err(self.bad_reply(other)),
+                },
+            )?;
+        Ok(crate::shard::sum_stats(all))
     }
 
-    /// Asks the master whether it is there (one round trip); `Ok` when it answered.
+    /// Asks the master (every shard's) whether it is there (one round trip each, at
+    /// once); `Ok` when all answered.
     pub fn ping(&self, timeout: Duration) -> Result<()> {
-        match self
-            .inner
-            .link
-            .call(&Request::Heartbeat, deadline_of(timeout))?
-        {
-            Response::Ack => Ok(()),
-            other => Err(self.bad_reply(other)),
-        }
+        let deadline = deadline_of(timeout);
+        self.on_all(
+            |shard| match self.link(shard).call(&Request::Heartbeat, deadline)? {
+                Response::Ack => Ok(()),
+                other => Err(self.bad_reply(other)),
+            },
+        )?;
+        Ok(())
     }
 
     /// Leaves the store: the master unmounts this client's segment, the heartbeat stops,
     /// registrations are dropped and an engine the client opened shuts down. Idempotent;
     /// later calls fail.
     pub fn close(&self) {
-        let stop = self
-            .inner
-            .stop
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take();
-        if stop.is_none() {
+        let stop = std::mem::take(&mut *self.inner.stop.lock().unwrap_or_else(|p| p.into_inner()));
+        if stop.is_empty() {
             return;
         }
         drop(stop);
-        self.inner.link.bye();
+        self.inner.bye();
         self.inner.close_transport();
     }
 }
 
 impl Inner {
+    /// Says goodbye to every shard's master at once.
+    fn bye(&self) {
+        crate::shard::concurrently(self.links.iter().map(|l| move || l.bye()).collect());
+    }
+
     fn close_transport(&self) {
         let peers: Vec<PeerId> = self
             .peers
@@ -1016,24 +1269,21 @@ impl Inner {
         self.buffers.clear(&self.engine);
         if self.owns_engine {
             self.engine.shutdown();
-        } else if let Some(r) = self.segment.as_ref().and_then(|s| s.region()) {
-            let _ = self
-                .engine
-                .deregister_wait(r, Instant::now() + Duration::from_secs(5));
+        } else {
+            let by = Instant::now() + Duration::from_secs(5);
+            for r in self.segments.iter().filter_map(|s| s.region()) {
+                let _ = self.engine.deregister_wait(r, by);
+            }
         }
     }
 }
 
 impl Drop for Inner {
     fn drop(&mut self) {
-        let stop = self
-            .stop
-            .get_mut()
-            .unwrap_or_else(|p| p.into_inner())
-            .take();
-        if stop.is_some() {
+        let stop = std::mem::take(self.stop.get_mut().unwrap_or_else(|p| p.into_inner()));
+        if !stop.is_empty() {
             drop(stop);
-            self.link.bye();
+            self.bye();
             self.close_transport();
         }
     }
@@ -1062,9 +1312,10 @@ fn target(segments: &[SegmentRef], id: u64, addr: u64) -> Target {
     }
 }
 
-/// The heartbeat thread: one `Heartbeat` per period while the client lives. It also
-/// brings the session back after a master restart (the link reconnects and remounts).
-fn heartbeat(client: Weak<Inner>, stop: mpsc::Receiver<()>, period: Duration) {
+/// The heartbeat thread of one shard's master link: one `Heartbeat` per period while the
+/// client lives. It also brings the session back after a master restart (the link
+/// reconnects and remounts the shard's part of the segment).
+fn heartbeat(client: Weak<Inner>, shard: usize, stop: mpsc::Receiver<()>, period: Duration) {
     let mut failing = false;
     loop {
         match stop.recv_timeout(period) {
@@ -1072,18 +1323,18 @@ fn heartbeat(client: Weak<Inner>, stop: mpsc::Receiver<()>, period: Duration) {
             _ => return,
         }
         let Some(c) = client.upgrade() else { return };
-        let r = c.link.call(
+        let r = c.links[shard].call(
             &Request::Heartbeat,
             Instant::now() + period.max(Duration::from_millis(500)) * 2,
         );
         match r {
             Ok(_) if failing => {
-                tracing::info!(master = %c.cfg.master, "store: master reachable again");
+                tracing::info!(master = %c.cfg.master, shard, "store: master reachable again");
                 failing = false;
             }
             Ok(_) => {}
             Err(e) if !failing => {
-                tracing::warn!(master = %c.cfg.master, "store: heartbeat failed: {e}");
+                tracing::warn!(master = %c.cfg.master, shard, "store: heartbeat failed: {e}");
                 failing = true;
             }
             Err(_) => {}
@@ -1094,6 +1345,8 @@ fn heartbeat(client: Weak<Inner>, stop: mpsc::Receiver<()>, period: Duration) {
 /// The second half of a put: the master's reservation, to be written.
 pub struct Reservation<'c> {
     client: &'c StoreClient,
+    /// The shard whose master reserved.
+    shard: usize,
     keys: Vec<Vec<u8>>,
     sizes: Vec<u64>,
     items: Vec<Result<Vec<Target>, Code>>,
@@ -1115,8 +1368,10 @@ impl std::fmt::Debug for Reservation<'_> {
 }
 
 impl<'c> Reservation<'c> {
+    #[allow(clippy::too_many_arguments)]
     fn new<K: AsRef<[u8]>>(
         client: &'c StoreClient,
+        shard: usize,
         keys: &[K],
         sizes: &[u64],
         items: Vec<Result<Vec<Target>, Code>>,
@@ -1126,6 +1381,7 @@ impl<'c> Reservation<'c> {
     ) -> Self {
         Reservation {
             client,
+            shard,
             keys: keys.iter().map(|k| k.as_ref().to_vec()).collect(),
             sizes: sizes.to_vec(),
             items,
@@ -1159,7 +1415,8 @@ impl<'c> Reservation<'c> {
         // The master takes a put away `put_discard_ms` after it started and reuses the
         // space only much later (`put_release_ms`): writing past the first is pointless,
         // and stopping there keeps every write of the put inside the master's hold.
-        if let Some(w) = c.inner.link.welcome() {
+        let link = c.link(self.shard);
+        if let Some(w) = link.welcome() {
             let by = self.started + Duration::from_millis(w.put_discard_ms as u64);
             data_deadline = data_deadline.min(by);
         }
@@ -1226,7 +1483,7 @@ impl<'c> Reservation<'c> {
             }
         }
         self.open = false;
-        if self.session != Some(c.inner.link.current()) {
+        if self.session != Some(link.current()) {
             // The master that reserved is gone (or dropped us): the new one knows none of
             // these keys or segment ids. Nothing was published, and the data path kept
             // every byte out of the new session's space.
@@ -1239,7 +1496,7 @@ impl<'c> Reservation<'c> {
             }
             return Ok(out);
         }
-        let codes = c.finish(done, revoked, suspects, self.deadline);
+        let codes = c.finish(self.shard, done, revoked, suspects, self.deadline);
         match codes {
             Ok(codes) => {
                 for (j, &i) in done_idx.iter().enumerate() {
@@ -1260,6 +1517,7 @@ impl StoreClient {
     /// `PutFinish` in chunks; codes for `done` (in order) only.
     fn finish(
         &self,
+        shard: usize,
         done: Vec<Vec<u8>>,
         revoked: Vec<Vec<u8>>,
         suspects: Vec<u64>,
@@ -1282,7 +1540,7 @@ impl StoreClient {
                 revoked: v.to_vec(),
                 suspects: s,
             });
-            match self.inner.link.call(&req, deadline)? {
+            match self.link(shard).call(&req, deadline)? {
                 Response::Codes(c) if c.len() == d.len() + v.len() => {
                     codes.extend_from_slice(&c[..d.len()]);
                 }
@@ -1295,7 +1553,7 @@ impl StoreClient {
 
 impl Drop for Reservation<'_> {
     fn drop(&mut self) {
-        if !self.open || self.session != Some(self.client.inner.link.current()) {
+        if !self.open || self.session != Some(self.client.link(self.shard).current()) {
             return;
         }
         let revoked: Vec<Vec<u8>> = self
@@ -1309,7 +1567,7 @@ impl Drop for Reservation<'_> {
             let deadline = self.deadline.max(Instant::now() + Duration::from_secs(1));
             let _ = self
                 .client
-                .finish(Vec::new(), revoked, Vec::new(), deadline);
+                .finish(self.shard, Vec::new(), revoked, Vec::new(), deadline);
         }
     }
 }

@@ -65,6 +65,7 @@ mod net;
 pub mod oplog;
 pub mod proto;
 mod rpc;
+pub mod shard;
 mod shm;
 pub mod standalone;
 
