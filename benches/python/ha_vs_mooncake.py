@@ -305,12 +305,14 @@ def me(*args: str) -> list[str]:
     return [sys.executable, os.path.abspath(__file__), *args]
 
 
-def start_masters(ps: Procs, system: str, etcd: Etcd, cid: str, a, logdir: Path) -> list[tuple]:
-    """Two masters of group `cid`: [(process, "127.0.0.1:port")]."""
+def start_masters(ps: Procs, system: str, etcd: Etcd, cid: str, a, logdir: Path,
+                  shard: tuple[int, int] | None = None) -> list[tuple]:
+    """Two masters of group `cid` (of shard i of S for `shard=(S, i)`, pagewire only):
+    [(process, "127.0.0.1:port")]."""
     out = []
     for i in range(2):
         port = free_port()
-        log = open(logdir / f"{cid}-master{i}.log", "w")
+        log = open(logdir / f"{cid}-{shard[1] if shard else ''}master{i}.log", "w")
         if system == "mooncake":
             exe = Path(sys.executable).parent / "mooncake_master"
             argv = [str(exe), "--enable_ha=true", "--ha_backend_type=etcd",
@@ -320,6 +322,8 @@ def start_masters(ps: Procs, system: str, etcd: Etcd, cid: str, a, logdir: Path)
         else:
             argv = [a.pagewire, "store", "master", "--listen", f"127.0.0.1:{port}",
                     "--ha", etcd.url, "--cluster-id", cid]  # fmt: skip
+            if shard:
+                argv += ["--shards", str(shard[0]), "--shard", str(shard[1])]
         # Masters log at INFO: their election and warm-up steps are what the logs are for.
         p = ps.start(argv, stdout=log, stderr=subprocess.STDOUT, env=dict(ENV, GLOG_minloglevel="0"))
         out.append((p, f"127.0.0.1:{port}"))
@@ -458,8 +462,10 @@ def failover_round(system: str, etcd: Etcd, a, r: int, logdir: Path) -> dict:
 
 
 def oplog_round(mode: str, clients: int, etcd: Etcd, a, r: int, logdir: Path) -> dict:
+    """`mode`: "single" (one master, no etcd), "etcd" (two masters on etcd) or "etcdS"
+    (S shards of two masters each on etcd)."""
     ps = Procs()
-    cid = f"habench-{os.getpid()}-oplog-{r}-{clients}"
+    cid = f"habench-{os.getpid()}-oplog-{r}-{clients}-{mode}"
     try:
         if mode == "single":
             port = free_port()
@@ -467,9 +473,15 @@ def oplog_round(mode: str, clients: int, etcd: Etcd, a, r: int, logdir: Path) ->
                      stdout=subprocess.DEVNULL)  # fmt: skip
             wait_port(port)
             master, extra = f"127.0.0.1:{port}", []
-        else:
+        elif mode == "etcd":
             masters = start_masters(ps, "pagewire", etcd, cid, a, logdir)
             wait_leader(etcd, "pagewire", cid, masters)
+            master, extra = etcd.url, ["--cluster-id", cid]
+        else:
+            shards = int(mode.removeprefix("etcd"))
+            for i in range(shards):
+                masters = start_masters(ps, "pagewire", etcd, cid, a, logdir, (shards, i))
+                wait_leader(etcd, "pagewire", f"{cid}/shard/{i}", masters)
             master, extra = etcd.url, ["--cluster-id", cid]
         batches = a.oplog_iters + a.oplog_warmup
         seg = clients * batches * 64 * 64 * 1024 * 9 // 8
@@ -516,6 +528,8 @@ def main() -> None:
     ap.add_argument("--oplog-iters", type=int, default=100, help="measured batches per bench store run")
     ap.add_argument("--oplog-warmup", type=int, default=4)
     ap.add_argument("--etcd-members", type=int, default=3, help="etcd cluster size (default 3)")
+    ap.add_argument("--oplog-shards", default="",
+                    help="also measure clusters of these shard counts on etcd, comma separated (e.g. 2)")
     ap.add_argument("--oplog-clients", default="1,4",
                     help="bench store --clients values to measure, comma separated (default 1,4)")  # fmt: skip
     ap.add_argument("--keys", type=int, default=32, help="keys each client publishes first (default 32)")
@@ -553,9 +567,10 @@ def main() -> None:
                   file=sys.stderr, flush=True)  # fmt: skip
         loads.append(os.getloadavg()[0])
     nclients = [int(x) for x in a.oplog_clients.split(",")]
-    oplog: dict[str, list] = {f"{m}/{c}": [] for m in ("single", "etcd") for c in nclients}
+    modes = ["single", "etcd"] + [f"etcd{int(x)}" for x in a.oplog_shards.split(",") if x.strip()]
+    oplog: dict[str, list] = {f"{m}/{c}": [] for m in modes for c in nclients}
     for r in range(a.oplog_rounds):
-        order = ("single", "etcd") if r % 2 == 0 else ("etcd", "single")
+        order = modes if r % 2 == 0 else modes[::-1]
         for c in nclients:
             for m in order:
                 oplog[f"{m}/{c}"].append(oplog_round(m, c, etcd, a, r, logdir))
@@ -628,6 +643,19 @@ def main() -> None:
                 ha50 = [x[op]["p50_ms"] for x in oplog[f"etcd/{c}"]]
                 print(f"| {op} | {c} | {cell(one, 0)} | {cell(ha, 0)} | {cell([b / x for x, b in zip(one, ha)])} "
                       f"| {cell(one50)} | {cell(ha50)} | {cell([b / x for x, b in zip(one50, ha50)])} |")  # fmt: skip
+        for m in modes[2:]:
+            print()
+            print(f"Sharded: {m[4:]} shards of two masters each on the same etcd, against the unsharded pair; "
+                  "ratio per round.")  # fmt: skip
+            print()
+            print("| op | clients | two masters on etcd MiB/s | sharded MiB/s | ratio | sharded p50 ms |")
+            print("| --- | ---: | ---: | ---: | ---: | ---: |")
+            for op in ("put", "get"):
+                for c in nclients:
+                    ha = [x[op]["mib_s"] for x in oplog[f"etcd/{c}"]]
+                    sh = [x[op]["mib_s"] for x in oplog[f"{m}/{c}"]]
+                    print(f"| {op} | {c} | {cell(ha, 0)} | {cell(sh, 0)} | {cell([b / x for x, b in zip(ha, sh)])} "
+                          f"| {cell([x[op]['p50_ms'] for x in oplog[f'{m}/{c}']])} |")  # fmt: skip
     if a.json:
         Path(a.json).write_text(json.dumps({"args": vars(a), "loads": loads, "failover": fail,
                                             "oplog": oplog}, indent=1))  # fmt: skip
