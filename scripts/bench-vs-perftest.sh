@@ -716,7 +716,7 @@ ha_section() {
     echo "## Masters on etcd: failover against Mooncake's HA mode, and the op-log's cost" >"$out/ha.md"
     echo >>"$out/ha.md"
     setpriv --pdeathsig TERM .venv/bin/python benches/python/ha_vs_mooncake.py --rounds "$ha_rounds" \
-        --oplog-rounds "$oplog_rounds" --pagewire "$pw" --logs "$out/raw/ha-logs" \
+        --oplog-rounds "$oplog_rounds" --oplog-shards 2 --pagewire "$pw" --logs "$out/raw/ha-logs" \
         --json "$out/raw/ha.json" >>"$out/ha.md" &
     local py=$! rc
     trap 'kill -TERM $py 2>/dev/null' INT TERM

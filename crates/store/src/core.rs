@@ -35,7 +35,7 @@
 //!   session hands out: a remounted segment takes replicas at once.
 
 use std::cmp::Reverse;
-use std::collections::{BTreeMap, BinaryHeap, HashMap, HashSet};
+use std::collections::{BTreeMap, BinaryHeap, HashMap};
 use std::sync::Arc;
 
 use crate::alloc::{Allocator, aligned};
@@ -248,23 +248,13 @@ struct Object {
 }
 
 impl Object {
-    /// The op-log's record of this object under `key`: its reservation while it is being
-    /// written, its publication once complete.
+    /// The op-log's record of this object's publication under `key`.
     fn record(&self, key: &[u8]) -> Record {
-        match self.state {
-            State::Pending { client, .. } => Record::Reserve {
-                key: key.to_vec(),
-                size: self.size,
-                pin: self.pin,
-                replicas: self.replicas.clone(),
-                owner: client,
-            },
-            State::Complete => Record::Publish {
-                key: key.to_vec(),
-                size: self.size,
-                pin: self.pin,
-                replicas: self.replicas.clone(),
-            },
+        Record::Publish {
+            key: key.to_vec(),
+            size: self.size,
+            pin: self.pin,
+            replicas: self.replicas.clone(),
         }
     }
 }
@@ -307,9 +297,6 @@ pub struct MasterCore {
     pruned_at: Millis,
     /// The op-log outbox (`None`: not logging).
     log: Option<Vec<Record>>,
-    /// Writers of puts reserved under the previous leader, known at promotion: each may
-    /// come back under its id to finish them ([`MasterCore::hello`]).
-    heirs: HashSet<u64>,
 }
 
 /// How often the tick forgets evidence that can no longer count.
@@ -362,7 +349,6 @@ impl MasterCore {
             reclaimed: 0,
             pruned_at: 0,
             log: None,
-            heirs: HashSet::new(),
         }
     }
 
@@ -432,17 +418,13 @@ impl MasterCore {
         // for none, so it cannot claim the memory of the process it replaced.
         let id = if requested != 0
             && !self.clients.contains_key(&requested)
-            && (self.awaits_owner(requested, Some(endpoint)) || self.heirs.contains(&requested))
+            && self.awaits_owner(requested, Some(endpoint))
         {
             requested
         } else {
             loop {
                 let id = splitmix(&mut self.rng);
-                if id != 0
-                    && !self.clients.contains_key(&id)
-                    && !self.awaits_owner(id, None)
-                    && !self.heirs.contains(&id)
-                {
+                if id != 0 && !self.clients.contains_key(&id) && !self.awaits_owner(id, None) {
                     break id;
                 }
             }
@@ -509,7 +491,7 @@ impl MasterCore {
             .cloned()
             .collect();
         for k in theirs {
-            self.take_away(now, &k, true);
+            self.take_away(now, &k);
         }
     }
 
@@ -665,8 +647,7 @@ impl MasterCore {
         }
         for k in broken {
             // The put cannot complete; its other replicas may still be being written.
-            // (Not logged: a standby applying the `Unmount` takes it away too.)
-            self.take_away(now, &k, false);
+            self.take_away(now, &k);
         }
     }
 
@@ -743,7 +724,7 @@ impl MasterCore {
         let key: Key = key.into();
         self.pending.insert((now, seq), key.clone());
         self.objects.insert(
-            key.clone(),
+            key,
             Object {
                 size,
                 replicas: reps.clone(),
@@ -762,9 +743,6 @@ impl MasterCore {
                 },
             },
         );
-        if let Some(log) = &mut self.log {
-            log.push(self.objects[&*key].record(&key));
-        }
         Ok(reps)
     }
 
@@ -893,7 +871,7 @@ impl MasterCore {
                         o.last_access = self.uses.next();
                         self.pending.remove(&(started, seq));
                         if let Some(log) = &mut self.log {
-                            log.push(Record::Finish { key: k.clone() });
+                            log.push(o.record(k));
                         }
                         Code::Ok
                     }
@@ -906,7 +884,6 @@ impl MasterCore {
             codes.push(match self.objects.get(&**k).map(|o| o.state) {
                 Some(State::Pending { client: c, .. }) if c == client => {
                     let o = self.remove_object(k).expect("present");
-                    self.emit(|| Record::Remove { key: k.clone() });
                     let at = now.saturating_add(self.cfg.revoke_grace_ms);
                     self.hold(now, &o, at);
                     Code::Ok
@@ -1144,13 +1121,9 @@ impl MasterCore {
     }
 
     /// Takes a pending put away from its writer: the key is free again, the space is held
-    /// until no write of the put can still land. `log`: the op-log says so (its
-    /// reservation is there).
-    fn take_away(&mut self, now: Millis, k: &[u8], log: bool) {
+    /// until no write of the put can still land.
+    fn take_away(&mut self, now: Millis, k: &[u8]) {
         if let Some(o) = self.remove_object(k) {
-            if log {
-                self.emit(|| Record::Remove { key: k.to_vec() });
-            }
             let State::Pending { started, .. } = o.state else {
                 unreachable!("take_away of a complete object")
             };
@@ -1216,7 +1189,7 @@ impl MasterCore {
             }
             let (_, k) = self.pending.pop_first().expect("peeked");
             tracing::warn!(key = %String::from_utf8_lossy(&k), "put unfinished after {} ms: reclaimed", self.cfg.put_discard_ms);
-            self.take_away(now, &k, true);
+            self.take_away(now, &k);
         }
         rep.puts_reclaimed = (self.reclaimed - before) as usize;
         let lapsed: Vec<u64> = self
@@ -1338,15 +1311,16 @@ impl MasterCore {
     }
 
     /// The whole metadata others must know, as records: a `Mount` per segment, then a
-    /// `Publish` per complete object and a `Reserve` per put being written. Applied to an
-    /// empty core, it rebuilds this one.
+    /// `Publish` per complete object. Applied to an empty core, it rebuilds this one.
     pub fn snapshot(&self) -> Vec<Record> {
         let mut out = Vec::with_capacity(self.segments.len() + self.objects.len());
         for (&id, s) in &self.segments {
             out.push(s.record(id));
         }
         for (k, o) in &self.objects {
-            out.push(o.record(k));
+            if o.state == State::Complete {
+                out.push(o.record(k));
+            }
         }
         out
     }
@@ -1412,17 +1386,6 @@ impl MasterCore {
             },
             Record::Unmount { segment } => {
                 let known = self.segments.contains_key(segment);
-                // Puts with a replica there cannot complete: a standby drops them at once
-                // (it holds no space for writes in flight, see `drop_now`).
-                let broken: Vec<Key> = self
-                    .pending
-                    .values()
-                    .filter(|k| self.objects[&***k].replicas.iter().any(|r| r.0 == *segment))
-                    .cloned()
-                    .collect();
-                for k in broken {
-                    self.drop_now(&k);
-                }
                 self.unmount_segment(now, *segment);
                 known
             }
@@ -1431,98 +1394,52 @@ impl MasterCore {
                 size,
                 pin,
                 replicas,
-            } => self.apply_object(now, key, *size, *pin, replicas, State::Complete),
-            Record::Reserve {
-                key,
-                size,
-                pin,
-                replicas,
-                owner,
             } => {
-                let seq = self.next_seq;
-                let state = State::Pending {
-                    client: *owner,
-                    started: now,
-                    seq,
-                };
-                let fits = self.apply_object(now, key, *size, *pin, replicas, state);
-                if self.objects.contains_key(&**key) {
-                    self.next_seq += 1;
-                    self.pending.insert((now, seq), key.as_slice().into());
+                if key.is_empty() || *size == 0 || aligned(*size).is_none() {
+                    return false;
                 }
+                let mut fits = true;
+                if self.objects.contains_key(&**key) {
+                    fits = false;
+                    self.drop_now(key);
+                }
+                let mut placed = Vec::with_capacity(replicas.len());
+                for &(s, off) in replicas {
+                    let taken = !placed.iter().any(|&(p, _)| p == s)
+                        && self
+                            .segments
+                            .get_mut(&s)
+                            .is_some_and(|seg| seg.alloc.take(off, *size));
+                    if taken {
+                        self.used += aligned(*size).expect("checked");
+                        placed.push((s, off));
+                    } else {
+                        fits = false;
+                    }
+                }
+                if placed.is_empty() {
+                    return false;
+                }
+                self.objects.insert(
+                    key.as_slice().into(),
+                    Object {
+                        size: *size,
+                        replicas: placed,
+                        state: State::Complete,
+                        lease_until: 0,
+                        last_access: self.uses.next(),
+                        pin: *pin,
+                        soft_until: if *pin == Pin::Soft {
+                            now.saturating_add(self.cfg.soft_pin_ttl_ms)
+                        } else {
+                            0
+                        },
+                    },
+                );
                 fits
             }
-            Record::Finish { key } => match self.objects.get_mut(&**key) {
-                Some(o) => match o.state {
-                    State::Pending { started, seq, .. } => {
-                        o.state = State::Complete;
-                        o.last_access = self.uses.next();
-                        self.pending.remove(&(started, seq));
-                        true
-                    }
-                    State::Complete => false,
-                },
-                None => false,
-            },
             Record::Remove { key } => self.drop_now(key),
         }
-    }
-
-    /// Applies an object known from the log (published, or reserved): each replica takes
-    /// exactly its block. Whether it fit as it is (an object under the same key is
-    /// replaced; replicas whose block is taken or unknown are left out, and with none
-    /// left the object is not added).
-    fn apply_object(
-        &mut self,
-        now: Millis,
-        key: &[u8],
-        size: u64,
-        pin: Pin,
-        replicas: &[(u64, u64)],
-        state: State,
-    ) -> bool {
-        if key.is_empty() || size == 0 || aligned(size).is_none() {
-            return false;
-        }
-        let mut fits = true;
-        if self.objects.contains_key(key) {
-            fits = false;
-            self.drop_now(key);
-        }
-        let mut placed = Vec::with_capacity(replicas.len());
-        for &(s, off) in replicas {
-            let taken = !placed.iter().any(|&(p, _)| p == s)
-                && self
-                    .segments
-                    .get_mut(&s)
-                    .is_some_and(|seg| seg.alloc.take(off, size));
-            if taken {
-                self.used += aligned(size).expect("checked");
-                placed.push((s, off));
-            } else {
-                fits = false;
-            }
-        }
-        if placed.is_empty() {
-            return false;
-        }
-        self.objects.insert(
-            key.into(),
-            Object {
-                size,
-                replicas: placed,
-                state,
-                lease_until: 0,
-                last_access: self.uses.next(),
-                pin,
-                soft_until: if pin == Pin::Soft {
-                    now.saturating_add(self.cfg.soft_pin_ttl_ms)
-                } else {
-                    0
-                },
-            },
-        );
-        fits
     }
 
     /// Removes an object and frees its blocks at once (a standby: nobody reads through
@@ -1547,23 +1464,6 @@ impl MasterCore {
         for s in self.segments.values_mut() {
             if s.awaiting.is_some() {
                 s.awaiting = Some(until);
-            }
-        }
-        // Puts reserved under the old leader get a whole put's time from now: their
-        // writer may have been answered already (a `PutFinish` is answered once the
-        // reservation is logged) and finishes them again here under its id.
-        let pending = std::mem::take(&mut self.pending);
-        for (_, k) in pending {
-            let o = self.objects.get_mut(&*k).expect("pending object");
-            if let State::Pending {
-                client,
-                started,
-                seq,
-            } = &mut o.state
-            {
-                *started = now;
-                self.heirs.insert(*client);
-                self.pending.insert((now, *seq), k);
             }
         }
         self.set_logging(true);

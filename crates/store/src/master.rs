@@ -156,14 +156,9 @@ struct Logged {
     /// [`changes_only_reservations`]) waits only for the last [`Shared::barrier`] (a
     /// placement's own evictions included): the space it hands out is free in the logged
     /// state too, so a new leader would neither hand it to anyone else nor hold an object
-    /// in it. A placement's own `Reserve` records need not be logged yet: nothing is
-    /// readable before the writer's `PutFinish`, which waits for them.
+    /// in it. Reservations are not logged: a new leader forgets them, and the remount's
+    /// new remote key fences their writers.
     placement: u64,
-    /// Everything appended before this request's own changes. A `PutFinish` waits for
-    /// this: its puts' reservations (and everything this writer was answered before) are
-    /// then logged, and a new leader lets the writer finish them again; its own `Finish`
-    /// records follow without holding the reply back.
-    prior: u64,
 }
 
 impl Shared {
@@ -189,13 +184,7 @@ impl Shared {
     fn journal_append(&self, core: &mut MasterCore) -> Option<Logged> {
         let j = self.journal()?;
         let records = core.take_log();
-        let frees = records.iter().any(|r| {
-            !matches!(
-                r,
-                Record::Publish { .. } | Record::Reserve { .. } | Record::Finish { .. }
-            )
-        });
-        let prior = j.append(Vec::new());
+        let frees = records.iter().any(|r| !matches!(r, Record::Publish { .. }));
         let ticket = j.append(records);
         if frees {
             self.barrier.store(ticket, Ordering::Release);
@@ -206,7 +195,6 @@ impl Shared {
         Some(Logged {
             all: ticket,
             placement: self.barrier.load(Ordering::Acquire),
-            prior,
             journal: j,
         })
     }
@@ -901,20 +889,13 @@ fn serve(mut s: TcpStream, mut slot: Slot) {
         // A heartbeat's answer shows nothing of the metadata: it need not wait for the
         // log (and must not, or a slow etcd would make nodes time out).
         let shows_state = !matches!(req, Request::Heartbeat);
-        let finish = matches!(req, Request::PutFinish(_));
         let reserves = changes_only_reservations(&req);
         let (mut resp, ticket) = {
             let mut core = shared.core();
             let resp = handle(&shared, &mut core, client, req);
             let logged = shared.journal_append(&mut core);
             let ticket = logged.filter(|_| shows_state).map(|l| {
-                let t = if finish {
-                    l.prior
-                } else if reserves {
-                    l.placement
-                } else {
-                    l.all
-                };
+                let t = if reserves { l.placement } else { l.all };
                 (l.journal, t)
             });
             (resp, ticket)
@@ -949,9 +930,8 @@ fn serve(mut s: TcpStream, mut slot: Slot) {
 /// reservations. What they show of publications (an object found, a key refused as
 /// existing) may not be logged yet, and a failover may undo that it is visible, as an
 /// eviction would; its bytes are complete on its nodes all the same (its writer's
-/// `PutFinish` came after them), and a new leader holds its space for its writer until
-/// the writer finishes it again or the reservation expires. Waiting for the object's own
-/// `Finish` would cost a read right after a put one etcd round trip.
+/// `PutFinish` came after them), and the writer's `PutFinish` is not answered before
+/// the publication is logged.
 fn changes_only_reservations(req: &Request) -> bool {
     matches!(
         req,

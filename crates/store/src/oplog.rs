@@ -5,8 +5,7 @@
 //! drains it after each request and hands the records to a [`Journal`] (in `pagewire-ha`:
 //! etcd), which must commit them before the reply goes out. A standby applies the records
 //! in order ([`crate::core::MasterCore::apply`]). A snapshot is a list of records too: a
-//! `Mount` per segment, a `Publish` per complete object and a `Reserve` per put being
-//! written.
+//! `Mount` per segment and a `Publish` per object.
 //!
 //! The decoder treats its input as hostile (it comes from etcd, which anyone with access
 //! to it can write): lengths and counts are bounded, and every failure is a typed
@@ -17,13 +16,8 @@ use std::time::Instant;
 use crate::proto::{MAX_ENDPOINT, MAX_KEY_LEN, MAX_REPLICAS, Pin};
 
 /// Version byte that starts every encoded batch. Version 2 added the owner's client id to
-/// `Mount`; version 3 added `Reserve` and `Finish` (a version-2 batch still decodes: it
-/// is a version-3 batch without them). Batches of version 1 are refused
-/// ([`DecodeError::Version`]).
-pub const VERSION: u8 = 3;
-
-/// The oldest version [`decode`] reads.
-const OLDEST: u8 = 2;
+/// `Mount`; batches of version 1 are refused ([`DecodeError::Version`]).
+pub const VERSION: u8 = 2;
 
 /// Most records in one encoded batch.
 pub const MAX_RECORDS: usize = 1 << 20;
@@ -74,29 +68,8 @@ pub enum Record {
         /// `(segment, offset in the segment)` of each replica.
         replicas: Vec<(u64, u64)>,
     },
-    /// An object was removed or evicted, or a put reserved with [`Record::Reserve`] was
-    /// revoked or taken away.
+    /// An object was removed or evicted.
     Remove {
-        /// Its key.
-        key: Vec<u8>,
-    },
-    /// A put was placed: its replicas' space is taken, the object is not readable yet.
-    /// Logged as the writer starts writing, so that the writer's `PutFinish` is answered
-    /// once this is in the log, without waiting for its own [`Record::Finish`].
-    Reserve {
-        /// Its key.
-        key: Vec<u8>,
-        /// Its length in bytes.
-        size: u64,
-        /// Its eviction protection.
-        pin: Pin,
-        /// `(segment, offset in the segment)` of each replica.
-        replicas: Vec<(u64, u64)>,
-        /// The client id of the writer: after a failover only it may finish the put.
-        owner: u64,
-    },
-    /// A reserved put was finished: the object is readable.
-    Finish {
         /// Its key.
         key: Vec<u8>,
     },
@@ -111,8 +84,8 @@ pub enum DecodeError {
         /// Offset where more bytes were needed.
         at: usize,
     },
-    /// The version byte is not one this build reads (2 to [`VERSION`]).
-    #[error("op-log batch version {0} (this build reads 2 to {VERSION})")]
+    /// The version byte is not [`VERSION`].
+    #[error("op-log batch version {0} (this build reads {VERSION})")]
     Version(u8),
     /// An unknown record tag.
     #[error("op-log record tag {0:#x} unknown")]
@@ -141,8 +114,6 @@ const T_REMOUNT: u8 = 2;
 const T_UNMOUNT: u8 = 3;
 const T_PUBLISH: u8 = 4;
 const T_REMOVE: u8 = 5;
-const T_RESERVE: u8 = 6;
-const T_FINISH: u8 = 7;
 
 fn pin_byte(p: Pin) -> u8 {
     match p {
@@ -189,25 +160,17 @@ impl Record {
                 replicas,
             } => {
                 out.push(T_PUBLISH);
-                put_object(out, key, *size, *pin, replicas);
+                put_key(out, key);
+                out.extend_from_slice(&size.to_le_bytes());
+                out.push(pin_byte(*pin));
+                out.push(replicas.len() as u8);
+                for (s, off) in replicas {
+                    out.extend_from_slice(&s.to_le_bytes());
+                    out.extend_from_slice(&off.to_le_bytes());
+                }
             }
             Record::Remove { key } => {
                 out.push(T_REMOVE);
-                put_key(out, key);
-            }
-            Record::Reserve {
-                key,
-                size,
-                pin,
-                replicas,
-                owner,
-            } => {
-                out.push(T_RESERVE);
-                put_object(out, key, *size, *pin, replicas);
-                out.extend_from_slice(&owner.to_le_bytes());
-            }
-            Record::Finish { key } => {
-                out.push(T_FINISH);
                 put_key(out, key);
             }
         }
@@ -222,10 +185,7 @@ impl Record {
             Record::Publish { key, replicas, .. } => {
                 1 + 2 + key.len() + 8 + 2 + 16 * replicas.len()
             }
-            Record::Reserve { key, replicas, .. } => {
-                1 + 2 + key.len() + 8 + 2 + 16 * replicas.len() + 8
-            }
-            Record::Remove { key } | Record::Finish { key } => 1 + 2 + key.len(),
+            Record::Remove { key } => 1 + 2 + key.len(),
         }
     }
 }
@@ -233,18 +193,6 @@ impl Record {
 fn put_key(out: &mut Vec<u8>, key: &[u8]) {
     out.extend_from_slice(&(key.len() as u16).to_le_bytes());
     out.extend_from_slice(key);
-}
-
-/// An object's key, size, pin and replicas (`Publish` and `Reserve`).
-fn put_object(out: &mut Vec<u8>, key: &[u8], size: u64, pin: Pin, replicas: &[(u64, u64)]) {
-    put_key(out, key);
-    out.extend_from_slice(&size.to_le_bytes());
-    out.push(pin_byte(pin));
-    out.push(replicas.len() as u8);
-    for (s, off) in replicas {
-        out.extend_from_slice(&s.to_le_bytes());
-        out.extend_from_slice(&off.to_le_bytes());
-    }
 }
 
 /// Encodes records as one batch: the version byte, a count, the records.
@@ -323,7 +271,7 @@ impl<'a> Reader<'a> {
 pub fn decode(bytes: &[u8]) -> Result<Vec<Record>, DecodeError> {
     let mut r = Reader { b: bytes, at: 0 };
     let v = r.u8()?;
-    if !(OLDEST..=VERSION).contains(&v) {
+    if v != VERSION {
         return Err(DecodeError::Version(v));
     }
     let count = r.u32()? as usize;
@@ -381,7 +329,25 @@ fn decode_record(r: &mut Reader<'_>) -> Result<Record, DecodeError> {
         },
         T_UNMOUNT => Record::Unmount { segment: r.u64()? },
         T_PUBLISH => {
-            let (key, size, pin, replicas) = decode_object(r)?;
+            let key = r.key()?;
+            let size = r.u64()?;
+            let pin = match r.u8()? {
+                0 => Pin::None,
+                1 => Pin::Soft,
+                2 => Pin::Hard,
+                _ => return Err(DecodeError::Invalid { what: "pin" }),
+            };
+            let n = r.u8()? as usize;
+            if n == 0 || n > MAX_REPLICAS {
+                return Err(DecodeError::Bound {
+                    what: "replica count",
+                    value: n as u64,
+                });
+            }
+            let mut replicas = Vec::with_capacity(n);
+            for _ in 0..n {
+                replicas.push((r.u64()?, r.u64()?));
+            }
             Record::Publish {
                 key,
                 size,
@@ -390,44 +356,8 @@ fn decode_record(r: &mut Reader<'_>) -> Result<Record, DecodeError> {
             }
         }
         T_REMOVE => Record::Remove { key: r.key()? },
-        T_RESERVE => {
-            let (key, size, pin, replicas) = decode_object(r)?;
-            Record::Reserve {
-                key,
-                size,
-                pin,
-                replicas,
-                owner: r.u64()?,
-            }
-        }
-        T_FINISH => Record::Finish { key: r.key()? },
         t => return Err(DecodeError::Tag(t)),
     })
-}
-
-type ObjectFields = (Vec<u8>, u64, Pin, Vec<(u64, u64)>);
-
-fn decode_object(r: &mut Reader<'_>) -> Result<ObjectFields, DecodeError> {
-    let key = r.key()?;
-    let size = r.u64()?;
-    let pin = match r.u8()? {
-        0 => Pin::None,
-        1 => Pin::Soft,
-        2 => Pin::Hard,
-        _ => return Err(DecodeError::Invalid { what: "pin" }),
-    };
-    let n = r.u8()? as usize;
-    if n == 0 || n > MAX_REPLICAS {
-        return Err(DecodeError::Bound {
-            what: "replica count",
-            value: n as u64,
-        });
-    }
-    let mut replicas = Vec::with_capacity(n);
-    for _ in 0..n {
-        replicas.push((r.u64()?, r.u64()?));
-    }
-    Ok((key, size, pin, replicas))
 }
 
 /// Why a journal did not commit a request's records.
@@ -492,16 +422,6 @@ pub fn sample_records() -> Vec<Record> {
             key: b"h0_0_k".to_vec(),
         },
         Record::Unmount { segment: 7 },
-        Record::Reserve {
-            key: b"h0_1_k".to_vec(),
-            size: 8192,
-            pin: Pin::Hard,
-            replicas: vec![(7, 8192)],
-            owner: 0x5eed_c1e7,
-        },
-        Record::Finish {
-            key: b"h0_1_k".to_vec(),
-        },
     ]
 }
 
@@ -545,10 +465,6 @@ mod tests {
         let mut v1 = good.clone();
         v1[0] = 1;
         assert_eq!(decode(&v1), Err(DecodeError::Version(1)));
-        // A batch of version 2 (no `Reserve` or `Finish`) still reads.
-        let mut v2 = encode(&[Record::Unmount { segment: 1 }]);
-        v2[0] = 2;
-        assert_eq!(decode(&v2), Ok(vec![Record::Unmount { segment: 1 }]));
         let mut big = vec![VERSION];
         big.extend_from_slice(&u32::MAX.to_le_bytes());
         assert!(matches!(decode(&big), Err(DecodeError::Bound { .. })));

@@ -69,35 +69,6 @@ const HELLO_ATTEMPT: Duration = Duration::from_secs(1);
 const WATCH_PERIOD: Duration = Duration::from_millis(250);
 /// Leader changes one call follows before it gives up.
 const MAX_LEADER_CHANGES: u32 = 3;
-/// What an answer says about the op-log (a leader's; see [`State::unconfirmed`]).
-fn note_answer(st: &mut State, req: &Request, r: &Response) {
-    let epoch = st.welcome.map_or(0, |w| w.epoch);
-    match (req, r) {
-        // None of these waits for publications logged before it.
-        (
-            Request::PutStart(_)
-            | Request::Get { .. }
-            | Request::Exist { .. }
-            | Request::Stats
-            | Request::Heartbeat
-            | Request::Bye,
-            _,
-        ) => {}
-        // Answered once everything before its own records was logged (this client's
-        // earlier `Finish` records included); its own may not be.
-        (Request::PutFinish(f), Response::Codes(_)) if !f.done.is_empty() => {
-            st.unconfirmed = Some((epoch, f.done.clone()));
-        }
-        // Any other answer waited for everything logged before it.
-        (_, Response::Error { .. }) => {}
-        _ => {
-            if st.unconfirmed.as_ref().is_some_and(|(e, _)| *e == epoch) {
-                st.unconfirmed = None;
-            }
-        }
-    }
-}
-
 /// Longest pause between looks at the leader while none answers (shorter when the
 /// locator learns of a change).
 const LOCATE_PAUSE: Duration = Duration::from_millis(50);
@@ -113,10 +84,6 @@ struct State {
     /// The segment was mounted with some master before (a later mount is a remount).
     mounted_once: bool,
     next_req: u32,
-    /// With a locator: the keys of the last `PutFinish` a leader answered (epoch, keys)
-    /// while no later answer showed that its `Finish` records are in the op-log. A new
-    /// leader gets them again first thing (see [`MasterLink::call`]).
-    unconfirmed: Option<(u64, Vec<Vec<u8>>)>,
 }
 
 /// What a session change means for callers (the segment id in the master's tables).
@@ -396,49 +363,8 @@ impl MasterLink {
                 other => return Err(self.unexpected(&other)),
             }
         }
-        self.finish_again(&mut s, st, deadline)?;
         st.stream = Some(s);
         Ok(())
-    }
-
-    /// On a session with a new leader: the last `PutFinish` the old one answered goes
-    /// again. The old leader answered it once the puts' reservations were in the op-log,
-    /// maybe before its `Finish` records were: the new leader holds those puts as
-    /// reserved by this client id and finishes them now (a key it has finished already,
-    /// or taken away, just answers `NotFound`).
-    fn finish_again(&self, s: &mut TcpStream, st: &mut State, deadline: Instant) -> Result<()> {
-        let epoch = st.welcome.map_or(0, |w| w.epoch);
-        let Some((e, done)) = st.unconfirmed.take_if(|(e, _)| *e != epoch) else {
-            return Ok(());
-        };
-        let req = Request::PutFinish(proto::PutFinish {
-            done,
-            ..Default::default()
-        });
-        match self.exchange(s, st, &req, deadline) {
-            Ok(r) => {
-                let finished = match &r {
-                    Response::Codes(c) => c.iter().filter(|&&c| c == Code::Ok).count(),
-                    _ => 0,
-                };
-                tracing::info!(
-                    master = %self.addr,
-                    old = e,
-                    new = epoch,
-                    finished,
-                    "store: the last puts answered by the old leader finished again with the new one"
-                );
-                Ok(())
-            }
-            Err(err) => {
-                // Kept for the next session.
-                let Request::PutFinish(f) = req else {
-                    unreachable!()
-                };
-                st.unconfirmed = Some((e, f.done));
-                Err(err)
-            }
-        }
     }
 
     fn unexpected(&self, r: &Response) -> StoreError {
@@ -541,9 +467,6 @@ impl MasterLink {
                     forgotten = true;
                 }
                 Ok(r) => {
-                    if self.locator.is_some() {
-                        note_answer(&mut st, req, &r);
-                    }
                     st.stream = Some(s);
                     return Ok(r);
                 }

@@ -182,13 +182,11 @@ fn oplog_corpus_decodes_without_panicking() {
                     Record::Unmount { .. } => "unmount",
                     Record::Publish { .. } => "publish",
                     Record::Remove { .. } => "remove",
-                    Record::Reserve { .. } => "reserve",
-                    Record::Finish { .. } => "finish",
                 });
             }
         }
         inputs += 1;
     }
     assert!(inputs >= 30, "only {inputs} oplog corpus inputs");
-    assert_eq!(kinds.len(), 7, "record kinds reached: {kinds:?}");
+    assert_eq!(kinds.len(), 5, "record kinds reached: {kinds:?}");
 }

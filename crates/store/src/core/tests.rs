@@ -661,18 +661,15 @@ fn a_remount_takes_replicas_at_once_under_its_new_key() {
 }
 
 /// What a standby must agree on with its leader: segments `(id, endpoint, base, size,
-/// rkey, owner)`, complete objects `(key, size, pin, replicas)` and puts being written
-/// `((key, size, pin, replicas), writer)`, sorted.
+/// rkey, owner)` and complete objects `(key, size, pin, replicas)`, sorted.
 type Meta = (
     Vec<(u64, String, u64, u64, u32, u64)>,
     Vec<(Vec<u8>, u64, Pin, Vec<(u64, u64)>)>,
-    Vec<((Vec<u8>, u64, Pin, Vec<(u64, u64)>), u64)>,
 );
 
 fn metadata(c: &MasterCore) -> Meta {
     let mut segs = Vec::new();
     let mut objs = Vec::new();
-    let mut pending = Vec::new();
     for r in c.snapshot() {
         match r {
             Record::Mount {
@@ -689,20 +686,12 @@ fn metadata(c: &MasterCore) -> Meta {
                 pin,
                 replicas,
             } => objs.push((key, size, pin, replicas)),
-            Record::Reserve {
-                key,
-                size,
-                pin,
-                replicas,
-                owner,
-            } => pending.push(((key, size, pin, replicas), owner)),
             other => panic!("{other:?} in a snapshot"),
         }
     }
     segs.sort();
     objs.sort_by(|a, b| a.0.cmp(&b.0));
-    pending.sort_by(|a, b| a.0.0.cmp(&b.0.0));
-    (segs, objs, pending)
+    (segs, objs)
 }
 
 /// The op-log end to end in the core: a leader's records, encoded and decoded, rebuild
@@ -728,17 +717,12 @@ fn a_promoted_standby_serves_the_leaders_objects_once_their_nodes_remount() {
             Record::Mount { .. } => "mount",
             Record::Publish { .. } => "publish",
             Record::Remove { .. } => "remove",
-            Record::Reserve { .. } => "reserve",
-            Record::Finish { .. } => "finish",
             _ => "other",
         })
         .collect();
     assert_eq!(
         kinds,
-        [
-            "mount", "mount", "reserve", "reserve", "reserve", "reserve", "finish", "finish",
-            "finish", "remove", "remove", "reserve"
-        ]
+        ["mount", "mount", "publish", "publish", "publish", "remove"]
     );
     let wire = crate::oplog::encode(&log);
     let mut standby = World::new(cfg());
@@ -755,21 +739,8 @@ fn a_promoted_standby_serves_the_leaders_objects_once_their_nodes_remount() {
     assert_eq!(metadata(&from_snapshot), metadata(&w.core));
     assert_eq!(standby.core.stats().objects, 2);
 
-    assert_eq!(standby.core.stats().pending, 1);
-
     // Promotion: nothing is served until a node remounts.
     standby.core.promote(standby.now);
-    // The writer of the put left pending comes back under its id and finishes it (its
-    // `PutFinish` may have been answered by the old leader before its `Finish` was
-    // logged); it is readable once its segment is back, like the others.
-    assert_eq!(standby.core.hello(standby.now, cl, "c:1"), Ok((cl, false)));
-    assert_eq!(standby.finish(cl, &["pending"], &[]), [Code::Ok]);
-    assert_eq!(
-        standby.core.take_log(),
-        [Record::Finish {
-            key: b"pending".to_vec()
-        }]
-    );
     assert_eq!(
         standby.get(&["a", "b"], false).items,
         [Err(Code::NotReady), Err(Code::NotReady)]
