@@ -484,7 +484,9 @@ def oplog_round(mode: str, clients: int, etcd: Etcd, a, r: int, logdir: Path) ->
                 wait_leader(etcd, "pagewire", f"{cid}/shard/{i}", masters)
             master, extra = etcd.url, ["--cluster-id", cid]
         batches = a.oplog_iters + a.oplog_warmup
-        seg = clients * batches * 64 * 64 * 1024 * 9 // 8
+        # Half again as much as the objects take: the master evicts at 90 % usage, and a
+        # sharded node splits its segment evenly while keys split by hash only roughly.
+        seg = clients * batches * 64 * 64 * 1024 * 3 // 2
         node = ps.start([a.pagewire, "store", "serve", "--master", master, *extra, "--segment",
                          str(seg), "--listen", "127.0.0.1:0", "--transport", "tcp"],
                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
