@@ -21,7 +21,7 @@ use pagewire_store::proto::{Request, Response};
 use pagewire_store::{Code, MasterConfig, PutOptions, StoreClient};
 use pagewire_transport::BackendKind;
 
-use common::{Buf, fill, frame, reply};
+use common::{Buf, fill, frame, reply, say, wait_stdin_closed};
 
 const ROLE: &str = "PW_HA_ROLE";
 /// The leader's lease in these tests: etcd's floor, so failovers stay short.
@@ -36,12 +36,6 @@ static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 fn serial() -> std::sync::MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-fn say(line: impl AsRef<str>) {
-    let mut out = std::io::stdout().lock();
-    let _ = writeln!(out, "@@ {}", line.as_ref());
-    let _ = out.flush();
 }
 
 /// The child master: campaigns, says `READY addr`, then `LEADER epoch` / `STANDBY` on
@@ -70,10 +64,7 @@ fn run_master() -> Result<()> {
     let m = HaMaster::start(cfg, ha)?;
     say(format!("READY {}", m.local_addr()));
     std::thread::spawn(|| {
-        let mut s = String::new();
-        while std::io::stdin().read_line(&mut s).is_ok_and(|n| n > 0) {
-            s.clear();
-        }
+        wait_stdin_closed();
         std::process::exit(0);
     });
     let mut last = None;
@@ -113,10 +104,7 @@ fn run_node() -> Result<()> {
     let (base, size) = node.segment().context("no segment")?;
     let id = node.segment_id()?.context("not mounted")?;
     say(format!("READY {base} {size} {id}"));
-    let mut s = String::new();
-    while std::io::stdin().read_line(&mut s).is_ok_and(|n| n > 0) {
-        s.clear();
-    }
+    wait_stdin_closed();
     std::process::exit(0);
 }
 

@@ -9,7 +9,6 @@
 #[path = "../../store/tests/common/mod.rs"]
 mod common;
 
-use std::io::Write;
 use std::net::SocketAddr;
 use std::process::{Child, ChildStdin};
 use std::sync::mpsc::Receiver;
@@ -21,7 +20,7 @@ use pagewire_ha::{EtcdLocator, HaConfig, HaError, HaMaster, client_config, shard
 use pagewire_store::{Code, MasterConfig, PutOptions, StoreClient};
 use pagewire_transport::BackendKind;
 
-use common::{Buf, fill};
+use common::{Buf, fill, say, wait_stdin_closed};
 
 const ROLE: &str = "PW_SHARD_ROLE";
 const CLUSTER: &str = "t";
@@ -29,12 +28,6 @@ const TTL: Duration = Duration::from_secs(2);
 const PAGE: usize = 4096;
 const OBJECTS: usize = 256;
 const SEED: u64 = 11;
-
-fn say(line: impl AsRef<str>) {
-    let mut out = std::io::stdout().lock();
-    let _ = writeln!(out, "@@ {}", line.as_ref());
-    let _ = out.flush();
-}
 
 fn master_config() -> Result<MasterConfig> {
     let mut cfg = MasterConfig {
@@ -66,10 +59,7 @@ fn run_master() -> Result<()> {
         shard,
     )?;
     say(format!("READY {}", m.local_addr()));
-    let mut s = String::new();
-    while std::io::stdin().read_line(&mut s).is_ok_and(|n| n > 0) {
-        s.clear();
-    }
+    wait_stdin_closed();
     std::process::exit(0);
 }
 

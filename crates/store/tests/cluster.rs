@@ -19,7 +19,7 @@ use std::sync::mpsc::Receiver;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
-use common::{Buf, fill};
+use common::{Buf, fill, say, wait_stdin_closed};
 use pagewire_store::{
     ClientConfig, Code, Master, MasterConfig, PutOptions, Reservation, Span, StoreClient,
 };
@@ -54,19 +54,6 @@ fn engine_cfg() -> EngineConfig {
         b = b.rdma_device(d);
     }
     b.build().expect("engine config")
-}
-
-fn say(line: impl AsRef<str>) {
-    let mut out = std::io::stdout().lock();
-    let _ = writeln!(out, "@@ {}", line.as_ref());
-    let _ = out.flush();
-}
-
-fn wait_stdin_closed() {
-    let mut s = String::new();
-    while std::io::stdin().read_line(&mut s).is_ok_and(|n| n > 0) {
-        s.clear();
-    }
 }
 
 fn run_master() -> Result<()> {

@@ -28,6 +28,22 @@ pub fn tagged_lines(out: std::process::ChildStdout) -> std::sync::mpsc::Receiver
     rx
 }
 
+/// In a child: one line for [`tagged_lines`] on the parent's side.
+pub fn say(line: impl AsRef<str>) {
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "@@ {}", line.as_ref());
+    let _ = out.flush();
+}
+
+/// In a child: returns once the parent closed its stdin (the parent's way to end it,
+/// which also ends it when the parent dies).
+pub fn wait_stdin_closed() {
+    let mut s = String::new();
+    while std::io::stdin().read_line(&mut s).is_ok_and(|n| n > 0) {
+        s.clear();
+    }
+}
+
 /// This test binary re-run as its `role` test, told its part through `role_var` = `role`,
 /// with `env` added; stdin and stdout piped (read stdout with [`tagged_lines`]), stderr
 /// inherited, the child's log level from `PW_CHILD_LOG` (default `error`).
