@@ -172,27 +172,24 @@ impl MasterLocator for EtcdLocator {
         let start = Instant::now();
         loop {
             let current = self.known().current();
-            let err = match current {
-                Some(Some(l)) => return Ok(l),
+            let found = match &current {
                 // None now: the watch tells when one appears.
-                Some(None) => StoreError::Timeout {
-                    what: "a master leader to appear in etcd",
-                    after: start.elapsed(),
-                },
+                Some(l) => Ok(l.clone()),
                 // The watch is not open (yet), or missed changes: a read.
                 None => {
                     let r = self.leader(deadline.min(Instant::now() + ONE_LOOK));
                     // The watch starts from after what was read.
                     self.start(&mut self.known());
-                    match r {
-                        Ok(Some(l)) => return Ok(l),
-                        Ok(None) => StoreError::Timeout {
-                            what: "a master leader to appear in etcd",
-                            after: start.elapsed(),
-                        },
-                        Err(e) => e.into(),
-                    }
+                    r
                 }
+            };
+            let err = match found {
+                Ok(Some(l)) => return Ok(l),
+                Ok(None) => StoreError::Timeout {
+                    what: "a master leader to appear in etcd",
+                    after: start.elapsed(),
+                },
+                Err(e) => e.into(),
             };
             let now = Instant::now();
             if now >= deadline || (current.is_none() && now + self.poll >= deadline) {
