@@ -53,6 +53,26 @@ pub struct Entry {
     pub create_revision: i64,
 }
 
+/// How fresh a read must be.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Read {
+    /// Everything committed before the read was sent (etcd confirms its raft leadership
+    /// first: a round of messages among the members).
+    Linearizable,
+    /// What the member that answers has applied, which may lag: no raft round, so much
+    /// cheaper for etcd. For readers that only need some committed state, in order.
+    Serializable,
+}
+
+impl Read {
+    fn options(self) -> GetOptions {
+        match self {
+            Read::Linearizable => GetOptions::new(),
+            Read::Serializable => GetOptions::new().with_serializable(),
+        }
+    }
+}
+
 /// What a [`Etcd::create_with_lease`] found.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Created {
@@ -187,7 +207,19 @@ impl Etcd {
 
     /// The key's entry, if it exists (a linearizable read).
     pub fn get(&self, key: &str, deadline: Instant) -> Result<Option<Entry>> {
-        Ok(self.get_at(key, deadline)?.0)
+        self.get_read(key, Read::Linearizable, deadline)
+    }
+
+    /// [`Etcd::get`] as fresh as `read` says.
+    pub fn get_read(&self, key: &str, read: Read, deadline: Instant) -> Result<Option<Entry>> {
+        let r = self.call("etcd get", deadline, |mut c| {
+            let key = key.to_string();
+            async move { c.get(key, Some(read.options())).await }
+        })?;
+        Ok(r.kvs().first().map(|kv| Entry {
+            value: kv.value().to_vec(),
+            create_revision: kv.create_revision(),
+        }))
     }
 
     /// [`Etcd::get`], and the store's revision the answer is as of (a watch from the
@@ -343,23 +375,21 @@ impl Etcd {
         })
     }
 
-    /// Keys and values in `[from, end)`, in key order, at most `limit` (a linearizable
-    /// read).
+    /// Keys and values in `[from, end)`, in key order, at most `limit`, as fresh as
+    /// `read` says.
     pub fn range(
         &self,
         from: &str,
         end: &str,
         limit: i64,
+        read: Read,
         deadline: Instant,
     ) -> Result<Vec<(String, Vec<u8>)>> {
         let r = self.call("etcd range", deadline, |mut c| {
             let (from, end) = (from.to_string(), end.to_string());
             async move {
-                c.get(
-                    from,
-                    Some(GetOptions::new().with_range(end).with_limit(limit)),
-                )
-                .await
+                c.get(from, Some(read.options().with_range(end).with_limit(limit)))
+                    .await
             }
         })?;
         Ok(r.kvs()

@@ -16,9 +16,10 @@
 //!   lapsed, or an op-log write failed): the master's connections close, its metadata is
 //!   dropped, and it stands by again on the same address with an empty master, which
 //!   reads the op-log from its start.
-//! * **The op-log** ([`crate::oplog`]): a standby applies the leader's log as etcd reports
-//!   new entries (and at every re-check); the winner reads it to its end, promotes its
-//!   metadata and starts its journal before it answers.
+//! * **The op-log** ([`crate::oplog`]): a standby applies the entries its watch delivers,
+//!   in order, and reads etcd (a serializable read: no raft round) only when they leave a
+//!   gap, after a resync and at every re-check; the winner reads the log to its end with
+//!   a linearizable read, promotes its metadata and starts its journal before it answers.
 //! * **While the watch is not open** (etcd unreachable, a member changing) or after a
 //!   failed look, a standby looks every [`HaConfig::poll`] instead.
 
@@ -30,7 +31,7 @@ use std::time::{Duration, Instant};
 use pagewire_store::{Authority, Master, MasterConfig};
 
 use crate::error::{HaError, Result};
-use crate::etcd::{Created, Etcd};
+use crate::etcd::{Created, Etcd, Read};
 use crate::oplog::{EtcdJournal, Follower, JournalConfig, Keys};
 use crate::watch::{EventKind, Watch, WatchSpec, Watched};
 
@@ -185,6 +186,7 @@ impl HaMaster {
                     key: leader_key(&ha.cluster_id),
                     follower: Follower::new(Keys::new(&ha.cluster_id)),
                     watch: None,
+                    delivered: Vec::new(),
                     ha,
                     cfg,
                     advertise,
@@ -270,6 +272,8 @@ const STOP_CHECK: Duration = Duration::from_millis(50);
 struct Due {
     /// The op-log, for new entries.
     follow: bool,
+    /// Read them from etcd (else the entries the watch delivered may do).
+    read: bool,
     /// The leader key, to bid if it is free.
     campaign: bool,
 }
@@ -277,10 +281,12 @@ struct Due {
 impl Due {
     const BOTH: Due = Due {
         follow: true,
+        read: true,
         campaign: true,
     };
     const NONE: Due = Due {
         follow: false,
+        read: false,
         campaign: false,
     };
 }
@@ -305,6 +311,8 @@ struct Campaign {
     follower: Follower,
     /// The cluster's keys, watched while standing by.
     watch: Option<Watch>,
+    /// Op-log entries the watch delivered, `(key, value)`, not applied yet.
+    delivered: Vec<(String, Vec<u8>)>,
     advertise: String,
     authority: Authority,
     shared: Arc<Shared>,
@@ -331,7 +339,7 @@ impl Campaign {
         while !self.stopping() {
             // A standby keeps its metadata current, so that winning costs little.
             if due.follow {
-                match self.follow() {
+                match self.follow_up(due.read) {
                     Ok(_) => behind = false,
                     Err(e) if !behind => {
                         tracing::warn!(etcd = %self.ha.etcd, "store master (standby): reading the op-log: {e}");
@@ -346,6 +354,7 @@ impl Campaign {
                         complained = false;
                         // A leader writes the log itself: no need to hear it back.
                         self.watch = None;
+                        self.delivered.clear();
                         self.lead(won);
                         due = Due::BOTH;
                         continue;
@@ -373,10 +382,16 @@ impl Campaign {
     fn wait(&mut self, healthy: bool) -> Due {
         let keys = Keys::new(&self.ha.cluster_id);
         let watch = self.watch.get_or_insert_with(|| {
-            // Values are not needed (the follower reads the entries), only what changed.
+            // The entries' values, so that the standby need not read them again (etcd
+            // sends them anyway); not the snapshots'. A standby lagging by 8 MiB of
+            // entries reads etcd instead.
             let prefix = format!("pagewire-store/{}/", self.ha.cluster_id);
-            self.etcd
-                .watch(WatchSpec::prefix(prefix).without_values().capacity(256))
+            self.etcd.watch(
+                WatchSpec::prefix(prefix)
+                    .values_under(keys.entries())
+                    .max_value_bytes(8 << 20)
+                    .capacity(256),
+            )
         });
         let start = Instant::now();
         loop {
@@ -400,12 +415,17 @@ impl Campaign {
                 Some(Watched::Events(events)) => events,
             };
             let mut due = Due::NONE;
-            for e in &events {
+            for e in events {
                 if e.key == self.key {
                     // A new leader needs nothing from a standby; a deleted key is a
                     // chance to win.
                     due.campaign |= e.kind == EventKind::Delete;
+                } else if e.kind == EventKind::Put && e.key.starts_with(keys.entries()) {
+                    due.follow = true;
+                    self.delivered.push((e.key, e.value));
                 } else if e.kind == EventKind::Put && keys.is_log_key(&e.key) {
+                    // A snapshot: the entries it covers were delivered, or a gap in
+                    // them makes the follower read.
                     due.follow = true;
                 }
             }
@@ -415,13 +435,33 @@ impl Campaign {
         }
     }
 
-    /// Applies the op-log's new entries to this master's metadata.
-    fn follow(&mut self) -> Result<u64> {
+    /// Applies the entries the watch delivered, or reads etcd when `read` or when they
+    /// leave a gap.
+    fn follow_up(&mut self, read: bool) -> Result<u64> {
+        let delivered = std::mem::take(&mut self.delivered);
+        if !read {
+            let guard = self.shared.master();
+            let Some(m) = guard.as_ref() else {
+                return Ok(0);
+            };
+            let before = self.follower.applied();
+            if self.follower.apply_delivered(m, &delivered)? {
+                return Ok(self.follower.applied() - before);
+            }
+        }
+        self.follow(Read::Serializable)
+    }
+
+    /// Applies the op-log's new entries to this master's metadata. A standby that only
+    /// keeps up reads [`Read::Serializable`]: a linearizable read per entry would cost
+    /// etcd a raft round each, on the data path's CPUs when they are shared.
+    fn follow(&mut self, read: Read) -> Result<u64> {
         let guard = self.shared.master();
         let Some(m) = guard.as_ref() else {
             return Ok(0);
         };
-        self.follower.catch_up(&self.etcd, m, self.ha.call_timeout)
+        self.follower
+            .catch_up(&self.etcd, m, read, self.ha.call_timeout)
     }
 
     /// One look at the leader key, and a bid when it is free.
@@ -558,7 +598,8 @@ impl Campaign {
 
     /// Reads the op-log to its end, promotes the master and starts its journal.
     fn take_over(&mut self, epoch: u64) -> Result<Arc<EtcdJournal>> {
-        self.follow()?;
+        // To the log's end: the journal writes from the entry after this read's last.
+        self.follow(Read::Linearizable)?;
         let journal = EtcdJournal::start(
             self.etcd.clone(),
             Keys::new(&self.ha.cluster_id),

@@ -23,7 +23,7 @@ use pagewire_store::oplog::{self, Journal, JournalError, Record};
 use pagewire_store::{Authority, Master};
 
 use crate::error::{HaError, Result};
-use crate::etcd::{Etcd, Guarded};
+use crate::etcd::{Etcd, Guarded, Read};
 
 /// Largest encoded entry or snapshot chunk (etcd refuses requests past 1.5 MiB by default).
 pub const MAX_ENTRY: usize = 1 << 20;
@@ -63,6 +63,11 @@ impl Keys {
     /// Whether `key` is one of the op-log's entries or snapshot keys.
     pub(crate) fn is_log_key(&self, key: &str) -> bool {
         key.starts_with(&self.oplog) || key.starts_with(&self.snapshot)
+    }
+
+    /// The prefix of the op-log's entries (not of its snapshots).
+    pub(crate) fn entries(&self) -> &str {
+        &self.oplog
     }
 
     /// The key of entry `seq`.
@@ -458,19 +463,32 @@ impl Follower {
     /// snapshot first when the entries after it are gone. Returns how many entries were
     /// applied. Stops at the first entry or snapshot that does not decode (typed
     /// [`HaError::Log`]): skipping one could skip a removal.
-    pub fn catch_up(&mut self, etcd: &Etcd, master: &Master, timeout: Duration) -> Result<u64> {
+    ///
+    /// With [`Read::Serializable`] it applies what the answering member has, which may
+    /// lag the log's end but is a prefix of it: entries are created in order and deleted
+    /// only after a snapshot covers them, so any committed state shows either the next
+    /// entry, nothing after the last applied one, or a snapshot past it. A standby that
+    /// follows the log reads this way (no raft round per entry for etcd); one that takes
+    /// over must read [`Read::Linearizable`], to its end.
+    pub fn catch_up(
+        &mut self,
+        etcd: &Etcd,
+        master: &Master,
+        read: Read,
+        timeout: Duration,
+    ) -> Result<u64> {
         let mut applied = 0;
         let mut loads = 0;
         let end = range_end(&self.keys.oplog);
         loop {
             let by = Instant::now() + timeout;
             let from = self.keys.entry(self.applied + 1);
-            let got = etcd.range(&from, &end, READ_BATCH, by)?;
+            let got = etcd.range(&from, &end, READ_BATCH, read, by)?;
             let gap = match got.first() {
                 Some((k, _)) => self.keys.seq_of(k)? != self.applied + 1,
                 None => self
-                    .snapshot_seq(etcd, by)?
-                    .is_some_and(|s| s > self.applied),
+                    .latest(etcd, read, by)?
+                    .is_some_and(|(s, _)| s > self.applied),
             };
             if gap {
                 // Twice at most: a snapshot replaced under the first load; more is a log
@@ -482,7 +500,7 @@ impl Follower {
                         reason: "entries are missing after the latest snapshot".into(),
                     });
                 }
-                self.load_snapshot(etcd, master, by)?;
+                self.load_snapshot(etcd, master, read, by)?;
                 continue;
             }
             let n = got.len() as i64;
@@ -492,14 +510,7 @@ impl Follower {
                     // Deleted under the read by a snapshot: the next round loads it.
                     break;
                 }
-                let recs = oplog::decode(&v).map_err(|e| HaError::Log {
-                    what: k.clone(),
-                    reason: e.to_string(),
-                })?;
-                let misfits = master.apply_log(&recs);
-                if misfits > 0 {
-                    tracing::warn!(key = %k, misfits, "store standby: op-log records that do not fit the metadata");
-                }
+                self.apply_entry(master, &k, &v)?;
                 self.applied = seq;
                 applied += 1;
             }
@@ -509,12 +520,45 @@ impl Follower {
         }
     }
 
-    fn snapshot_seq(&self, etcd: &Etcd, by: Instant) -> Result<Option<u64>> {
-        Ok(self.latest(etcd, by)?.map(|(s, _)| s))
+    /// Applies entries that a watch delivered with their values, `(key, value)` in
+    /// revision order, without asking etcd: those already applied are skipped. `Ok(false)`
+    /// when they do not go on from the last entry applied (the watch opened after an
+    /// entry, or a snapshot replaced some): the caller reads etcd with
+    /// [`Follower::catch_up`] instead. Stops at an entry that does not decode, as
+    /// `catch_up` does.
+    pub fn apply_delivered(
+        &mut self,
+        master: &Master,
+        entries: &[(String, Vec<u8>)],
+    ) -> Result<bool> {
+        for (k, v) in entries {
+            let seq = self.keys.seq_of(k)?;
+            if seq <= self.applied {
+                continue;
+            }
+            if seq != self.applied + 1 {
+                return Ok(false);
+            }
+            self.apply_entry(master, k, v)?;
+            self.applied = seq;
+        }
+        Ok(true)
     }
 
-    fn latest(&self, etcd: &Etcd, by: Instant) -> Result<Option<(u64, u64)>> {
-        let Some(e) = etcd.get(&self.keys.latest(), by)? else {
+    fn apply_entry(&self, master: &Master, key: &str, value: &[u8]) -> Result<()> {
+        let recs = oplog::decode(value).map_err(|e| HaError::Log {
+            what: key.to_string(),
+            reason: e.to_string(),
+        })?;
+        let misfits = master.apply_log(&recs);
+        if misfits > 0 {
+            tracing::warn!(key = %key, misfits, "store standby: op-log records that do not fit the metadata");
+        }
+        Ok(())
+    }
+
+    fn latest(&self, etcd: &Etcd, read: Read, by: Instant) -> Result<Option<(u64, u64)>> {
+        let Some(e) = etcd.get_read(&self.keys.latest(), read, by)? else {
             return Ok(None);
         };
         let bad = || HaError::Log {
@@ -534,8 +578,14 @@ impl Follower {
         Ok(Some((seq, n)))
     }
 
-    fn load_snapshot(&mut self, etcd: &Etcd, master: &Master, by: Instant) -> Result<()> {
-        let Some((seq, n)) = self.latest(etcd, by)? else {
+    fn load_snapshot(
+        &mut self,
+        etcd: &Etcd,
+        master: &Master,
+        read: Read,
+        by: Instant,
+    ) -> Result<()> {
+        let Some((seq, n)) = self.latest(etcd, read, by)? else {
             return Err(HaError::Log {
                 what: self.keys.latest(),
                 reason: format!(
@@ -547,7 +597,7 @@ impl Follower {
         let mut records = Vec::new();
         for i in 0..n {
             let key = self.keys.chunk(seq, i);
-            let Some(e) = etcd.get(&key, by)? else {
+            let Some(e) = etcd.get_read(&key, read, by)? else {
                 return Err(HaError::Log {
                     what: key,
                     reason: "snapshot chunk missing (a newer snapshot replaced it?)".into(),

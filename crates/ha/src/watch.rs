@@ -35,11 +35,15 @@ pub struct WatchSpec {
     from: i64,
     capacity: usize,
     values: bool,
+    /// Values are kept only for keys under this prefix (all, when empty).
+    values_under: String,
+    max_value_bytes: usize,
     puts_only: bool,
 }
 
 impl WatchSpec {
-    /// One key, from now, values kept, a queue of 16 events.
+    /// One key, from now, values kept, a queue of 16 events holding at most 16 MiB of
+    /// values.
     pub fn key(key: impl Into<String>) -> WatchSpec {
         WatchSpec {
             key: key.into(),
@@ -47,6 +51,8 @@ impl WatchSpec {
             from: 0,
             capacity: 16,
             values: true,
+            values_under: String::new(),
+            max_value_bytes: 16 << 20,
             puts_only: false,
         }
     }
@@ -75,6 +81,20 @@ impl WatchSpec {
     /// Events without their values (a consumer that only needs to know what changed).
     pub fn without_values(mut self) -> WatchSpec {
         self.values = false;
+        self
+    }
+
+    /// Values only for keys that start with `prefix`; other events come without theirs.
+    pub fn values_under(mut self, prefix: impl Into<String>) -> WatchSpec {
+        self.values = true;
+        self.values_under = prefix.into();
+        self
+    }
+
+    /// Most bytes of values queued for the consumer (etcd's values reach 1.5 MiB by
+    /// default): past it the queue overflows as past its capacity.
+    pub fn max_value_bytes(mut self, bytes: usize) -> WatchSpec {
+        self.max_value_bytes = bytes;
         self
     }
 
@@ -123,6 +143,8 @@ pub enum Watched {
 #[derive(Debug, Default)]
 struct State {
     events: VecDeque<WatchEvent>,
+    /// Bytes of the queued events' values.
+    bytes: usize,
     resync: Option<i64>,
     /// A watch stream is open on a member now.
     open: bool,
@@ -137,6 +159,7 @@ struct Shared {
     state: Mutex<State>,
     cv: Condvar,
     capacity: usize,
+    max_value_bytes: usize,
 }
 
 impl Shared {
@@ -147,6 +170,7 @@ impl Shared {
     fn resync(&self, revision: i64) {
         let mut st = self.state();
         st.events.clear();
+        st.bytes = 0;
         st.resync = Some(st.resync.map_or(revision, |r| r.max(revision)));
         drop(st);
         self.cv.notify_all();
@@ -158,12 +182,14 @@ impl Shared {
             if st.resync.is_some_and(|r| e.mod_revision <= r) {
                 continue;
             }
-            if st.events.len() >= self.capacity {
+            if st.events.len() >= self.capacity || st.bytes + e.value.len() > self.max_value_bytes {
                 // The consumer lags: it reads the state again instead.
                 st.events.clear();
+                st.bytes = 0;
                 st.resync = Some(e.mod_revision);
                 continue;
             }
+            st.bytes += e.value.len();
             st.events.push_back(e);
         }
         drop(st);
@@ -207,6 +233,7 @@ impl Watch {
                 return Some(Watched::Resync(r));
             }
             if !st.events.is_empty() {
+                st.bytes = 0;
                 return Some(Watched::Events(st.events.drain(..).collect()));
             }
             let left = deadline.saturating_duration_since(Instant::now());
@@ -250,6 +277,7 @@ impl Etcd {
             state: Mutex::new(State::default()),
             cv: Condvar::new(),
             capacity: spec.capacity,
+            max_value_bytes: spec.max_value_bytes,
         });
         let task = rt.spawn(run(clients, member, spec, shared.clone()));
         Watch {
@@ -411,7 +439,8 @@ async fn read(
         let mut out = Vec::with_capacity(msg.events().len());
         for kv in msg.events().iter().filter_map(|ev| ev.kv()) {
             if at.admit(kv.mod_revision(), &mut replayed) {
-                out.push(to_event(kv, spec.values));
+                let keep = spec.values && kv.key().starts_with(spec.values_under.as_bytes());
+                out.push(to_event(kv, keep));
             }
         }
         shared.push(out);

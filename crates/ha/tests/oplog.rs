@@ -11,12 +11,12 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
 use pagewire_ha::etcd::Created;
-use pagewire_ha::oplog::{EtcdJournal, JournalConfig, Keys};
+use pagewire_ha::oplog::{EtcdJournal, Follower, JournalConfig, Keys};
 use pagewire_ha::testkit::EtcdCluster;
-use pagewire_ha::{Etcd, HaConfig, HaMaster, Role, client_config, leader_key};
+use pagewire_ha::{Etcd, HaConfig, HaError, HaMaster, Read, Role, client_config, leader_key};
 use pagewire_store::oplog::{self, Journal, JournalError, Record};
 use pagewire_store::proto::{Hello, Request, Response};
-use pagewire_store::{Authority, MasterConfig, PutOptions, StoreClient};
+use pagewire_store::{Authority, Master, MasterConfig, PutOptions, StoreClient};
 use pagewire_transport::BackendKind;
 
 use common::{Buf, fill};
@@ -137,6 +137,7 @@ fn a_late_standby_catches_up_from_a_snapshot() -> Result<()> {
             &Keys::new("o").entry(0),
             "pagewire-store/o/oplog0",
             1 << 20,
+            Read::Linearizable,
             soon(),
         )?;
         let (k, _) = all.last().context("no entry")?;
@@ -302,5 +303,57 @@ fn a_node_restarted_on_the_same_endpoint_does_not_take_the_old_segment_back() ->
     }
     ensure!(b.stats().map(|s| s.objects) == Some(0));
     c.close();
+    Ok(())
+}
+
+/// A standby applies the entries its watch delivered without reading etcd: entries
+/// already applied are skipped, a batch that skips one is refused (`false`: the caller
+/// reads etcd instead) and one that does not decode stops it. A serializable read then
+/// catches up from the last entry applied.
+#[test]
+fn a_follower_applies_delivered_entries_in_order_only() -> Result<()> {
+    let cluster = EtcdCluster::start(1);
+    let etcd = Etcd::connect(&cluster.url(), soon())?;
+    let keys = Keys::new("f");
+    let m = Master::start(MasterConfig {
+        listen: "127.0.0.1:0".parse()?,
+        ..MasterConfig::default()
+    })?;
+    let mount = |i: u64| Record::Mount {
+        segment: i,
+        endpoint: format!("127.0.0.1:{}", 4000 + i),
+        base: 0x10_0000 * i,
+        size: 1 << 20,
+        rkey: i as u32,
+        owner: 7,
+    };
+    let entry = |i: u64| (keys.entry(i), oplog::encode(&[mount(i)]));
+    let at = |f: &Follower, n: u64| -> Result<()> {
+        let segments = m.stats().segments;
+        ensure!(
+            f.applied() == n && segments == n,
+            "applied {} ({segments} segments), expected {n}",
+            f.applied()
+        );
+        Ok(())
+    };
+    let mut f = Follower::new(keys.clone());
+    ensure!(f.apply_delivered(&m, &[entry(1), entry(2)])?);
+    at(&f, 2)?;
+    ensure!(f.apply_delivered(&m, &[entry(2), entry(3)])?);
+    at(&f, 3)?;
+    ensure!(!f.apply_delivered(&m, &[entry(5)])?, "a gap was applied");
+    at(&f, 3)?;
+    let bad = f.apply_delivered(&m, &[(keys.entry(4), vec![0xff, 0, 0])]);
+    ensure!(matches!(bad, Err(HaError::Log { .. })), "{bad:?}");
+    at(&f, 3)?;
+    for i in 1..=5 {
+        let (k, v) = entry(i);
+        etcd.put_guarded("none", 0, &k, v, false, soon())?;
+    }
+    let n = f.catch_up(&etcd, &m, Read::Serializable, Duration::from_secs(2))?;
+    ensure!(n == 2, "caught up {n} entries");
+    at(&f, 5)?;
+    m.shutdown();
     Ok(())
 }

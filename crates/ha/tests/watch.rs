@@ -109,6 +109,30 @@ fn a_watch_delivers_puts_and_deletes_then_resyncs_from_compacted_history() -> Re
         Some(Watched::Resync(_)) => {}
         other => bail!("5 events into a queue of 2: {other:?}"),
     }
+    // So does one that lags past the queue's bytes of values; values are kept only
+    // under the prefix asked for.
+    let bytes = etcd.watch(
+        WatchSpec::prefix("v/")
+            .values_under("v/kept/")
+            .max_value_bytes(2500)
+            .capacity(100),
+    );
+    opened(&bytes)?;
+    etcd.put_guarded("none", 0, "v/kept/a", vec![1; 1000], false, soon())?;
+    etcd.put_guarded("none", 0, "v/other", vec![2; 5000], false, soon())?;
+    let got = events(&bytes, 2)?;
+    ensure!(
+        got[0].value == [1; 1000] && got[1].value.is_empty(),
+        "{got:?}"
+    );
+    for i in 0..3 {
+        etcd.put_guarded("none", 0, "v/kept/b", vec![i; 1000], false, soon())?;
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    match bytes.next(soon()) {
+        Some(Watched::Resync(_)) => {}
+        other => bail!("3000 bytes of values into a queue of 2500: {other:?}"),
+    }
     Ok(())
 }
 
