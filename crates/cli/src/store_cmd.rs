@@ -84,7 +84,9 @@ pub struct MasterArgs {
     #[arg(long, default_value_t = 600_000)]
     pub put_release_ms: u64,
     /// Elect the master through etcd: `etcd://HOST:PORT[;HOST:PORT...]`. Masters with the
-    /// same etcd and --cluster-id elect one leader; the others stand by.
+    /// same etcd and --cluster-id elect one leader; the others stand by. For an etcd with
+    /// authentication on, set PAGEWIRE_ETCD_USER and PAGEWIRE_ETCD_PASSWORD (or
+    /// PAGEWIRE_ETCD_PASSWORD_FILE).
     #[arg(long)]
     pub ha: Option<String>,
     /// With --ha: the masters' group in etcd.
@@ -115,7 +117,8 @@ pub struct MasterArgs {
 #[derive(Debug, Args)]
 pub struct ServeArgs {
     /// The master's host:port, or `etcd://HOST:PORT[;HOST:PORT...]` to follow the leader
-    /// of masters elected through etcd.
+    /// of masters elected through etcd (etcd's user and password, if any, from
+    /// PAGEWIRE_ETCD_USER and PAGEWIRE_ETCD_PASSWORD or PAGEWIRE_ETCD_PASSWORD_FILE).
     #[arg(long)]
     pub master: String,
     /// With an etcd:// master: the masters' group in etcd.

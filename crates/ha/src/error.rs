@@ -16,6 +16,17 @@ pub enum HaError {
         /// What is wrong.
         reason: String,
     },
+    /// etcd refused who we are or what we asked: a wrong user or password, no user for
+    /// an etcd with authentication on (or a user for one with it off), or a user whose
+    /// roles do not cover the keys. Not retried on another member: they all share one
+    /// user database.
+    #[error("{what}: etcd refused access: {reason}")]
+    Denied {
+        /// The call.
+        what: &'static str,
+        /// etcd's words.
+        reason: String,
+    },
     /// The call's deadline passed before etcd answered.
     #[error("{what}: no answer from etcd within {after:?}")]
     Timeout {
@@ -69,6 +80,10 @@ impl HaError {
             E::InvalidUri(u) => HaError::Misuse {
                 reason: format!("{what}: {u}"),
             },
+            E::GRpcStatus(st) if denied(&st) => HaError::Denied {
+                what,
+                reason: st.message().to_string(),
+            },
             e => HaError::Unavailable {
                 what,
                 reason: e.to_string(),
@@ -78,12 +93,34 @@ impl HaError {
     }
 }
 
+/// Whether etcd refused the caller's identity or permissions (etcd's `rpctypes`: an
+/// unknown user or wrong password and an empty user name come as `InvalidArgument`,
+/// authentication not enabled as `FailedPrecondition`, a missing token as
+/// `Unauthenticated`, a role without the key as `PermissionDenied`).
+fn denied(st: &tonic::Status) -> bool {
+    use tonic::Code;
+    let m = st.message();
+    match st.code() {
+        Code::PermissionDenied | Code::Unauthenticated => true,
+        Code::InvalidArgument => {
+            m.contains("authentication failed") || m.contains("user name is empty")
+        }
+        Code::FailedPrecondition => m.contains("authentication is not enabled"),
+        _ => false,
+    }
+}
+
 impl From<HaError> for pagewire_store::StoreError {
     fn from(e: HaError) -> Self {
         use pagewire_store::StoreError;
         match e {
             HaError::Timeout { what, after } => StoreError::Timeout { what, after },
             HaError::Misuse { reason } => StoreError::InvalidArgument { what: reason },
+            HaError::Denied { what, reason } => StoreError::Config {
+                key: "etcd credentials".into(),
+                value: String::new(),
+                reason: format!("{what}: {reason}"),
+            },
             e => StoreError::MasterGone {
                 addr: "etcd".into(),
                 reason: e.to_string(),

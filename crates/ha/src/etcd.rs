@@ -82,11 +82,129 @@ pub enum Created {
     Held(Entry),
 }
 
+/// A user name and password for an etcd with authentication on. The password is never
+/// printed (`Debug` shows the user only).
+#[derive(Clone, PartialEq, Eq)]
+pub struct Credentials {
+    user: String,
+    password: String,
+}
+
+impl std::fmt::Debug for Credentials {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Credentials")
+            .field("user", &self.user)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The environment variable naming the etcd user.
+pub const USER_ENV: &str = "PAGEWIRE_ETCD_USER";
+/// The environment variable holding that user's password.
+pub const PASSWORD_ENV: &str = "PAGEWIRE_ETCD_PASSWORD";
+/// The environment variable naming a file that holds the password (its first line).
+pub const PASSWORD_FILE_ENV: &str = "PAGEWIRE_ETCD_PASSWORD_FILE";
+
+impl Credentials {
+    /// A user and its password (both non-empty).
+    pub fn new(user: impl Into<String>, password: impl Into<String>) -> Result<Credentials> {
+        let (user, password) = (user.into(), password.into());
+        if user.is_empty() || password.is_empty() {
+            return Err(HaError::Misuse {
+                reason: "etcd credentials need a user name and a password".into(),
+            });
+        }
+        Ok(Credentials { user, password })
+    }
+
+    /// The user name.
+    pub fn user(&self) -> &str {
+        &self.user
+    }
+
+    /// From [`USER_ENV`] and [`PASSWORD_ENV`] or [`PASSWORD_FILE_ENV`]; `None` when no
+    /// user is set. A user without a password, or both a password and a file, is a
+    /// misuse (the message names the variables, never the password).
+    pub fn from_env() -> Result<Option<Credentials>> {
+        let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+        Credentials::from_vars(var(USER_ENV), var(PASSWORD_ENV), var(PASSWORD_FILE_ENV))
+    }
+
+    /// [`Credentials::from_env`] given the three variables' values.
+    fn from_vars(
+        user: Option<String>,
+        password: Option<String>,
+        file: Option<String>,
+    ) -> Result<Option<Credentials>> {
+        let misuse = |reason: String| HaError::Misuse { reason };
+        let Some(user) = user else {
+            return match (password, file) {
+                (None, None) => Ok(None),
+                _ => Err(misuse(format!(
+                    "{PASSWORD_ENV} or {PASSWORD_FILE_ENV} is set but {USER_ENV} is not"
+                ))),
+            };
+        };
+        let password = match (password, file) {
+            (Some(p), None) => p,
+            (None, Some(path)) => {
+                let text = std::fs::read_to_string(&path)
+                    .map_err(|e| misuse(format!("{PASSWORD_FILE_ENV}: reading {path:?}: {e}")))?;
+                text.lines().next().unwrap_or("").to_string()
+            }
+            (Some(_), Some(_)) => {
+                return Err(misuse(format!(
+                    "set {PASSWORD_ENV} or {PASSWORD_FILE_ENV}, not both"
+                )));
+            }
+            (None, None) => {
+                return Err(misuse(format!(
+                    "{USER_ENV} is set but neither {PASSWORD_ENV} nor {PASSWORD_FILE_ENV}"
+                )));
+            }
+        };
+        Credentials::new(user, password).map(Some)
+    }
+}
+
+/// The members' clients, each connected at its first use: with credentials, connecting
+/// authenticates (a round trip that a member down fails), so a member down at start must
+/// not fail the whole connection, and one that comes back later is connected then.
+pub(crate) struct Members {
+    urls: Vec<String>,
+    opts: ConnectOptions,
+    clients: Vec<tokio::sync::OnceCell<etcd_client::Client>>,
+}
+
+impl Members {
+    pub(crate) fn len(&self) -> usize {
+        self.urls.len()
+    }
+
+    /// Member `i`'s client if it is connected.
+    fn connected(&self, i: usize) -> Option<etcd_client::Client> {
+        self.clients[i].get().cloned()
+    }
+
+    /// Member `i`'s client, connected now if it was not.
+    pub(crate) async fn client(
+        &self,
+        i: usize,
+    ) -> std::result::Result<etcd_client::Client, etcd_client::Error> {
+        self.clients[i]
+            .get_or_try_init(|| {
+                etcd_client::Client::connect([self.urls[i].clone()], Some(self.opts.clone()))
+            })
+            .await
+            .cloned()
+    }
+}
+
 /// A connection to an etcd cluster (cheap to clone: one runtime, one client per member).
 #[derive(Clone)]
 pub struct Etcd {
     rt: Arc<tokio::runtime::Runtime>,
-    clients: Arc<[etcd_client::Client]>,
+    members: Arc<Members>,
     /// The member that answered last.
     current: Arc<AtomicUsize>,
     endpoints: Arc<[String]>,
@@ -105,8 +223,18 @@ impl std::fmt::Debug for Etcd {
 }
 
 impl Etcd {
-    /// Connects to the members of `url` (`etcd://h:p;h:p`) by `deadline`.
-    pub fn connect(url: &str, deadline: Instant) -> Result<Etcd> {
+    /// Connects to the members of `url` (`etcd://h:p;h:p`), as the user that
+    /// [`Credentials::from_env`] names if any. Nothing waits for `_deadline` any more:
+    /// see [`Etcd::connect_as`].
+    pub fn connect(url: &str, _deadline: Instant) -> Result<Etcd> {
+        Etcd::connect_as(url, Credentials::from_env()?)
+    }
+
+    /// Connects to the members of `url` as `user` (none: etcd without authentication).
+    /// No I/O: a member is connected at its first call, within that call's deadline;
+    /// with a user, that call authenticates first. A wrong user or password, or a user
+    /// without the permissions a call needs, fails with [`HaError::Denied`].
+    pub fn connect_as(url: &str, user: Option<Credentials>) -> Result<Etcd> {
         let endpoints = parse_endpoints(url)?;
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
@@ -120,24 +248,29 @@ impl Etcd {
         let rt = Arc::new(rt);
         // A member that lost its raft leader refuses instead of answering from a stale
         // view; gRPC keep-alives notice a dead member between calls.
-        let opts = ConnectOptions::new()
+        let mut opts = ConnectOptions::new()
             .with_require_leader(true)
             .with_connect_timeout(Duration::from_secs(2))
             .with_keep_alive(Duration::from_secs(1), Duration::from_secs(2))
             .with_keep_alive_while_idle(true);
-        // Connecting is lazy (no I/O until the first call), so a member down now is no
-        // reason to fail.
-        let mut clients = Vec::with_capacity(endpoints.len());
-        for h in &endpoints {
-            let url = format!("http://{h}");
-            let opts = opts.clone();
-            clients.push(block(&rt, deadline, "connect to etcd", async move {
-                etcd_client::Client::connect([url], Some(opts)).await
-            })?);
+        if let Some(c) = user {
+            // etcd's tokens expire (simple tokens after --auth-token-ttl, 300 s by
+            // default): a call refused for that authenticates again and is retried.
+            opts = opts
+                .with_user(c.user, c.password)
+                .with_auto_token_refresh(true);
         }
+        let members = Members {
+            urls: endpoints.iter().map(|h| format!("http://{h}")).collect(),
+            opts,
+            clients: endpoints
+                .iter()
+                .map(|_| tokio::sync::OnceCell::new())
+                .collect(),
+        };
         Ok(Etcd {
             rt,
-            clients: clients.into(),
+            members: Arc::new(members),
             current: Arc::new(AtomicUsize::new(0)),
             endpoints: endpoints.into(),
         })
@@ -153,7 +286,7 @@ impl Etcd {
             + Send
             + 'static,
     {
-        let n = self.clients.len();
+        let n = self.members.len();
         let first = self.current.load(Ordering::Relaxed) % n;
         let mut last = None;
         for k in 0..n {
@@ -167,12 +300,20 @@ impl Etcd {
             } else {
                 Instant::now() + share
             };
-            match block(&self.rt, by, what, f(self.clients[i].clone())) {
+            let client = match self.members.connected(i) {
+                Some(c) => Ok(c),
+                None => {
+                    let members = self.members.clone();
+                    block(&self.rt, by, what, async move { members.client(i).await })
+                }
+            };
+            match client.and_then(|c| block(&self.rt, by, what, f(c))) {
                 Ok(v) => {
                     self.current.store(i, Ordering::Relaxed);
                     return Ok(v);
                 }
-                Err(e @ HaError::Misuse { .. }) => return Err(e),
+                // The same settings and credentials go to every member.
+                Err(e @ (HaError::Misuse { .. } | HaError::Denied { .. })) => return Err(e),
                 Err(e) => {
                     // The next call starts with the next member.
                     self.current.store((i + 1) % n, Ordering::Relaxed);
@@ -196,11 +337,11 @@ impl Etcd {
 
     /// The runtime, the members' clients and the member that answered last (for
     /// [`crate::watch`], whose streams live on the same runtime and connections).
-    pub(crate) fn parts(&self) -> (&tokio::runtime::Runtime, Arc<[etcd_client::Client]>, usize) {
-        let n = self.clients.len();
+    pub(crate) fn parts(&self) -> (&tokio::runtime::Runtime, Arc<Members>, usize) {
+        let n = self.members.len();
         (
             &self.rt,
-            self.clients.clone(),
+            self.members.clone(),
             self.current.load(Ordering::Relaxed) % n,
         )
     }
@@ -466,6 +607,36 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn credentials_from_the_environment() {
+        let s = |v: &str| Some(v.to_string());
+        assert_eq!(Credentials::from_vars(None, None, None).unwrap(), None);
+        let c = Credentials::from_vars(s("kv"), s("pw"), None)
+            .unwrap()
+            .unwrap();
+        assert_eq!((c.user(), c.password.as_str()), ("kv", "pw"));
+        assert!(!format!("{c:?}").contains("pw\""), "{c:?}");
+        let file = std::env::temp_dir().join(format!("pagewire-etcd-pw-{}", std::process::id()));
+        std::fs::write(&file, "from-file\nignored\n").unwrap();
+        let path = file.to_str().map(str::to_string);
+        let c = Credentials::from_vars(s("kv"), None, path.clone())
+            .unwrap()
+            .unwrap();
+        assert_eq!(c.password, "from-file");
+        std::fs::remove_file(&file).unwrap();
+        for (user, password, file) in [
+            (None, s("secret"), None),
+            (None, None, path.clone()),
+            (s("kv"), None, None),
+            (s("kv"), s("secret"), path.clone()),
+            (s("kv"), None, path),
+        ] {
+            let e = Credentials::from_vars(user, password, file).unwrap_err();
+            assert!(matches!(e, HaError::Misuse { .. }), "{e:?}");
+            assert!(!e.to_string().contains("secret"), "{e}");
+        }
+    }
 
     #[test]
     fn endpoints_parse_and_refuse() {

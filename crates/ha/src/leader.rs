@@ -31,7 +31,7 @@ use std::time::{Duration, Instant};
 use pagewire_store::{Authority, Master, MasterConfig};
 
 use crate::error::{HaError, Result};
-use crate::etcd::{Created, Etcd, Read};
+use crate::etcd::{Created, Credentials, Etcd, Read};
 use crate::oplog::{EtcdJournal, Follower, JournalConfig, Keys};
 use crate::watch::{EventKind, Watch, WatchSpec, Watched};
 
@@ -68,6 +68,10 @@ pub struct HaConfig {
     pub advertise: Option<String>,
     /// Op-log entries between two snapshots (at least 1).
     pub snapshot_every: u64,
+    /// The etcd user, for an etcd with authentication on. `None`: the one that
+    /// `PAGEWIRE_ETCD_USER` and `PAGEWIRE_ETCD_PASSWORD` (or `..._PASSWORD_FILE`) name,
+    /// if any.
+    pub credentials: Option<Credentials>,
 }
 
 impl HaConfig {
@@ -83,7 +87,17 @@ impl HaConfig {
             call_timeout: Duration::from_secs(1),
             advertise: None,
             snapshot_every: DEFAULT_SNAPSHOT_EVERY,
+            credentials: None,
         }
+    }
+
+    /// A connection to etcd as [`HaConfig::credentials`] says.
+    pub(crate) fn connect_etcd(&self) -> Result<Etcd> {
+        let user = match &self.credentials {
+            Some(c) => Some(c.clone()),
+            None => Credentials::from_env()?,
+        };
+        Etcd::connect_as(&self.etcd, user)
     }
 
     /// Room kept between the local end of a leader's authority and etcd's expiry of its
@@ -153,7 +167,15 @@ impl HaMaster {
                 ),
             });
         }
-        let etcd = Etcd::connect(&ha.etcd, Instant::now() + ha.call_timeout * 5)?;
+        let etcd = ha.connect_etcd()?;
+        // Credentials etcd refuses fail the start: the master could never lead. (etcd
+        // unreachable does not: the master stands by until it answers.)
+        if let Err(e @ HaError::Denied { .. }) = etcd.get(
+            &leader_key(&ha.cluster_id),
+            Instant::now() + ha.call_timeout * 5,
+        ) {
+            return Err(e);
+        }
         let authority = Authority::new();
         cfg.authority = Some(authority.clone());
         let master = Master::start(cfg.clone()).map_err(HaError::Master)?;

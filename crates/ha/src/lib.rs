@@ -32,9 +32,9 @@ pub mod testkit;
 pub mod watch;
 
 pub use error::{HaError, Result};
-pub use etcd::{Etcd, Read, parse_endpoints};
+pub use etcd::{Credentials, Etcd, Read, parse_endpoints};
 pub use leader::{DEFAULT_SNAPSHOT_EVERY, HaConfig, HaMaster, Role, leader_key};
-pub use locate::{EtcdLocator, client_config};
+pub use locate::{EtcdLocator, client_config, client_config_as};
 pub use mooncake::{EtcdDirectory, new_engine};
 pub use shard::{shard_cluster_id, shards_key};
 pub use watch::{Watch, WatchSpec, Watched};

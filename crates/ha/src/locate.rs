@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use pagewire_store::{ClientConfig, MasterLocator, StoreError};
 
 use crate::error::{HaError, Result};
-use crate::etcd::{Entry, Etcd};
+use crate::etcd::{Credentials, Entry, Etcd};
 use crate::leader::leader_key;
 use crate::watch::{EventKind, Watch, WatchSpec, Watched};
 
@@ -75,13 +75,19 @@ impl EtcdLocator {
     /// Connects to etcd at `url` (`etcd://h:p;h:p`) by `deadline`, for masters of
     /// `cluster_id`.
     pub fn connect(url: &str, cluster_id: &str, deadline: Instant) -> Result<EtcdLocator> {
-        Ok(EtcdLocator {
-            etcd: Etcd::connect(url, deadline)?,
+        Ok(EtcdLocator::new(Etcd::connect(url, deadline)?, cluster_id))
+    }
+
+    /// A locator for masters of `cluster_id` on a connection already made (several
+    /// locators may share one).
+    pub fn new(etcd: Etcd, cluster_id: &str) -> EtcdLocator {
+        EtcdLocator {
+            etcd,
             key: leader_key(cluster_id),
             poll: Duration::from_millis(50),
             known: Mutex::new(Known::default()),
             changed: Condvar::new(),
-        })
+        }
     }
 
     /// The leader now, if there is one: `(address, epoch)` (a read of etcd, not of what
@@ -189,6 +195,8 @@ impl MasterLocator for EtcdLocator {
                     what: "a master leader to appear in etcd",
                     after: start.elapsed(),
                 },
+                // Waiting would not change etcd's mind.
+                Err(e @ HaError::Denied { .. }) => return Err(e.into()),
                 Err(e) => e.into(),
             };
             let now = Instant::now();
@@ -226,15 +234,29 @@ impl MasterLocator for EtcdLocator {
 /// leader of `cluster_id` (connected by `deadline`), or one per shard when the cluster
 /// has several ([`crate::shard`]); otherwise [`ClientConfig::new`].
 pub fn client_config(master: &str, cluster_id: &str, deadline: Instant) -> Result<ClientConfig> {
+    let user = if master.starts_with("etcd://") {
+        Credentials::from_env()?
+    } else {
+        None
+    };
+    client_config_as(master, cluster_id, user, deadline)
+}
+
+/// [`client_config`] as etcd user `user` (none: no authentication) whatever the
+/// environment says. Reads the cluster's shard count, so wrong credentials fail here,
+/// with [`HaError::Denied`].
+pub fn client_config_as(
+    master: &str,
+    cluster_id: &str,
+    user: Option<Credentials>,
+    deadline: Instant,
+) -> Result<ClientConfig> {
     let mut cfg = ClientConfig::new(master);
     if master.starts_with("etcd://") {
-        match crate::shard::shard_locators(master, cluster_id, deadline)? {
+        let etcd = Etcd::connect_as(master, user)?;
+        match crate::shard::shard_locators(&etcd, cluster_id, deadline)? {
             Some(shards) => cfg.shards = shards,
-            None => {
-                cfg.locator = Some(Arc::new(EtcdLocator::connect(
-                    master, cluster_id, deadline,
-                )?))
-            }
+            None => cfg.locator = Some(Arc::new(EtcdLocator::new(etcd, cluster_id))),
         }
     }
     Ok(cfg)

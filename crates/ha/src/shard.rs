@@ -119,7 +119,7 @@ impl HaMaster {
                 reason: format!("cluster id {:?}: non-empty, without '/'", ha.cluster_id),
             });
         }
-        let etcd = Etcd::connect(&ha.etcd, Instant::now() + ha.call_timeout * 5)?;
+        let etcd = ha.connect_etcd()?;
         claim_shards(
             &etcd,
             &ha.cluster_id,
@@ -134,26 +134,25 @@ impl HaMaster {
     }
 }
 
-/// One leader locator per shard of `cluster_id` when it has several (connected to `url`
-/// by `deadline`); `None` for an unsharded cluster (no count written, or 1).
+/// One leader locator per shard of `cluster_id` when it has several, sharing `etcd`;
+/// `None` for an unsharded cluster (no count written, or 1).
 pub fn shard_locators(
-    url: &str,
+    etcd: &Etcd,
     cluster_id: &str,
     deadline: Instant,
 ) -> Result<Option<Vec<Arc<dyn MasterLocator>>>> {
-    let etcd = Etcd::connect(url, deadline)?;
-    let n = match read_shards(&etcd, cluster_id, deadline)? {
+    let n = match read_shards(etcd, cluster_id, deadline)? {
         Some(n) if n > 1 => n,
         _ => return Ok(None),
     };
-    drop(etcd);
-    (0..n)
-        .map(|i| {
-            let l = EtcdLocator::connect(url, &shard_cluster_id(cluster_id, i), deadline)?;
-            Ok(Arc::new(l) as Arc<dyn MasterLocator>)
-        })
-        .collect::<Result<Vec<_>>>()
-        .map(Some)
+    Ok(Some(
+        (0..n)
+            .map(|i| {
+                let l = EtcdLocator::new(etcd.clone(), &shard_cluster_id(cluster_id, i));
+                Arc::new(l) as Arc<dyn MasterLocator>
+            })
+            .collect(),
+    ))
 }
 
 #[cfg(test)]

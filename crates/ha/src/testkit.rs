@@ -29,6 +29,8 @@ struct Member {
 pub struct EtcdCluster {
     dir: PathBuf,
     members: Vec<Member>,
+    /// More flags for every member.
+    extra: Vec<String>,
 }
 
 /// The etcd binary: `PAGEWIRE_ETCD`, or `etcd` on `PATH`.
@@ -61,10 +63,15 @@ impl EtcdCluster {
     /// A member that exits at start (another process took one of its ports between our
     /// pick and its bind) makes a fresh try with other ports, twice at most.
     pub fn start(n: usize) -> EtcdCluster {
+        Self::start_with(n, &[])
+    }
+
+    /// [`EtcdCluster::start`] with more flags for every member (`--auth-token-ttl=2`).
+    pub fn start_with(n: usize, extra: &[&str]) -> EtcdCluster {
         assert!(n >= 1, "a cluster has at least one member");
         let mut tries = 0;
         loop {
-            match Self::try_start(n) {
+            match Self::try_start(n, extra) {
                 Ok(c) => return c,
                 Err(why) if tries < 2 => {
                     tries += 1;
@@ -75,7 +82,7 @@ impl EtcdCluster {
         }
     }
 
-    fn try_start(n: usize) -> Result<EtcdCluster, String> {
+    fn try_start(n: usize, extra: &[&str]) -> Result<EtcdCluster, String> {
         static SEQ: AtomicUsize = AtomicUsize::new(0);
         let dir = std::env::temp_dir().join(format!(
             "pagewire-etcd-{}-{}",
@@ -92,7 +99,11 @@ impl EtcdCluster {
                 child: None,
             })
             .collect();
-        let mut c = EtcdCluster { dir, members };
+        let mut c = EtcdCluster {
+            dir,
+            members,
+            extra: extra.iter().map(|s| s.to_string()).collect(),
+        };
         for i in 0..n {
             c.spawn(i);
         }
@@ -129,6 +140,7 @@ impl EtcdCluster {
             .arg(format!("--initial-cluster-token={}", self.dir.display()))
             .arg("--logger=zap")
             .arg("--log-level=warn")
+            .args(&self.extra)
             .stdin(Stdio::null())
             .stdout(log.try_clone().expect("clone log file"))
             .stderr(log)

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use etcd_client::{WatchFilterType, WatchOptions};
 
 use crate::error::HaError;
-use crate::etcd::Etcd;
+use crate::etcd::{Etcd, Members};
 
 /// Longest the task waits for a member to open a watch before it tries the next.
 const OPEN_WITHIN: Duration = Duration::from_secs(2);
@@ -272,14 +272,14 @@ impl Etcd {
     /// the member that answered last. Returns at once; the watch opens in the background
     /// and [`Watch::live`] says when it is open.
     pub fn watch(&self, spec: WatchSpec) -> Watch {
-        let (rt, clients, member) = self.parts();
+        let (rt, members, member) = self.parts();
         let shared = Arc::new(Shared {
             state: Mutex::new(State::default()),
             cv: Condvar::new(),
             capacity: spec.capacity,
             max_value_bytes: spec.max_value_bytes,
         });
-        let task = rt.spawn(run(clients, member, spec, shared.clone()));
+        let task = rt.spawn(run(members, member, spec, shared.clone()));
         Watch {
             shared,
             task: task.abort_handle(),
@@ -330,13 +330,8 @@ impl Cursor {
 }
 
 /// The watch task: opens streams until it is aborted.
-async fn run(
-    clients: Arc<[etcd_client::Client]>,
-    mut member: usize,
-    spec: WatchSpec,
-    shared: Arc<Shared>,
-) {
-    let n = clients.len();
+async fn run(members: Arc<Members>, mut member: usize, spec: WatchSpec, shared: Arc<Shared>) {
+    let n = members.len();
     let mut at = Cursor {
         from: spec.from,
         delivered: 0,
@@ -354,9 +349,12 @@ async fn run(
         if spec.puts_only {
             opts = opts.with_filters([WatchFilterType::NoDelete]);
         }
-        let mut c = clients[member].clone();
         let key = spec.key.clone();
-        let opened = tokio::time::timeout(OPEN_WITHIN, c.watch(key, Some(opts))).await;
+        let open = async {
+            let mut c = members.client(member).await?;
+            c.watch(key, Some(opts)).await
+        };
+        let opened = tokio::time::timeout(OPEN_WITHIN, open).await;
         let ended = match opened {
             Ok(Ok(mut stream)) => read(&mut stream, &spec, &shared, &mut at, &mut pause).await,
             Ok(Err(e)) => Ended::Failed(HaError::from_etcd("etcd watch", e)),

@@ -50,3 +50,29 @@ def etcd_keys(port: int, prefix: str) -> dict:
     with urllib.request.urlopen(req, timeout=5) as r:
         kvs = json.load(r).get("kvs", [])
     return {base64.b64decode(kv["key"]).decode(): base64.b64decode(kv["value"]) for kv in kvs}
+
+
+def _gateway(port: int, path: str, body: dict) -> dict:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v3/{path}", data=json.dumps(body).encode())
+    with urllib.request.urlopen(req, timeout=5) as r:
+        return json.load(r)
+
+
+def enable_auth(port: int, users: dict) -> None:
+    """Turns etcd's authentication on through its HTTP gateway: user ``root``, and for
+    each ``name: (password, [prefix, ...])`` of ``users`` a user with read and write on
+    those key prefixes only."""
+    b64 = lambda s: base64.b64encode(s.encode()).decode()  # noqa: E731
+    _gateway(port, "auth/role/add", {"name": "root"})
+    _gateway(port, "auth/user/add", {"name": "root", "password": "root-pw"})
+    _gateway(port, "auth/user/grant", {"user": "root", "role": "root"})
+    for name, (password, prefixes) in users.items():
+        role = f"role-{name}"
+        _gateway(port, "auth/role/add", {"name": role})
+        for p in prefixes:
+            end = p[:-1] + chr(ord(p[-1]) + 1)
+            perm = {"permType": "READWRITE", "key": b64(p), "range_end": b64(end)}
+            _gateway(port, "auth/role/grant", {"name": role, "perm": perm})
+        _gateway(port, "auth/user/add", {"name": name, "password": password})
+        _gateway(port, "auth/user/grant", {"user": name, "role": role})
+    _gateway(port, "auth/enable", {})

@@ -15,7 +15,7 @@ import pytest
 from pagewire import StoreMaster
 from pagewire.mooncake_compat import MooncakeDistributedStore
 
-from etcd_helpers import etcd_keys, etcd_server
+from etcd_helpers import enable_auth, etcd_keys, etcd_server
 
 MIB = 1 << 20
 
@@ -115,3 +115,51 @@ def test_mooncake_store_routes_keys_over_two_shards():
             for p in masters:
                 p.kill()
                 p.wait()
+
+
+def test_store_and_engine_on_an_etcd_with_authentication(monkeypatch):
+    """etcd with authentication on: a master process, this process's store client and its
+    transfer engine take etcd's user from PAGEWIRE_ETCD_USER / PAGEWIRE_ETCD_PASSWORD and
+    work; a wrong password stops a master at start (the password never printed), fails
+    ``setup`` with a non-zero code and ``initialize`` with -1, quickly."""
+    from pagewire.mooncake_compat import TransferEngine
+
+    monkeypatch.setenv("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+    with etcd_server() as (url, port, _):
+        enable_auth(port, {"kv": ("s3cret", ["pagewire-store/", "pagewire/te/"])})
+        good = {"PAGEWIRE_ETCD_USER": "kv", "PAGEWIRE_ETCD_PASSWORD": "s3cret"}
+        argv = [pagewire_bin(), "store", "master", "--listen", "127.0.0.1:0", "--ha", url,
+                "--cluster-id", "pyauth", "--ha-lease-s", "2", "--heartbeat-ms", "200"]  # fmt: skip
+        t = time.monotonic()
+        wrong = dict(os.environ, **good) | {"PAGEWIRE_ETCD_PASSWORD": "hunter2"}
+        bad = subprocess.run(argv, env=wrong, capture_output=True, text=True, timeout=20)
+        assert bad.returncode != 0 and "refused access" in bad.stderr, bad.stderr
+        assert "hunter2" not in bad.stderr + bad.stdout
+        assert time.monotonic() - t < 5
+        master = subprocess.Popen(argv, env=dict(os.environ, **good), stdout=subprocess.PIPE, text=True)
+        try:
+            assert "campaigning through" in master.stdout.readline()
+            monkeypatch.setenv("PAGEWIRE_STORE_CLUSTER_ID", "pyauth")
+            for k, v in good.items():
+                monkeypatch.setenv(k, v)
+            s = MooncakeDistributedStore()
+            t = time.monotonic()
+            while s.setup("127.0.0.1", "P2PHANDSHAKE", 16 * MIB, 16 * MIB, "tcp", "", url) != 0:
+                assert time.monotonic() - t < 10, "no leader served setup"
+                time.sleep(0.1)
+            assert s.put("k", b"z" * 4096) == 0
+            assert s.get("k") == b"z" * 4096
+            te = TransferEngine()
+            assert te.initialize("prefill-auth", url, "tcp", "") == 0
+            te.close()
+
+            monkeypatch.setenv("PAGEWIRE_ETCD_PASSWORD", "hunter2")
+            t = time.monotonic()
+            assert MooncakeDistributedStore().setup("127.0.0.1", "P2PHANDSHAKE", 16 * MIB, 16 * MIB, "tcp", "", url) != 0
+            assert TransferEngine().initialize("prefill-bad", url, "tcp", "") == -1
+            assert time.monotonic() - t < 5
+            assert s.get("k") == b"z" * 4096  # the client already set up is unaffected
+            s.close()
+        finally:
+            master.kill()
+            master.wait()

@@ -27,8 +27,9 @@ use super::stats::percentile;
 #[derive(Debug, Clone, Args)]
 pub struct StoreBenchArgs {
     /// The store master's host:port, or `etcd://HOST:PORT[;HOST:PORT...]` to follow the
-    /// leader of masters elected through etcd. Without it a master and one storage node
-    /// run in this process.
+    /// leader of masters elected through etcd (its user, if any, from PAGEWIRE_ETCD_USER
+    /// and PAGEWIRE_ETCD_PASSWORD). Without it a master and one storage node run in this
+    /// process.
     #[arg(long)]
     pub master: Option<String>,
 
