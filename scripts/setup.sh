@@ -8,11 +8,12 @@ set -euo pipefail
 # protobuf-compiler + libprotobuf-dev: protoc and its well-known types, which the
 # etcd-client crate's build script compiles etcd's API with.
 # With --vm (the test suite's set): etcd-server, the real etcd that the store's HA tests
-# start on 127.0.0.1 ports of their own (crates/ha); the main job does not need it.
+# start on 127.0.0.1 ports of their own (crates/ha), and openssl, which makes the
+# certificates of its TLS test; the main job needs neither.
 want=(cmake libclang1-14 libclang-common-14-dev pkg-config python3-venv python3-dev
       protobuf-compiler libprotobuf-dev)
 if [[ "${1:-}" == "--vm" ]]; then
-    want+=(etcd-server qemu-system-x86 busybox-static rdma-core ibverbs-providers ibverbs-utils
+    want+=(etcd-server openssl qemu-system-x86 busybox-static rdma-core ibverbs-providers ibverbs-utils
            libibverbs-dev perftest rdmacm-utils iperf3 python3 iproute2 kmod xz-utils)
 fi
 

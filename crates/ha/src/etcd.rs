@@ -167,6 +167,110 @@ impl Credentials {
     }
 }
 
+/// The environment variable naming the PEM file of the CA that signed etcd's server
+/// certificates: set, connections to etcd use TLS.
+pub const CA_ENV: &str = "PAGEWIRE_ETCD_CA";
+/// The environment variable naming this process's client certificate (PEM), for an etcd
+/// that asks for one (`--client-cert-auth`).
+pub const CERT_ENV: &str = "PAGEWIRE_ETCD_CERT";
+/// The environment variable naming the private key of that certificate (PEM).
+pub const KEY_ENV: &str = "PAGEWIRE_ETCD_KEY";
+
+/// TLS to etcd: the CA its members' certificates must chain to (the system's roots are
+/// not trusted), and optionally a client certificate and key. A member's certificate
+/// must name the host of its `host:port` (an IP address as an IP SAN).
+#[derive(Clone)]
+pub struct Tls {
+    ca: Vec<u8>,
+    identity: Option<(Vec<u8>, Vec<u8>)>,
+}
+
+impl std::fmt::Debug for Tls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tls")
+            .field("ca_bytes", &self.ca.len())
+            .field("client_certificate", &self.identity.is_some())
+            .finish()
+    }
+}
+
+impl Tls {
+    /// From PEM files: the CA's certificate(s), and a client certificate with its key.
+    pub fn from_pem_files(ca: &str, client: Option<(&str, &str)>) -> Result<Tls> {
+        let read = |what: &str, path: &str| -> Result<Vec<u8>> {
+            let b = std::fs::read(path).map_err(|e| HaError::Misuse {
+                reason: format!("etcd TLS {what} {path:?}: {e}"),
+            })?;
+            if !b.windows(11).any(|w| w == b"-----BEGIN ") {
+                return Err(HaError::Misuse {
+                    reason: format!("etcd TLS {what} {path:?}: not PEM"),
+                });
+            }
+            Ok(b)
+        };
+        let ca = read("CA", ca)?;
+        let identity = match client {
+            Some((cert, key)) => Some((read("certificate", cert)?, read("key", key)?)),
+            None => None,
+        };
+        Ok(Tls { ca, identity })
+    }
+
+    /// From [`CA_ENV`], [`CERT_ENV`] and [`KEY_ENV`]; `None` when none is set. A
+    /// certificate without its key (or the reverse), or either without a CA, is a misuse.
+    pub fn from_env() -> Result<Option<Tls>> {
+        let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+        let (ca, cert, key) = (var(CA_ENV), var(CERT_ENV), var(KEY_ENV));
+        let misuse = |reason: String| HaError::Misuse { reason };
+        let client = match (&cert, &key) {
+            (Some(c), Some(k)) => Some((c.as_str(), k.as_str())),
+            (None, None) => None,
+            _ => {
+                return Err(misuse(format!(
+                    "set both {CERT_ENV} and {KEY_ENV}, or neither"
+                )));
+            }
+        };
+        match ca {
+            Some(ca) => Tls::from_pem_files(&ca, client).map(Some),
+            None if client.is_some() => Err(misuse(format!(
+                "{CERT_ENV} and {KEY_ENV} need {CA_ENV} (the CA of etcd's certificates)"
+            ))),
+            None => Ok(None),
+        }
+    }
+
+    #[cfg(feature = "tls")]
+    fn options(&self) -> etcd_client::TlsOptions {
+        let mut o = etcd_client::TlsOptions::new()
+            .ca_certificate(etcd_client::Certificate::from_pem(&self.ca));
+        if let Some((cert, key)) = &self.identity {
+            o = o.identity(etcd_client::Identity::from_pem(cert, key));
+        }
+        o
+    }
+}
+
+/// Who this process is to etcd, and how it reaches it: a user (for an etcd with
+/// authentication on) and TLS, each optional.
+#[derive(Debug, Clone, Default)]
+pub struct Access {
+    /// The user and password.
+    pub user: Option<Credentials>,
+    /// TLS settings; `None`: plain TCP.
+    pub tls: Option<Tls>,
+}
+
+impl Access {
+    /// Both from the environment ([`Credentials::from_env`], [`Tls::from_env`]).
+    pub fn from_env() -> Result<Access> {
+        Ok(Access {
+            user: Credentials::from_env()?,
+            tls: Tls::from_env()?,
+        })
+    }
+}
+
 /// The members' clients, each connected at its first use: with credentials, connecting
 /// authenticates (a round trip that a member down fails), so a member down at start must
 /// not fail the whole connection, and one that comes back later is connected then.
@@ -223,18 +327,19 @@ impl std::fmt::Debug for Etcd {
 }
 
 impl Etcd {
-    /// Connects to the members of `url` (`etcd://h:p;h:p`), as the user that
-    /// [`Credentials::from_env`] names if any. Nothing waits for `_deadline` any more:
-    /// see [`Etcd::connect_as`].
+    /// Connects to the members of `url` (`etcd://h:p;h:p`) with the user and TLS the
+    /// environment names ([`Access::from_env`]). Nothing waits for `_deadline` any
+    /// more: see [`Etcd::connect_as`].
     pub fn connect(url: &str, _deadline: Instant) -> Result<Etcd> {
-        Etcd::connect_as(url, Credentials::from_env()?)
+        Etcd::connect_as(url, Access::from_env()?)
     }
 
-    /// Connects to the members of `url` as `user` (none: etcd without authentication).
-    /// No I/O: a member is connected at its first call, within that call's deadline;
-    /// with a user, that call authenticates first. A wrong user or password, or a user
-    /// without the permissions a call needs, fails with [`HaError::Denied`].
-    pub fn connect_as(url: &str, user: Option<Credentials>) -> Result<Etcd> {
+    /// Connects to the members of `url` with `access`. No I/O: a member is connected at
+    /// its first call, within that call's deadline; with a user, that call authenticates
+    /// first. A wrong user or password, or a user without the permissions a call needs,
+    /// fails with [`HaError::Denied`]. TLS settings in a build without the `tls`
+    /// feature are a misuse (never a silent fall back to plain TCP).
+    pub fn connect_as(url: &str, access: Access) -> Result<Etcd> {
         let endpoints = parse_endpoints(url)?;
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
@@ -253,15 +358,35 @@ impl Etcd {
             .with_connect_timeout(Duration::from_secs(2))
             .with_keep_alive(Duration::from_secs(1), Duration::from_secs(2))
             .with_keep_alive_while_idle(true);
-        if let Some(c) = user {
+        if let Some(c) = access.user {
             // etcd's tokens expire (simple tokens after --auth-token-ttl, 300 s by
             // default): a call refused for that authenticates again and is retried.
             opts = opts
                 .with_user(c.user, c.password)
                 .with_auto_token_refresh(true);
         }
+        let scheme = match &access.tls {
+            None => "http",
+            #[cfg(feature = "tls")]
+            Some(t) => {
+                opts = opts.with_tls(t.options());
+                "https"
+            }
+            #[cfg(not(feature = "tls"))]
+            Some(_) => {
+                return Err(HaError::Misuse {
+                    reason: format!(
+                        "TLS to etcd ({CA_ENV}) asked for, but pagewire-ha was built \
+                         without its `tls` feature"
+                    ),
+                });
+            }
+        };
         let members = Members {
-            urls: endpoints.iter().map(|h| format!("http://{h}")).collect(),
+            urls: endpoints
+                .iter()
+                .map(|h| format!("{scheme}://{h}"))
+                .collect(),
             opts,
             clients: endpoints
                 .iter()
@@ -607,6 +732,30 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn tls_files_must_be_pem() {
+        let dir = std::env::temp_dir().join(format!("pagewire-tls-files-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (pem, junk) = (dir.join("ca.pem"), dir.join("junk"));
+        std::fs::write(
+            &pem,
+            "-----BEGIN CERTIFICATE-----\nAA==\n-----END CERTIFICATE-----\n",
+        )
+        .unwrap();
+        std::fs::write(&junk, [0u8, 1, 2, 3]).unwrap();
+        let (p, j) = (pem.to_str().unwrap(), junk.to_str().unwrap());
+        let t = Tls::from_pem_files(p, Some((p, p))).unwrap();
+        assert!(
+            format!("{t:?}").contains("client_certificate: true"),
+            "{t:?}"
+        );
+        for (ca, client) in [(j, None), (p, Some((j, p))), (p, Some((p, "/nonexistent")))] {
+            let e = Tls::from_pem_files(ca, client).unwrap_err();
+            assert!(matches!(e, HaError::Misuse { .. }), "{e:?}");
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     #[test]
     fn credentials_from_the_environment() {

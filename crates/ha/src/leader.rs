@@ -31,7 +31,7 @@ use std::time::{Duration, Instant};
 use pagewire_store::{Authority, Master, MasterConfig};
 
 use crate::error::{HaError, Result};
-use crate::etcd::{Created, Credentials, Etcd, Read};
+use crate::etcd::{Access, Created, Etcd, Read};
 use crate::oplog::{EtcdJournal, Follower, JournalConfig, Keys};
 use crate::watch::{EventKind, Watch, WatchSpec, Watched};
 
@@ -68,10 +68,10 @@ pub struct HaConfig {
     pub advertise: Option<String>,
     /// Op-log entries between two snapshots (at least 1).
     pub snapshot_every: u64,
-    /// The etcd user, for an etcd with authentication on. `None`: the one that
-    /// `PAGEWIRE_ETCD_USER` and `PAGEWIRE_ETCD_PASSWORD` (or `..._PASSWORD_FILE`) name,
-    /// if any.
-    pub credentials: Option<Credentials>,
+    /// The etcd user and TLS settings. `None`: what the environment says
+    /// ([`Access::from_env`]: `PAGEWIRE_ETCD_USER`, `PAGEWIRE_ETCD_PASSWORD`,
+    /// `PAGEWIRE_ETCD_CA`, ...).
+    pub access: Option<Access>,
 }
 
 impl HaConfig {
@@ -87,17 +87,17 @@ impl HaConfig {
             call_timeout: Duration::from_secs(1),
             advertise: None,
             snapshot_every: DEFAULT_SNAPSHOT_EVERY,
-            credentials: None,
+            access: None,
         }
     }
 
-    /// A connection to etcd as [`HaConfig::credentials`] says.
+    /// A connection to etcd as [`HaConfig::access`] says.
     pub(crate) fn connect_etcd(&self) -> Result<Etcd> {
-        let user = match &self.credentials {
-            Some(c) => Some(c.clone()),
-            None => Credentials::from_env()?,
+        let access = match &self.access {
+            Some(a) => a.clone(),
+            None => Access::from_env()?,
         };
-        Etcd::connect_as(&self.etcd, user)
+        Etcd::connect_as(&self.etcd, access)
     }
 
     /// Room kept between the local end of a leader's authority and etcd's expiry of its

@@ -32,7 +32,7 @@ pub mod testkit;
 pub mod watch;
 
 pub use error::{HaError, Result};
-pub use etcd::{Credentials, Etcd, Read, parse_endpoints};
+pub use etcd::{Access, Credentials, Etcd, Read, Tls, parse_endpoints};
 pub use leader::{DEFAULT_SNAPSHOT_EVERY, HaConfig, HaMaster, Role, leader_key};
 pub use locate::{EtcdLocator, client_config, client_config_as};
 pub use mooncake::{EtcdDirectory, new_engine};

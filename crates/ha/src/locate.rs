@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use pagewire_store::{ClientConfig, MasterLocator, StoreError};
 
 use crate::error::{HaError, Result};
-use crate::etcd::{Credentials, Entry, Etcd};
+use crate::etcd::{Access, Entry, Etcd};
 use crate::leader::leader_key;
 use crate::watch::{EventKind, Watch, WatchSpec, Watched};
 
@@ -234,26 +234,26 @@ impl MasterLocator for EtcdLocator {
 /// leader of `cluster_id` (connected by `deadline`), or one per shard when the cluster
 /// has several ([`crate::shard`]); otherwise [`ClientConfig::new`].
 pub fn client_config(master: &str, cluster_id: &str, deadline: Instant) -> Result<ClientConfig> {
-    let user = if master.starts_with("etcd://") {
-        Credentials::from_env()?
+    let access = if master.starts_with("etcd://") {
+        Access::from_env()?
     } else {
-        None
+        Access::default()
     };
-    client_config_as(master, cluster_id, user, deadline)
+    client_config_as(master, cluster_id, access, deadline)
 }
 
-/// [`client_config`] as etcd user `user` (none: no authentication) whatever the
-/// environment says. Reads the cluster's shard count, so wrong credentials fail here,
-/// with [`HaError::Denied`].
+/// [`client_config`] with etcd's user and TLS from `access`, whatever the environment
+/// says. Reads the cluster's shard count, so wrong credentials fail here, with
+/// [`HaError::Denied`].
 pub fn client_config_as(
     master: &str,
     cluster_id: &str,
-    user: Option<Credentials>,
+    access: Access,
     deadline: Instant,
 ) -> Result<ClientConfig> {
     let mut cfg = ClientConfig::new(master);
     if master.starts_with("etcd://") {
-        let etcd = Etcd::connect_as(master, user)?;
+        let etcd = Etcd::connect_as(master, access)?;
         match crate::shard::shard_locators(&etcd, cluster_id, deadline)? {
             Some(shards) => cfg.shards = shards,
             None => cfg.locator = Some(Arc::new(EtcdLocator::new(etcd, cluster_id))),

@@ -21,6 +21,8 @@ struct Member {
     name: String,
     client: u16,
     peer: u16,
+    /// Plain HTTP for `/health` and `/metrics`, also when clients must use TLS.
+    metrics: u16,
     child: Option<Child>,
 }
 
@@ -31,6 +33,102 @@ pub struct EtcdCluster {
     members: Vec<Member>,
     /// More flags for every member.
     extra: Vec<String>,
+    /// `http`, or `https` for clients of a cluster started with TLS.
+    scheme: &'static str,
+}
+
+/// Certificates for an etcd with TLS, made by `openssl` in a directory: a CA, the
+/// members' certificate (IP SAN 127.0.0.1), a client certificate (CN `pagewire`), and a
+/// second CA that signed none of them.
+#[derive(Debug, Clone)]
+pub struct TestCerts {
+    /// The CA's certificate (PEM).
+    pub ca: PathBuf,
+    /// The members' certificate and key.
+    pub server: (PathBuf, PathBuf),
+    /// A client certificate and key signed by the CA.
+    pub client: (PathBuf, PathBuf),
+    /// A CA that signed nothing here.
+    pub other_ca: PathBuf,
+}
+
+impl TestCerts {
+    /// Makes them in `dir` (P-256 keys, valid 2 days). Panics without `openssl`.
+    pub fn make(dir: &Path) -> TestCerts {
+        std::fs::create_dir_all(dir).expect("create the certificates' directory");
+        let run = |args: &[&str]| {
+            let out = Command::new("openssl")
+                .args(args)
+                .current_dir(dir)
+                .output()
+                .unwrap_or_else(|e| panic!("run openssl (scripts/setup.sh installs it): {e}"));
+            assert!(
+                out.status.success(),
+                "openssl {args:?}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        };
+        let ec = [
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:P-256",
+            "-nodes",
+        ];
+        for ca in ["ca", "other-ca"] {
+            let (key, pem, subj) = (
+                format!("{ca}.key"),
+                format!("{ca}.pem"),
+                format!("/CN={ca}"),
+            );
+            let mut a = vec!["req", "-x509"];
+            a.extend(ec);
+            a.extend(["-keyout", &key, "-out", &pem, "-days", "2", "-subj", &subj]);
+            run(&a);
+        }
+        std::fs::write(
+            dir.join("server.ext"),
+            "subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth\n",
+        )
+        .expect("write server.ext");
+        std::fs::write(dir.join("client.ext"), "extendedKeyUsage=clientAuth\n")
+            .expect("write client.ext");
+        for (who, cn) in [("server", "/CN=etcd"), ("client", "/CN=pagewire")] {
+            let (key, csr, pem, ext) = (
+                format!("{who}.key"),
+                format!("{who}.csr"),
+                format!("{who}.pem"),
+                format!("{who}.ext"),
+            );
+            let mut a = vec!["req"];
+            a.extend(ec);
+            a.extend(["-keyout", &key, "-out", &csr, "-subj", cn]);
+            run(&a);
+            run(&[
+                "x509",
+                "-req",
+                "-in",
+                &csr,
+                "-CA",
+                "ca.pem",
+                "-CAkey",
+                "ca.key",
+                "-CAcreateserial",
+                "-out",
+                &pem,
+                "-days",
+                "2",
+                "-extfile",
+                &ext,
+            ]);
+        }
+        TestCerts {
+            ca: dir.join("ca.pem"),
+            server: (dir.join("server.pem"), dir.join("server.key")),
+            client: (dir.join("client.pem"), dir.join("client.key")),
+            other_ca: dir.join("other-ca.pem"),
+        }
+    }
 }
 
 /// The etcd binary: `PAGEWIRE_ETCD`, or `etcd` on `PATH`.
@@ -68,10 +166,27 @@ impl EtcdCluster {
 
     /// [`EtcdCluster::start`] with more flags for every member (`--auth-token-ttl=2`).
     pub fn start_with(n: usize, extra: &[&str]) -> EtcdCluster {
+        Self::start_scheme(n, extra, "http")
+    }
+
+    /// Members that serve clients over TLS only, with `certs`' server certificate, and
+    /// ask every client for a certificate signed by `certs.ca`.
+    pub fn start_tls(n: usize, certs: &TestCerts) -> EtcdCluster {
+        let flags = [
+            format!("--cert-file={}", certs.server.0.display()),
+            format!("--key-file={}", certs.server.1.display()),
+            format!("--trusted-ca-file={}", certs.ca.display()),
+            "--client-cert-auth".to_string(),
+        ];
+        let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+        Self::start_scheme(n, &flags, "https")
+    }
+
+    fn start_scheme(n: usize, extra: &[&str], scheme: &'static str) -> EtcdCluster {
         assert!(n >= 1, "a cluster has at least one member");
         let mut tries = 0;
         loop {
-            match Self::try_start(n, extra) {
+            match Self::try_start(n, extra, scheme) {
                 Ok(c) => return c,
                 Err(why) if tries < 2 => {
                     tries += 1;
@@ -82,7 +197,7 @@ impl EtcdCluster {
         }
     }
 
-    fn try_start(n: usize, extra: &[&str]) -> Result<EtcdCluster, String> {
+    fn try_start(n: usize, extra: &[&str], scheme: &'static str) -> Result<EtcdCluster, String> {
         static SEQ: AtomicUsize = AtomicUsize::new(0);
         let dir = std::env::temp_dir().join(format!(
             "pagewire-etcd-{}-{}",
@@ -96,6 +211,7 @@ impl EtcdCluster {
                 name: format!("m{i}"),
                 client: free_port(),
                 peer: free_port(),
+                metrics: free_port(),
                 child: None,
             })
             .collect();
@@ -103,6 +219,7 @@ impl EtcdCluster {
             dir,
             members,
             extra: extra.iter().map(|s| s.to_string()).collect(),
+            scheme,
         };
         for i in 0..n {
             c.spawn(i);
@@ -126,13 +243,15 @@ impl EtcdCluster {
         let data = self.dir.join(&m.name);
         let log = std::fs::File::create(self.dir.join(format!("{}.log", m.name)))
             .expect("create etcd's log file");
-        let client = format!("http://127.0.0.1:{}", m.client);
+        let client = format!("{}://127.0.0.1:{}", self.scheme, m.client);
+        let metrics = format!("http://127.0.0.1:{}", m.metrics);
         let peer = format!("http://127.0.0.1:{}", m.peer);
         let child = Command::new(&exe)
             .arg(format!("--name={}", m.name))
             .arg(format!("--data-dir={}", data.display()))
             .arg(format!("--listen-client-urls={client}"))
             .arg(format!("--advertise-client-urls={client}"))
+            .arg(format!("--listen-metrics-urls={metrics}"))
             .arg(format!("--listen-peer-urls={peer}"))
             .arg(format!("--initial-advertise-peer-urls={peer}"))
             .arg(format!("--initial-cluster={initial}"))
@@ -153,7 +272,7 @@ impl EtcdCluster {
     fn wait_ready(&mut self) -> Result<(), String> {
         let by = Instant::now() + READY_WITHIN;
         loop {
-            if self.members.iter().any(|m| health(m.client)) {
+            if self.members.iter().any(|m| health(m.metrics)) {
                 return Ok(());
             }
             let exited =
@@ -201,7 +320,7 @@ impl EtcdCluster {
     pub fn raft_leader(&self) -> Option<usize> {
         (0..self.members.len()).find(|&i| {
             self.members[i].child.is_some()
-                && http_get(self.members[i].client, "/metrics")
+                && http_get(self.members[i].metrics, "/metrics")
                     .lines()
                     .any(|l| l.trim() == "etcd_server_is_leader 1")
         })

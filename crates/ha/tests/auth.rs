@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail, ensure};
 use etcd_client::{Client, Permission};
 use pagewire_ha::testkit::EtcdCluster;
-use pagewire_ha::{Credentials, Etcd, HaConfig, HaError, HaMaster, client_config_as};
+use pagewire_ha::{Access, Credentials, Etcd, HaConfig, HaError, HaMaster, client_config_as};
 use pagewire_store::{MasterConfig, PutOptions, StoreClient};
 use pagewire_transport::BackendKind;
 
@@ -57,6 +57,11 @@ fn enable_auth(url: &str) -> Result<()> {
     })
 }
 
+/// As `user`, without TLS.
+fn as_user(user: Option<Credentials>) -> Access {
+    Access { user, tls: None }
+}
+
 fn ha(url: &str, user: Option<Credentials>) -> HaConfig {
     let mut ha = HaConfig::new(url);
     ha.cluster_id = "auth".into();
@@ -64,7 +69,7 @@ fn ha(url: &str, user: Option<Credentials>) -> HaConfig {
     ha.poll = Duration::from_millis(50);
     // Snapshots (and etcd compactions) every 4 entries, under the same user.
     ha.snapshot_every = 4;
-    ha.credentials = user;
+    ha.access = Some(as_user(user));
     ha
 }
 
@@ -77,7 +82,7 @@ fn master(url: &str, user: Option<Credentials>) -> pagewire_ha::Result<HaMaster>
 }
 
 fn client(url: &str, user: Credentials, segment: u64) -> Result<StoreClient> {
-    let mut c = client_config_as(url, "auth", Some(user), soon())?;
+    let mut c = client_config_as(url, "auth", as_user(Some(user)), soon())?;
     c.engine = common::engine(BackendKind::Tcp);
     c.segment_size = segment;
     c.timeout = Duration::from_secs(8);
@@ -107,7 +112,7 @@ fn the_store_runs_on_an_etcd_with_authentication_and_refuses_wrong_users() -> Re
     // A user for an etcd without authentication is a mistake too (credentials that guard
     // nothing).
     let t = Instant::now();
-    let e = Etcd::connect_as(&url, Some(kv.clone()))?;
+    let e = Etcd::connect_as(&url, as_user(Some(kv.clone())))?;
     denied("authentication off", t, e.get("k", soon()))?;
     enable_auth(&url)?;
     let wrong = Credentials::new("kv", "not-it")?;
@@ -125,7 +130,7 @@ fn the_store_runs_on_an_etcd_with_authentication_and_refuses_wrong_users() -> Re
         ("a user without the store's keys", Some(outsider.clone())),
     ] {
         let t = Instant::now();
-        let e = Etcd::connect_as(&url, user.clone())?;
+        let e = Etcd::connect_as(&url, as_user(user.clone()))?;
         denied(
             what,
             t,
@@ -138,7 +143,7 @@ fn the_store_runs_on_an_etcd_with_authentication_and_refuses_wrong_users() -> Re
             let r = client_config_as(
                 &url,
                 "auth",
-                Some(u),
+                as_user(Some(u)),
                 Instant::now() + Duration::from_secs(5),
             );
             denied(what, t, r.map(|_| ()))?;
@@ -176,7 +181,7 @@ fn the_store_runs_on_an_etcd_with_authentication_and_refuses_wrong_users() -> Re
     }
     // Past the tokens' 2 s: every caller's token is renewed by itself, including that of
     // a connection idle all along (etcd extends a token each time it is used).
-    let idle = Etcd::connect_as(&url, Some(kv.clone()))?;
+    let idle = Etcd::connect_as(&url, as_user(Some(kv.clone())))?;
     ensure!(idle.get(&key, soon())?.is_some(), "no leader key");
     std::thread::sleep(Duration::from_millis(3500));
     ensure!(

@@ -15,8 +15,10 @@ from store_diff_cases import free_port, wait_port
 
 
 @contextlib.contextmanager
-def etcd_server():
-    """Yields ``(url, client_port, process)``: one member, killed and removed on exit."""
+def etcd_server(tls: dict | None = None):
+    """Yields ``(url, client_port, process)``: one member, killed and removed on exit.
+    With ``tls`` (``make_certs``' paths) it serves clients over TLS only and asks each
+    for a certificate signed by the CA."""
     exe = os.environ.get("PAGEWIRE_ETCD") or shutil.which("etcd")
     assert exe, (
         "this test needs a real etcd server and found no `etcd` on PATH: "
@@ -24,12 +26,17 @@ def etcd_server():
     )
     d = tempfile.mkdtemp(prefix="pagewire-etcd-")
     client, peer = free_port(), free_port()
-    c, p = f"http://127.0.0.1:{client}", f"http://127.0.0.1:{peer}"
+    scheme = "https" if tls else "http"
+    c, p = f"{scheme}://127.0.0.1:{client}", f"http://127.0.0.1:{peer}"
+    flags = []
+    if tls:
+        flags = [f"--cert-file={tls['server_cert']}", f"--key-file={tls['server_key']}",
+                 f"--trusted-ca-file={tls['ca']}", "--client-cert-auth"]  # fmt: skip
     proc = subprocess.Popen(
         [exe, "--name=m0", f"--data-dir={d}/m0", f"--listen-client-urls={c}",
          f"--advertise-client-urls={c}", f"--listen-peer-urls={p}",
          f"--initial-advertise-peer-urls={p}", f"--initial-cluster=m0={p}",
-         "--logger=zap", "--log-level=error"],
+         "--logger=zap", "--log-level=error", *flags],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     try:
@@ -76,3 +83,24 @@ def enable_auth(port: int, users: dict) -> None:
         _gateway(port, "auth/user/add", {"name": name, "password": password})
         _gateway(port, "auth/user/grant", {"user": name, "role": role})
     _gateway(port, "auth/enable", {})
+
+
+def make_certs(d: str) -> dict:
+    """A CA, etcd's certificate (IP SAN 127.0.0.1) and a client certificate, made by
+    ``openssl`` in ``d``: their paths by name."""
+    def run(*args):
+        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True)
+
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes"]
+    run("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj", "/CN=ca")
+    with open(os.path.join(d, "server.ext"), "w") as f:
+        f.write("subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth\n")
+    with open(os.path.join(d, "client.ext"), "w") as f:
+        f.write("extendedKeyUsage=clientAuth\n")
+    for who in ("server", "client"):
+        run("req", *ec, "-keyout", f"{who}.key", "-out", f"{who}.csr", "-subj", f"/CN={who}")
+        run("x509", "-req", "-in", f"{who}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+            "-CAcreateserial", "-out", f"{who}.pem", "-days", "2", "-extfile", f"{who}.ext")  # fmt: skip
+    j = lambda n: os.path.join(d, n)  # noqa: E731
+    return {"ca": j("ca.pem"), "server_cert": j("server.pem"), "server_key": j("server.key"),
+            "client_cert": j("client.pem"), "client_key": j("client.key")}  # fmt: skip

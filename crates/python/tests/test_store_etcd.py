@@ -15,7 +15,7 @@ import pytest
 from pagewire import StoreMaster
 from pagewire.mooncake_compat import MooncakeDistributedStore
 
-from etcd_helpers import enable_auth, etcd_keys, etcd_server
+from etcd_helpers import enable_auth, etcd_keys, etcd_server, make_certs
 
 MIB = 1 << 20
 
@@ -159,6 +159,48 @@ def test_store_and_engine_on_an_etcd_with_authentication(monkeypatch):
             assert TransferEngine().initialize("prefill-bad", url, "tcp", "") == -1
             assert time.monotonic() - t < 5
             assert s.get("k") == b"z" * 4096  # the client already set up is unaffected
+            s.close()
+        finally:
+            master.kill()
+            master.wait()
+
+
+def test_store_and_engine_on_etcd_over_tls(monkeypatch, tmp_path):
+    """etcd serving clients over TLS with client certificates: PAGEWIRE_ETCD_CA,
+    PAGEWIRE_ETCD_CERT and PAGEWIRE_ETCD_KEY in the environment let a master process,
+    ``MooncakeDistributedStore`` and ``TransferEngine`` in; without them, or with a
+    certificate but no key, they stay out (non-zero, -1)."""
+    from pagewire.mooncake_compat import TransferEngine
+
+    certs = make_certs(str(tmp_path))
+    monkeypatch.setenv("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+    with etcd_server(tls=certs) as (url, _, _):
+        tls = {"PAGEWIRE_ETCD_CA": certs["ca"], "PAGEWIRE_ETCD_CERT": certs["client_cert"],
+               "PAGEWIRE_ETCD_KEY": certs["client_key"]}  # fmt: skip
+        # Plain TCP to the TLS port: nothing, within the set-up's time.
+        t = time.monotonic()
+        assert TransferEngine().initialize("plain", url, "tcp", "") == -1
+        assert time.monotonic() - t < 15
+        argv = [pagewire_bin(), "store", "master", "--listen", "127.0.0.1:0", "--ha", url,
+                "--cluster-id", "pytls", "--ha-lease-s", "2", "--heartbeat-ms", "200"]  # fmt: skip
+        master = subprocess.Popen(argv, env=dict(os.environ, **tls), stdout=subprocess.PIPE, text=True)
+        try:
+            assert "campaigning through" in master.stdout.readline()
+            monkeypatch.setenv("PAGEWIRE_STORE_CLUSTER_ID", "pytls")
+            for k, v in tls.items():
+                monkeypatch.setenv(k, v)
+            s = MooncakeDistributedStore()
+            t = time.monotonic()
+            while s.setup("127.0.0.1", "P2PHANDSHAKE", 16 * MIB, 16 * MIB, "tcp", "", url) != 0:
+                assert time.monotonic() - t < 10, "no leader served setup"
+                time.sleep(0.1)
+            assert s.put("k", b"t" * 4096) == 0
+            assert s.get("k") == b"t" * 4096
+            te = TransferEngine()
+            assert te.initialize("prefill-tls", url, "tcp", "") == 0
+            te.close()
+            monkeypatch.delenv("PAGEWIRE_ETCD_KEY")
+            assert TransferEngine().initialize("half", url, "tcp", "") == -1
             s.close()
         finally:
             master.kill()
