@@ -386,3 +386,24 @@ fn http_get(port: u16, path: &str) -> String {
     let _ = s.read_to_string(&mut reply);
     reply
 }
+
+/// `[a, b]` with the one that leads first, once one of them leads within `within`;
+/// `None` (both dropped) if neither does.
+pub fn leader_first(
+    a: crate::HaMaster,
+    b: crate::HaMaster,
+    within: Duration,
+) -> Option<[crate::HaMaster; 2]> {
+    let by = Instant::now() + within;
+    loop {
+        if a.wait_leader(Duration::from_millis(50)).is_some() {
+            return Some([a, b]);
+        }
+        if b.wait_leader(Duration::from_millis(50)).is_some() {
+            return Some([b, a]);
+        }
+        if Instant::now() >= by {
+            return None;
+        }
+    }
+}

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
 use etcd_client::{Client, Permission};
-use pagewire_ha::testkit::EtcdCluster;
+use pagewire_ha::testkit::{EtcdCluster, leader_first};
 use pagewire_ha::{Access, Credentials, Etcd, HaConfig, HaError, HaMaster, client_config_as};
 use pagewire_store::{MasterConfig, PutOptions, StoreClient};
 use pagewire_transport::BackendKind;
@@ -153,15 +153,8 @@ fn the_store_runs_on_an_etcd_with_authentication_and_refuses_wrong_users() -> Re
     // The right user: two masters, a node and a client.
     let a = master(&url, Some(kv.clone()))?;
     let b = master(&url, Some(kv.clone()))?;
-    let by = Instant::now() + Duration::from_secs(10);
-    let (leader, standby) = loop {
-        if a.wait_leader(Duration::from_millis(50)).is_some() {
-            break (a, b);
-        }
-        if b.wait_leader(Duration::from_millis(50)).is_some() {
-            break (b, a);
-        }
-        ensure!(Instant::now() < by, "no leader within 10 s");
+    let Some([leader, standby]) = leader_first(a, b, Duration::from_secs(10)) else {
+        bail!("no leader within 10 s");
     };
     let node = client(&url, kv.clone(), 32 << 20)?;
     let c = client(&url, kv.clone(), 0)?;

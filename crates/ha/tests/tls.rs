@@ -11,7 +11,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use anyhow::{Result, bail, ensure};
-use pagewire_ha::testkit::{EtcdCluster, TestCerts};
+use pagewire_ha::testkit::{EtcdCluster, TestCerts, leader_first};
 use pagewire_ha::{Access, Etcd, HaConfig, HaMaster, Tls, client_config_as};
 use pagewire_store::{MasterConfig, PutOptions, StoreClient};
 use pagewire_transport::BackendKind;
@@ -87,15 +87,8 @@ fn the_store_runs_on_etcd_over_tls_and_plain_or_untrusted_peers_get_nothing() ->
     let good = tls(&certs.ca, Some(&certs.client))?;
     let a = master(&url, good.clone())?;
     let b = master(&url, good.clone())?;
-    let by = Instant::now() + Duration::from_secs(10);
-    let (leader, standby) = loop {
-        if a.wait_leader(Duration::from_millis(50)).is_some() {
-            break (a, b);
-        }
-        if b.wait_leader(Duration::from_millis(50)).is_some() {
-            break (b, a);
-        }
-        ensure!(Instant::now() < by, "no leader within 10 s");
+    let Some([leader, standby]) = leader_first(a, b, Duration::from_secs(10)) else {
+        bail!("no leader within 10 s");
     };
     let node = client(&url, good.clone(), 16 << 20)?;
     let c = client(&url, good, 0)?;

@@ -60,7 +60,8 @@ def etcd_keys(port: int, prefix: str) -> dict:
 
 
 def _gateway(port: int, path: str, body: dict) -> dict:
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v3/{path}", data=json.dumps(body).encode())
+    url = f"http://127.0.0.1:{port}/v3/{path}"
+    req = urllib.request.Request(url, data=json.dumps(body).encode())
     with urllib.request.urlopen(req, timeout=5) as r:
         return json.load(r)
 
@@ -100,7 +101,8 @@ def make_certs(d: str) -> dict:
     for who in ("server", "client"):
         run("req", *ec, "-keyout", f"{who}.key", "-out", f"{who}.csr", "-subj", f"/CN={who}")
         run("x509", "-req", "-in", f"{who}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
-            "-CAcreateserial", "-out", f"{who}.pem", "-days", "2", "-extfile", f"{who}.ext")  # fmt: skip
+            "-CAcreateserial", "-out", f"{who}.pem", "-days", "2",
+            "-extfile", f"{who}.ext")  # fmt: skip
     j = lambda n: os.path.join(d, n)  # noqa: E731
     return {"ca": j("ca.pem"), "server_cert": j("server.pem"), "server_key": j("server.key"),
             "client_cert": j("client.pem"), "client_key": j("client.key")}  # fmt: skip

@@ -5,6 +5,7 @@ leader, also after it shuts down, and routes keys over the shards of a sharded c
 (``pagewire store master --shards 2 --shard i`` processes). Fails (never skips) without
 the ``etcd`` binary."""
 
+import contextlib
 import os
 import subprocess
 import time
@@ -117,6 +118,38 @@ def test_mooncake_store_routes_keys_over_two_shards():
                 p.wait()
 
 
+@contextlib.contextmanager
+def store_through_env(argv, env: dict, cluster: str, url: str, monkeypatch):
+    """A master process started with ``env`` added to its environment; then, with ``env``
+    in this process's environment too, a ``MooncakeDistributedStore`` set up against it
+    (yielded, after a put and get checked) and a ``TransferEngine`` that publishes its
+    name in the same etcd."""
+    from pagewire.mooncake_compat import TransferEngine
+
+    master = subprocess.Popen(argv, env=dict(os.environ, **env), stdout=subprocess.PIPE, text=True)
+    try:
+        assert "campaigning through" in master.stdout.readline()
+        monkeypatch.setenv("PAGEWIRE_STORE_CLUSTER_ID", cluster)
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        s = MooncakeDistributedStore()
+        t = time.monotonic()
+        while s.setup("127.0.0.1", "P2PHANDSHAKE", 16 * MIB, 16 * MIB, "tcp", "", url) != 0:
+            assert time.monotonic() - t < 10, "no leader served setup"
+            time.sleep(0.1)
+        value = cluster.encode() * 512
+        assert s.put("k", value) == 0
+        assert s.get("k") == value
+        te = TransferEngine()
+        assert te.initialize(f"engine-{cluster}", url, "tcp", "") == 0
+        te.close()
+        yield s
+        s.close()
+    finally:
+        master.kill()
+        master.wait()
+
+
 def test_store_and_engine_on_an_etcd_with_authentication(monkeypatch):
     """etcd with authentication on: a master process, this process's store client and its
     transfer engine take etcd's user from PAGEWIRE_ETCD_USER / PAGEWIRE_ETCD_PASSWORD and
@@ -136,33 +169,14 @@ def test_store_and_engine_on_an_etcd_with_authentication(monkeypatch):
         assert bad.returncode != 0 and "refused access" in bad.stderr, bad.stderr
         assert "hunter2" not in bad.stderr + bad.stdout
         assert time.monotonic() - t < 5
-        master = subprocess.Popen(argv, env=dict(os.environ, **good), stdout=subprocess.PIPE, text=True)
-        try:
-            assert "campaigning through" in master.stdout.readline()
-            monkeypatch.setenv("PAGEWIRE_STORE_CLUSTER_ID", "pyauth")
-            for k, v in good.items():
-                monkeypatch.setenv(k, v)
-            s = MooncakeDistributedStore()
-            t = time.monotonic()
-            while s.setup("127.0.0.1", "P2PHANDSHAKE", 16 * MIB, 16 * MIB, "tcp", "", url) != 0:
-                assert time.monotonic() - t < 10, "no leader served setup"
-                time.sleep(0.1)
-            assert s.put("k", b"z" * 4096) == 0
-            assert s.get("k") == b"z" * 4096
-            te = TransferEngine()
-            assert te.initialize("prefill-auth", url, "tcp", "") == 0
-            te.close()
-
+        with store_through_env(argv, good, "pyauth", url, monkeypatch) as s:
             monkeypatch.setenv("PAGEWIRE_ETCD_PASSWORD", "hunter2")
             t = time.monotonic()
-            assert MooncakeDistributedStore().setup("127.0.0.1", "P2PHANDSHAKE", 16 * MIB, 16 * MIB, "tcp", "", url) != 0
+            other = MooncakeDistributedStore()
+            assert other.setup("127.0.0.1", "P2PHANDSHAKE", 16 * MIB, 16 * MIB, "tcp", "", url) != 0
             assert TransferEngine().initialize("prefill-bad", url, "tcp", "") == -1
             assert time.monotonic() - t < 5
-            assert s.get("k") == b"z" * 4096  # the client already set up is unaffected
-            s.close()
-        finally:
-            master.kill()
-            master.wait()
+            assert s.get("k") == b"pyauth" * 512  # the client already set up is unaffected
 
 
 def test_store_and_engine_on_etcd_over_tls(monkeypatch, tmp_path):
@@ -183,25 +197,6 @@ def test_store_and_engine_on_etcd_over_tls(monkeypatch, tmp_path):
         assert time.monotonic() - t < 15
         argv = [pagewire_bin(), "store", "master", "--listen", "127.0.0.1:0", "--ha", url,
                 "--cluster-id", "pytls", "--ha-lease-s", "2", "--heartbeat-ms", "200"]  # fmt: skip
-        master = subprocess.Popen(argv, env=dict(os.environ, **tls), stdout=subprocess.PIPE, text=True)
-        try:
-            assert "campaigning through" in master.stdout.readline()
-            monkeypatch.setenv("PAGEWIRE_STORE_CLUSTER_ID", "pytls")
-            for k, v in tls.items():
-                monkeypatch.setenv(k, v)
-            s = MooncakeDistributedStore()
-            t = time.monotonic()
-            while s.setup("127.0.0.1", "P2PHANDSHAKE", 16 * MIB, 16 * MIB, "tcp", "", url) != 0:
-                assert time.monotonic() - t < 10, "no leader served setup"
-                time.sleep(0.1)
-            assert s.put("k", b"t" * 4096) == 0
-            assert s.get("k") == b"t" * 4096
-            te = TransferEngine()
-            assert te.initialize("prefill-tls", url, "tcp", "") == 0
-            te.close()
+        with store_through_env(argv, tls, "pytls", url, monkeypatch):
             monkeypatch.delenv("PAGEWIRE_ETCD_KEY")
             assert TransferEngine().initialize("half", url, "tcp", "") == -1
-            s.close()
-        finally:
-            master.kill()
-            master.wait()
