@@ -528,10 +528,13 @@ impl StoreClient {
 ///
 /// ``StoreMaster(listen="127.0.0.1:50051", *, lease_ttl=10.0, client_ttl=10.0,
 /// heartbeat=1.0, high_watermark=0.9, evict_ratio=0.05, token=None, ha=None,
-/// cluster_id="default", ha_lease=5.0)``; port 0 picks a free one (see :attr:`address`).
-/// With ``ha="etcd://h:p;h:p"`` the master campaigns through etcd with the others of
-/// ``cluster_id`` and answers only while it leads (:attr:`leading`); clients given the
-/// same ``etcd://`` address follow the leader. :meth:`shutdown` stops it.
+/// cluster_id="default", ha_lease=5.0, shards=1, shard=0)``; port 0 picks a free one (see
+/// :attr:`address`). With ``ha="etcd://h:p;h:p"`` the master campaigns through etcd with
+/// the others of ``cluster_id`` and answers only while it leads (:attr:`leading`);
+/// clients given the same ``etcd://`` address follow the leader. With ``shards=S,
+/// shard=i`` it campaigns in leader group ``i`` of a cluster whose keys are split over
+/// ``S`` groups (a different ``S`` already written in etcd is refused); clients route by
+/// key. :meth:`shutdown` stops it.
 #[pyclass(frozen, module = "pagewire._native", name = "StoreMaster")]
 pub(crate) struct StoreMaster {
     inner: MasterKind,
@@ -548,7 +551,7 @@ impl StoreMaster {
     #[new]
     #[pyo3(signature = (listen = "127.0.0.1:50051", *, lease_ttl = 10.0, client_ttl = 10.0,
         heartbeat = 1.0, high_watermark = 0.9, evict_ratio = 0.05, token = None, ha = None,
-        cluster_id = "default", ha_lease = 5.0))]
+        cluster_id = "default", ha_lease = 5.0, shards = 1, shard = 0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -562,6 +565,8 @@ impl StoreMaster {
         ha: Option<String>,
         cluster_id: &str,
         ha_lease: f64,
+        shards: usize,
+        shard: usize,
     ) -> PyResult<Self> {
         let mut cfg = pagewire_store::MasterConfig {
             listen: listen
@@ -576,6 +581,11 @@ impl StoreMaster {
         cfg.core.heartbeat_ms = ms(heartbeat, "heartbeat")?;
         cfg.core.high_watermark = high_watermark;
         cfg.core.evict_ratio = evict_ratio;
+        if ha.is_none() && (shards, shard) != (1, 0) {
+            return Err(PyValueError::new_err(
+                "shards and shard need ha: shards are leader groups on etcd",
+            ));
+        }
         let inner = match ha {
             None => MasterKind::One(
                 py.detach(move || pagewire_store::Master::start(cfg))
@@ -586,7 +596,7 @@ impl StoreMaster {
                 h.cluster_id = cluster_id.to_string();
                 h.lease_ttl = secs(ha_lease, "ha_lease")?;
                 MasterKind::Elected(
-                    py.detach(move || pagewire_ha::HaMaster::start(cfg, h))
+                    py.detach(move || pagewire_ha::HaMaster::start_shard(cfg, h, shards, shard))
                         .map_err(|e| store_err(py, e.into()))?,
                 )
             }

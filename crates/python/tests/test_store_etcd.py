@@ -200,3 +200,36 @@ def test_store_and_engine_on_etcd_over_tls(monkeypatch, tmp_path):
         with store_through_env(argv, tls, "pytls", url, monkeypatch):
             monkeypatch.delenv("PAGEWIRE_ETCD_KEY")
             assert TransferEngine().initialize("half", url, "tcp", "") == -1
+
+
+def test_in_process_masters_of_two_shards():
+    """``StoreMaster(ha=..., shards=2, shard=i)``: a leader group per shard in this
+    process; a client routes keys over both (each shard's op-log has entries), and a
+    master given another shard count, or shards without ``ha``, is refused."""
+    with etcd_server() as (url, port, _):
+        masters = [
+            StoreMaster("127.0.0.1:0", ha=url, cluster_id="pyin", ha_lease=2.0, heartbeat=0.2,
+                        shards=2, shard=i)
+            for i in (0, 1)
+        ]  # fmt: skip
+        try:
+            with pytest.raises(Exception, match="shard"):
+                StoreMaster("127.0.0.1:0", ha=url, cluster_id="pyin", shards=3, shard=0)
+            with pytest.raises(ValueError, match="need ha"):
+                StoreMaster("127.0.0.1:0", shards=2, shard=1)
+            for m in masters:
+                one_leader([m])
+            os.environ["PAGEWIRE_STORE_CLUSTER_ID"] = "pyin"
+            s = MooncakeDistributedStore()
+            assert s.setup("127.0.0.1", "P2PHANDSHAKE", 16 * MIB, 16 * MIB, "tcp", "", url) == 0
+            keys = [f"in-{i}" for i in range(24)]
+            for i, k in enumerate(keys):
+                assert s.put(k, bytes([i]) * 2048) == 0
+            for shard in (0, 1):
+                assert etcd_keys(port, f"pagewire-store/pyin/shard/{shard}/oplog/"), shard
+            assert [s.get(k) for k in keys] == [bytes([i]) * 2048 for i in range(24)]
+            s.close()
+        finally:
+            os.environ.pop("PAGEWIRE_STORE_CLUSTER_ID", None)
+            for m in masters:
+                m.shutdown()

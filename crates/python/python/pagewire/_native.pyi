@@ -506,6 +506,8 @@ class StoreMaster:
         ha: Optional[str] = None,
         cluster_id: str = "default",
         ha_lease: float = 5.0,
+        shards: int = 1,
+        shard: int = 0,
     ) -> StoreMaster: ...
     @property
     def address(self) -> str: ...
