@@ -169,10 +169,11 @@ impl HaMaster {
         }
         let etcd = ha.connect_etcd()?;
         // Credentials etcd refuses fail the start: the master could never lead. (etcd
-        // unreachable does not: the master stands by until it answers.)
+        // unreachable does not: the master stands by until it answers; one call's
+        // deadline at most goes to finding out.)
         if let Err(e @ HaError::Denied { .. }) = etcd.get(
             &leader_key(&ha.cluster_id),
-            Instant::now() + ha.call_timeout * 5,
+            Instant::now() + ha.call_timeout,
         ) {
             return Err(e);
         }
