@@ -478,22 +478,20 @@ impl Etcd {
 
     /// [`Etcd::get`] as fresh as `read` says.
     pub fn get_read(&self, key: &str, read: Read, deadline: Instant) -> Result<Option<Entry>> {
-        let r = self.call("etcd get", deadline, |mut c| {
-            let key = key.to_string();
-            async move { c.get(key, Some(read.options())).await }
-        })?;
-        Ok(r.kvs().first().map(|kv| Entry {
-            value: kv.value().to_vec(),
-            create_revision: kv.create_revision(),
-        }))
+        Ok(self.get_with(key, read, deadline)?.0)
     }
 
     /// [`Etcd::get`], and the store's revision the answer is as of (a watch from the
     /// next revision misses nothing after it).
     pub fn get_at(&self, key: &str, deadline: Instant) -> Result<(Option<Entry>, i64)> {
+        self.get_with(key, Read::Linearizable, deadline)
+    }
+
+    /// The key's entry, read as `read` says, and the revision of the answer.
+    fn get_with(&self, key: &str, read: Read, deadline: Instant) -> Result<(Option<Entry>, i64)> {
         let r = self.call("etcd get", deadline, |mut c| {
             let key = key.to_string();
-            async move { c.get(key, None::<GetOptions>).await }
+            async move { c.get(key, Some(read.options())).await }
         })?;
         let entry = r.kvs().first().map(|kv| Entry {
             value: kv.value().to_vec(),
